@@ -1,0 +1,13 @@
+"""Policy models: one Flax NNX decoder for Qwen3, Qwen2/2.5 and Llama 3, with HF checkpoint I/O."""
+
+from rstar2_jax.models.checkpoint import (CheckpointError, abstract_model, load_pretrained,
+                                          save_pretrained)
+from rstar2_jax.models.config import ConfigError, ModelConfig, RopeConfig
+from rstar2_jax.models.decoder import Decoder, KVCache, init_cache
+from rstar2_jax.models.logprobs import token_logprobs, token_logprobs_from_hidden
+
+__all__ = [
+    "CheckpointError", "ConfigError", "Decoder", "KVCache", "ModelConfig", "RopeConfig",
+    "abstract_model", "init_cache", "load_pretrained", "save_pretrained", "token_logprobs",
+    "token_logprobs_from_hidden",
+]

@@ -1,0 +1,220 @@
+"""One Flax NNX decoder for Qwen3, Qwen2/2.5 and Llama 3.
+
+Parameters are stored in float32 or bfloat16 (`param_dtype`) and cast to the compute dtype
+(`dtype`) at use, so fp32 master weights with bf16 compute is one constructor argument.
+Softmax, RMSNorm statistics and RoPE angles are always float32.
+
+Every parameter carries its logical axes (`axes` metadata, see `rstar2_jax.sharding`).
+
+Three ways to run it:
+- `model(tokens, positions=None, segment_ids=None)` -> logits [B, T, vocab]: full forward.
+  Causal by index; with `segment_ids` (packing) a token only sees its own segment. Right
+  padding needs no mask: real tokens never look right.
+- `model(tokens, positions, cache=cache)` -> (logits, cache): writes K/V at cache slot
+  `positions[b, t]` and attends to slots <= that position. Prefill (positions 0..T-1),
+  single-token decode (T = 1, per-row positions) and extending a row after a tool response
+  are all this one call, with static shapes.
+- `model.hidden_states(...)` + `models.logprobs` for log-probs without the full logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rstar2_jax import sharding
+from rstar2_jax.models.config import ModelConfig
+from rstar2_jax.models.rope import apply_rope, inverse_frequencies, rope_angles
+
+_INIT_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Per-layer key/value buffers, each [batch, max_len, kv_heads, head_dim]. Slot s holds position s."""
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str) -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype, axes=("norm",)):
+        self.eps = eps
+        self.scale = _param(None, (dim,), axes, param_dtype, "ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(dtype) * self.scale[...].astype(dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg, self.dtype = cfg, dtype
+        self.q_proj = _param(rngs, (e, h, d), ("embed", "q_heads", "head_dim"), param_dtype, "normal")
+        self.k_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
+        self.v_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
+        self.o_proj = _param(rngs, (h, d, e), ("q_heads", "head_dim", "embed"), param_dtype, "normal")
+        if cfg.attention_bias:
+            self.q_bias = _param(None, (h, d), ("q_heads", "head_dim"), param_dtype, "zeros")
+            self.k_bias = _param(None, (kv, d), ("kv_heads", "head_dim"), param_dtype, "zeros")
+            self.v_bias = _param(None, (kv, d), ("kv_heads", "head_dim"), param_dtype, "zeros")
+            if cfg.family == "llama":  # Llama's attention_bias also puts a bias on o_proj
+                self.o_bias = _param(None, (e,), ("embed",), param_dtype, "zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype, axes=("head_dim",))
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype, axes=("head_dim",))
+
+    def _project(self, x, kernel, bias_name):
+        out = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.dtype))
+        if self.cfg.attention_bias:
+            out = out + getattr(self, bias_name)[...].astype(self.dtype)
+        return out
+
+    def __call__(self, x, sin, cos, positions, segment_ids, layer_cache):
+        cfg = self.cfg
+        q = self._project(x, self.q_proj, "q_bias")
+        k = self._project(x, self.k_proj, "k_bias")
+        v = self._project(x, self.v_proj, "v_bias")
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        q = sharding.constrain(q, ("batch", "sequence", "q_heads", "head_dim"))
+        k = sharding.constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
+
+        b, t = x.shape[:2]
+        if layer_cache is None:
+            keys, values = k, v
+            idx = jnp.arange(t)
+            mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S] causal by index
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            new_cache = None
+        else:
+            cache_k, cache_v = layer_cache
+            rows = jnp.arange(b)[:, None]
+            # mode="drop": a padded position past the end of the cache is discarded, never clamped
+            # onto a real slot.
+            cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+            keys, values = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
+            slots = jnp.arange(cache_k.shape[1])
+            mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            new_cache = (cache_k, cache_v)
+
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
+        scores = scores * (cfg.head_dim ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype))
+        if cfg.attention_bias and cfg.family == "llama":
+            out = out + self.o_bias[...].astype(self.dtype)
+        return out, new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        e, m = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = dtype
+        self.gate_proj = _param(rngs, (e, m), ("embed", "mlp"), param_dtype, "normal")
+        self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), param_dtype, "normal")
+        self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), param_dtype, "normal")
+
+    def __call__(self, x):
+        gate = x @ self.gate_proj[...].astype(self.dtype)
+        up = x @ self.up_proj[...].astype(self.dtype)
+        h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
+        return h @ self.down_proj[...].astype(self.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, sin, cos, positions, segment_ids, layer_cache):
+        attn_out, layer_cache = self.attn(self.input_norm(x), sin, cos, positions, segment_ids, layer_cache)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attn_norm(x))
+        return sharding.constrain(x, ("batch", "sequence", "embed")), layer_cache
+
+
+class Decoder(nnx.Module):
+    """Causal LM: embed -> N x (pre-norm attention + SwiGLU MLP) -> norm -> lm head."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype, "normal")
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype, "normal")
+
+    def lm_head_kernel(self) -> jax.Array:
+        """[hidden, vocab] output projection (the embedding, transposed, when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None, cache: KVCache | None = None):
+        """Final-normed hidden states [B, T, hidden] (and the updated cache when given one)."""
+        b, t = tokens.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError("a cached forward needs explicit positions (the cache slots to write)")
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        x = sharding.constrain(x, ("batch", "sequence", "embed"))
+        sin, cos = rope_angles(positions, inverse_frequencies(self.cfg.rope, self.cfg.head_dim))
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+            x, layer_cache = layer(x, sin, cos, positions, segment_ids, layer_cache)
+            if cache is not None:
+                new_keys.append(layer_cache[0])
+                new_values.append(layer_cache[1])
+        h = self.final_norm(x)
+        if cache is None:
+            return h
+        return h, KVCache(tuple(new_keys), tuple(new_values))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        out = jnp.einsum("bte,ev->btv", hidden, self.lm_head_kernel().astype(self.dtype))
+        return sharding.constrain(out, ("batch", "sequence", "vocab"))
+
+    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None):
+        if cache is None:
+            return self.logits(self.hidden_states(tokens, positions, segment_ids))
+        h, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        return self.logits(h), cache
