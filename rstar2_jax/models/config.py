@@ -128,7 +128,7 @@ class ModelConfig:
             attention_bias = bool(hf.get("attention_bias", False))
         if family == "qwen3" and attention_bias:
             raise ConfigError(f"{source}: attention_bias=true is not supported for qwen3")
-        return cls(
+        fields = dict(
             family=family,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -147,6 +147,10 @@ class ModelConfig:
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
         )
+        try:
+            return cls(**fields)
+        except ConfigError as e:  # a value check in __post_init__: say which file it came from
+            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
