@@ -1,0 +1,42 @@
+# Two commands on a fresh machine:  make demo   |   make test
+# Everything the targets need is installed by them; nothing is assumed to be there by hand.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv venv-dev redis clean
+
+$(VENV)/.runtime: requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps --no-build-isolation -e . 2>/dev/null || $(PIP) install --no-deps -e .
+	@touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+	$(PIP) install -r requirements-dev.txt
+	@touch $@
+
+venv: $(VENV)/.runtime
+venv-dev: $(VENV)/.dev
+
+# redis-server backs the distributed sandbox and its tests: install it when missing (root only).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+	      || { echo "could not install redis-server with apt-get"; exit 1; }; \
+	  else echo "redis-server is missing: run 'sudo apt-get install redis-server' and retry"; exit 1; fi; }
+
+# Until the RL trainer lands: build the tiny random model and sample from it with the KV cache.
+demo: $(VENV)/.runtime
+	$(PY) -m rstar2_jax.generate --model runs/tiny_model --build_tiny \
+	  --prompt "What is 12345 * 6789?" --prompt "Write Python that prints 2**100." --max_new_tokens 48
+
+test: $(VENV)/.dev redis
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis
