@@ -1,0 +1,172 @@
+"""ZygotePool: the service side of one zygote process (see zygote.py), for asyncio.
+
+Starts `python -I zygote.py` with an empty environment and one pair of pipes per worker slot,
+waits for it to report ready (or the reason it could not isolate itself), then hands jobs to
+idle slots. If the zygote dies, in-flight jobs are retried once on a fresh zygote, so a crash
+loses nothing; a job that kills two zygotes in a row gets status "internal".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+from typing import Sequence
+
+from sandbox.result import ExecResult, Limits
+
+log = logging.getLogger("sandbox")
+ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
+DEFAULT_UID_BASE = 61000
+DEFAULT_WARMUP = """
+import sympy
+x, y = sympy.symbols("x y")
+sympy.factor(x**2 - 1); sympy.simplify(sympy.sin(x)**2 + sympy.cos(x)**2); sympy.solve(x**2 - 2, x)
+sympy.Rational(1, 3) + sympy.sqrt(2); sympy.expand((x + y)**3); sympy.integrate(x**2, x); sympy.isprime(97)
+"""
+
+
+class SandboxStartError(RuntimeError):
+    pass
+
+
+class _ZygoteDied(Exception):
+    pass
+
+
+async def _read_msg(reader: asyncio.StreamReader):
+    header = await reader.readexactly(4)
+    (n,) = struct.unpack(">I", header)
+    return json.loads(await reader.readexactly(n))
+
+
+def _encode(obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+class _Slot:
+    def __init__(self, index, reader, writer):
+        self.index, self.reader, self.writer = index, reader, writer
+
+
+class ZygotePool:
+    def __init__(self, workers: int, *, isolation: str, preload: Sequence[str], limits: Limits,
+                 uid_base: int = DEFAULT_UID_BASE, warmup: str = DEFAULT_WARMUP,
+                 startup_timeout_s: float = 120.0):
+        self.workers = workers
+        self.isolation = isolation
+        self.preload = tuple(preload)
+        self.limits = limits
+        self.uid_base = uid_base
+        self.warmup = warmup if "sympy" in self.preload else ""
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.zygote_pid: int | None = None
+        self._idle: asyncio.Queue[_Slot] | None = None
+        self._generation = 0
+        self._restart_lock = asyncio.Lock()
+        self._ids = itertools.count()
+        self._transports = []
+
+    async def start(self):
+        loop = asyncio.get_running_loop()
+        parent_fds, child_fds, channels = [], [], []
+        for _ in range(self.workers):
+            job_r, job_w = os.pipe()
+            res_r, res_w = os.pipe()
+            channels.append([job_r, res_w])
+            child_fds += [job_r, res_w]
+            parent_fds.append((job_w, res_r))
+        status_r, status_w = os.pipe()
+        cfg = dict(channels=channels, status_fd=status_w, preload=list(self.preload),
+                   isolation=self.isolation, uid_base=self.uid_base, work_root="/tmp/sandbox-calls",
+                   tmpfs_bytes=self.limits.tmpfs_bytes, warmup=self.warmup,
+                   limits=self.limits.to_dict())
+        self.proc = subprocess.Popen([sys.executable, "-I", ZYGOTE_SCRIPT, json.dumps(cfg)],
+                                     pass_fds=child_fds + [status_w], env={}, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
+        for fd in child_fds + [status_w]:
+            os.close(fd)
+        try:
+            status_reader = await self._reader(loop, status_r)
+            status = await asyncio.wait_for(_read_msg(status_reader), self.startup_timeout_s)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+            self.proc.kill()
+            err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+            raise SandboxStartError(f"sandbox zygote did not start: {err or 'no output'}") from None
+        if not status.get("ready"):
+            self.proc.wait()
+            raise SandboxStartError(f"sandbox zygote could not start ({self.isolation} isolation): "
+                                    f"{status.get('error')}")
+        self.zygote_pid = status["pid"]
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+        while not self._idle.empty():  # slots of a dead zygote: callers waiting keep this queue
+            self._idle.get_nowait()
+        self._generation += 1
+        for index, (job_w, res_r) in enumerate(parent_fds):
+            reader = await self._reader(loop, res_r)
+            transport, protocol = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(job_w, "wb", 0))
+            self._transports.append(transport)
+            self._idle.put_nowait(_Slot(index, reader, transport))
+
+    async def _reader(self, loop, fd) -> asyncio.StreamReader:
+        reader = asyncio.StreamReader(limit=1 << 26)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(fd, "rb", 0))
+        self._transports.append(transport)
+        return reader
+
+    async def run(self, code: str, stdin: str, timeout: float) -> ExecResult:
+        for attempt in range(2):
+            generation = self._generation
+            slot = await self._idle.get()
+            try:
+                result = await self._run_on(slot, code, stdin, timeout)
+            except _ZygoteDied:
+                await self._restart(generation)
+                if attempt == 0:
+                    log.warning("sandbox zygote died during a call; retrying it on a fresh zygote")
+                    continue
+                return ExecResult.internal("the sandbox zygote died twice while running this code")
+            self._idle.put_nowait(slot)
+            return result
+        raise AssertionError("unreachable")
+
+    async def _run_on(self, slot: _Slot, code, stdin, timeout) -> ExecResult:
+        job_id = next(self._ids)
+        try:
+            slot.writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout}))
+            msg = await _read_msg(slot.reader)
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError) as e:
+            raise _ZygoteDied() from e
+        if msg.get("id") != job_id:
+            raise _ZygoteDied()
+        return ExecResult.from_dict(msg)
+
+    async def _restart(self, generation):
+        async with self._restart_lock:
+            if generation != self._generation:
+                return  # someone else already restarted it
+            await self.close()
+            await self.start()
+
+    async def close(self):
+        for transport in self._transports:
+            transport.close()
+        self._transports = []
+        if self.proc is not None and self.proc.poll() is None:
+            try:  # job pipes closed: workers exit, then the zygote
+                await asyncio.to_thread(self.proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stderr:
+            self.proc.stderr.close()

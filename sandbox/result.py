@@ -1,0 +1,57 @@
+"""What one code execution returns, and the limits it runs under."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed", "internal")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    """status: ok | error (exception or non-zero exit) | timeout (wall or CPU) | memory |
+    output_limit (stdout/stderr over the cap: the call was stopped) | killed (died by a signal
+    it did not get from the sandbox, e.g. a segfault) | internal (the sandbox failed, not the code).
+    """
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    truncated: bool = False
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown status {self.status!r}; expected one of {STATUSES}")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ExecResult":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    @classmethod
+    def internal(cls, message: str) -> "ExecResult":
+        return cls(status="internal", stderr=message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-call resource limits (enforced by the kernel: rlimits, tmpfs size, pipes)."""
+    memory_bytes: int = 1 << 30          # address space on top of the zygote's own
+    file_size_bytes: int = 16 << 20      # largest file the code may write
+    open_files: int = 64
+    processes: int = 32                  # processes + threads of one call (RLIMIT_NPROC, per uid)
+    stdout_bytes: int = 64 << 10         # output past this stops the call: status output_limit
+    stderr_bytes: int = 64 << 10
+    tmpfs_bytes: int = 512 << 20         # all work dirs of one zygote together
+    max_timeout_s: float = 300.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
