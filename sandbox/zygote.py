@@ -167,20 +167,22 @@ def _filter_user_frames(te):
     return te
 
 
-class _TrackingStdout(io.TextIOWrapper):
+class _TrackingFileIO(io.FileIO):
+    """Raw stdout that remembers whether anything reached it (print, sys.stdout.buffer, ...)."""
     wrote = False
 
-    def write(self, s):
-        if s:
+    def write(self, b):
+        if len(b):
             self.wrote = True
-        return super().write(s)
+        return super().write(b)
 
 
 def run_user_code(code):
     """Run `code` as a script; repr of a last expression when nothing was printed. Returns exit code."""
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
-    sys.stdout = _TrackingStdout(io.BufferedWriter(io.FileIO(1, "w", closefd=False), 16384),
-                                 encoding="utf-8", errors="backslashreplace", line_buffering=False)
+    raw_stdout = _TrackingFileIO(1, "w", closefd=False)
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw_stdout, 16384), encoding="utf-8",
+                                  errors="backslashreplace")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", write_through=True)
     sys.argv = [USER_FILE]
@@ -195,7 +197,8 @@ def run_user_code(code):
         exec(compile(tree, USER_FILE, "exec"), namespace)
         if last is not None:
             value = eval(compile(last, USER_FILE, "eval"), namespace)
-            if value is not None and not sys.stdout.wrote:
+            sys.stdout.flush()
+            if value is not None and not raw_stdout.wrote:
                 sys.stdout.write(repr(value) + "\n")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -223,6 +226,7 @@ def _enter_call(job, cfg, slot, workdir, stdin_fd, out_w, err_w):
     code = EXIT_SETUP
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        os.setsid()  # own session and process group: kill(0, ...) reaches only this call
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)

@@ -1,0 +1,71 @@
+"""A LocalSandbox driven from synchronous tests (its event loop runs in a background thread),
+and checks that nothing of a call outlives it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import sandbox
+
+
+class SyncSandbox:
+    def __init__(self, **kwargs):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.sb = sandbox.LocalSandbox(**kwargs)
+        self.call(self.sb.start())
+
+    def call(self, coro, timeout=300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run(self, code, stdin="", timeout=5.0):
+        return self.call(self.sb.run(code, stdin, timeout))
+
+    def run_many(self, requests):
+        return self.call(self.sb.run_many(requests))
+
+    def close(self):
+        self.call(self.sb.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    @property
+    def uids(self):
+        base = self.sb._pool.uid_base
+        return set(range(base, base + self.sb.workers))
+
+
+def processes_of(uids) -> list[tuple[int, int, str]]:
+    """(pid, uid, cmdline) of every live process on the host owned by one of `uids`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{name}")
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if st.st_uid in uids and state != "Z":
+            found.append((int(name), st.st_uid, state))
+    return found
+
+
+def wait_no_processes(uids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_of(uids)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def leftover_work_files(sb: SyncSandbox) -> list[str]:
+    """Entries left in the zygote's private /tmp (seen from the host through /proc/PID/root)."""
+    root = f"/proc/{sb.sb.zygote_pid}/root/tmp/sandbox-calls"
+    return sorted(os.listdir(root))
