@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Iterable, Sequence
 
 from sandbox.pool import DEFAULT_PRELOAD, DEFAULT_UID_BASE, SandboxStartError, ZygotePool
-from sandbox.result import ExecResult, Limits
+from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox")
 
@@ -79,16 +79,8 @@ class LocalSandbox:
 
     def validate(self, code: Any, stdin: Any = "", timeout: Any = None) -> float:
         """Check one request; returns the timeout to use. Raises ValueError with the reason."""
-        if not isinstance(code, str):
-            raise ValueError(f"code must be a string, got {type(code).__name__}")
-        if not isinstance(stdin, str):
-            raise ValueError(f"stdin must be a string, got {type(stdin).__name__}")
-        timeout = self.default_timeout if timeout is None else timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
-        if not 0 < timeout <= self.limits.max_timeout_s:
-            raise ValueError(f"timeout must be in (0, {self.limits.max_timeout_s}] s, got {timeout}")
-        return float(timeout)
+        return validate_request(code, stdin, timeout, default_timeout=self.default_timeout,
+                                max_timeout=self.limits.max_timeout_s)
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         if not self._started:

@@ -55,3 +55,21 @@ class Limits:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def validate_request(code: Any, stdin: Any, timeout: Any, *, default_timeout: float,
+                     max_timeout: float) -> float:
+    """Check one request before it reaches a worker; returns the timeout to use.
+
+    Raises ValueError with a message fit for an HTTP 400 body.
+    """
+    if not isinstance(code, str):
+        raise ValueError(f"code must be a string, got {type(code).__name__}")
+    if not isinstance(stdin, str):
+        raise ValueError(f"stdin must be a string, got {type(stdin).__name__}")
+    timeout = default_timeout if timeout is None else timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not 0 < timeout <= max_timeout:
+        raise ValueError(f"timeout must be in (0, {max_timeout}] s, got {timeout}")
+    return float(timeout)

@@ -1,0 +1,153 @@
+"""Distributed mode against a real redis-server: delivery, redelivery, exactly one result,
+expiry, and clients that never hang when Redis goes away."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from sandbox.distributed import Keys, RedisSandbox
+from sandbox.distributed import RedisWorker
+from sandbox.result import ExecResult
+from tests.sandbox.helpers import wait_no_processes
+from tests.sandbox.redis_server import RedisServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def start_worker(url, concurrency=2, visibility=1.5):
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "worker", "--redis", url, "--concurrency",
+                             str(concurrency), "--visibility-timeout", str(visibility)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "sandbox worker" in proc.stdout.readline()
+    return proc
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_jobs_run_on_workers_and_results_come_back_in_order(redis_server):
+    worker = start_worker(redis_server.url)
+    try:
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+                single = await sb.run("print(input() * 2)", stdin="ab")
+                many = await sb.run_many([{"code": f"print({i} ** 2)"} for i in range(20)])
+                return single, many
+
+        single, many = asyncio.run(scenario())
+        assert (single.status, single.stdout) == ("ok", "abab\n")
+        assert [r.stdout for r in many] == [f"{i ** 2}\n" for i in range(20)]
+        r = redis.Redis.from_url(redis_server.url)
+        assert r.xlen(Keys().jobs) == 0  # acknowledged and removed
+        ttls = [r.ttl(k) for k in r.scan_iter("sandbox:done:*")]
+        assert ttls and all(0 < t <= 600 for t in ttls)  # results expire
+    finally:
+        stop(worker)
+
+
+def _pending(r) -> int:
+    try:
+        return r.xpending(Keys().jobs, Keys().group)["pending"]
+    except redis.ResponseError:  # no group yet
+        return 0
+
+
+def test_killed_worker_job_is_redelivered_and_client_gets_exactly_one_result(redis_server):
+    first = start_worker(redis_server.url, visibility=1.5)
+
+    async def scenario():
+        async with RedisSandbox(redis_server.url, queue_timeout_s=60) as sb:
+            task = asyncio.create_task(sb.run("import time\ntime.sleep(1.0)\nprint('done')", timeout=10))
+            r = redis.Redis.from_url(redis_server.url)
+            deadline = time.monotonic() + 10
+            while not _pending(r) and time.monotonic() < deadline:  # the worker has taken the job
+                await asyncio.sleep(0.05)
+            first.kill()  # mid-job, no chance to acknowledge
+            first.wait()
+            second = start_worker(redis_server.url, visibility=1.5)
+            try:
+                result = await task
+            finally:
+                stop(second)
+            return result, r
+
+    result, r = asyncio.run(scenario())
+    assert (result.status, result.stdout) == ("ok", "done\n")
+    assert wait_no_processes({61000, 61001}) == []  # the killed worker's calls died with it
+    assert [r.llen(k) for k in r.scan_iter("sandbox:result:*")] in ([], [0])  # nothing left to deliver twice
+    assert r.xlen(Keys().jobs) == 0
+
+
+def test_client_does_not_hang_when_redis_dies(redis_server):
+    async def scenario():
+        async with RedisSandbox(redis_server.url, queue_timeout_s=1.5) as sb:
+            task = asyncio.create_task(sb.run("print(1)", timeout=1.0))
+            await asyncio.sleep(0.3)
+            redis_server.stop()
+            start = time.monotonic()
+            result = await task
+            return result, time.monotonic() - start
+
+    result, waited = asyncio.run(scenario())
+    assert result.status == "internal" and "no result within" in result.stderr
+    assert waited < 6
+
+
+def test_worker_survives_redis_restart(redis_server):
+    worker = start_worker(redis_server.url)
+    try:
+        redis_server.stop()
+        time.sleep(0.5)
+        RedisServer(port=redis_server.port).start()
+
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+                return await sb.run("print('back')")
+
+        assert asyncio.run(scenario()).stdout == "back\n"
+    finally:
+        stop(worker)
+        subprocess.run(["redis-cli", "-p", str(redis_server.port), "shutdown", "nosave"], capture_output=True)
+
+
+def test_client_rejects_bad_requests_before_queueing(redis_server):
+    async def scenario():
+        async with RedisSandbox(redis_server.url) as sb:
+            with pytest.raises(ValueError, match="timeout must be in"):
+                await sb.run("1", timeout=-1)
+
+    asyncio.run(scenario())
+    assert redis.Redis.from_url(redis_server.url).exists(Keys().jobs) == 0
+
+
+def test_a_job_finished_twice_delivers_one_result(redis_server):
+    """Redelivery can run a job twice; only the first result reaches the client."""
+    async def scenario():
+        worker = RedisWorker(redis_server.url, concurrency=1, preload=())
+        await worker._finish("job1", ExecResult("ok", stdout="first\n"))
+        await worker._finish("job1", ExecResult("ok", stdout="second\n"))
+        await worker._redis.aclose()
+
+    asyncio.run(scenario())
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    assert r.llen(Keys().result("job1")) == 1 and "first" in r.lindex(Keys().result("job1"), 0)
