@@ -224,6 +224,7 @@ class SandboxHTTPServer:
                     raise HTTPError(411, "send a Content-Length (chunked bodies are not accepted)")
                 length = int(headers.get("content-length", "0") or 0)
                 if length > self.max_body_bytes:
+                    await self._discard(reader, length)  # so the client reads our answer, not a reset
                     raise HTTPError(413, f"body of {length} bytes is over the {self.max_body_bytes}-byte limit")
                 raw = await reader.readexactly(length) if length else b""
                 try:
@@ -241,6 +242,15 @@ class SandboxHTTPServer:
             status, kind, payload = 500, "json", {"error": f"internal error: {e!r}"}
         await self._respond(writer, status, kind, payload, keep_alive)
         return keep_alive
+
+    @staticmethod
+    async def _discard(reader, length, cap=256 << 20):
+        left = min(length, cap)
+        while left > 0:
+            chunk = await reader.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            left -= len(chunk)
 
     async def _respond(self, writer, status, kind, payload, keep_alive):
         if kind == "json":
