@@ -1,0 +1,14 @@
+"""Rewards: answer extraction, equivalence, and the RoC penalties. Depends on nothing of ours."""
+
+from rstar2_jax.rewards.answer import extract_answer, normalize
+from rstar2_jax.rewards.equivalence import is_equivalent, set_verify_limits
+from rstar2_jax.rewards.penalties import format_penalty, tool_error_ratio
+
+
+def answer_reward(response: str, gold: str) -> float:
+    """1.0 if the \\boxed{} answer of the last <answer> block is equivalent to `gold`, else 0.0."""
+    return 1.0 if is_equivalent(extract_answer(response), gold) else 0.0
+
+
+__all__ = ["answer_reward", "extract_answer", "format_penalty", "is_equivalent", "normalize",
+           "set_verify_limits", "tool_error_ratio"]

@@ -1,0 +1,96 @@
+"""Answer extraction, equivalence (math-verify + our normalisation), and RoC penalties."""
+
+import json
+import os
+import time
+
+import pytest
+from hypothesis import given, strategies as st
+
+from rstar2_jax.rewards import (answer_reward, extract_answer, format_penalty, is_equivalent,
+                                tool_error_ratio)
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
+
+
+@pytest.mark.parametrize("response,want", [
+    ("<reason>x</reason><answer>so \\boxed{42}</answer>", "42"),
+    ("<answer>\\boxed{\\frac{1}{2}}</answer>", "\\frac{1}{2}"),
+    ("<answer>\\boxed{1}</answer> more <answer>final \\boxed{\\{a, b\\}}</answer>", "\\{a, b\\}"),
+    ("<answer>\\boxed{1} then \\boxed{2}</answer>", "2"),
+    ("\\boxed{5} but no answer block", None),
+    ("<answer>no box</answer>", None),
+    ("<answer>\\boxed{unclosed</answer>", None),
+    ("<answer>\\boxed{x^{2}}</answer>", "x^{2}"),
+])
+def test_extract_answer(response, want):
+    assert extract_answer(response) == want
+
+
+EQUIVALENT = [
+    ("0.5", "\\frac{1}{2}"), ("\\dfrac{3}{4}", "\\frac34"), ("1+x", "x+1"), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"),
+    ("(1, 2)", "(1,2)"), ("\\pi/2", "\\frac{\\pi}{2}"), ("1/2^99", "2^{-99}"), ("x^2 - 1", "(x-1)(x+1)"),
+    # what math-verify alone misses or what needs normalising
+    ("007", "7"), ("025", "25"), ("1,000", "1000"), ("1,234,567", "1234567"), ("30^\\circ", "30"),
+    ("30°", "30"), ("50\\%", "50"), ("10 \\text{ cm}", "10"), ("\\text{(B)}", "B"), ("(C)", "C"), ("d", "D"),
+    ("\\boxed{12}", "12"), ("$12$", "12"), ("12.", "12"),
+]
+NOT_EQUIVALENT = [
+    ("5, 6, 7", "7"), ("5, 6, 7", "5"), ("2", "3"), ("C", "B"), ("0.333", "\\frac{1}{3}"),
+    ("1/2^99", "1/2^98"), ("", "1"), ("x+2", "x+1"), ("(A) and (B)", "A"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", EQUIVALENT)
+def test_equivalent(pred, gold):
+    assert is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred,gold", NOT_EQUIVALENT)
+def test_not_equivalent(pred, gold):
+    assert not is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred", ["9^{9^{9^{9^{9^{9}}}}}", "{" * 5000 + "1" + "}" * 5000, "1" * 10_000_000],
+                         ids=["power_tower", "deep_braces", "10_MB"])
+def test_pathological_answers_cost_at_most_the_cap_and_score_zero(pred):
+    start = time.monotonic()
+    assert not is_equivalent(pred, "1")
+    assert time.monotonic() - start < 7  # cap 5 s + worker restart
+    assert is_equivalent("0.5", "\\frac{1}{2}")  # the worker is still usable afterwards
+
+
+def _gold_answers():
+    for name in ("aime24", "aime25", "math_500", "amc23"):
+        with open(os.path.join(DATA, f"{name}.jsonl")) as f:
+            for line in f:
+                yield name, str(json.loads(line)["answer"])
+
+
+def test_every_benchmark_gold_answer_rewards_itself():
+    answers = list(_gold_answers())
+    assert len(answers) == 600
+    for name, gold in answers:
+        assert answer_reward(f"<reason>...</reason><answer>The answer is \\boxed{{{gold}}}.</answer>", gold) == 1.0, \
+            (name, gold)
+
+
+def test_answer_reward_needs_the_answer_block():
+    assert answer_reward("\\boxed{7}", "7") == 0.0
+    assert answer_reward("<answer>\\boxed{7}</answer>", "7") == 1.0
+
+
+@given(st.lists(st.sampled_from(["ok", "error", "timeout", "parse_error", "memory"]), max_size=20))
+def test_tool_error_ratio_law(statuses):
+    r = tool_error_ratio(statuses)
+    if not statuses:
+        assert r == 0.5
+    else:
+        assert 0 <= r <= 1 and r * len(statuses) == pytest.approx(sum(s != "ok" for s in statuses))
+
+
+@given(answers=st.integers(0, 6), turns=st.integers(1, 10))
+def test_format_penalty_law(answers, turns):
+    text = "x" + "<answer>\\boxed{1}</answer>" * answers
+    p = format_penalty(text, turns)
+    assert p == (1.0 if answers == 0 else min(1.0, (answers - 1) / turns))
