@@ -1,0 +1,97 @@
+"""The multi-turn agent loop: generate until a tool call, run it, append the result, repeat.
+
+    traj = await run_agent(engine, sandbox, tokenizer, problem, AgentConfig())
+
+One token budget (`max_response_tokens`) covers everything after the prompt, model and tool
+tokens alike. The loop stops on EOS without a tool call, on the budget, or after `max_turns`
+assistant turns. Calls that do not parse get their parse error back as the tool response. Many
+trajectories run concurrently (asyncio.gather): while one waits for the sandbox, the engine
+keeps decoding the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable
+
+from rstar2_jax.rollout.prompt import PromptFormat, tool_output_text
+from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
+from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    format: PromptFormat = PromptFormat()
+    max_turns: int = 10
+    max_response_tokens: int = 8192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    tool_timeout_s: float = 5.0
+    max_tool_calls_per_turn: int = 4
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.max_response_tokens < 1:
+            raise ValueError("max_turns and max_response_tokens must be >= 1")
+
+
+async def _run_tool(sandbox, call: ToolCall, timeout: float) -> ToolRecord:
+    if not call.ok:
+        return ToolRecord(None, "", "parse_error", call.error, 0.0)
+    start = time.monotonic()
+    try:
+        result = await sandbox.run(call.code, call.stdin, timeout)
+    except Exception as e:  # noqa: BLE001 - a sandbox failure is a failed call, not a lost trajectory
+        return ToolRecord(call.code, call.stdin, "internal", f"Error: the sandbox failed: {e}",
+                          time.monotonic() - start)
+    return ToolRecord(call.code, call.stdin, result.status, tool_output_text(result), time.monotonic() - start)
+
+
+async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig = AgentConfig(), *,
+                    on_turn: Callable[[Turn], None] | None = None) -> Trajectory:
+    fmt = cfg.format
+    prompt_ids = tokenizer.encode(fmt.prompt(problem))
+    traj = Trajectory(prompt_len=len(prompt_ids), token_ids=[], loss_mask=[], logprobs=[])
+    traj.append(prompt_ids, 0)
+    for _ in range(cfg.max_turns):
+        budget = cfg.max_response_tokens - traj.num_response_tokens
+        if budget <= 0:
+            traj.finish_reason = "length"
+            break
+        sampling = SamplingParams(max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        start = time.monotonic()
+        comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end])
+        traj.generation_s += time.monotonic() - start
+        traj.append(comp.token_ids, 1, comp.logprobs)
+        turn = Turn(tokenizer.decode(comp.token_ids), len(comp.token_ids), comp.finish_reason,
+                    comp.version_start, comp.version_end)
+        traj.turns.append(turn)
+
+        calls = parse_tool_calls(turn.text, fmt.tool_call_start, fmt.tool_call_end) if comp.finish_reason != "length" else []
+        if comp.finish_reason == "stop" and not calls:
+            calls = [ToolCall(turn.text, error=f"Tool call error: {fmt.tool_call_end} without {fmt.tool_call_start}")]
+        if not calls:
+            traj.finish_reason = comp.finish_reason  # eos: answered; length: out of budget
+            if on_turn:
+                on_turn(turn)
+            break
+
+        start = time.monotonic()
+        turn.tools = list(await asyncio.gather(*(_run_tool(sandbox, c, cfg.tool_timeout_s)
+                                                 for c in calls[:cfg.max_tool_calls_per_turn])))
+        traj.tool_s += time.monotonic() - start
+        if on_turn:
+            on_turn(turn)
+        closed = comp.finish_reason == "eos"
+        tool_ids = tokenizer.encode(fmt.tool_turn([t.output for t in turn.tools], assistant_turn_closed=closed))
+        if traj.num_response_tokens + len(tool_ids) >= cfg.max_response_tokens:
+            traj.finish_reason = "length"  # no room for the results and another turn
+            break
+        traj.append(tool_ids, 0)
+    else:
+        traj.finish_reason = "max_turns"
+    traj.response_text = tokenizer.decode(traj.token_ids[traj.prompt_len:])
+    return traj

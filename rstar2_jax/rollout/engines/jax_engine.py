@@ -1,0 +1,257 @@
+"""JaxEngine: the embedded rollout engine, continuous batching over a fixed number of slots.
+
+Each slot holds one request; its KV cache row is the slot's row of one static [slots, max_len]
+cache. A new request is prefilled alone (prompt length rounded up to a power of two, so a few
+shapes compile) and written into a free row; then every decode step advances all busy slots by
+one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens, context full)
+is refilled before the next step. Idle slots decode at position `max_len`, where the cache write
+is dropped, so they cost compute but never corrupt anything.
+
+Device work runs on one worker thread, so the asyncio loop stays free for tool calls while the
+model runs. `update_weights` swaps the parameter state between steps; shapes are unchanged, so
+nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rstar2_jax.models.decoder import Decoder, KVCache, init_cache
+from rstar2_jax.rollout.engines.base import Completion
+from rstar2_jax.rollout.sampling import SamplingParams, sample
+
+MIN_PREFILL_BUCKET = 16
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: list[int]
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    future: asyncio.Future
+    version_start: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+class JaxEngine:
+    def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
+                 eos_ids: Sequence[int] | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.slots = slots
+        self.max_len = max_len
+        self.version = 0
+        self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = init_cache(model.cfg, slots, max_len, dtype=model.dtype)
+        self._rng = jax.random.key(seed)
+        self._active: list[_Request | None] = [None] * slots
+        self._queue: asyncio.Queue[_Request] | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
+        self._stop_ids: dict[str, int] = {}
+        self.steps = 0
+        self.tokens_generated = 0
+        graphdef = self._graphdef
+
+        def prefill(state, cache: KVCache, slot, tokens, length, rng, temperature, top_k, top_p):
+            model = nnx.merge(graphdef, state)
+            row = init_cache(model.cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
+            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+            logits, row = model(tokens, positions, cache=row)
+            keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
+            values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
+                           for v, r in zip(cache.values, row.values))
+            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
+            token, logp = sample(last, rng, temperature[None], top_k[None], top_p[None])
+            return KVCache(keys, values), token[0], logp[0]
+
+        def decode(state, cache: KVCache, tokens, positions, rng, temperature, top_k, top_p):
+            model = nnx.merge(graphdef, state)
+            logits, cache = model(tokens[:, None], positions[:, None], cache=cache)
+            token, logp = sample(logits[:, 0], rng, temperature, top_k, top_p)
+            return cache, token, logp
+
+        # The cache is donated: updated in place, never copied per step.
+        self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._decode = jax.jit(decode, donate_argnums=(1,))
+
+    # ------------------------------------------------------------------------------------------
+    # public interface
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       stop: Sequence[str] = ()) -> Completion:
+        self._ensure_running()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        future = asyncio.get_running_loop().create_future()
+        req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version)
+        if len(prompt) >= self.max_len or sampling.max_tokens == 0:
+            return Completion([], [], "length", self.version, self.version)
+        await self._queue.put(req)
+        return await future
+
+    def update_weights(self, params: Any, version: int | None = None) -> None:
+        """Swap in new parameters (an nnx.State of this model's variables, or a Decoder)."""
+        state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
+        old_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self._state)
+        new_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+        if old_shapes != new_shapes:
+            raise ValueError("update_weights: the new parameters do not match the engine's model")
+        self._state = state
+        self.version = self.version + 1 if version is None else version
+
+    async def close(self):
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self):
+        self._ensure_running()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(r is not None for r in self._active)
+
+    # ------------------------------------------------------------------------------------------
+    # scheduling loop
+
+    def _ensure_running(self):
+        if self._loop_task is None or self._loop_task.done():
+            if self._loop_task is not None and self._loop_task.exception():
+                raise RuntimeError("the engine loop died") from self._loop_task.exception()
+            self._queue = self._queue or asyncio.Queue()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self):
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                for slot in range(self.slots):
+                    if self._active[slot] is None and not self._queue.empty():
+                        await self._admit(loop, slot, self._queue.get_nowait())
+                if not any(self._active):
+                    await self._admit_when_available(loop)
+                    continue
+                await self._step(loop)
+        except Exception as e:  # fail every waiting request loudly rather than hang it
+            for req in self._active:
+                if req is not None and not req.future.done():
+                    req.future.set_exception(e)
+            while not self._queue.empty():
+                req = self._queue.get_nowait()
+                if not req.future.done():
+                    req.future.set_exception(e)
+            raise
+
+    async def _admit_when_available(self, loop):
+        req = await self._queue.get()
+        await self._admit(loop, self._active.index(None), req)
+
+    def _next_rng(self):
+        self._rng, key = jax.random.split(self._rng)
+        return key
+
+    async def _admit(self, loop, slot: int, req: _Request):
+        if req.future.done():  # cancelled by the caller while queued
+            return
+        n = len(req.prompt)
+        bucket = min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (n - 1).bit_length()))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = req.prompt
+        s = req.sampling
+        req.version_start = self.version
+        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), self._next_rng(),
+                jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
+
+        def run():
+            cache, token, logp = self._prefill(*args)
+            return cache, int(token), float(logp)
+
+        self._cache, token, logp = await loop.run_in_executor(self._executor, run)
+        self._active[slot] = req
+        self._append(slot, token, logp)
+
+    async def _step(self, loop):
+        tokens = np.zeros(self.slots, np.int32)
+        positions = np.full(self.slots, self.max_len, np.int32)  # idle: the write is dropped
+        temperature = np.ones(self.slots, np.float32)
+        top_k = np.zeros(self.slots, np.int32)
+        top_p = np.ones(self.slots, np.float32)
+        for slot, req in enumerate(self._active):
+            if req is not None:
+                tokens[slot] = req.generated[-1]
+                positions[slot] = len(req.prompt) + len(req.generated) - 1
+                temperature[slot] = req.sampling.temperature
+                top_k[slot] = req.sampling.top_k
+                top_p[slot] = req.sampling.top_p
+        args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), self._next_rng(),
+                jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+
+        def run():
+            cache, token, logp = self._decode(*args)
+            return cache, np.asarray(token), np.asarray(logp)
+
+        self._cache, sampled, logps = await loop.run_in_executor(self._executor, run)
+        self.steps += 1
+        for slot, req in enumerate(self._active):
+            if req is not None:
+                self._append(slot, int(sampled[slot]), float(logps[slot]))
+
+    def _append(self, slot: int, token: int, logp: float):
+        req = self._active[slot]
+        req.generated.append(token)
+        req.logprobs.append(logp)
+        self.tokens_generated += 1
+        finish, stop_string = None, None
+        if token in self.eos_ids:
+            finish = "eos"
+        else:
+            stop_string = self._matched_stop(req)
+            if stop_string is not None:
+                finish = "stop"
+            elif len(req.generated) >= req.sampling.max_tokens or len(req.prompt) + len(req.generated) >= self.max_len:
+                finish = "length"
+        if finish is not None:
+            self._active[slot] = None
+            if not req.future.done():
+                req.future.set_result(Completion(req.generated, req.logprobs, finish, req.version_start,
+                                                 self.version, stop_string))
+
+    def _matched_stop(self, req: _Request) -> str | None:
+        for stop in req.stops:
+            if req.generated[-1] == self._single_token_id(stop):
+                return stop
+            # the same text may also arrive as several ordinary tokens
+            window = req.generated[-(len(stop.encode()) + 2):]
+            if self.tokenizer.decode(window).endswith(stop):
+                return stop
+        return None
+
+    def _single_token_id(self, stop: str) -> int | None:
+        if stop not in self._stop_ids:
+            ids = self.tokenizer.encode(stop)
+            self._stop_ids[stop] = ids[0] if len(ids) == 1 else -1
+        found = self._stop_ids[stop]
+        return None if found < 0 else found

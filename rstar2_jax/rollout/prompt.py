@@ -1,0 +1,127 @@
+"""The prompt format: every string the policy sees that is not its own, kept in config.
+
+Default = rStar2-Agent's: a system prompt asking for reasoning in <reason> and the final answer
+in <answer> with \\boxed{}, the Hermes tools block declaring
+`execute_python_code_with_standard_io(code, input)`, the user template, generation prefix
+`<|im_start|>assistant\\n<reason>` and tool results as one user turn of <tool_response> blocks.
+`compact_format()` is the same protocol with short strings, for the tiny CPU model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+TOOL_NAME = "execute_python_code_with_standard_io"
+
+PYTHON_TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Execute Python code with standard input and capture standard output. This function "
+                       "takes a Python code string and an input string, provides the input string through "
+                       "standard input (stdin) to the code, and captures and returns any output produced "
+                       "through standard output (stdout). If the executed code raises an exception, the "
+                       "error message will be captured and returned instead.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "A string containing Python code to be executed."},
+                "input": {"type": "string", "description": "A string that serves as the standard input "
+                                                           "(stdin) for the code."},
+            },
+            "required": ["code", "input"],
+        },
+    },
+}
+
+DEFAULT_SYSTEM = (
+    "You are a helpful assistant that solves problems by reasoning and by running Python code. "
+    "Think step by step inside <reason> </reason>. You may call the Python tool as often as useful; "
+    "read its output and refine your reasoning. When you are done, give the final answer inside "
+    "<answer> </answer>, with the final result in \\boxed{}."
+)
+DEFAULT_USER = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+                "And your final answer will be extracted automatically by the \\boxed{{}} tag.\n"
+                "This is the problem:\n{problem}")
+TOOLS_BLOCK = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFormat:
+    system: str = DEFAULT_SYSTEM
+    user_template: str = DEFAULT_USER                # {problem}
+    tools: tuple[dict, ...] = (PYTHON_TOOL_SCHEMA,)
+    tools_block: str = TOOLS_BLOCK                   # {tools}: one JSON schema per line; "" = none
+    turn_start: str = "<|im_start|>"
+    turn_end: str = "<|im_end|>"
+    generation_prefix: str = "<reason>"              # after "<|im_start|>assistant\n"
+    tool_call_start: str = "<tool_call>"
+    tool_call_end: str = "</tool_call>"
+    tool_response_start: str = "<tool_response>\n"
+    tool_response_end: str = "\n</tool_response>"
+    max_tool_output_chars: int = 2048
+    truncate_side: str = "middle"                    # left (keep the start) | right (keep the end) | middle
+
+    def __post_init__(self):
+        if self.truncate_side not in ("left", "right", "middle"):
+            raise ValueError(f"truncate_side must be left, right or middle, got {self.truncate_side!r}")
+        if "{problem}" not in self.user_template:
+            raise ValueError("user_template must contain {problem}")
+
+    def system_text(self) -> str:
+        text = self.system
+        if self.tools and self.tools_block:
+            text += self.tools_block.format(tools="\n".join(json.dumps(t) for t in self.tools))
+        return text
+
+    def prompt(self, problem: str) -> str:
+        """Everything before the model's first token."""
+        return (f"{self.turn_start}system\n{self.system_text()}{self.turn_end}\n"
+                f"{self.turn_start}user\n{self.user_template.format(problem=problem)}{self.turn_end}\n"
+                f"{self.turn_start}assistant\n{self.generation_prefix}")
+
+    def tool_turn(self, outputs: Sequence[str], assistant_turn_closed: bool) -> str:
+        """Text appended after an assistant turn that ended in tool calls: close that turn, one user
+        turn with a <tool_response> block per call, and open the next assistant turn."""
+        blocks = "\n".join(f"{self.tool_response_start}{self.truncate(o)}{self.tool_response_end}" for o in outputs)
+        close = "" if assistant_turn_closed else f"{self.turn_end}\n"
+        return f"{close}{self.turn_start}user\n{blocks}{self.turn_end}\n{self.turn_start}assistant\n"
+
+    def truncate(self, text: str) -> str:
+        n = self.max_tool_output_chars
+        if len(text) <= n:
+            return text
+        if self.truncate_side == "left":
+            return text[:n] + "...(truncated)"
+        if self.truncate_side == "right":
+            return "(truncated)..." + text[-n:]
+        return text[:n // 2] + "...(truncated)..." + text[-(n - n // 2):]
+
+
+def compact_format(**overrides: Any) -> PromptFormat:
+    """Same protocol, short strings: for the tiny model, whose context is small."""
+    fields = dict(system="Solve with python. Answer in <answer>\\boxed{}</answer>.", tools=(), tools_block="",
+                  user_template="{problem}", generation_prefix="", max_tool_output_chars=200)
+    fields.update(overrides)
+    return PromptFormat(**fields)
+
+
+def tool_output_text(result) -> str:
+    """What the model reads for one execution (ExecResult-like: status, stdout, stderr).
+
+    The four outcomes of rStar2-Agent: stdout (or the repr of the last expression, which the
+    sandbox already put in stdout), the error with its traceback, or the timeout.
+    """
+    if result.status == "ok":
+        return result.stdout if result.stdout else "(no output)"
+    if result.status == "timeout":
+        return (result.stdout + "\n" if result.stdout else "") + "Timeout: the code did not finish in time."
+    return "\n".join(part for part in (result.stdout, result.stderr.strip()) if part) or f"Error: {result.status}"

@@ -1,0 +1,65 @@
+"""A trajectory: one growing list of token ids, only ever appended to.
+
+Model tokens carry loss mask 1 and the sampler's log-prob; prompt and tool-response tokens carry
+mask 0 and log-prob 0. Text is kept per turn for reading, never re-tokenized for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class ToolRecord:
+    code: str | None
+    stdin: str
+    status: str              # sandbox status, or "parse_error"
+    output: str              # what the model read inside <tool_response>
+    latency_s: float
+
+
+@dataclasses.dataclass
+class Turn:
+    text: str                # the assistant's text this turn
+    num_tokens: int
+    finish_reason: str       # engine finish reason: stop | eos | length
+    version_start: int
+    version_end: int
+    tools: list[ToolRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    prompt_len: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""   # eos | length | max_turns
+    response_text: str = ""   # decoded text after the prompt (model and tool tokens), for reading
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # problem id, sample index, ...
+
+    def append(self, ids, mask: int, logprobs=None):
+        ids = list(ids)
+        self.token_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def tool_statuses(self) -> list[str]:
+        return [t.status for turn in self.turns for t in turn.tools]
+
+    @property
+    def min_version(self) -> int:
+        return min((t.version_start for t in self.turns), default=0)
+
+    @property
+    def assistant_text(self) -> str:
+        return "".join(t.text for t in self.turns)
