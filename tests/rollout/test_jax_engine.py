@@ -1,0 +1,137 @@
+"""JaxEngine: agreement with the model, stops, slot refill, weight updates."""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstar2_jax import models
+from rstar2_jax.models.generate import generate
+from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.sampling import SamplingParams
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_greedy_completions_equal_the_reference_generator(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(f"problem {i}: {'x' * i}") for i in range(7)]
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=128) as eng:
+            return await asyncio.gather(*(eng.generate(p, SamplingParams(max_tokens=20, temperature=0.0)) for p in prompts))
+
+    outs = _run(go())
+    ref = generate(tiny_model, prompts, max_new_tokens=20, temperature=0.0)
+    for out, want in zip(outs, ref.token_ids):
+        assert out.token_ids == want[:len(out.token_ids)]
+        assert out.finish_reason == ("eos" if out.token_ids[-1] in tiny_model.cfg.eos_token_ids else "length")
+
+
+def test_sampled_logprobs_equal_the_models_log_softmax(tiny_model, tokenizer):
+    """Engine log-probs (prefill + cached decode, continuous batching) == the learner's
+    recomputation over the full sequence at the same temperature."""
+    prompts = [tokenizer.encode("a" * n) for n in (3, 17, 40)]
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, seed=3) as eng:
+            return await asyncio.gather(*(eng.generate(p, SamplingParams(max_tokens=30, temperature=0.7))
+                                          for p in prompts))
+
+    learner_logprobs = nnx.jit(lambda m, seq: models.token_logprobs(m, seq, temperature=0.7))
+    for prompt, out in zip(prompts, _run(go())):
+        seq = jnp.asarray([prompt + out.token_ids], jnp.int32)
+        lp = np.asarray(learner_logprobs(tiny_model, seq))[0, len(prompt):]
+        np.testing.assert_allclose(out.logprobs, lp, atol=2e-4)
+
+
+def test_stop_strings_single_token_and_multi_token(tiny_model, tokenizer):
+    """Greedy paths are deterministic: stopping at a string seen in the free run must cut the
+    completion exactly where that string first appears (one-token and multi-token strings)."""
+    greedy = SamplingParams(max_tokens=150, temperature=0.0)
+    prompt = tokenizer.encode("x")
+
+    async def go(stops):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256) as eng:
+            return [await eng.generate(prompt, greedy, stop=stop) for stop in stops]
+
+    (free,) = _run(go([()]))
+    def printable(t):
+        text = tokenizer.decode([t])
+        return len(text) == 1 and text.isascii() and text.isprintable()
+
+    ascii_at = [i for i, t in enumerate(free.token_ids) if printable(t) and i >= 2]
+    pairs = [i for i in ascii_at if i + 1 in ascii_at]
+    assert ascii_at and pairs, "the greedy run has no printable ASCII to stop on"
+    single = tokenizer.decode([free.token_ids[ascii_at[0]]])
+    double = tokenizer.decode(free.token_ids[pairs[0]:pairs[0] + 2])
+    assert len(tokenizer.encode(single)) == 1 and len(tokenizer.encode(double)) == 2
+    stopped_single, stopped_double = _run(go([(single,), (double,)]))
+    for stop, got in ((single, stopped_single), (double, stopped_double)):
+        first = next(k for k in range(1, len(free.token_ids) + 1)
+                     if tokenizer.decode(free.token_ids[:k]).endswith(stop))
+        assert got.finish_reason == "stop" and got.stop_string == stop
+        assert got.token_ids == free.token_ids[:first]
+
+
+def test_more_requests_than_slots_all_finish_and_slots_refill(tiny_model, tokenizer):
+    busy = []
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=64) as eng:
+            async def watch():
+                while True:
+                    busy.append(eng.busy_slots)
+                    await asyncio.sleep(0)
+
+            w = asyncio.create_task(watch())
+            outs = await asyncio.gather(*(eng.generate(tokenizer.encode(str(i)), SamplingParams(max_tokens=5 + i % 7))
+                                          for i in range(20)))
+            w.cancel()
+            return outs, eng.steps
+
+    outs, steps = _run(go())
+    assert len(outs) == 20 and all(o.token_ids for o in outs)
+    assert max(busy) == 3
+    total = sum(len(o.token_ids) for o in outs)
+    assert steps < total  # batched: fewer decode steps than tokens
+
+
+def test_context_full_and_zero_budget(tiny_model, tokenizer):
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=1, max_len=32) as eng:
+            full = await eng.generate([5] * 28, SamplingParams(max_tokens=100, temperature=0.0), stop=())
+            too_long = await eng.generate([5] * 40, SamplingParams(max_tokens=10))
+            return full, too_long
+
+    full, too_long = _run(go())
+    assert full.finish_reason in ("length", "eos") and 28 + len(full.token_ids) <= 32
+    assert too_long.finish_reason == "length" and too_long.token_ids == []
+
+
+def test_update_weights_swaps_params_without_recompiling(tiny_model, tokenizer):
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(99))
+    prompt = tokenizer.encode("same prompt")
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=64) as eng:
+            greedy = SamplingParams(max_tokens=12, temperature=0.0)
+            before = await eng.generate(prompt, greedy)
+            sizes = (eng._decode._cache_size(), eng._prefill._cache_size())
+            eng.update_weights(nnx.state(other))
+            after = await eng.generate(prompt, greedy)
+            sizes_after = (eng._decode._cache_size(), eng._prefill._cache_size())
+            with pytest.raises(ValueError, match="do not match"):
+                eng.update_weights(nnx.state(models.Decoder(tiny_model.cfg.__class__(
+                    **{**tiny_model.cfg.__dict__, "hidden_size": 64}), rngs=nnx.Rngs(0))))
+            return before, after, sizes, sizes_after, eng.version
+
+    before, after, sizes, sizes_after, version = _run(go())
+    ref = generate(other, [prompt], max_new_tokens=12, temperature=0.0).token_ids[0]
+    assert after.token_ids == ref[:len(after.token_ids)] and before.token_ids != after.token_ids
+    assert sizes == sizes_after  # no new compilation
+    assert (after.version_start, after.version_end, version) == (1, 1, 1)
