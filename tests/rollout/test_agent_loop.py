@@ -1,0 +1,148 @@
+"""The agent loop with the real sandbox: a scripted engine (a fake, beside the real JaxEngine
+test at the bottom) makes the model's side deterministic."""
+
+import asyncio
+import json
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sandbox
+from rstar2_jax import models
+from rstar2_jax.rewards import answer_reward
+from rstar2_jax.rollout import AgentConfig, compact_format, run_agent
+from rstar2_jax.rollout.engines import Completion, JaxEngine
+from rstar2_jax.rollout.prompt import TOOL_NAME
+
+
+def call(code, stdin=""):
+    return "<tool_call>" + json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}) + "</tool_call>"
+
+
+class ScriptedEngine:
+    """Replays assistant turns as tokens; records the prompts it was given."""
+
+    def __init__(self, tokenizer, turns, delay_s=0.0):
+        self.tokenizer, self.turns, self.delay_s = tokenizer, list(turns), delay_s
+        self.prompts = []
+        self.version = 7
+
+    async def generate(self, prompt_ids, sampling, stop=()):
+        self.prompts.append(list(prompt_ids))
+        await asyncio.sleep(self.delay_s)
+        text = self.turns[min(len(self.prompts) - 1, len(self.turns) - 1)]
+        ids = self.tokenizer.encode(text)
+        reason = "stop" if any(text.endswith(s) for s in stop) else "eos" if text.endswith("<|im_end|>") else "length"
+        if len(ids) > sampling.max_tokens:
+            ids, reason = ids[:sampling.max_tokens], "length"
+        return Completion(ids, [-0.5] * len(ids), reason, self.version, self.version)
+
+
+def run(coro_fn, workers=2):
+    async def go():
+        async with sandbox.LocalSandbox(workers=workers, preload=("math",)) as sb:
+            return await coro_fn(sb)
+    return asyncio.run(go())
+
+
+FMT = compact_format()
+
+
+def test_tool_call_runs_and_its_output_is_appended_with_mask_zero(tokenizer):
+    turns = ["Let me compute. " + call("print(12345 * 6789)"),
+             "So <answer>\\boxed{83810205}</answer><|im_end|>"]
+    engine = ScriptedEngine(tokenizer, turns)
+    traj = run(lambda sb: run_agent(engine, sb, tokenizer, "12345*6789?", AgentConfig(format=FMT)))
+
+    assert traj.finish_reason == "eos" and len(traj.turns) == 2
+    tool = traj.turns[0].tools[0]
+    assert (tool.status, tool.output) == ("ok", "83810205\n")
+    tool_text = FMT.tool_turn(["83810205\n"], assistant_turn_closed=False)
+    assert traj.response_text == turns[0] + tool_text + turns[1]
+    # masks: prompt 0, model tokens 1, tool tokens 0; log-probs only on model tokens
+    n0, nt = len(tokenizer.encode(turns[0])), len(tokenizer.encode(tool_text))
+    expected_mask = [0] * traj.prompt_len + [1] * n0 + [0] * nt + [1] * len(tokenizer.encode(turns[1]))
+    assert traj.loss_mask == expected_mask
+    assert all((lp == -0.5) == (m == 1) for lp, m in zip(traj.logprobs, traj.loss_mask))
+    # token in, token out: the second request is exactly the trajectory so far
+    assert engine.prompts[1] == traj.token_ids[:traj.prompt_len + n0 + nt]
+    assert traj.turns[0].version_start == 7 and traj.min_version == 7
+    assert answer_reward(traj.response_text, "83810205") == 1.0
+
+
+def test_malformed_call_gets_its_parse_error_back(tokenizer):
+    turns = ["<tool_call>{oops}</tool_call>", "ok <answer>\\boxed{1}</answer><|im_end|>"]
+    traj = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "p", AgentConfig(format=FMT)))
+    (tool,) = traj.turns[0].tools
+    assert tool.status == "parse_error" and "invalid JSON" in tool.output
+    assert "<tool_response>\nTool call error: invalid JSON" in traj.response_text
+    assert traj.tool_statuses == ["parse_error"] and traj.finish_reason == "eos"
+
+
+def test_execution_errors_and_timeouts_are_reported_to_the_model(tokenizer):
+    turns = [call("1/0"), call("import time\ntime.sleep(5)"), "<answer>\\boxed{0}</answer><|im_end|>"]
+    cfg = AgentConfig(format=FMT, tool_timeout_s=0.5)
+    traj = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "p", cfg))
+    assert traj.tool_statuses == ["error", "timeout"]
+    assert "ZeroDivisionError" in traj.turns[0].tools[0].output
+    assert "Timeout" in traj.turns[1].tools[0].output
+
+
+def test_budget_is_shared_by_all_turns(tokenizer):
+    turns = [call("print('x' * 50)")] * 10
+    cfg = AgentConfig(format=FMT, max_response_tokens=150)
+    traj = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "p", cfg))
+    assert traj.finish_reason == "length"
+    assert traj.num_response_tokens <= 150
+
+
+def test_max_turns(tokenizer):
+    turns = [call("print(1)")]
+    cfg = AgentConfig(format=FMT, max_turns=3, max_response_tokens=5000)
+    traj = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "p", cfg))
+    assert traj.finish_reason == "max_turns" and len(traj.turns) == 3 and traj.tool_statuses == ["ok"] * 3
+
+
+def test_slow_tool_calls_do_not_block_other_trajectories(tokenizer):
+    turns = [call("import time\ntime.sleep(0.5)\nprint('done')"), "<answer>\\boxed{1}</answer><|im_end|>"]
+
+    async def many(sb):
+        start = time.monotonic()
+        trajs = await asyncio.gather(*(run_agent(ScriptedEngine(tokenizer, turns, delay_s=0.2), sb, tokenizer,
+                                                 f"p{i}", AgentConfig(format=FMT)) for i in range(6)))
+        return trajs, time.monotonic() - start
+
+    trajs, elapsed = run(many, workers=6)
+    assert all(t.tool_statuses == ["ok"] for t in trajs)
+    assert elapsed < 2.5, f"6 x (0.2 + 0.5 + 0.2) s took {elapsed:.1f} s: trajectories ran one after another"
+
+
+def test_real_engine_multi_turn_logprobs_align_with_the_learner(tiny_model, tokenizer):
+    """JaxEngine + real sandbox: a trajectory with a tool turn (the random model ends a turn with
+    </tool_call> by chance; seeds are tried until one does) has sampler log-probs equal to the
+    learner's recomputation over the whole multi-turn sequence, and zeros where the mask is 0."""
+    cfg = AgentConfig(format=FMT, max_response_tokens=160, max_turns=3, temperature=1.0)
+
+    async def attempt(sb, seed):
+        async with JaxEngine(tiny_model, tokenizer, slots=8, max_len=512, seed=seed) as eng:
+            return await asyncio.gather(*(run_agent(eng, sb, tokenizer, f"{i} + {i}", cfg) for i in range(8)))
+
+    async def search(sb):
+        for seed in range(25):
+            for traj in await attempt(sb, seed):
+                if len(traj.turns) >= 2:
+                    return traj
+        return None
+
+    traj = run(search, workers=2)
+    assert traj is not None, "no multi-turn trajectory in 200 random rollouts"
+    assert traj.turns[0].finish_reason == "stop" and traj.turns[0].tools[0].status == "parse_error"
+    tokens = jnp.asarray([traj.token_ids], jnp.int32)
+    learner = np.asarray(nnx.jit(lambda m, t: models.token_logprobs(m, t, temperature=1.0))(tiny_model, tokens))[0]
+    mask = np.asarray(traj.loss_mask, bool)
+    assert mask.sum() > 0 and (~mask[traj.prompt_len:]).sum() > 0  # model and tool tokens both present
+    np.testing.assert_allclose(np.asarray(traj.logprobs)[mask], learner[mask], atol=2e-4)
+    assert not np.any(np.asarray(traj.logprobs)[~mask])
