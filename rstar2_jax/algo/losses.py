@@ -1,0 +1,58 @@
+"""Policy losses, as (sum over tokens, token count) so micro-batch accumulation is exact.
+
+Token-level aggregation (DAPO / rStar2-Agent): the loss is the mean over every model token of
+the batch, so long and short responses weigh the same per token. A loss returns the *sum* and
+the *count*; the caller divides once by the total count of the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+LOSSES: dict[str, Callable] = {}
+
+
+def register_loss(name: str):
+    def deco(fn):
+        LOSSES[name] = fn
+        return fn
+    return deco
+
+
+@register_loss("clip_higher")
+def clip_higher_loss(logprobs, old_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
+                     dual_clip: float | None = None):
+    """PPO clipped surrogate with an asymmetric range [1 - eps_low, 1 + eps_high] (clip-higher).
+
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sequence) or [B, T].
+    dual_clip c > 1: for negative advantages the loss is also capped at -A * c.
+    Returns (loss_sum, token_count, stats) with stats summed over tokens (divide by the count).
+    """
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    mask = mask.astype(jnp.float32)
+    log_ratio = logprobs - old_logprobs
+    ratio = jnp.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * dual_clip), per_token)
+    stats = {
+        "clip_fraction_sum": jnp.sum((clipped > unclipped).astype(jnp.float32) * mask),
+        "approx_kl_sum": jnp.sum(0.5 * log_ratio ** 2 * mask),
+    }
+    return jnp.sum(per_token * mask), jnp.sum(mask), stats
+
+
+def kl_penalty(logprobs, ref_logprobs, mask):
+    """k3 estimator of KL(pi || ref) per token, summed over the mask (off by default, as in the paper)."""
+    diff = ref_logprobs - logprobs
+    return jnp.sum((jnp.exp(diff) - diff - 1.0) * mask)
+
+
+def loss_fn(name: str):
+    if name not in LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(LOSSES)}")
+    return LOSSES[name]
