@@ -167,12 +167,34 @@ class DecoderLayer(nnx.Module):
         return sharding.constrain(x, ("batch", "sequence", "embed")), layer_cache
 
 
+def _call_layer(layer, *args):
+    return layer(*args)
+
+
+# Rematerialisation of each decoder layer in the backward pass (set Decoder.remat):
+# "none" keeps all activations, "full" keeps only layer inputs, "dots" keeps matmul outputs.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat_layer(name: str):
+    if name == "none":
+        return _call_layer
+    return nnx.remat(_call_layer, policy=REMAT_POLICIES[name])
+
+
 class Decoder(nnx.Module):
     """Causal LM: embed -> N x (pre-norm attention + SwiGLU MLP) -> norm -> lm head."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.cfg, self.dtype = cfg, dtype
+        self.remat = remat  # training only: recompute layer activations in the backward pass
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype, "normal")
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
@@ -198,9 +220,10 @@ class Decoder(nnx.Module):
         x = sharding.constrain(x, ("batch", "sequence", "embed"))
         sin, cos = rope_angles(positions, inverse_frequencies(self.cfg.rope, self.cfg.head_dim))
         new_keys, new_values = [], []
+        run_layer = _remat_layer(self.remat) if cache is None else _call_layer
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x, layer_cache = layer(x, sin, cos, positions, segment_ids, layer_cache)
+            x, layer_cache = run_layer(layer, x, sin, cos, positions, segment_ids, layer_cache)
             if cache is not None:
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])

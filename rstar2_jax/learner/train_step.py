@@ -1,0 +1,100 @@
+"""The jitted GRPO-RoC update: a pure function of (state, batch).
+
+Gradient accumulation over micro-batches is a `lax.scan` of gradients of each micro-batch's loss
+*sum*, divided once by the token count of the whole batch, so M micro-batches give the same
+update as one (token-level mean over the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from rstar2_jax.algo.losses import loss_fn
+from rstar2_jax.models.logprobs import token_logprobs
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any          # nnx.State of the model's Params (float32 master weights)
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    name: str = "clip_higher"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    temperature: float = 1.0
+    logprob_chunk: int = 512
+    micro_batches: int = 1
+
+
+def _logprobs(graphdef, params, tokens, cfg: LossConfig):
+    model = nnx.merge(graphdef, params)
+    return token_logprobs(model, tokens, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature)
+
+
+def compute_logprobs(graphdef, params, tokens, cfg: LossConfig):
+    """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs)."""
+    return _logprobs(graphdef, params, tokens, cfg)
+
+
+def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, state: TrainState, batch: dict):
+    """batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs [N, T]."""
+    n = batch["tokens"].shape[0]
+    m = cfg.micro_batches
+    if n % m:
+        raise ValueError(f"batch of {n} rows does not split into {m} micro-batches")
+    micro = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
+    total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+    policy_loss = loss_fn(cfg.name)
+    kwargs = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+
+    def micro_loss(params, mb):
+        lp = _logprobs(graphdef, params, mb["tokens"], cfg)
+        loss_sum, count, stats = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], **kwargs)
+        entropy_proxy = -jnp.sum(lp * mb["loss_mask"])
+        return loss_sum / total_tokens, (stats, entropy_proxy)
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def accumulate(carry, mb):
+        grads, stats_sum = carry
+        g, (stats, nll) = grad_fn(state.params, mb)
+        grads = jax.tree.map(jnp.add, grads, g)
+        stats_sum = {k: stats_sum[k] + v for k, v in {**stats, "nll_sum": nll}.items()}
+        return (grads, stats_sum), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    stats0 = {"clip_fraction_sum": 0.0, "approx_kl_sum": 0.0, "nll_sum": 0.0}
+    (grads, stats), _ = jax.lax.scan(accumulate, (zeros, jax.tree.map(jnp.float32, stats0)), micro)
+
+    # the loss value itself (for logging): one more forward would cost; recompute from the stats instead
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "grad_norm": optax.global_norm(grads),
+        "update_norm": optax.global_norm(updates),
+        "clip_fraction": stats["clip_fraction_sum"] / total_tokens,
+        "approx_kl": stats["approx_kl_sum"] / total_tokens,
+        "nll_per_token": stats["nll_sum"] / total_tokens,
+        "tokens": total_tokens,
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def policy_loss_value(graphdef, cfg: LossConfig, params, batch) -> jax.Array:
+    """The token-mean policy loss of a batch (no gradient): for tests and logging."""
+    lp = _logprobs(graphdef, params, batch["tokens"], cfg)
+    s, c, _ = loss_fn(cfg.name)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                                eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+    return s / jnp.maximum(c, 1.0)
