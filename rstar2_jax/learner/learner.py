@@ -1,0 +1,113 @@
+"""Learner: owns the train state, recomputes old log-probs, updates, and hands weights out.
+
+    learner = Learner(model, LearnerConfig(...), mesh=mesh)
+    batch.old_logprobs = learner.logprobs(batch.tokens)
+    metrics = learner.update(batch)          # one optimizer step (micro-batches inside)
+    engine.update_weights(learner.model_state(), learner.version)
+
+Parameters stay float32 (master weights); the model's compute dtype (e.g. bf16) is the one it
+was built with. With a mesh, parameters live on their NamedShardings and batches are sharded
+over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from rstar2_jax import sharding as sharding_lib
+from rstar2_jax.learner.batching import TrainBatch
+from rstar2_jax.learner.optimizer import make_optimizer
+from rstar2_jax.learner.train_step import LossConfig, TrainState, compute_logprobs, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    loss: LossConfig = LossConfig()
+
+
+class Learner:
+    def __init__(self, model: nnx.Module, cfg: LearnerConfig = LearnerConfig(), *, mesh: Mesh | None = None):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.tx = make_optimizer(cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.b1, cfg.b2, grad_clip=cfg.grad_clip)
+        if mesh is not None:
+            params = jax.device_put(params, sharding_lib.param_shardings(params, mesh))
+        self.state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+        self.version = 0
+        self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.loss), donate_argnums=(0,))
+        self._logprobs = jax.jit(partial(compute_logprobs, self.graphdef, cfg=cfg.loss))
+
+    # ------------------------------------------------------------------------------------------
+    def _put(self, x: np.ndarray):
+        if self.mesh is None:
+            return jnp.asarray(x)
+        axes = ("batch",) + (None,) * (x.ndim - 1)
+        return jax.device_put(x, sharding_lib.named_sharding(self.mesh, axes, x.shape))
+
+    def _ctx(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else _nullcontext()
+
+    def logprobs(self, tokens: np.ndarray) -> np.ndarray:
+        with self._ctx():
+            return np.asarray(self._logprobs(self.state.params, self._put(tokens)))
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on `batch` (old log-probs recomputed here when missing)."""
+        if batch.old_logprobs is None:
+            batch.old_logprobs = self.logprobs(batch.tokens)
+        arrays = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
+                  "old_logprobs": batch.old_logprobs}
+        with self._ctx():
+            self.state, metrics = self._train(self.state, {k: self._put(v) for k, v in arrays.items()})
+        self.version += 1
+        out = {k: float(v) for k, v in metrics.items()}
+        out.update(sampler_mismatch(batch))
+        return out
+
+    def reset_optimizer(self):
+        """Fresh optimizer moments (the paper resets at the start of stage 3)."""
+        self.state = self.state.replace(opt_state=self.tx.init(self.state.params))
+
+    def model_state(self):
+        """The parameters as an nnx.State, for engines and checkpoints."""
+        return self.state.params
+
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state.params)
+
+
+def sampler_mismatch(batch: TrainBatch) -> dict[str, float]:
+    """How far the sampler's log-probs are from the learner's, on model tokens.
+
+    A broken weight sync or re-tokenization drift shows up here at once (it should be ~1e-5 on
+    one device in float32, and stay small in bf16)."""
+    m = batch.loss_mask > 0
+    if not m.any() or batch.old_logprobs is None:
+        return {}
+    diff = (batch.old_logprobs - batch.sampler_logprobs)[m]
+    ratio = np.exp(-diff)  # sampler -> learner importance ratio
+    return {"logprob_mismatch_mean": float(np.abs(diff).mean()), "logprob_mismatch_max": float(np.abs(diff).max()),
+            "importance_ratio_std": float(ratio.std()), "importance_ratio_max": float(ratio.max())}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
