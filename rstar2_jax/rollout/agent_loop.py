@@ -51,17 +51,20 @@ async def _run_tool(sandbox, call: ToolCall, timeout: float) -> ToolRecord:
 
 
 async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig = AgentConfig(), *,
-                    on_turn: Callable[[Turn], None] | None = None) -> Trajectory:
+                    on_turn: Callable[[Turn], None] | None = None, seed: int | None = None) -> Trajectory:
+    """seed: makes the trajectory reproducible (each turn samples from its own key) regardless of
+    what else the engine is batching; None draws from the engine's stream."""
     fmt = cfg.format
     prompt_ids = tokenizer.encode(fmt.prompt(problem))
     traj = Trajectory(prompt_len=len(prompt_ids), token_ids=[], loss_mask=[], logprobs=[])
     traj.append(prompt_ids, 0)
-    for _ in range(cfg.max_turns):
+    for turn_index in range(cfg.max_turns):
         budget = cfg.max_response_tokens - traj.num_response_tokens
         if budget <= 0:
             traj.finish_reason = "length"
             break
-        sampling = SamplingParams(max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        sampling = SamplingParams(max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                  seed=None if seed is None else seed * 1009 + turn_index)
         start = time.monotonic()
         comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end])
         traj.generation_s += time.monotonic() - start
@@ -70,7 +73,7 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
                     comp.version_start, comp.version_end)
         traj.turns.append(turn)
 
-        calls = parse_tool_calls(turn.text, fmt.tool_call_start, fmt.tool_call_end) if comp.finish_reason != "length" else []
+        calls = parse_tool_calls(turn.text, fmt.tool_call_start, fmt.tool_call_end, fmt.tool_name) if comp.finish_reason != "length" else []
         if comp.finish_reason == "stop" and not calls:
             calls = [ToolCall(turn.text, error=f"Tool call error: {fmt.tool_call_end} without {fmt.tool_call_start}")]
         if not calls:

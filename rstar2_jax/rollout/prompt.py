@@ -59,6 +59,7 @@ class PromptFormat:
     system: str = DEFAULT_SYSTEM
     user_template: str = DEFAULT_USER                # {problem}
     tools: tuple[dict, ...] = (PYTHON_TOOL_SCHEMA,)
+    tool_name: str = TOOL_NAME                       # the name a call must use
     tools_block: str = TOOLS_BLOCK                   # {tools}: one JSON schema per line; "" = none
     turn_start: str = "<|im_start|>"
     turn_end: str = "<|im_end|>"

@@ -21,6 +21,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0            # 0: off
     stop: tuple[str, ...] = ()
+    seed: int | None = None   # set: token i is drawn with fold_in(key(seed), i), whatever the batching
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -33,7 +34,11 @@ class SamplingParams:
 
 def sample(logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """logits [S, V]; temperature, top_p float [S]; top_k int [S]. Returns (tokens, logprobs) [S]."""
+    """logits [S, V]; temperature, top_p float [S]; top_k int [S]. Returns (tokens, logprobs) [S].
+
+    rng: one key for the whole batch, or one key per row (shape [S]) so that a row's sample does
+    not depend on which other rows share the batch.
+    """
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
@@ -51,6 +56,10 @@ def sample(logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_k: jax
     threshold = jnp.min(jnp.where(in_nucleus, ordered_kept, jnp.inf), axis=-1, keepdims=True)
     keep = keep & (scaled >= threshold)
 
-    sampled = jax.random.categorical(rng, jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    candidates = jnp.where(keep, scaled, -jnp.inf)
+    if rng.ndim == 1:  # per-row keys
+        sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(rng, candidates)
+    else:
+        sampled = jax.random.categorical(rng, candidates, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -56,6 +56,7 @@ class JaxEngine:
         self._graphdef, self._state = nnx.split(model)
         self._cache = init_cache(model.cfg, slots, max_len, dtype=model.dtype)
         self._rng = jax.random.key(seed)
+        self._idle_key = jax.random.key(0)
         self._active: list[_Request | None] = [None] * slots
         self._queue: asyncio.Queue[_Request] | None = None
         self._loop_task: asyncio.Task | None = None
@@ -74,7 +75,7 @@ class JaxEngine:
             values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
                            for v, r in zip(cache.values, row.values))
             last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
-            token, logp = sample(last, rng, temperature[None], top_k[None], top_p[None])
+            token, logp = sample(last, rng, temperature[None], top_k[None], top_p[None])  # rng: [1] keys
             return KVCache(keys, values), token[0], logp[0]
 
         def decode(state, cache: KVCache, tokens, positions, rng, temperature, top_k, top_p):
@@ -169,7 +170,11 @@ class JaxEngine:
         req = await self._queue.get()
         await self._admit(loop, self._active.index(None), req)
 
-    def _next_rng(self):
+    def _row_key(self, req: _Request):
+        """Key of the request's next token: from its own seed when it has one (reproducible
+        whatever else is batched with it), else from the engine's stream."""
+        if req.sampling.seed is not None:
+            return jax.random.fold_in(jax.random.key(req.sampling.seed), len(req.generated))
         self._rng, key = jax.random.split(self._rng)
         return key
 
@@ -182,7 +187,7 @@ class JaxEngine:
         tokens[0, :n] = req.prompt
         s = req.sampling
         req.version_start = self.version
-        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), self._next_rng(),
+        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), self._row_key(req)[None],
                 jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
         def run():
@@ -206,7 +211,8 @@ class JaxEngine:
                 temperature[slot] = req.sampling.temperature
                 top_k[slot] = req.sampling.top_k
                 top_p[slot] = req.sampling.top_p
-        args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), self._next_rng(),
+        keys = jnp.stack([self._row_key(req) if req is not None else self._idle_key for req in self._active])
+        args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), keys,
                 jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
 
         def run():

@@ -1,0 +1,1 @@
+"""Problem sets and synthetic tasks."""

@@ -1,0 +1,60 @@
+"""Supervised fine-tuning step: token-mean NLL over the loss mask (model turns only)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rstar2_jax.learner.batching import make_batch
+from rstar2_jax.learner.optimizer import make_optimizer
+from rstar2_jax.learner.train_step import TrainState
+from rstar2_jax.models.logprobs import token_logprobs
+
+
+def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask):
+    def loss(params):
+        lp = token_logprobs(nnx.merge(graphdef, params), tokens)
+        return -jnp.sum(lp * loss_mask) / jnp.maximum(loss_mask.sum(), 1.0)
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return TrainState(state.step + 1, params, opt_state), {"loss": value, "grad_norm": optax.global_norm(grads)}
+
+
+class SFTTrainer:
+    def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, pad_multiple: int = 64):
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.tx = make_optimizer(lr, warmup_steps, weight_decay, grad_clip=grad_clip)
+        self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+        self.pad_multiple = pad_multiple
+        self._step = jax.jit(partial(sft_step, self.graphdef, self.tx), donate_argnums=(0,))
+
+    def step(self, examples) -> dict[str, float]:
+        """examples: [(token_ids, loss_mask), ...]"""
+        ids = [e[0] for e in examples]
+        batch = make_batch(ids, [e[1] for e in examples], [[0.0] * len(t) for t in ids], [0.0] * len(ids),
+                           pad_multiple=self.pad_multiple)
+        self.state, metrics = self._step(self.state, jnp.asarray(batch.tokens), jnp.asarray(batch.loss_mask))
+        return {k: float(v) for k, v in metrics.items()}
+
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def params(self):
+        return self.state.params
+
+
+def iterate_batches(data, batch_size: int, seed: int):
+    """Endless shuffled batches over `data`."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(data))
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield [data[j] for j in order[i:i + batch_size]]
