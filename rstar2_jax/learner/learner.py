@@ -44,6 +44,7 @@ class Learner:
         self.cfg = cfg
         self.mesh = mesh
         self.graphdef, params = nnx.split(model, nnx.Param)
+        params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
         self.tx = make_optimizer(cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.b1, cfg.b2, grad_clip=cfg.grad_clip)
         if mesh is not None:
             params = jax.device_put(params, sharding_lib.param_shardings(params, mesh))

@@ -31,6 +31,7 @@ class SFTTrainer:
     def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, pad_multiple: int = 64):
         self.graphdef, params = nnx.split(model, nnx.Param)
+        params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
         self.tx = make_optimizer(lr, warmup_steps, weight_decay, grad_clip=grad_clip)
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
         self.pad_multiple = pad_multiple

@@ -1,0 +1,85 @@
+"""The CPU demo: a tiny Qwen3 learns to use the Python tool for multi-digit arithmetic.
+
+    python -m rstar2_jax.train --config=experiments/tiny_arith.py --workdir=runs/tiny_arith
+
+From nothing: builds the tiny model, SFTs it on synthetic traces (some imperfect: wrong copies,
+tool errors then fixes, answers without the tool), then trains with GRPO-RoC on the real sandbox,
+and prints accuracy / tool-error ratio / tool calls / length before and after RL.
+"""
+
+import ml_collections
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.run_name = "tiny_arith"
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""                    # HF directory; "" builds the tiny random model in the workdir
+    c.model.tiny_layers = 2
+    c.model.tiny_hidden = 128
+    c.model.dtype = "float32"            # compute dtype (params stay float32)
+    c.model.remat = "none"
+
+    c.data = ml_collections.ConfigDict()
+    c.data.task = "arith"                # synthetic multi-digit arithmetic
+    c.data.train_problems = 4000
+    c.data.eval_problems = 200
+
+    c.format = "tiny"                    # tiny | rstar2
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 350
+    c.sft.batch_size = 16
+    c.sft.lr = 2e-3
+    c.sft.warmup_steps = 30
+    c.sft.examples = 4000
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.slots = 32
+    c.rollout.max_len = 640
+    c.rollout.max_turns = 4
+    c.rollout.max_response_tokens = 400
+    c.rollout.temperature = 1.0
+    c.rollout.tool_timeout_s = 5.0
+
+    c.sandbox = ml_collections.ConfigDict()
+    c.sandbox.workers = 2
+    c.sandbox.isolation = "strict"
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.steps = 16
+    c.rl.batch_problems = 16
+    c.rl.group_size = 4                  # G kept per problem
+    c.rl.oversample = 2                  # 2G rollouts per problem
+    c.rl.lr = 2e-4
+    c.rl.warmup_steps = 2
+    c.rl.weight_decay = 0.0
+    c.rl.grad_clip = 1.0
+    c.rl.micro_batches = 1
+    c.rl.advantage = "grpo"
+    c.rl.max_staleness = 0
+    c.rl.roc = ml_collections.ConfigDict()
+    c.rl.roc.mode = "paper"              # paper | release | off
+    c.rl.roc.eps = 1e-3
+    c.rl.roc.min_neg = 2
+    c.rl.roc.min_pos = 2
+    c.rl.roc.reject_uniform_groups = True
+    c.rl.loss = ml_collections.ConfigDict()
+    c.rl.loss.name = "clip_higher"
+    c.rl.loss.eps_low = 0.2
+    c.rl.loss.eps_high = 0.28
+    c.rl.loss.dual_clip = ml_collections.config_dict.placeholder(float)
+
+    # Stages: from `start_step`, these rollout limits apply; `filter_solved_k` drops problems the
+    # latest policy solved k out of k times; `reset_optimizer` at the stage's first step.
+    c.stages = [dict(start_step=0, max_response_tokens=400, max_turns=4, filter_solved_k=0, reset_optimizer=False)]
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.before_and_after = True
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 4
+    c.checkpoint.keep = 2
+    return c

@@ -1,0 +1,1 @@
+"""The GRPO-RoC training loop and its parts."""

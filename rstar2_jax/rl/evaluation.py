@@ -1,0 +1,39 @@
+"""Rollouts over a problem set and the numbers a researcher reads off them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from rstar2_jax.rewards import answer_reward, tool_error_ratio
+from rstar2_jax.rollout import AgentConfig, Trajectory, run_agent
+
+
+@dataclasses.dataclass
+class Scored:
+    trajectory: Trajectory
+    reward: float
+
+
+async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str], golds: Sequence[str],
+                           cfg: AgentConfig, seeds: Sequence[int]) -> list[Scored]:
+    trajs = await asyncio.gather(*(run_agent(engine, sandbox, tokenizer, q, cfg, seed=s)
+                                   for q, s in zip(questions, seeds)))
+    return [Scored(t, answer_reward(t.response_text, g)) for t, g in zip(trajs, golds)]
+
+
+def summarize(scored: Sequence[Scored]) -> dict[str, float]:
+    """accuracy, tool-error ratio in correct trajectories, mean tool calls, mean response tokens."""
+    rewards = np.array([s.reward for s in scored])
+    correct = [s.trajectory for s in scored if s.reward > 0]
+    with_tools = [t for t in correct if t.tool_statuses]
+    return {
+        "accuracy": float(rewards.mean()) if len(rewards) else 0.0,
+        "tool_error_ratio_correct": float(np.mean([tool_error_ratio(t.tool_statuses) for t in with_tools]))
+        if with_tools else 0.0,
+        "mean_tool_calls": float(np.mean([len(s.trajectory.tool_statuses) for s in scored])) if scored else 0.0,
+        "mean_response_tokens": float(np.mean([s.trajectory.num_response_tokens for s in scored])) if scored else 0.0,
+    }

@@ -1,0 +1,259 @@
+"""The RL run: SFT warm start (optional), then GRPO-RoC steps with the embedded engine and sandbox.
+
+Every step: sample problems -> 2G rollouts each (agent loop, JaxEngine, LocalSandbox) -> rewards
+and RoC penalties -> RoC keeps G -> advantages -> learner update (old log-probs recomputed) ->
+weights to the engine -> traces (Parquet), metrics (JSONL + TensorBoard), checkpoint (orbax).
+
+Reproducible: every rollout's sampling seed and every RoC draw derive from (config seed, step,
+problem, sample), so a run resumed from its last checkpoint continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm.auto import tqdm
+
+import sandbox as sandbox_lib
+from rstar2_jax import models
+from rstar2_jax.data import arith
+from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
+from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
+from rstar2_jax.models import tiny
+from rstar2_jax.models.tokenizer import Tokenizer
+from rstar2_jax.rewards import extract_answer
+from rstar2_jax.rl.checkpoints import RunCheckpoints
+from rstar2_jax.rl.evaluation import rollout_problems, summarize
+from rstar2_jax.rl.grpo_roc import select_group
+from rstar2_jax.rollout import AgentConfig, PromptFormat
+from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.traces import TraceWriter, trajectory_record
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigValueError(ValueError):
+    pass
+
+
+def validate(cfg: ml_collections.ConfigDict):
+    def need(cond, msg):
+        if not cond:
+            raise ConfigValueError(f"invalid config: {msg}")
+    need(cfg.model.dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.model.dtype!r}")
+    need(cfg.format in ("tiny", "rstar2"), f"format must be tiny or rstar2, got {cfg.format!r}")
+    need(cfg.rl.roc.mode in ("paper", "release", "off"), f"rl.roc.mode must be paper, release or off, got {cfg.rl.roc.mode!r}")
+    need(cfg.rl.group_size >= 2, "rl.group_size must be >= 2 (advantages need a group)")
+    need(cfg.rl.oversample >= 1, "rl.oversample must be >= 1")
+    need(cfg.rl.batch_problems >= 1 and cfg.rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
+    need(cfg.rollout.max_response_tokens < cfg.rollout.max_len, "rollout.max_response_tokens must be < rollout.max_len")
+    need(len(cfg.stages) >= 1 and cfg.stages[0]["start_step"] == 0, "stages must start with start_step=0")
+    starts = [s["start_step"] for s in cfg.stages]
+    need(starts == sorted(starts), "stages must be ordered by start_step")
+    need(cfg.data.task == "arith" or os.path.exists(cfg.data.task), f"data.task: no such file {cfg.data.task!r}")
+
+
+def stage_index(cfg, step: int) -> int:
+    return max(i for i, s in enumerate(cfg.stages) if s["start_step"] <= step)
+
+
+class RLRun:
+    def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
+        validate(cfg)
+        self.cfg, self.workdir = cfg, os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.fmt: PromptFormat = arith.tiny_format() if cfg.format == "tiny" else PromptFormat()
+        model_dir = cfg.model.path or os.path.join(self.workdir, "base_model")
+        if not cfg.model.path and not os.path.exists(os.path.join(model_dir, "config.json")):
+            tiny.build_tiny_model(model_dir, seed=cfg.seed, num_layers=cfg.model.tiny_layers,
+                                         hidden_size=cfg.model.tiny_hidden, intermediate_size=3 * cfg.model.tiny_hidden)
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.model = models.load_pretrained(model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
+        self.model.remat = cfg.model.remat
+        self.train_problems = arith.make_problems(cfg.data.train_problems, seed=cfg.seed + 1)
+        self.eval_problems = arith.make_problems(cfg.data.eval_problems, seed=10_000 + cfg.seed)
+        self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep)
+        self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
+        self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
+        self.learner: Learner | None = None
+
+    # ------------------------------------------------------------------------------------------
+    def agent_config(self, step: int, temperature: float | None = None) -> AgentConfig:
+        stage = self.cfg.stages[stage_index(self.cfg, step)]
+        r = self.cfg.rollout
+        return AgentConfig(format=self.fmt, max_turns=stage["max_turns"], max_response_tokens=stage["max_response_tokens"],
+                           temperature=r.temperature if temperature is None else temperature, tool_timeout_s=r.tool_timeout_s)
+
+    def sft(self):
+        c = self.cfg.sft
+        data = arith.sft_dataset(self.tokenizer, self.fmt, c.examples, seed=self.cfg.seed + 2)
+        trainer = SFTTrainer(self.model, lr=c.lr, warmup_steps=c.warmup_steps, pad_multiple=32)
+        bar = tqdm(zip(range(c.steps), iterate_batches(data, c.batch_size, self.cfg.seed)), total=c.steps,
+                   desc="SFT", dynamic_ncols=True)
+        for i, batch in bar:
+            m = trainer.step(batch)
+            bar.set_postfix(loss=f"{m['loss']:.3f}")
+            self._log({"phase": "sft", "step": i, **m})
+        return trainer.params()
+
+    async def evaluate(self, engine, sb, step: int, label: str) -> dict[str, Any]:
+        probs = self.eval_problems
+        out = {}
+        for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
+            seeds = [hash((self.cfg.seed, label, i)) % (2 ** 31) for i in range(len(probs))]
+            scored = await rollout_problems(engine, sb, self.tokenizer, [p.question for p in probs],
+                                            [p.answer for p in probs], self.agent_config(step, temperature), seeds)
+            out[name] = summarize(scored)
+        self._log({"phase": "eval", "label": label, "step": step, **{f"{k}/{m}": v for k, s in out.items()
+                                                                         for m, v in s.items()}})
+        return out
+
+    def _log(self, record: dict[str, Any]):
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"time": time.time(), **record}) + "\n")
+        if record.get("phase") == "rl" and hasattr(self, "_tb"):
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, record["step"])
+
+    # ------------------------------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
+        cfg = self.cfg
+        lcfg = LearnerConfig(lr=cfg.rl.lr, warmup_steps=cfg.rl.warmup_steps, weight_decay=cfg.rl.weight_decay,
+                             grad_clip=cfg.rl.grad_clip,
+                             loss=LossConfig(cfg.rl.loss.name, cfg.rl.loss.eps_low, cfg.rl.loss.eps_high,
+                                             cfg.rl.loss.dual_clip, temperature=cfg.rollout.temperature,
+                                             micro_batches=cfg.rl.micro_batches))
+        latest = self.checkpoints.latest_step()
+        self.learner = Learner(self.model, lcfg)
+        meta = {"rl_step": 0, "data_pos": 0, "version": 0, "stage": 0, "results": {}}
+        if latest is not None:
+            state, meta = self.checkpoints.restore(latest, self.learner.state)
+            self.learner.state = state
+            self.learner.version = meta["version"]
+            print(f"resumed from {self.checkpoints.directory} step {latest}")
+        elif cfg.sft.steps > 0:
+            params = self.sft()
+            self.learner = Learner(self._model_with(params), lcfg)
+            self.checkpoints.save(0, self.learner.state, meta)
+        engine_model = self._model_with(self.learner.model_state())
+        async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
+                JaxEngine(engine_model, self.tokenizer, slots=cfg.rollout.slots, max_len=cfg.rollout.max_len,
+                          seed=cfg.seed) as engine:
+            engine.update_weights(self.learner.model_state(), self.learner.version)
+            results = dict(meta.get("results", {}))
+            if cfg.eval.before_and_after and "before" not in results:
+                results["before"] = await self.evaluate(engine, sb, meta["rl_step"], "before_rl")
+                meta["results"] = results
+            start = meta["rl_step"]
+            bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps, desc="GRPO-RoC",
+                       dynamic_ncols=True)
+            for step in bar:
+                metrics, meta = await self.rl_step(engine, sb, step, meta)
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                meta["rl_step"] = step + 1
+                meta["results"] = results
+                if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.rl.steps:
+                    self.checkpoints.save(step + 1, self.learner.state, meta)
+            if cfg.eval.before_and_after and "after" not in results:
+                results["after"] = await self.evaluate(engine, sb, cfg.rl.steps, "after_rl")
+        self._tb.close()
+        self.checkpoints.close()
+        with open(os.path.join(self.workdir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        return results
+
+    def _model_with(self, params):
+        from flax import nnx
+        graphdef, _ = nnx.split(self.model, nnx.Param)
+        return nnx.merge(graphdef, params)
+
+    async def rl_step(self, engine, sb, step: int, meta: dict[str, Any]):
+        cfg = self.cfg
+        stage_i = stage_index(cfg, step)
+        if stage_i != meta.get("stage", 0):
+            if cfg.stages[stage_i]["reset_optimizer"]:
+                self.learner.reset_optimizer()
+            meta["stage"] = stage_i
+        n_roll = cfg.rl.group_size * cfg.rl.oversample
+        pos = meta["data_pos"]
+        problems = [self.train_problems[(pos + i) % len(self.train_problems)] for i in range(cfg.rl.batch_problems)]
+        meta["data_pos"] = (pos + cfg.rl.batch_problems) % len(self.train_problems)
+        questions = [p.question for p in problems for _ in range(n_roll)]
+        golds = [p.answer for p in problems for _ in range(n_roll)]
+        seeds = [hash((cfg.seed, step, b, j)) % (2 ** 31) for b in range(len(problems)) for j in range(n_roll)]
+        start = time.monotonic()
+        scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
+        rollout_s = time.monotonic() - start
+        stale = [s for s in scored if s.trajectory.min_version < self.learner.version - cfg.rl.max_staleness]
+        if stale:
+            raise RuntimeError(f"step {step}: {len(stale)} rollouts are older than the allowed staleness")
+
+        rng = np.random.default_rng([cfg.seed, step])
+        rows, records = [], []
+        for b, problem in enumerate(problems):
+            group = scored[b * n_roll:(b + 1) * n_roll]
+            sel = select_group(group, cfg.rl.group_size, rng, mode=cfg.rl.roc.mode, eps=cfg.rl.roc.eps,
+                               min_neg=cfg.rl.roc.min_neg, min_pos=cfg.rl.roc.min_pos, advantage=cfg.rl.advantage,
+                               reject_uniform=cfg.rl.roc.reject_uniform_groups)
+            adv_of = dict(zip(sel.kept.tolist(), sel.advantages.tolist()))
+            for j, s in enumerate(group):
+                t = s.trajectory
+                if j in adv_of:
+                    rows.append((t, adv_of[j]))
+                records.append(trajectory_record(
+                    t, run=cfg.run_name, step=step, problem_id=problem.id, sample_index=j, problem=problem.question,
+                    gold=problem.answer, extracted_answer=extract_answer(t.response_text), reward=s.reward,
+                    p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
+                    advantage=float(adv_of.get(j, 0.0))))
+        self.traces.write(step, records)
+
+        train_metrics = {}
+        if rows:
+            batch = make_batch([t.token_ids for t, _ in rows], [t.loss_mask for t, _ in rows],
+                               [t.logprobs for t, _ in rows], [a for _, a in rows], pad_multiple=32,
+                               rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
+            train_metrics = self.learner.update(batch)
+            engine.update_weights(self.learner.model_state(), self.learner.version)
+        rewards = np.array([s.reward for s in scored])
+        correct = [s.trajectory for s in scored if s.reward > 0 and s.trajectory.tool_statuses]
+        gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in scored)
+        metrics = {
+            "phase": "rl", "step": step, "stage": meta["stage"], "reward_mean": float(rewards.mean()),
+            "p_err_correct": float(np.mean([sum(x != "ok" for x in t.tool_statuses) / len(t.tool_statuses)
+                                            for t in correct])) if correct else 0.0,
+            "kept_rollouts": len(rows), "rollout_s": rollout_s, "tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
+            "mean_response_tokens": float(np.mean([s.trajectory.num_response_tokens for s in scored])),
+            "mean_tool_calls": float(np.mean([len(s.trajectory.tool_statuses) for s in scored])),
+            **train_metrics,
+        }
+        self._log(metrics)
+        return metrics, meta
+
+
+def format_results(results: dict[str, Any]) -> str:
+    rows = [("", "accuracy greedy", "accuracy sampled", "tool-error ratio (correct)", "tool calls", "response tokens")]
+    for label in ("before", "after"):
+        if label in results:
+            g, s = results[label]["greedy"], results[label]["sampled"]
+            rows.append((f"{label} RL", f"{g['accuracy']:.1%}", f"{s['accuracy']:.1%}",
+                         f"{s['tool_error_ratio_correct']:.3f}", f"{s['mean_tool_calls']:.2f}",
+                         f"{s['mean_response_tokens']:.0f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def run(cfg, workdir: str) -> dict[str, Any]:
+    return asyncio.run(RLRun(cfg, workdir).run())

@@ -1,0 +1,35 @@
+"""GRPO-RoC training from an ml-collections config.
+
+    python -m rstar2_jax.train --config=experiments/tiny_arith.py --workdir=runs/tiny_arith \
+        [--config.rl.roc.mode=off] [--config.rl.steps=40]
+
+Any field is overridable as --config.a.b=value; an unknown field or a bad value stops with a clear
+message before anything runs. Re-running with the same --workdir resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (a .py file with get_config())")
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, traces, metrics", required=True)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from rstar2_jax.rl.trainer import ConfigValueError, format_results, run
+
+    cfg = _CONFIG.value
+    if cfg is None:
+        raise app.UsageError("--config is required, e.g. --config=experiments/tiny_arith.py")
+    try:
+        results = run(cfg, _WORKDIR.value)
+    except ConfigValueError as e:
+        raise app.UsageError(str(e)) from None
+    print("\n" + format_results(results))
+
+
+if __name__ == "__main__":
+    app.run(main)
