@@ -26,6 +26,7 @@ def get_config():
     c.data.task = "arith"                # synthetic multi-digit arithmetic
     c.data.train_problems = 4000
     c.data.eval_problems = 200
+    c.data.eval_path = ""                # JSONL evaluation set when task is a JSONL file
 
     c.format = "tiny"                    # tiny | rstar2
 
@@ -78,6 +79,9 @@ def get_config():
 
     c.eval = ml_collections.ConfigDict()
     c.eval.before_and_after = True
+
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # used when more than one device
+    c.distributed = False                # jax.distributed.initialize() (multi-host)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 4

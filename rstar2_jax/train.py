@@ -24,6 +24,9 @@ def main(argv):
     cfg = _CONFIG.value
     if cfg is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/tiny_arith.py")
+    if cfg.get("distributed", False):
+        import jax
+        jax.distributed.initialize()  # coordinator / process ids from the cluster environment
     try:
         results = run(cfg, _WORKDIR.value)
     except ConfigValueError as e:

@@ -16,14 +16,16 @@ import os
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
 import sandbox as sandbox_lib
-from rstar2_jax import models
+from rstar2_jax import models, sharding
 from rstar2_jax.data import arith
+from rstar2_jax.data.problems import load_problems
 from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models import tiny
@@ -58,6 +60,9 @@ def validate(cfg: ml_collections.ConfigDict):
     starts = [s["start_step"] for s in cfg.stages]
     need(starts == sorted(starts), "stages must be ordered by start_step")
     need(cfg.data.task == "arith" or os.path.exists(cfg.data.task), f"data.task: no such file {cfg.data.task!r}")
+    if cfg.data.task != "arith":
+        need(os.path.exists(cfg.data.get("eval_path", "")), "data.eval_path: a JSONL file of evaluation problems")
+        need(cfg.sft.steps == 0, "sft.steps must be 0 for JSONL tasks (fine-tune first with python -m rstar2_jax.sft)")
 
 
 def stage_index(cfg, step: int) -> int:
@@ -78,8 +83,12 @@ class RLRun:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model = models.load_pretrained(model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
         self.model.remat = cfg.model.remat
-        self.train_problems = arith.make_problems(cfg.data.train_problems, seed=cfg.seed + 1)
-        self.eval_problems = arith.make_problems(cfg.data.eval_problems, seed=10_000 + cfg.seed)
+        if cfg.data.task == "arith":
+            self.train_problems = arith.make_problems(cfg.data.train_problems, seed=cfg.seed + 1)
+            self.eval_problems = arith.make_problems(cfg.data.eval_problems, seed=10_000 + cfg.seed)
+        else:  # JSONL problem sets (problem/answer per line)
+            self.train_problems = load_problems(cfg.data.task, limit=cfg.data.train_problems or None)
+            self.eval_problems = load_problems(cfg.data.eval_path, limit=cfg.data.eval_problems or None)
         self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep)
         self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
         self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
@@ -136,7 +145,10 @@ class RLRun:
                                              cfg.rl.loss.dual_clip, temperature=cfg.rollout.temperature,
                                              micro_batches=cfg.rl.micro_batches))
         latest = self.checkpoints.latest_step()
-        self.learner = Learner(self.model, lcfg)
+        self.mesh = None
+        if "mesh" in cfg and jax.device_count() > 1:
+            self.mesh = sharding.make_mesh(**cfg.mesh)
+        self.learner = Learner(self.model, lcfg, mesh=self.mesh)
         meta = {"rl_step": 0, "data_pos": 0, "version": 0, "stage": 0, "results": {}}
         if latest is not None:
             state, meta = self.checkpoints.restore(latest, self.learner.state)
@@ -145,7 +157,7 @@ class RLRun:
             print(f"resumed from {self.checkpoints.directory} step {latest}")
         elif cfg.sft.steps > 0:
             params = self.sft()
-            self.learner = Learner(self._model_with(params), lcfg)
+            self.learner = Learner(self._model_with(params), lcfg, mesh=self.mesh)
             self.checkpoints.save(0, self.learner.state, meta)
         engine_model = self._model_with(self.learner.model_state())
         async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \

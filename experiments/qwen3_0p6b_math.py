@@ -1,0 +1,38 @@
+"""One GPU: GRPO-RoC on a local Qwen3-0.6B checkpoint (already SFT'd for the tool format) and a
+JSONL math set.
+
+    python -m rstar2_jax.train --config=experiments/qwen3_0p6b_math.py:/path/to/qwen3-0.6b,/path/train.jsonl \
+        --workdir=runs/qwen3_0p6b --config.data.eval_path=../shared/data/aime24.jsonl
+"""
+
+from experiments import tiny_arith
+
+
+def get_config(arg: str = ""):
+    model_path, _, train_jsonl = (arg or ",").partition(",")
+    c = tiny_arith.get_config()
+    c.run_name = "qwen3_0p6b_math"
+    c.model.path = model_path
+    c.model.dtype = "bfloat16"
+    c.model.remat = "full"
+    c.format = "rstar2"
+    c.data.task = train_jsonl or "train.jsonl"
+    c.data.train_problems = 0            # all
+    c.data.eval_problems = 0
+    c.data.eval_path = "../shared/data/aime24.jsonl"
+    c.sft.steps = 0
+    c.rollout.slots = 64
+    c.rollout.max_len = 8192 + 1024
+    c.rollout.max_turns = 10
+    c.rollout.max_response_tokens = 8192
+    c.rl.steps = 300
+    c.rl.batch_problems = 32
+    c.rl.group_size = 8
+    c.rl.oversample = 2
+    c.rl.lr = 1e-6
+    c.rl.warmup_steps = 20
+    c.rl.micro_batches = 16
+    c.stages = [dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, reset_optimizer=False)]
+    c.sandbox.workers = 32
+    c.checkpoint.every = 20
+    return c

@@ -1,0 +1,43 @@
+"""The paper's recipe, as written in rStar2-Agent (arXiv 2508.20722), for Qwen3-14B-Base after the
+non-reasoning SFT stage, on 64 GPUs.
+
+512 prompts x 32 rollouts -> 16 kept (RoC); lr 1e-6 (AdamW, 20-step warm-up, then constant);
+temperature 1.0; no KL, no entropy; clip-higher 0.2 / 0.28; stage 1: 8K tokens, 10 turns, to
+step 300; stage 2: 12K tokens to step 385; stage 3: 12K tokens, 15 turns, problems the policy
+solves 8/8 dropped, optimizer reset, to step 510.
+
+    python -m rstar2_jax.train --config=experiments/rstar2_agent_14b.py:/ckpt/qwen3-14b-sft,/data/train.jsonl \
+        --workdir=/runs/rstar2_14b --config.distributed=True
+"""
+
+from experiments import qwen3_0p6b_math
+
+
+def get_config(arg: str = ""):
+    c = qwen3_0p6b_math.get_config(arg)
+    c.run_name = "rstar2_agent_14b"
+    c.distributed = True
+    c.mesh.data = 1
+    c.mesh.fsdp = 16
+    c.mesh.tensor = 4                    # 64 GPUs: FSDP 16 x tensor 4
+    c.rollout.max_len = 12288 + 1024
+    c.rollout.max_turns = 15
+    c.rollout.max_response_tokens = 12288
+    c.rollout.temperature = 1.0
+    c.rl.steps = 510
+    c.rl.batch_problems = 512
+    c.rl.group_size = 16
+    c.rl.oversample = 2
+    c.rl.lr = 1e-6
+    c.rl.warmup_steps = 20
+    c.rl.micro_batches = 64
+    c.rl.roc.mode = "paper"
+    c.stages = [
+        dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, reset_optimizer=False),
+        dict(start_step=300, max_response_tokens=12288, max_turns=10, filter_solved_k=0, reset_optimizer=False),
+        dict(start_step=385, max_response_tokens=12288, max_turns=15, filter_solved_k=8, reset_optimizer=True),
+    ]
+    c.sandbox.workers = 64
+    c.checkpoint.every = 10
+    c.checkpoint.keep = 5
+    return c
