@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv venv-dev redis clean
+.PHONY: demo clean-demo test venv venv-dev redis clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,10 +30,13 @@ redis:
 	      || { echo "could not install redis-server with apt-get"; exit 1; }; \
 	  else echo "redis-server is missing: run 'sudo apt-get install redis-server' and retry"; exit 1; fi; }
 
-# Until the RL trainer lands: build the tiny random model and sample from it with the KV cache.
+# The CPU demo: tiny model -> SFT -> GRPO-RoC with the real sandbox; prints before/after RL.
+# Re-running resumes (or just reports) the run in runs/tiny_arith; `make clean-demo` starts over.
 demo: $(VENV)/.runtime
-	$(PY) -m rstar2_jax.generate --model runs/tiny_model --build_tiny \
-	  --prompt "What is 12345 * 6789?" --prompt "Write Python that prints 2**100." --max_new_tokens 48
+	$(PY) -m rstar2_jax.train --config=experiments/tiny_arith.py --workdir=runs/tiny_arith
+
+clean-demo:
+	rm -rf runs/tiny_arith
 
 test: $(VENV)/.dev redis
 	$(PY) -m pytest $(PYTEST_ARGS)

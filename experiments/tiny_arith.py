@@ -50,7 +50,7 @@ def get_config():
     c.sandbox.isolation = "strict"
 
     c.rl = ml_collections.ConfigDict()
-    c.rl.steps = 16
+    c.rl.steps = 12
     c.rl.batch_problems = 16
     c.rl.group_size = 4                  # G kept per problem
     c.rl.oversample = 2                  # 2G rollouts per problem

@@ -1,0 +1,47 @@
+"""Supervised fine-tuning on chat / tool-call JSONL (the paper's non-reasoning SFT stage).
+
+    python -m rstar2_jax.sft --model DIR --data train.jsonl --out runs/sft_model [--steps 1000]
+
+Writes a HF directory (same format as the input; the RL config loads it as model.path).
+"""
+
+from __future__ import annotations
+
+from absl import app, flags, logging
+
+_MODEL = flags.DEFINE_string("model", None, "HF model directory", required=True)
+_DATA = flags.DEFINE_string("data", None, "JSONL of {'messages': [...]} conversations", required=True)
+_OUT = flags.DEFINE_string("out", None, "output HF directory", required=True)
+_STEPS = flags.DEFINE_integer("steps", 1000, "optimizer steps")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "conversations per step")
+_LR = flags.DEFINE_float("lr", 1e-5, "peak learning rate")
+_WARMUP = flags.DEFINE_integer("warmup_steps", 50, "linear warm-up steps")
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "conversations are cut to this many tokens")
+_SEED = flags.DEFINE_integer("seed", 0, "shuffling seed")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from tqdm.auto import tqdm
+
+    from rstar2_jax import models
+    from rstar2_jax.data.chat_sft import load_conversations, tokenize_conversation
+    from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
+    from rstar2_jax.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(_MODEL.value)
+    data = [tuple(x[:_MAX_LEN.value] for x in tokenize_conversation(tokenizer, row))
+            for row in load_conversations(_DATA.value)]
+    model = models.load_pretrained(_MODEL.value)
+    trainer = SFTTrainer(model, lr=_LR.value, warmup_steps=_WARMUP.value)
+    bar = tqdm(zip(range(_STEPS.value), iterate_batches(data, min(_BATCH.value, len(data)), _SEED.value)),
+               total=_STEPS.value, desc="SFT")
+    for _, batch in bar:
+        bar.set_postfix(loss=f"{trainer.step(batch)['loss']:.4f}")
+    models.save_pretrained(trainer.model(), _OUT.value, tokenizer_dir=_MODEL.value)
+    print(f"saved {_OUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)
