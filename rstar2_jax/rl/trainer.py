@@ -187,6 +187,19 @@ class RLRun:
             json.dump(results, f, indent=2)
         return results
 
+    def _next_problems(self, pos: int, skip: set[str]):
+        """The next batch of training problems from `pos` (wrapping), skipping `skip` ids."""
+        n = len(self.train_problems)
+        if len(skip) >= n:
+            raise RuntimeError("every training problem has been filtered out as solved")
+        batch = []
+        while len(batch) < self.cfg.rl.batch_problems:
+            p = self.train_problems[pos % n]
+            pos = (pos + 1) % n
+            if p.id not in skip:
+                batch.append(p)
+        return batch, pos
+
     def _model_with(self, params):
         from flax import nnx
         graphdef, _ = nnx.split(self.model, nnx.Param)
@@ -200,9 +213,8 @@ class RLRun:
                 self.learner.reset_optimizer()
             meta["stage"] = stage_i
         n_roll = cfg.rl.group_size * cfg.rl.oversample
-        pos = meta["data_pos"]
-        problems = [self.train_problems[(pos + i) % len(self.train_problems)] for i in range(cfg.rl.batch_problems)]
-        meta["data_pos"] = (pos + cfg.rl.batch_problems) % len(self.train_problems)
+        filter_k = int(cfg.stages[stage_i].get("filter_solved_k", 0) or 0)
+        problems, meta["data_pos"] = self._next_problems(meta["data_pos"], set(meta.get("solved", [])) if filter_k else set())
         questions = [p.question for p in problems for _ in range(n_roll)]
         golds = [p.answer for p in problems for _ in range(n_roll)]
         seeds = [hash((cfg.seed, step, b, j)) % (2 ** 31) for b in range(len(problems)) for j in range(n_roll)]
@@ -231,6 +243,12 @@ class RLRun:
                     p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
                     advantage=float(adv_of.get(j, 0.0))))
         self.traces.write(step, records)
+        if filter_k and n_roll >= filter_k:
+            # the stage's data filter: a problem the latest policy solved k/k teaches nothing more
+            solved = set(meta.get("solved", []))
+            solved.update(p.id for b, p in enumerate(problems)
+                          if all(s.reward > 0 for s in scored[b * n_roll:(b + 1) * n_roll]))
+            meta["solved"] = sorted(solved)
 
         train_metrics = {}
         if rows:

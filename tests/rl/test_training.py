@@ -120,3 +120,14 @@ def test_validate_directly():
     with pytest.raises(ConfigValueError, match="max_response_tokens must be < rollout.max_len"):
         RLRun(cfg, "/tmp/never-created-rl-run")
     assert not os.path.exists("/tmp/never-created-rl-run")
+
+
+def test_stage_filter_drops_problems_solved_k_of_k(tmp_path):
+    from rstar2_jax.data.arith import Problem
+
+    rl = RLRun(small_config(), str(tmp_path))
+    rl.train_problems = [Problem(str(i), f"q{i}", "1", "1") for i in range(5)]
+    batch, pos = rl._next_problems(3, skip={"4", "0"})
+    assert [p.id for p in batch] == ["3", "1"] and pos == 2
+    with pytest.raises(RuntimeError, match="filtered out"):
+        rl._next_problems(0, skip={str(i) for i in range(5)})
