@@ -1,20 +1,28 @@
-"""The RoC ablation grid on the CPU task: selection mode x (group, oversample).
+"""The RoC ablation grid on the CPU task: selection mode x (kept group G, oversampling) x eps.
 
-    python -m rstar2_jax.train --config=experiments/roc_ablation.py:off,4,2 --workdir=runs/roc_off_4_2
+    python -m rstar2_jax.train --config=experiments/roc_ablation.py:off,4,2,0.001 --workdir=runs/roc_off_4_2
 
-`get_config("MODE,G,OVERSAMPLE")` gives one cell; `GRID` lists them all.
+`get_config("MODE,G,OVERSAMPLE[,EPS]")` gives one cell; `GRID` lists them all (mode "off" ignores
+eps: plain GRPO draws uniformly).
 """
 
 from experiments import tiny_arith
 
-GRID = [(mode, g, o) for mode in ("off", "paper", "release") for g, o in ((4, 2), (2, 2), (4, 1))]
+GRID = ([("off", g, o, 1e-3) for g, o in ((4, 2), (2, 2), (4, 1))]
+        + [(mode, g, o, eps) for mode in ("paper", "release") for g, o in ((4, 2), (2, 2), (4, 1))
+           for eps in (1e-3, 0.1)])
 
 
-def get_config(arg: str = "paper,4,2"):
-    mode, g, o = arg.split(",")
+def get_config(arg: str = "paper,4,2,0.001"):
+    parts = arg.split(",")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"roc_ablation config takes MODE,G,OVERSAMPLE[,EPS], got {arg!r}")
+    mode, g, o = parts[0], int(parts[1]), int(parts[2])
+    eps = float(parts[3]) if len(parts) == 4 else 1e-3
     c = tiny_arith.get_config()
-    c.run_name = f"roc_{mode}_{g}_{o}"
+    c.run_name = f"roc_{mode}_{g}_{o}_{eps:g}"
     c.rl.roc.mode = mode
-    c.rl.group_size = int(g)
-    c.rl.oversample = int(o)
+    c.rl.roc.eps = eps
+    c.rl.group_size = g
+    c.rl.oversample = o
     return c

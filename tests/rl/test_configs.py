@@ -1,0 +1,32 @@
+"""Every experiment config builds and passes validation (paths aside)."""
+
+import pytest
+
+from experiments import qwen3_0p6b_math, roc_ablation, rstar2_agent_14b, tiny_arith
+from rstar2_jax.rl.trainer import ConfigValueError, validate
+
+
+def test_tiny_arith_validates():
+    validate(tiny_arith.get_config())
+
+
+@pytest.mark.parametrize("cell", roc_ablation.GRID)
+def test_roc_grid_cells_validate(cell):
+    cfg = roc_ablation.get_config(",".join(map(str, cell)))
+    validate(cfg)
+    assert (cfg.rl.roc.mode, cfg.rl.group_size, cfg.rl.oversample, cfg.rl.roc.eps) == cell
+
+
+def test_paper_recipe_matches_the_paper():
+    c = rstar2_agent_14b.get_config("/m,/d.jsonl")
+    assert (c.rl.batch_problems, c.rl.group_size * c.rl.oversample, c.rl.group_size) == (512, 32, 16)
+    assert c.rl.lr == 1e-6 and c.rollout.temperature == 1.0 and c.rl.steps == 510
+    assert [(s["start_step"], s["max_response_tokens"], s["max_turns"], s["filter_solved_k"], s["reset_optimizer"])
+            for s in c.stages] == [(0, 8192, 10, 0, False), (300, 12288, 10, 0, False), (385, 12288, 15, 8, True)]
+    assert c.mesh.fsdp * c.mesh.tensor * c.mesh.data == 64 and c.distributed
+
+
+def test_jsonl_configs_need_their_files(tmp_path):
+    c = qwen3_0p6b_math.get_config(f"{tmp_path},{tmp_path / 'missing.jsonl'}")
+    with pytest.raises(ConfigValueError, match="data.task: no such file"):
+        validate(c)
