@@ -12,7 +12,8 @@ sides (documented here because the paper and the released code differ):
 - "release": microsoft/rStar's released roc.py: both sides sorted by penalty (lowest first),
   proportional counts with Python's round, at least `min_neg` / `min_pos` per side when available,
   the first k of each side; and when both proportional counts fall below their minimums, the whole
-  group is kept (that code's behaviour: the group is not down-sampled at all).
+  group is kept (that code's behaviour: the group is not down-sampled at all). Where that code's
+  independent rounding would not sum to `keep` (never for 2G -> G), positives get the remainder.
 - "off": plain GRPO on `keep` rollouts drawn uniformly at random.
 
 `roc_select` is pure given `rng` (a numpy Generator).
@@ -65,12 +66,19 @@ def _release(neg, pos, penalties, keep, n, min_neg, min_pos) -> np.ndarray:
     n_pos = round(len(pos) * keep / n)
     if n_neg < min_neg and n_pos < min_pos:
         return np.arange(n)
+    # The released code rounds both sides independently and asserts they sum to `keep`; with
+    # 2G -> G and Python's half-to-even rounding they always do. For other ratios they may not
+    # (10 -> 7 with 5/5 gives 4 + 4): positives then take what negatives leave.
+    n_pos = keep - n_neg
     if n_neg <= min(min_neg, len(neg)):
         n_neg = min(min_neg, len(neg))
         n_pos = keep - n_neg
     if n_pos <= min(min_pos, len(pos)):
         n_pos = min(min_pos, len(pos))
         n_neg = keep - n_pos
+    n_pos = min(n_pos, len(pos))
+    n_neg = min(keep - n_pos, len(neg))
+    n_pos = keep - n_neg
     return np.sort(np.asarray(pos[:n_pos] + neg[:n_neg], dtype=np.int64))
 
 
