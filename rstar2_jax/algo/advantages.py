@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import numpy as np
 
+from rstar2_jax.algo.registry import lookup, register
+
 ADVANTAGES: dict[str, Callable[..., np.ndarray]] = {}
-
-
-def register_advantage(name: str):
-    def deco(fn):
-        ADVANTAGES[name] = fn
-        return fn
-    return deco
+register_advantage = partial(register, ADVANTAGES)
 
 
 @register_advantage("grpo")
@@ -32,6 +29,4 @@ def mean_centred_advantages(rewards, eps: float = 1e-6) -> np.ndarray:
 
 
 def advantages(name: str, rewards, eps: float = 1e-6) -> np.ndarray:
-    if name not in ADVANTAGES:
-        raise ValueError(f"unknown advantage {name!r}; registered: {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name](rewards, eps=eps)
+    return lookup(ADVANTAGES, name, "advantage")(rewards, eps=eps)

@@ -7,18 +7,15 @@ the *count*; the caller divides once by the total count of the whole batch.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax.numpy as jnp
 
+from rstar2_jax.algo.registry import lookup, register
+
 LOSSES: dict[str, Callable] = {}
-
-
-def register_loss(name: str):
-    def deco(fn):
-        LOSSES[name] = fn
-        return fn
-    return deco
+register_loss = partial(register, LOSSES)
 
 
 @register_loss("clip_higher")
@@ -53,6 +50,4 @@ def kl_penalty(logprobs, ref_logprobs, mask):
 
 
 def loss_fn(name: str):
-    if name not in LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(LOSSES)}")
-    return LOSSES[name]
+    return lookup(LOSSES, name, "policy loss")

@@ -7,36 +7,25 @@ end-of-turn token) and 0 on everything else, role headers included.
 
 from __future__ import annotations
 
-import json
 import os
 
-from rstar2_jax.data.problems import DataError
+from rstar2_jax.data.jsonl import DataError, iter_jsonl
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def load_conversations(path: str | os.PathLike) -> list[dict]:
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"SFT data not found: {path}")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            msgs = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(msgs, list) or not msgs:
-                raise DataError(f"{path}:{lineno}: expected a non-empty 'messages' list")
-            for m in msgs:
-                if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
-                    raise DataError(f"{path}:{lineno}: each message needs a role in {ROLES} and string content")
-            if not any(m["role"] == "assistant" for m in msgs):
-                raise DataError(f"{path}:{lineno}: no assistant message to learn from")
-            out.append(row)
+    for path, lineno, row in iter_jsonl(path, "SFT data"):
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{path}:{lineno}: expected a non-empty 'messages' list")
+        for m in msgs:
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
+                raise DataError(f"{path}:{lineno}: each message needs a role in {ROLES} and string content")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{path}:{lineno}: no assistant message to learn from")
+        out.append(row)
     return out
 
 

@@ -7,15 +7,12 @@ takes the first present of each list. A malformed line is an error naming file a
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+
+from rstar2_jax.data.jsonl import DataError, iter_jsonl
 
 QUESTION_FIELDS = ("problem", "question", "prompt")
 ANSWER_FIELDS = ("answer", "gold", "final_answer")
-
-
-class DataError(ValueError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,29 +23,19 @@ class MathProblem:
 
 
 def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[MathProblem]:
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"problem file not found: {path}")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object")
-            question = next((row[k] for k in QUESTION_FIELDS if isinstance(row.get(k), str)), None)
-            answer = next((row[k] for k in ANSWER_FIELDS if row.get(k) is not None), None)
-            if question is None:
-                raise DataError(f"{path}:{lineno}: no problem text (one of {QUESTION_FIELDS})")
-            if answer is None:
-                raise DataError(f"{path}:{lineno}: no answer (one of {ANSWER_FIELDS})")
-            if isinstance(answer, float) and answer.is_integer():
-                answer = int(answer)  # AMC23 stores 27.0
-            out.append(MathProblem(str(row.get("id", lineno)), question, str(answer)))
-            if limit is not None and len(out) >= limit:
-                break
+    for path, lineno, row in iter_jsonl(path, "problem file"):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object")
+        question = next((row[k] for k in QUESTION_FIELDS if isinstance(row.get(k), str)), None)
+        answer = next((row[k] for k in ANSWER_FIELDS if row.get(k) is not None), None)
+        if question is None:
+            raise DataError(f"{path}:{lineno}: no problem text (one of {QUESTION_FIELDS})")
+        if answer is None:
+            raise DataError(f"{path}:{lineno}: no answer (one of {ANSWER_FIELDS})")
+        if isinstance(answer, float) and answer.is_integer():
+            answer = int(answer)  # AMC23 stores 27.0
+        out.append(MathProblem(str(row.get("id", lineno)), question, str(answer)))
+        if limit is not None and len(out) >= limit:
+            break
     return out

@@ -1,22 +1,13 @@
 """The train step on 8 fake CPU devices equals the single-device step."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.fake_devices import run_on_8_fake_devices
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "tests.learner.sharded_step_main"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_on_8_fake_devices("tests.learner.sharded_step_main")
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["fsdp=8", "data=2,fsdp=2,tensor=2"])

@@ -1,25 +1,15 @@
 """Sharded forward on 8 fake CPU devices equals the unsharded forward."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from rstar2_jax import sharding
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.fake_devices import run_on_8_fake_devices
 
 
 @pytest.fixture(scope="module")
 def sharded_results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "tests.models.sharded_forward_main"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_on_8_fake_devices("tests.models.sharded_forward_main")
 
 
 @pytest.mark.parametrize("index,axes", [(0, "fsdp=8"), (1, "fsdp=4,tensor=2"), (2, "data=2,fsdp=2,tensor=2")])

@@ -91,7 +91,10 @@ def test_killed_worker_job_is_redelivered_and_client_gets_exactly_one_result(red
                 stop(second)
             return result, r
 
-    result, r = asyncio.run(scenario())
+    try:
+        result, r = asyncio.run(scenario())
+    finally:
+        stop(first)  # already dead unless the scenario failed before killing it
     assert (result.status, result.stdout) == ("ok", "done\n")
     assert wait_no_processes({61000, 61001}) == []  # the killed worker's calls died with it
     assert [r.llen(k) for k in r.scan_iter("sandbox:result:*")] in ([], [0])  # nothing left to deliver twice
