@@ -11,6 +11,7 @@ problem, sample), so a run resumed from its last checkpoint continues exactly as
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -65,6 +66,11 @@ def validate(cfg: ml_collections.ConfigDict):
         need(cfg.sft.steps == 0, "sft.steps must be 0 for JSONL tasks (fine-tune first with python -m rstar2_jax.sft)")
 
 
+def stable_seed(*parts) -> int:
+    """A 31-bit seed from parts, the same in every process (unlike hash() of strings)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") >> 1
+
+
 def stage_index(cfg, step: int) -> int:
     return max(i for i, s in enumerate(cfg.stages) if s["start_step"] <= step)
 
@@ -117,7 +123,7 @@ class RLRun:
         probs = self.eval_problems
         out = {}
         for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
-            seeds = [hash((self.cfg.seed, label, i)) % (2 ** 31) for i in range(len(probs))]
+            seeds = [stable_seed(self.cfg.seed, label, name, i) for i in range(len(probs))]
             scored = await rollout_problems(engine, sb, self.tokenizer, [p.question for p in probs],
                                             [p.answer for p in probs], self.agent_config(step, temperature), seeds)
             out[name] = summarize(scored)
@@ -217,7 +223,7 @@ class RLRun:
         problems, meta["data_pos"] = self._next_problems(meta["data_pos"], set(meta.get("solved", [])) if filter_k else set())
         questions = [p.question for p in problems for _ in range(n_roll)]
         golds = [p.answer for p in problems for _ in range(n_roll)]
-        seeds = [hash((cfg.seed, step, b, j)) % (2 ** 31) for b in range(len(problems)) for j in range(n_roll)]
+        seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
         start = time.monotonic()
         scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
         rollout_s = time.monotonic() - start

@@ -30,3 +30,17 @@ def test_jsonl_configs_need_their_files(tmp_path):
     c = qwen3_0p6b_math.get_config(f"{tmp_path},{tmp_path / 'missing.jsonl'}")
     with pytest.raises(ConfigValueError, match="data.task: no such file"):
         validate(c)
+
+
+def test_rollout_seeds_are_the_same_in_every_process():
+    import os
+    import subprocess
+    import sys
+
+    from rstar2_jax.rl.trainer import stable_seed
+
+    code = "from rstar2_jax.rl.trainer import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONHASHSEED="12345"), check=True).stdout
+    assert int(out) == stable_seed(0, "before_rl", "greedy", 3) and 0 <= int(out) < 2 ** 31
