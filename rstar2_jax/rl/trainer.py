@@ -86,6 +86,8 @@ class RLRun:
             tiny.build_tiny_model(model_dir, seed=cfg.seed, num_layers=cfg.model.tiny_layers,
                                          hidden_size=cfg.model.tiny_hidden, intermediate_size=3 * cfg.model.tiny_hidden)
         self.model_dir = model_dir
+        with open(os.path.join(self.workdir, "run.json"), "w") as f:  # what evaluate --checkpoint loads
+            json.dump({"model_dir": os.path.abspath(model_dir), "run_name": cfg.run_name}, f, indent=2)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model = models.load_pretrained(model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
         self.model.remat = cfg.model.remat

@@ -51,6 +51,13 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path):
     assert [l["phase"] for l in lines].count("rl") == 2 and any(l["phase"] == "sft" for l in lines)
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
     assert os.listdir(tmp_path / "tensorboard")
+    # the trained policy evaluates straight from the run directory
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--checkpoint={tmp_path}", "--benchmarks=aime24",
+                           f"--data_dir={os.path.join(ROOT, '..', 'shared', 'data')}", "--limit=1", "--samples=1",
+                           "--max_tokens=20", "--max_turns=1", "--format=tiny", f"--out={tmp_path / 'eval'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "eval" / "results.json").read_text())["results"]["aime24"]["problems"] == 1
 
 
 def _rl_lines(path):

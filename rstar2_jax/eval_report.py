@@ -1,0 +1,42 @@
+"""Benchmark scoring under rStar2-Agent's protocol: k samples per problem, pass@1 averaged over
+samples, with a 95% interval over problems."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from rstar2_jax.rewards import tool_error_ratio
+from rstar2_jax.rl.evaluation import Scored
+
+BENCHMARK_FILES = {"aime24": "aime24.jsonl", "aime25": "aime25.jsonl", "math500": "math_500.jsonl",
+                   "amc23": "amc23.jsonl", "gpqa_diamond": "gpqa_diamond.jsonl"}
+
+
+def benchmark_summary(scored: Sequence[Scored], samples: int) -> dict[str, float]:
+    """`scored` holds `samples` consecutive rollouts per problem."""
+    if not scored or len(scored) % samples:
+        raise ValueError(f"{len(scored)} rollouts do not split into groups of {samples}")
+    per_problem = np.array([s.reward for s in scored], dtype=np.float64).reshape(-1, samples).mean(axis=1)
+    n = len(per_problem)
+    half = 1.96 * per_problem.std(ddof=1) / math.sqrt(n) if n > 1 else 0.0
+    statuses = [st for s in scored for st in s.trajectory.tool_statuses]
+    return {
+        "problems": n, "samples": samples, "pass@1": float(per_problem.mean()),
+        "ci95_low": float(max(0.0, per_problem.mean() - half)), "ci95_high": float(min(1.0, per_problem.mean() + half)),
+        "mean_response_tokens": float(np.mean([s.trajectory.num_response_tokens for s in scored])),
+        "tool_calls_per_problem": len(statuses) / n,
+        "tool_error_ratio": tool_error_ratio(statuses) if statuses else 0.0,
+    }
+
+
+def markdown_table(results: dict[str, dict[str, float]]) -> str:
+    lines = ["| benchmark | pass@1 | 95% interval | response tokens | tool calls / problem | tool-error ratio |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} ({r['problems']} x {r['samples']}) | {r['pass@1']:.1%} | "
+                     f"{r['ci95_low']:.1%} - {r['ci95_high']:.1%} | {r['mean_response_tokens']:.0f} | "
+                     f"{r['tool_calls_per_problem']:.2f} | {r['tool_error_ratio']:.3f} |")
+    return "\n".join(lines)
