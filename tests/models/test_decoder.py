@@ -153,3 +153,14 @@ def test_bf16_compute_close_to_fp32():
     rel = np.abs(a - b).max() / np.abs(a).max()
     assert rel < 0.05, f"bf16 relative logit error {rel:.3f}"
     assert np.abs(a - b).max() > 0  # really ran in bf16
+
+
+def test_chunked_entropy_equals_entropy_of_full_distribution(qwen3_model):
+    tokens = _tokens(2, 21, seed=8)
+    lp, ent = nnx.jit(lambda m, t: models.token_logprobs(m, t, chunk_size=8, temperature=0.8, with_entropy=True))(
+        qwen3_model, tokens)
+    logp = jax.nn.log_softmax(forward(qwen3_model, tokens) / 0.8, axis=-1)
+    want = -jnp.sum(jnp.exp(logp) * logp, axis=-1)[:, :-1]
+    np.testing.assert_allclose(np.asarray(ent)[:, 1:], np.asarray(want), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(ent)[:, 0], 0.0)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(logprobs(qwen3_model, tokens, 8, 0.8)), atol=1e-6)
