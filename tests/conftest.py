@@ -4,3 +4,25 @@ from hypothesis import settings
 
 settings.register_profile("repo", derandomize=True, deadline=None)
 settings.load_profile("repo")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """One tiny random Qwen3 directory (model + tokenizer) shared by the session."""
+    from rstar2_jax.models import tiny
+    return tiny.build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    from rstar2_jax import models
+    return models.load_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    from rstar2_jax.models.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(tiny_dir)

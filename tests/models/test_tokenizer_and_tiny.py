@@ -15,13 +15,8 @@ from tests.models import hf_reference as ref
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny.build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return Tokenizer.from_pretrained(tiny_dir)
+def tok(tokenizer):
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
