@@ -38,6 +38,7 @@ class _Request:
     stops: tuple[str, ...]
     future: asyncio.Future
     version_start: int = 0
+    seed: int = 0                  # token i is sampled with fold_in(key(seed), i)
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
 
@@ -55,8 +56,8 @@ class JaxEngine:
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self._graphdef, self._state = nnx.split(model)
         self._cache = init_cache(model.cfg, slots, max_len, dtype=model.dtype)
-        self._rng = jax.random.key(seed)
-        self._idle_key = jax.random.key(0)
+        # Seeds for requests that bring none: drawn once per request, at admission.
+        self._seeds = np.random.default_rng(seed)
         self._active: list[_Request | None] = [None] * slots
         self._queue: asyncio.Queue[_Request] | None = None
         self._loop_task: asyncio.Task | None = None
@@ -66,7 +67,12 @@ class JaxEngine:
         self.tokens_generated = 0
         graphdef = self._graphdef
 
-        def prefill(state, cache: KVCache, slot, tokens, length, rng, temperature, top_k, top_p):
+        def row_keys(seeds, counters):
+            # one key per row, derived on device: a row's sample depends only on its own seed
+            # and position, never on what else shares the batch
+            return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+
+        def prefill(state, cache: KVCache, slot, tokens, length, seed, temperature, top_k, top_p):
             model = nnx.merge(graphdef, state)
             row = init_cache(model.cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
             positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
@@ -75,13 +81,14 @@ class JaxEngine:
             values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
                            for v, r in zip(cache.values, row.values))
             last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
-            token, logp = sample(last, rng, temperature[None], top_k[None], top_p[None])  # rng: [1] keys
+            first_key = row_keys(seed[None], jnp.zeros((1,), jnp.int32))
+            token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
             return KVCache(keys, values), token[0], logp[0]
 
-        def decode(state, cache: KVCache, tokens, positions, rng, temperature, top_k, top_p):
+        def decode(state, cache: KVCache, tokens, positions, seeds, counters, temperature, top_k, top_p):
             model = nnx.merge(graphdef, state)
             logits, cache = model(tokens[:, None], positions[:, None], cache=cache)
-            token, logp = sample(logits[:, 0], rng, temperature, top_k, top_p)
+            token, logp = sample(logits[:, 0], row_keys(seeds, counters), temperature, top_k, top_p)
             return cache, token, logp
 
         # The cache is donated: updated in place, never copied per step.
@@ -170,13 +177,6 @@ class JaxEngine:
         req = await self._queue.get()
         await self._admit(loop, self._active.index(None), req)
 
-    def _row_key(self, req: _Request):
-        """Key of the request's next token: from its own seed when it has one (reproducible
-        whatever else is batched with it), else from the engine's stream."""
-        if req.sampling.seed is not None:
-            return jax.random.fold_in(jax.random.key(req.sampling.seed), len(req.generated))
-        self._rng, key = jax.random.split(self._rng)
-        return key
 
     async def _admit(self, loop, slot: int, req: _Request):
         if req.future.done():  # cancelled by the caller while queued
@@ -187,7 +187,8 @@ class JaxEngine:
         tokens[0, :n] = req.prompt
         s = req.sampling
         req.version_start = self.version
-        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), self._row_key(req)[None],
+        req.seed = s.seed if s.seed is not None else int(self._seeds.integers(2 ** 31))
+        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.seed),
                 jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
         def run():
@@ -204,15 +205,19 @@ class JaxEngine:
         temperature = np.ones(self.slots, np.float32)
         top_k = np.zeros(self.slots, np.int32)
         top_p = np.ones(self.slots, np.float32)
+        seeds = np.zeros(self.slots, np.int32)
+        counters = np.zeros(self.slots, np.int32)
         for slot, req in enumerate(self._active):
             if req is not None:
+                seeds[slot] = req.seed
+                counters[slot] = len(req.generated)
                 tokens[slot] = req.generated[-1]
                 positions[slot] = len(req.prompt) + len(req.generated) - 1
                 temperature[slot] = req.sampling.temperature
                 top_k[slot] = req.sampling.top_k
                 top_p[slot] = req.sampling.top_p
-        keys = jnp.stack([self._row_key(req) if req is not None else self._idle_key for req in self._active])
-        args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), keys,
+        args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seeds),
+                jnp.asarray(counters),
                 jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
 
         def run():
