@@ -135,3 +135,20 @@ def test_update_weights_swaps_params_without_recompiling(tiny_model, tokenizer):
     assert after.token_ids == ref[:len(after.token_ids)] and before.token_ids != after.token_ids
     assert sizes == sizes_after  # no new compilation
     assert (after.version_start, after.version_end, version) == (1, 1, 1)
+
+
+def test_seeded_requests_reproduce_whatever_else_is_batched(tiny_model, tokenizer):
+    """Same seed, same tokens, alone or beside other requests; seeds past 32 bits are fine."""
+    prompt = tokenizer.encode("seeded")
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=2 ** 40 + 7)
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=64) as eng:
+            alone = await eng.generate(prompt, sampling)
+            crowd = await asyncio.gather(eng.generate(prompt, sampling),
+                                         *(eng.generate(tokenizer.encode(f"other {i}"), SamplingParams(max_tokens=16))
+                                           for i in range(3)))
+            return alone, crowd[0]
+
+    alone, crowded = _run(go())
+    assert alone.token_ids == crowded.token_ids and alone.logprobs == pytest.approx(crowded.logprobs, abs=1e-6)

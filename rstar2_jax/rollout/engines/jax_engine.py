@@ -187,8 +187,9 @@ class JaxEngine:
         tokens[0, :n] = req.prompt
         s = req.sampling
         req.version_start = self.version
-        req.seed = s.seed if s.seed is not None else int(self._seeds.integers(2 ** 31))
-        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.seed),
+        # any Python int is a valid seed; the device sees its low 32 bits
+        req.seed = (s.seed if s.seed is not None else int(self._seeds.integers(2 ** 32))) % 2 ** 32
+        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), jnp.uint32(req.seed),
                 jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
         def run():
@@ -205,7 +206,7 @@ class JaxEngine:
         temperature = np.ones(self.slots, np.float32)
         top_k = np.zeros(self.slots, np.int32)
         top_p = np.ones(self.slots, np.float32)
-        seeds = np.zeros(self.slots, np.int32)
+        seeds = np.zeros(self.slots, np.uint32)
         counters = np.zeros(self.slots, np.int32)
         for slot, req in enumerate(self._active):
             if req is not None:
