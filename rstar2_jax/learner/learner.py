@@ -12,6 +12,7 @@ over (data, fsdp).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 
@@ -61,7 +62,7 @@ class Learner:
         return jax.device_put(x, sharding_lib.named_sharding(self.mesh, axes, x.shape))
 
     def _ctx(self):
-        return jax.set_mesh(self.mesh) if self.mesh is not None else _nullcontext()
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def logprobs(self, tokens: np.ndarray) -> np.ndarray:
         with self._ctx():
@@ -104,11 +105,3 @@ def sampler_mismatch(batch: TrainBatch) -> dict[str, float]:
     ratio = np.exp(-diff)  # sampler -> learner importance ratio
     return {"logprob_mismatch_mean": float(np.abs(diff).mean()), "logprob_mismatch_max": float(np.abs(diff).max()),
             "importance_ratio_std": float(ratio.std()), "importance_ratio_max": float(ratio.max())}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

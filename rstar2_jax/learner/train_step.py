@@ -38,14 +38,18 @@ class LossConfig:
     micro_batches: int = 1
 
 
-def _logprobs(graphdef, params, tokens, cfg: LossConfig):
+def compute_logprobs(graphdef, params, tokens, cfg: LossConfig):
+    """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs)."""
     model = nnx.merge(graphdef, params)
     return token_logprobs(model, tokens, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature)
 
 
-def compute_logprobs(graphdef, params, tokens, cfg: LossConfig):
-    """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs)."""
-    return _logprobs(graphdef, params, tokens, cfg)
+def _policy_loss(graphdef, cfg: LossConfig, params, batch):
+    """(loss sum, token count, stats, log-probs) of the configured policy loss on `batch`."""
+    lp = compute_logprobs(graphdef, params, batch["tokens"], cfg)
+    loss_sum, count, stats = loss_fn(cfg.name)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                                               eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+    return loss_sum, count, stats, lp
 
 
 def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, state: TrainState, batch: dict):
@@ -56,14 +60,11 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, stat
         raise ValueError(f"batch of {n} rows does not split into {m} micro-batches")
     micro = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
     total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-    policy_loss = loss_fn(cfg.name)
-    kwargs = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
 
     def micro_loss(params, mb):
-        lp = _logprobs(graphdef, params, mb["tokens"], cfg)
-        loss_sum, count, stats = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], **kwargs)
-        entropy_proxy = -jnp.sum(lp * mb["loss_mask"])
-        return loss_sum / total_tokens, (stats, entropy_proxy)
+        loss_sum, _, stats, lp = _policy_loss(graphdef, cfg, params, mb)
+        nll = -jnp.sum(lp * mb["loss_mask"])
+        return loss_sum / total_tokens, (stats, nll)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
@@ -78,7 +79,6 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, stat
     stats0 = {"clip_fraction_sum": 0.0, "approx_kl_sum": 0.0, "nll_sum": 0.0}
     (grads, stats), _ = jax.lax.scan(accumulate, (zeros, jax.tree.map(jnp.float32, stats0)), micro)
 
-    # the loss value itself (for logging): one more forward would cost; recompute from the stats instead
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -94,7 +94,5 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, stat
 
 def policy_loss_value(graphdef, cfg: LossConfig, params, batch) -> jax.Array:
     """The token-mean policy loss of a batch (no gradient): for tests and logging."""
-    lp = _logprobs(graphdef, params, batch["tokens"], cfg)
-    s, c, _ = loss_fn(cfg.name)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
-                                eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+    s, c, _, _ = _policy_loss(graphdef, cfg, params, batch)
     return s / jnp.maximum(c, 1.0)

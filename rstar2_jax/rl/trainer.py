@@ -265,16 +265,13 @@ class RLRun:
                                rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
             train_metrics = self.learner.update(batch)
             engine.update_weights(self.learner.model_state(), self.learner.version)
-        rewards = np.array([s.reward for s in scored])
-        correct = [s.trajectory for s in scored if s.reward > 0 and s.trajectory.tool_statuses]
+        summary = summarize(scored)
         gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in scored)
         metrics = {
-            "phase": "rl", "step": step, "stage": meta["stage"], "reward_mean": float(rewards.mean()),
-            "p_err_correct": float(np.mean([sum(x != "ok" for x in t.tool_statuses) / len(t.tool_statuses)
-                                            for t in correct])) if correct else 0.0,
+            "phase": "rl", "step": step, "stage": meta["stage"], "reward_mean": summary["accuracy"],
+            "p_err_correct": summary["tool_error_ratio_correct"],
             "kept_rollouts": len(rows), "rollout_s": rollout_s, "tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
-            "mean_response_tokens": float(np.mean([s.trajectory.num_response_tokens for s in scored])),
-            "mean_tool_calls": float(np.mean([len(s.trajectory.tool_statuses) for s in scored])),
+            "mean_response_tokens": summary["mean_response_tokens"], "mean_tool_calls": summary["mean_tool_calls"],
             **train_metrics,
         }
         self._log(metrics)
