@@ -13,8 +13,17 @@ Three ways to run it:
 - `model(tokens, positions, cache=cache)` -> (logits, cache): writes K/V at cache slot
   `positions[b, t]` and attends to slots <= that position. Prefill (positions 0..T-1),
   single-token decode (T = 1, per-row positions) and extending a row after a tool response
-  are all this one call, with static shapes.
+  are all this one call, with static shapes. `kv_len` (static) reads only the first kv_len
+  slots of the cache: the engine passes the smallest bucket that covers every live row.
 - `model.hidden_states(...)` + `models.logprobs` for log-probs without the full logits.
+
+Attention implementations (`Decoder.set_attention`), all computing the same function:
+- full forward (training, log-probs): "xla" (einsum + masked fp32 softmax, any backend, packing)
+  or "cudnn" (`jax.nn.dot_product_attention`, fused flash attention on NVIDIA GPUs; rows
+  without segment_ids only, packed rows fall back to "xla").
+- single-token decode against the cache: "xla" (reads the whole cache, or the kv_len prefix) or
+  "pallas" (ragged Pallas kernel: each row reads only its live slots; GPU, or interpreted on CPU
+  for tests).
 """
 
 from __future__ import annotations
@@ -32,18 +41,26 @@ from rstar2_jax.models.rope import apply_rope, inverse_frequencies, rope_angles
 _INIT_STD = 0.02
 
 
+FULL_ATTENTION = ("xla", "cudnn")
+DECODE_ATTENTION = ("xla", "pallas")
+
+
 class KVCache(NamedTuple):
-    """Per-layer key/value buffers, each [batch, max_len, kv_heads, head_dim]. Slot s holds position s."""
+    """Per-layer key/value buffers, each [batch, kv_heads, max_len, head_dim]. Slot s holds position s.
+
+    Head-major, so one row's keys of one head are contiguous: a prefix [:, :, :n] is a plain
+    strided read and the ragged decode kernel streams each head's live slots without a transpose.
+    """
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
@@ -74,6 +91,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg, self.dtype = cfg, dtype
+        self.full_impl, self.decode_impl = "xla", "xla"  # see Decoder.set_attention
         self.q_proj = _param(rngs, (e, h, d), ("embed", "q_heads", "head_dim"), param_dtype, "normal")
         self.k_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
         self.v_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
@@ -94,7 +112,7 @@ class Attention(nnx.Module):
             out = out + getattr(self, bias_name)[...].astype(self.dtype)
         return out
 
-    def __call__(self, x, sin, cos, positions, segment_ids, layer_cache):
+    def __call__(self, x, sin, cos, positions, segment_ids, layer_cache, kv_len=None):
         cfg = self.cfg
         q = self._project(x, self.q_proj, "q_bias")
         k = self._project(x, self.k_proj, "k_bias")
@@ -106,36 +124,79 @@ class Attention(nnx.Module):
         k = sharding.constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
 
         b, t = x.shape[:2]
+        new_cache = None
         if layer_cache is None:
-            keys, values = k, v
-            idx = jnp.arange(t)
-            mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S] causal by index
-            if segment_ids is not None:
-                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            new_cache = None
+            if self.full_impl == "cudnn" and segment_ids is None:
+                out = _fused_causal_attention(q, k, v, cfg, implementation="cudnn")
+            else:
+                idx = jnp.arange(t)
+                mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S] causal by index
+                if segment_ids is not None:
+                    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+                out = _xla_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, cfg)
         else:
             cache_k, cache_v = layer_cache
             rows = jnp.arange(b)[:, None]
+            # [B, T] advanced indices around the head slice: the update is [B, T, kv_heads, d].
             # mode="drop": a padded position past the end of the cache is discarded, never clamped
             # onto a real slot.
-            cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-            keys, values = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
-            slots = jnp.arange(cache_k.shape[1])
-            mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            cache_k = cache_k.at[rows, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, :, positions].set(v.astype(cache_v.dtype), mode="drop")
             new_cache = (cache_k, cache_v)
+            n = cache_k.shape[2] if kv_len is None else min(kv_len, cache_k.shape[2])
+            keys, values = cache_k[:, :, :n].astype(self.dtype), cache_v[:, :, :n].astype(self.dtype)
+            if self.decode_impl == "pallas" and t == 1:
+                out = _pallas_decode_attention(q, keys, values, positions[:, 0] + 1, cfg)
+            else:
+                mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+                out = _xla_attention(q, keys, values, mask, cfg)
 
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-        scores = scores * (cfg.head_dim ** -0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads, cfg.head_dim)
         out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype))
         if cfg.attention_bias and cfg.family == "llama":
             out = out + self.o_bias[...].astype(self.dtype)
         return out, new_cache
+
+
+def _xla_attention(q, keys, values, mask, cfg: ModelConfig):
+    """q [B, T, H, d]; keys/values [B, kv_heads, S, d]; mask bool [B or 1, T, S] -> [B, T, H, d]."""
+    b, t = q.shape[:2]
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=jnp.float32)
+    scores = scores * (cfg.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, cfg.num_heads, cfg.head_dim)
+
+
+def _fused_causal_attention(q, k, v, cfg: ModelConfig, implementation: str):
+    """Causal attention through jax.nn.dot_product_attention: q [B, T, H, d], k/v [B, T, kv_heads, d].
+
+    With implementation="cudnn" this is cuDNN's fused flash attention (bf16/fp16 on NVIDIA GPUs:
+    no [T, T] scores in memory, forward or backward); "xla" is the same call on any backend.
+    """
+    return jax.nn.dot_product_attention(q, k, v, scale=cfg.head_dim ** -0.5, is_causal=True,
+                                        implementation=implementation)
+
+
+def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig):
+    """One query token per row against its first lengths[b] cache slots: the ragged read.
+
+    Blocks of 128 slots past a row's length are skipped, so a row costs what it has written, not
+    the cache's capacity. The cache is split into up to 16 parallel chunks (flash-decoding).
+    """
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    s = keys.shape[2]
+    if s % 128:
+        raise ValueError(f"pallas decode attention needs a cache length that is a multiple of 128, got {s}")
+    blocks = s // 128
+    splits = max(d for d in range(1, 17) if blocks % d == 0)
+    # gqa wants [B, S, kv_heads, d] and swaps to head-major itself; the two swaps cancel in XLA.
+    out = decode_attention.gqa(q[:, 0], keys.swapaxes(1, 2), values.swapaxes(1, 2), kv_seq_len=lengths,
+                               sm_scale=cfg.head_dim ** -0.5, block_k=128, k_splits=splits,
+                               interpret=jax.default_backend() == "cpu")
+    return out[:, None].astype(q.dtype)
 
 
 class MLP(nnx.Module):
@@ -160,8 +221,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, sin, cos, positions, segment_ids, layer_cache):
-        attn_out, layer_cache = self.attn(self.input_norm(x), sin, cos, positions, segment_ids, layer_cache)
+    def __call__(self, x, sin, cos, positions, segment_ids, layer_cache, kv_len=None):
+        attn_out, layer_cache = self.attn(self.input_norm(x), sin, cos, positions, segment_ids, layer_cache, kv_len)
         x = x + attn_out
         x = x + self.mlp(self.post_attn_norm(x))
         return sharding.constrain(x, ("batch", "sequence", "embed")), layer_cache
@@ -208,8 +269,24 @@ class Decoder(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
+    def set_attention(self, full: str | None = None, decode: str | None = None) -> "Decoder":
+        """Choose the attention implementation of every layer (see the module docstring).
+
+        full: "xla" | "cudnn" for forwards without a cache; decode: "xla" | "pallas" for
+        single-token steps against the cache. Set it before nnx.split (engines, learners).
+        """
+        if full is not None and full not in FULL_ATTENTION:
+            raise ValueError(f"full attention must be one of {FULL_ATTENTION}, got {full!r}")
+        if decode is not None and decode not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention must be one of {DECODE_ATTENTION}, got {decode!r}")
+        for layer in self.layers:
+            layer.attn.full_impl = full or layer.attn.full_impl
+            layer.attn.decode_impl = decode or layer.attn.decode_impl
+        return self
+
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None, cache: KVCache | None = None):
+                      segment_ids: jax.Array | None = None, cache: KVCache | None = None,
+                      kv_len: int | None = None):
         """Final-normed hidden states [B, T, hidden] (and the updated cache when given one)."""
         b, t = tokens.shape
         if positions is None:
@@ -220,13 +297,14 @@ class Decoder(nnx.Module):
         x = sharding.constrain(x, ("batch", "sequence", "embed"))
         sin, cos = rope_angles(positions, inverse_frequencies(self.cfg.rope, self.cfg.head_dim))
         new_keys, new_values = [], []
-        run_layer = _remat_layer(self.remat) if cache is None else _call_layer
+        run_layer = _remat_layer(self.remat)
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x, layer_cache = run_layer(layer, x, sin, cos, positions, segment_ids, layer_cache)
-            if cache is not None:
-                new_keys.append(layer_cache[0])
-                new_values.append(layer_cache[1])
+            if cache is None:  # training / log-probs: remat applies here only
+                x, _ = run_layer(layer, x, sin, cos, positions, segment_ids, None)
+            else:
+                x, (k, v) = layer(x, sin, cos, positions, segment_ids, (cache.keys[i], cache.values[i]), kv_len)
+                new_keys.append(k)
+                new_values.append(v)
         h = self.final_norm(x)
         if cache is None:
             return h
@@ -236,8 +314,9 @@ class Decoder(nnx.Module):
         out = jnp.einsum("bte,ev->btv", hidden, self.lm_head_kernel().astype(self.dtype))
         return sharding.constrain(out, ("batch", "sequence", "vocab"))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
+                 kv_len: int | None = None):
         if cache is None:
             return self.logits(self.hidden_states(tokens, positions, segment_ids))
-        h, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        h, cache = self.hidden_states(tokens, positions, segment_ids, cache, kv_len)
         return self.logits(h), cache
