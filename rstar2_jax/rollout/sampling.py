@@ -44,18 +44,11 @@ def sample(logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_k: jax
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)
 
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = logits.shape[-1]
-    kth = jnp.take_along_axis(ordered, (jnp.clip(top_k, 1, vocab) - 1)[:, None], axis=-1)
-    keep = jnp.where((top_k > 0)[:, None], scaled >= kth, True)
-    # top-p over what top-k kept: the smallest prefix of the sorted distribution with mass >= p
-    ordered_kept = jnp.where(jnp.where((top_k > 0)[:, None], ordered >= kth, True), ordered, -jnp.inf)
-    probs = jax.nn.softmax(ordered_kept, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = mass_before < top_p[:, None]
-    threshold = jnp.min(jnp.where(in_nucleus, ordered_kept, jnp.inf), axis=-1, keepdims=True)
-    keep = keep & (scaled >= threshold)
-
+    # The vocabulary sort is the costliest part of a decode step's sampling: skip it when no
+    # row truncates (plain temperature sampling or greedy, the usual RL setting).
+    truncating = jnp.any(top_k > 0) | jnp.any(top_p < 1)
+    keep = jax.lax.cond(truncating, _top_k_top_p_keep, lambda s, k, p: jnp.ones(s.shape, bool),
+                        scaled, top_k, top_p)
     candidates = jnp.where(keep, scaled, -jnp.inf)
     if rng.ndim == 1:  # per-row keys
         sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(rng, candidates)
@@ -63,3 +56,18 @@ def sample(logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_k: jax
         sampled = jax.random.categorical(rng, candidates, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _top_k_top_p_keep(scaled, top_k, top_p):
+    """Which tokens survive each row's top-k, then top-p over what top-k kept. bool [S, V]."""
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    vocab = scaled.shape[-1]
+    kth = jnp.take_along_axis(ordered, (jnp.clip(top_k, 1, vocab) - 1)[:, None], axis=-1)
+    keep = jnp.where((top_k > 0)[:, None], scaled >= kth, True)
+    # top-p: the smallest prefix of the sorted distribution with mass >= p
+    ordered_kept = jnp.where(jnp.where((top_k > 0)[:, None], ordered >= kth, True), ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered_kept, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    in_nucleus = mass_before < top_p[:, None]
+    threshold = jnp.min(jnp.where(in_nucleus, ordered_kept, jnp.inf), axis=-1, keepdims=True)
+    return keep & (scaled >= threshold)

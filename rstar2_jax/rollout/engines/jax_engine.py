@@ -7,6 +7,11 @@ one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens
 is refilled before the next step. Idle slots decode at position `max_len`, where the cache write
 is dropped, so they cost compute but never corrupt anything.
 
+With `kv_bucket`, a decode step reads only the first slots of the cache: the smallest multiple
+of kv_bucket that covers every live row (one compiled step per bucket). Together with a ragged
+decode kernel (`model.set_attention(decode="pallas")`) a step costs what its rows have written,
+not the cache's capacity.
+
 Device work runs on one worker thread, so the asyncio loop stays free for tool calls while the
 model runs. `update_weights` swaps the parameter state between steps; shapes are unchanged, so
 nothing recompiles.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import jax
@@ -43,15 +49,38 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class EngineStats:
+    """Where the engine's time went (device work, measured around each jitted call)."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    busy_slot_steps: int = 0     # sum over decode steps of the slots that held a request
+    slots: int = 1
+
+    @property
+    def slot_utilization(self) -> float:
+        """Share of decode-step slots that did useful work (1.0: every slot busy every step)."""
+        return self.busy_slot_steps / max(1, self.decode_steps * self.slots)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"engine_prefill_s": self.prefill_s, "engine_decode_s": self.decode_s,
+                "engine_decode_steps": self.decode_steps, "engine_slot_utilization": self.slot_utilization}
+
+
 class JaxEngine:
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
-                 eos_ids: Sequence[int] | None = None):
+                 eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if kv_bucket is not None and kv_bucket < 1:
+            raise ValueError(f"kv_bucket must be >= 1, got {kv_bucket}")
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.slots = slots
         self.max_len = max_len
+        self.kv_bucket = kv_bucket
+        self.stats = EngineStats(slots=slots)
         self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self._graphdef, self._state = nnx.split(model)
@@ -85,15 +114,15 @@ class JaxEngine:
             token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
             return KVCache(keys, values), token[0], logp[0]
 
-        def decode(state, cache: KVCache, tokens, positions, seeds, counters, temperature, top_k, top_p):
+        def decode(state, cache: KVCache, tokens, positions, seeds, counters, temperature, top_k, top_p, kv_len):
             model = nnx.merge(graphdef, state)
-            logits, cache = model(tokens[:, None], positions[:, None], cache=cache)
+            logits, cache = model(tokens[:, None], positions[:, None], cache=cache, kv_len=kv_len)
             token, logp = sample(logits[:, 0], row_keys(seeds, counters), temperature, top_k, top_p)
             return cache, token, logp
 
         # The cache is donated: updated in place, never copied per step.
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,))
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -193,8 +222,11 @@ class JaxEngine:
                 jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
         def run():
+            start = time.perf_counter()
             cache, token, logp = self._prefill(*args)
-            return cache, int(token), float(logp)
+            token, logp = int(token), float(logp)
+            self.stats.prefill_s += time.perf_counter() - start
+            return cache, token, logp
 
         self._cache, token, logp = await loop.run_in_executor(self._executor, run)
         self._active[slot] = req
@@ -220,16 +252,29 @@ class JaxEngine:
         args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seeds),
                 jnp.asarray(counters),
                 jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+        busy = [p for p in positions if p < self.max_len]
+        kv_len = self._kv_len(max(busy) + 1)
 
         def run():
-            cache, token, logp = self._decode(*args)
-            return cache, np.asarray(token), np.asarray(logp)
+            start = time.perf_counter()
+            cache, token, logp = self._decode(*args, kv_len=kv_len)
+            token, logp = np.asarray(token), np.asarray(logp)
+            self.stats.decode_s += time.perf_counter() - start
+            return cache, token, logp
 
         self._cache, sampled, logps = await loop.run_in_executor(self._executor, run)
         self.steps += 1
+        self.stats.decode_steps += 1
+        self.stats.busy_slot_steps += len(busy)
         for slot, req in enumerate(self._active):
             if req is not None:
                 self._append(slot, int(sampled[slot]), float(logps[slot]))
+
+    def _kv_len(self, needed: int) -> int | None:
+        """The cache prefix a step reads: `needed` slots rounded up to a bucket (None: all)."""
+        if self.kv_bucket is None:
+            return None
+        return min(self.max_len, -(-needed // self.kv_bucket) * self.kv_bucket)
 
     def _append(self, slot: int, token: int, logp: float):
         req = self._active[slot]
