@@ -182,3 +182,21 @@ def test_kv_bucket_rounds_up_to_cover_the_longest_live_row(tiny_model, tokenizer
     eng = JaxEngine(tiny_model, tokenizer, slots=1, max_len=100, kv_bucket=32)
     assert [eng._kv_len(n) for n in (1, 32, 33, 97, 100)] == [32, 32, 64, 100, 100]
     assert JaxEngine(tiny_model, tokenizer, slots=1, max_len=100)._kv_len(5) is None
+
+
+def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model, tokenizer):
+    prompt = tokenizer.encode("precompile me")
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+
+    async def go(warm):
+        eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32)
+        if warm:
+            eng.precompile([len(prompt)])
+            compiled = eng._decode._cache_size()
+        async with eng:
+            out = await eng.generate(prompt, greedy)
+        if warm:
+            assert compiled == 3 and eng._decode._cache_size() == compiled  # buckets 32, 64, 96: no new compile
+        return out.token_ids
+
+    assert _run(go(True)) == _run(go(False))

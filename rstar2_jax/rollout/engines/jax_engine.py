@@ -150,6 +150,22 @@ class JaxEngine:
         self._state = state
         self.version = self.version + 1 if version is None else version
 
+    def precompile(self, prompt_lengths: Sequence[int] = ()) -> None:
+        """Compile the prefill for these prompt lengths and the decode step for every kv bucket
+        now, so that a timed or latency-sensitive run never stops to compile. Call before use."""
+        if self._loop_task is not None:
+            raise RuntimeError("precompile before the engine starts serving")
+        for n in prompt_lengths:
+            bucket = min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (int(n) - 1).bit_length()))
+            self._cache, *_ = self._prefill(self._state, self._cache, jnp.int32(0), jnp.zeros((1, bucket), jnp.int32),
+                                            jnp.int32(1), jnp.uint32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
+        inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
+        lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
+                                                                                               self.kv_bucket)})
+        for kv_len in lengths:
+            self._cache, _, _ = self._decode(self._state, self._cache, *inputs, kv_len=kv_len)
+        jax.block_until_ready(self._cache)
+
     async def close(self):
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -232,7 +248,8 @@ class JaxEngine:
         self._active[slot] = req
         self._append(slot, token, logp)
 
-    async def _step(self, loop):
+    def _decode_inputs(self):
+        """The decode step's per-slot arrays from the active requests (idle slots: dropped writes)."""
         tokens = np.zeros(self.slots, np.int32)
         positions = np.full(self.slots, self.max_len, np.int32)  # idle: the write is dropped
         temperature = np.ones(self.slots, np.float32)
@@ -249,10 +266,12 @@ class JaxEngine:
                 temperature[slot] = req.sampling.temperature
                 top_k[slot] = req.sampling.top_k
                 top_p[slot] = req.sampling.top_p
-        args = (self._state, self._cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seeds),
-                jnp.asarray(counters),
-                jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
-        busy = [p for p in positions if p < self.max_len]
+        arrays = (tokens, positions, seeds, counters, temperature, top_k, top_p)
+        return tuple(jnp.asarray(a) for a in arrays), [int(p) for p in positions if p < self.max_len]
+
+    async def _step(self, loop):
+        inputs, busy = self._decode_inputs()
+        args = (self._state, self._cache) + inputs
         kv_len = self._kv_len(max(busy) + 1)
 
         def run():

@@ -1,0 +1,54 @@
+"""Top device operations of a JAX profiler trace (the perfetto JSON that jax.profiler writes).
+
+    python -m experiments.benchmarks.profile_summary /tmp/trace_dir [--top 25]
+
+Sums the duration of every device-side event by name, so "where did the step go" is one table
+without TensorBoard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+
+
+def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device_pids = {e["pid"] for e in events
+                   if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and any(k in str(e.get("args", {}).get("name", "")) for k in ("/device:GPU", "/device:TPU"))}
+    totals: collections.Counter = collections.Counter()
+    for e in events:  # no accelerator (a CPU run): the host's ops
+        if e.get("ph") == "X" and (e.get("pid") in device_pids or not device_pids):
+            totals[e["name"]] += float(e.get("dur", 0.0))
+    return totals, sum(totals.values())
+
+
+def summarize(trace_dir: str, top: int = 25) -> str:
+    totals, total = device_op_times(trace_dir)
+    lines = [f"device time in trace: {total / 1e3:.1f} ms over {len(totals)} distinct ops",
+             "| op | ms | share |", "|---|---|---|"]
+    for name, us in totals.most_common(top):
+        lines.append(f"| {name[:90]} | {us / 1e3:.2f} | {us / max(total, 1e-9):.1%} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("trace_dir")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    print(summarize(args.trace_dir, args.top))
+
+
+if __name__ == "__main__":
+    main()
