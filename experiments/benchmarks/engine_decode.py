@@ -1,0 +1,110 @@
+"""JaxEngine decode throughput against the HBM roofline.
+
+    python -m experiments.benchmarks.engine_decode --model qwen3_0p6b --slots 128 --prompt 256 \
+        --new 1024 --variants xla:full,xla:256,pallas:full [--record BENCHMARKS.md]
+
+A variant is decode-attention:kv-bucket ("full": every step reads the whole cache; a number:
+the live prefix rounded up to that bucket). Random bf16 weights; `slots` requests of `prompt`
+tokens each sample exactly `new` tokens (EOS off, temperature 1.0, no top-k/top-p), all slots
+busy. Roofline: the least bytes a step must move (every weight once + each row's live keys and
+values, rstar2_jax.models.flops.decode_step_bytes) over the copy bandwidth measured in the same
+run; the fraction is that floor over the measured decode time. Prefill is timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.benchmarks import common
+from rstar2_jax.models import Decoder, flops
+from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.sampling import SamplingParams
+
+
+class _NoTokenizer:
+    """EOS is off and there are no stop strings, so the engine never decodes text."""
+
+    def decode(self, ids):
+        return ""
+
+    def encode(self, text):
+        return [0]
+
+
+async def _generate(engine, prompts, new):
+    sampling = SamplingParams(max_tokens=new, temperature=1.0)
+    async with engine:
+        return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+
+def run_variant(model, attention, bucket, slots, prompt, new):
+    model.set_attention(decode=attention)
+    max_len = -(-(prompt + new) // 128) * 128
+    engine = JaxEngine(model, _NoTokenizer(), slots=slots, max_len=max_len, eos_ids=(),
+                       kv_bucket=None if bucket == "full" else int(bucket))
+    engine.precompile([prompt])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.cfg.vocab_size, prompt).tolist() for _ in range(slots)]
+    outs = asyncio.run(_generate(engine, prompts, new))
+    assert all(len(o.token_ids) == new for o in outs)
+    stats = engine.stats
+    # all rows advance in lockstep: at decode step i every row attends to prompt + i + 1 slots
+    bytes_total = sum(flops.decode_step_bytes(model.cfg, [prompt + i + 1] * slots) for i in range(new - 1))
+    del engine
+    gc.collect()
+    return stats, bytes_total
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3_0p6b")
+    p.add_argument("--slots", type=int, default=128)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--variants", default="xla:full,xla:256,pallas:full")
+    p.add_argument("--record", help="append the result block to this markdown file")
+    args = p.parse_args(argv)
+    common.enable_compile_cache()
+    cfg = common.shape(args.model)
+    bw = common.copy_bandwidth()
+    print(f"{args.model}: {flops.param_count(cfg) / 1e9:.2f}B params; {common.device_line()}; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rows = []
+    for variant in args.variants.split(","):
+        attention, bucket = variant.split(":")
+        try:
+            stats, bytes_total = run_variant(model, attention, bucket, args.slots, args.prompt, args.new)
+        except Exception as e:
+            msg = str(e).splitlines()[0][:120]
+            print(f"{variant}: FAILED {type(e).__name__}: {msg}", flush=True)
+            rows.append([attention, bucket, "failed", msg, "", "", "", ""])
+            continue
+        decode_tokens = args.slots * (args.new - 1)
+        floor_s = bytes_total / bw
+        step_ms = stats.decode_s / stats.decode_steps * 1e3
+        rows.append([attention, bucket, f"{decode_tokens / stats.decode_s:.0f}", f"{step_ms:.2f}",
+                     f"{floor_s / stats.decode_steps * 1e3:.2f}", f"{floor_s / stats.decode_s:.1%}",
+                     f"{args.slots * args.prompt / stats.prefill_s:.0f}", f"{stats.slot_utilization:.0%}"])
+        print(f"{variant}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
+              f"(floor {floor_s / stats.decode_steps * 1e3:.2f} ms) = {floor_s / stats.decode_s:.1%} of roofline; "
+              f"prefill {args.slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
+    table = common.markdown_table(["decode attention", "kv bucket", "decode tok/s", "step ms", "roofline step ms",
+                                   "of roofline", "prefill tok/s", "slot utilization"], rows)
+    common.record(args.record, f"JaxEngine decode: {args.model}, {args.slots} sequences",
+                  "python -m experiments.benchmarks.engine_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  f"{args.model} random bf16 weights and KV cache, {args.slots} concurrent requests, {args.prompt}-token "
+                  f"prompts, {args.new} new tokens each (EOS off, temperature 1.0), continuous batching; measured copy "
+                  f"bandwidth {bw / 1e12:.2f} TB/s (read + write)", table)
+
+
+if __name__ == "__main__":
+    main()
