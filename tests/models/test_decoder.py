@@ -164,3 +164,27 @@ def test_chunked_entropy_equals_entropy_of_full_distribution(qwen3_model):
     np.testing.assert_allclose(np.asarray(ent)[:, 1:], np.asarray(want), atol=1e-4)
     np.testing.assert_array_equal(np.asarray(ent)[:, 0], 0.0)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(logprobs(qwen3_model, tokens, 8, 0.8)), atol=1e-6)
+
+
+def test_logprob_gradients_exact_in_fp32_and_close_in_bf16():
+    """The LM head's custom backward (bf16 cotangent) is the exact gradient in float32 and
+    within bf16 rounding of it in bfloat16."""
+    from rstar2_jax.models import logprobs as lp_mod
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(2, 40, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 50)) * 0.3, jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)
+
+    def plain(h, w):
+        logits = jnp.einsum("bte,ev->btv", h, w)
+        return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), tgt[..., None], -1))
+
+    ours = lambda h, w: jnp.sum(lp_mod.token_logprobs_from_hidden(h, w, tgt, chunk_size=16))
+    want = jax.grad(plain, argnums=(0, 1))(h, w)
+    got = jax.grad(ours, argnums=(0, 1))(h, w)
+    for g, ref in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    got16 = jax.grad(ours, argnums=(0, 1))(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    for g, ref in zip(got16, want):
+        err = np.linalg.norm(np.asarray(g, np.float32) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
+        assert err < 3e-2, err
