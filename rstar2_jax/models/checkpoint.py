@@ -123,12 +123,13 @@ def load_pretrained(model_dir: str | os.PathLike, dtype=jnp.float32, *, param_dt
             if got != want:
                 raise CheckpointError(f"{files[spec.hf]}: tensor {spec.hf!r} has shape {list(got)}, "
                                       f"config.json implies {list(want)}")
-            host = weight_map.from_hf(spec, handle.get_tensor(spec.hf), our_shape).astype(param_dtype)
-            if path in flat_shardings:
+            if path in flat_shardings:  # each device takes its own slice of the host tensor
+                host = weight_map.from_hf(spec, handle.get_tensor(spec.hf), our_shape).astype(param_dtype)
                 target = flat_shardings[path].get_value()
                 loaded[path] = jax.make_array_from_callback(host.shape, target, lambda idx, a=host: a[idx])
-            else:
-                loaded[path] = jnp.asarray(host)
+            else:  # contiguous bytes to the device; the layout change happens there
+                loaded[path] = weight_map.from_hf_on_device(spec, jnp.asarray(handle.get_tensor(spec.hf)),
+                                                            our_shape, jnp.dtype(param_dtype))
     state = nnx.from_flat_state([(tuple(int(p) if p.isdigit() else p for p in path.split(".")),
                                  params[path].replace(loaded[path])) for path in params])
     model = nnx.merge(graphdef, state)
@@ -136,12 +137,18 @@ def load_pretrained(model_dir: str | os.PathLike, dtype=jnp.float32, *, param_dt
     return model
 
 
-def model_params_host(model: Decoder) -> dict[str, np.ndarray]:
-    """HF tensor name -> host numpy array, in the parameters' dtype."""
+def model_params_host(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
+    """HF tensor name -> host numpy array, in `dtype` (default: the parameters' own).
+
+    Cast and layout change happen on the device, so only the written bytes cross to the host."""
     params = _param_paths(nnx.state(model, nnx.Param))
     specs = weight_map.weight_specs(list(params))
-    return {specs[path].hf: weight_map.to_hf(specs[path], np.asarray(jax.device_get(var.get_value())))
-            for path, var in params.items()}
+    out = {}
+    for path, var in params.items():
+        value = var.get_value()
+        hf = weight_map.to_hf_on_device(specs[path], value, jnp.dtype(dtype or value.dtype))
+        out[specs[path].hf] = np.asarray(jax.device_get(hf))
+    return out
 
 
 def save_pretrained(model: Decoder, out_dir: str | os.PathLike, *, dtype=None,
@@ -154,9 +161,7 @@ def save_pretrained(model: Decoder, out_dir: str | os.PathLike, *, dtype=None,
     """
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    tensors = model_params_host(model)
-    if dtype is not None:
-        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    tensors = model_params_host(model, dtype)
     written_dtype = next(iter(tensors.values())).dtype
 
     shards: list[dict[str, np.ndarray]] = [{}]

@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rstar2_jax.models.config import ModelConfig
@@ -85,11 +88,31 @@ def from_hf(spec: WeightSpec, tensor: np.ndarray, our_shape: tuple[int, ...]) ->
     return tensor.reshape(our_shape)
 
 
-def to_hf(spec: WeightSpec, array: np.ndarray) -> np.ndarray:
-    shape = hf_shape(spec, array.shape)
-    if spec.kind == "linear":
-        return np.ascontiguousarray(array.reshape(shape[::-1]).T)
-    return np.ascontiguousarray(array.reshape(shape))
+# The same layout changes on the device. Large host transposes run at well under 1 GB/s (numpy
+# walks one of the two arrays across cache lines); an accelerator does them at memory speed, so
+# export and single-device load move only contiguous bytes between host and device.
+# Only the layout (kind, in_ndim) is static, so the layers of a model share compiled programs.
+def from_hf_on_device(spec: WeightSpec, tensor: jax.Array, our_shape: tuple[int, ...], dtype) -> jax.Array:
+    return _from_hf_jit(spec.kind, spec.in_ndim, tensor, tuple(our_shape), jnp.dtype(dtype))
+
+
+def to_hf_on_device(spec: WeightSpec, array: jax.Array, dtype) -> jax.Array:
+    return _to_hf_jit(spec.kind, spec.in_ndim, array, jnp.dtype(dtype))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 3, 4))
+def _from_hf_jit(kind, in_ndim, tensor, our_shape, dtype):
+    if kind == "linear":
+        return tensor.T.reshape(our_shape).astype(dtype)
+    return tensor.reshape(our_shape).astype(dtype)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 3))
+def _to_hf_jit(kind, in_ndim, array, dtype):
+    shape = hf_shape(WeightSpec("", "", kind, in_ndim), array.shape)
+    if kind == "linear":
+        return array.reshape(shape[::-1]).T.astype(dtype)
+    return array.reshape(shape).astype(dtype)
 
 
 def unused_hf_name(name: str, cfg: ModelConfig) -> bool:
