@@ -10,6 +10,7 @@ import numpy as np
 
 from rstar2_jax.rewards import answer_reward, tool_error_ratio
 from rstar2_jax.rollout import AgentConfig, Trajectory, run_agent
+from rstar2_jax.timeline import span
 
 
 @dataclasses.dataclass
@@ -22,7 +23,8 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
                            cfg: AgentConfig, seeds: Sequence[int]) -> list[Scored]:
     trajs = await asyncio.gather(*(run_agent(engine, sandbox, tokenizer, q, cfg, seed=s)
                                    for q, s in zip(questions, seeds)))
-    return [Scored(t, answer_reward(t.response_text, g)) for t, g in zip(trajs, golds)]
+    with span("reward"):
+        return [Scored(t, answer_reward(t.response_text, g)) for t, g in zip(trajs, golds)]
 
 
 def summarize(scored: Sequence[Scored]) -> dict[str, float]:

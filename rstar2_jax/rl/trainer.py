@@ -11,6 +11,7 @@ problem, sample), so a run resumed from its last checkpoint continues exactly as
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from rstar2_jax.rl.evaluation import rollout_problems, summarize
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rollout import AgentConfig, PromptFormat
 from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.timeline import Timeline, exclusive_length, span
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -181,6 +183,7 @@ class RLRun:
                        dynamic_ncols=True)
             for step in bar:
                 metrics, meta = await self.rl_step(engine, sb, step, meta)
+                bar.write(format_breakdown(metrics))
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 meta["rl_step"] = step + 1
@@ -226,9 +229,14 @@ class RLRun:
         questions = [p.question for p in problems for _ in range(n_roll)]
         golds = [p.answer for p in problems for _ in range(n_roll)]
         seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
-        start = time.monotonic()
-        scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
-        rollout_s = time.monotonic() - start
+        step_start = time.monotonic()
+        timeline = Timeline()
+        engine.take_busy_intervals()  # only this step's device work
+        stats_before = dataclasses.replace(engine.stats)
+        with timeline.activate():
+            scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
+        rollout_s = time.monotonic() - step_start - timeline.union("reward")
+        timeline.extend("engine", engine.take_busy_intervals())
         stale = [s for s in scored if s.trajectory.min_version < self.learner.version - cfg.rl.max_staleness]
         if stale:
             raise RuntimeError(f"step {step}: {len(stale)} rollouts are older than the allowed staleness")
@@ -263,8 +271,10 @@ class RLRun:
             batch = make_batch([t.token_ids for t, _ in rows], [t.loss_mask for t, _ in rows],
                                [t.logprobs for t, _ in rows], [a for _, a in rows], pad_multiple=32,
                                rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
-            train_metrics = self.learner.update(batch)
-            engine.update_weights(self.learner.model_state(), self.learner.version)
+            with timeline.activate(), span("learner"):
+                train_metrics = self.learner.update(batch)
+            with timeline.activate(), span("sync"):
+                engine.update_weights(self.learner.model_state(), self.learner.version)
         summary = summarize(scored)
         gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in scored)
         metrics = {
@@ -272,10 +282,41 @@ class RLRun:
             "p_err_correct": summary["tool_error_ratio_correct"],
             "kept_rollouts": len(rows), "rollout_s": rollout_s, "tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
             "mean_response_tokens": summary["mean_response_tokens"], "mean_tool_calls": summary["mean_tool_calls"],
+            **step_breakdown(timeline, rollout_s, time.monotonic() - step_start, stats_before, engine.stats),
             **train_metrics,
         }
         self._log(metrics)
         return metrics, meta
+
+
+def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_before, stats_after) -> dict[str, float]:
+    """Wall-time breakdown of one RL step and how busy the engine was.
+
+    tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
+    the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
+    behind generation. engine_busy: share of the rollout the engine spent on device work;
+    engine_slot_utilization: share of decode-step slots that held a request.
+    """
+    tool_s = timeline.union("tool")
+    tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))
+    steps = stats_after.decode_steps - stats_before.decode_steps
+    busy_slots = stats_after.busy_slot_steps - stats_before.busy_slot_steps
+    return {
+        "time/step_s": step_s, "time/rollout_s": rollout_s, "time/reward_s": timeline.union("reward"),
+        "time/learner_s": timeline.union("learner"), "time/sync_s": timeline.union("sync"),
+        "time/tool_s": tool_s, "time/tool_wait_s": tool_wait_s,
+        "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
+        "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
+        "engine/busy": timeline.union("engine") / max(rollout_s, 1e-9),
+        "engine/slot_utilization": busy_slots / max(1, steps * stats_after.slots),
+    }
+
+
+def format_breakdown(m: dict[str, float]) -> str:
+    return (f"step {m['step']}: {m['time/step_s']:.1f}s = rollout {m['time/rollout_s']:.1f}s (engine busy "
+            f"{m['engine/busy']:.0%}, slots {m['engine/slot_utilization']:.0%}; tools {m['time/tool_s']:.1f}s, "
+            f"{m['time/tool_overlap']:.0%} overlapped, wait {m['time/tool_wait_s']:.2f}s) + reward "
+            f"{m['time/reward_s']:.2f}s + learner {m['time/learner_s']:.1f}s + sync {m['time/sync_s']:.2f}s")
 
 
 def format_results(results: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from rstar2_jax.rollout.prompt import PromptFormat, tool_output_text
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
+from rstar2_jax.timeline import span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,8 @@ async def _run_tool(sandbox, call: ToolCall, timeout: float) -> ToolRecord:
         return ToolRecord(None, "", "parse_error", call.error, 0.0)
     start = time.monotonic()
     try:
-        result = await sandbox.run(call.code, call.stdin, timeout)
+        with span("tool"):  # wall time for the step breakdown (rstar2_jax.timeline)
+            result = await sandbox.run(call.code, call.stdin, timeout)
     except Exception as e:  # noqa: BLE001 - a sandbox failure is a failed call, not a lost trajectory
         return ToolRecord(call.code, call.stdin, "internal", f"Error: the sandbox failed: {e}",
                           time.monotonic() - start)

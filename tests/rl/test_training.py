@@ -49,6 +49,12 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path):
     assert len(kept) <= 2 * 2 * 2 and (traces[~traces["kept"]]["advantage"] == 0).all()
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [l["phase"] for l in lines].count("rl") == 2 and any(l["phase"] == "sft" for l in lines)
+    for rl in (l for l in lines if l["phase"] == "rl"):  # the per-step breakdown adds up
+        parts = rl["time/rollout_s"] + rl["time/reward_s"] + rl["time/learner_s"] + rl["time/sync_s"]
+        assert 0 < parts <= rl["time/step_s"] + 1e-6
+        assert (rl["time/learner_s"] > 0) == (rl["kept_rollouts"] > 0)  # no informative group: no update
+        assert 0 < rl["engine/busy"] <= 1 and 0 < rl["engine/slot_utilization"] <= 1
+        assert 0 <= rl["time/tool_wait_s"] <= rl["time/tool_s"] <= rl["time/rollout_s"]
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
     assert os.listdir(tmp_path / "tensorboard")
     # the trained policy evaluates straight from the run directory
@@ -138,3 +144,18 @@ def test_stage_filter_drops_problems_solved_k_of_k(tmp_path):
     assert [p.id for p in batch] == ["3", "1"] and pos == 2
     with pytest.raises(RuntimeError, match="filtered out"):
         rl._next_problems(0, skip={str(i) for i in range(5)})
+
+
+def test_step_breakdown_measures_tool_wait_against_engine_work():
+    from rstar2_jax.rl.trainer import step_breakdown
+    from rstar2_jax.rollout.engines.jax_engine import EngineStats
+    from rstar2_jax.timeline import Timeline
+
+    t = Timeline()
+    t.extend("engine", [(0.0, 4.0), (6.0, 10.0)])
+    t.extend("tool", [(3.0, 7.0), (3.5, 5.0)])  # 4 s of tool wall time, 2 s of it with the engine idle
+    t.add("reward", 10.0, 10.5)
+    m = step_breakdown(t, rollout_s=10.0, step_s=12.0, stats_before=EngineStats(slots=4),
+                       stats_after=EngineStats(decode_steps=10, busy_slot_steps=30, slots=4))
+    assert m["time/tool_s"] == 4.0 and m["time/tool_wait_s"] == 2.0 and m["time/tool_overlap"] == 0.5
+    assert m["engine/busy"] == 0.8 and m["engine/slot_utilization"] == 0.75 and m["time/reward_s"] == 0.5

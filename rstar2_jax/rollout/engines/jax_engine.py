@@ -81,6 +81,7 @@ class JaxEngine:
         self.max_len = max_len
         self.kv_bucket = kv_bucket
         self.stats = EngineStats(slots=slots)
+        self._busy: list[tuple[float, float]] = []  # (start, end) of device work, time.monotonic
         self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self._graphdef, self._state = nnx.split(model)
@@ -238,10 +239,10 @@ class JaxEngine:
                 jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
         def run():
-            start = time.perf_counter()
+            start = time.monotonic()
             cache, token, logp = self._prefill(*args)
             token, logp = int(token), float(logp)
-            self.stats.prefill_s += time.perf_counter() - start
+            self._record_busy("prefill_s", start)
             return cache, token, logp
 
         self._cache, token, logp = await loop.run_in_executor(self._executor, run)
@@ -275,10 +276,10 @@ class JaxEngine:
         kv_len = self._kv_len(max(busy) + 1)
 
         def run():
-            start = time.perf_counter()
+            start = time.monotonic()
             cache, token, logp = self._decode(*args, kv_len=kv_len)
             token, logp = np.asarray(token), np.asarray(logp)
-            self.stats.decode_s += time.perf_counter() - start
+            self._record_busy("decode_s", start)
             return cache, token, logp
 
         self._cache, sampled, logps = await loop.run_in_executor(self._executor, run)
@@ -288,6 +289,16 @@ class JaxEngine:
         for slot, req in enumerate(self._active):
             if req is not None:
                 self._append(slot, int(sampled[slot]), float(logps[slot]))
+
+    def _record_busy(self, stat: str, start: float):
+        end = time.monotonic()
+        setattr(self.stats, stat, getattr(self.stats, stat) + end - start)
+        self._busy.append((start, end))
+
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) of the device work since the last call (time.monotonic), and forget them."""
+        out, self._busy = self._busy, []
+        return out
 
     def _kv_len(self, needed: int) -> int | None:
         """The cache prefix a step reads: `needed` slots rounded up to a bucket (None: all)."""
