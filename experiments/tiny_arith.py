@@ -21,6 +21,8 @@ def get_config():
     c.model.tiny_hidden = 128
     c.model.dtype = "float32"            # compute dtype (params stay float32)
     c.model.remat = "none"
+    c.model.attention = "xla"            # full forwards: xla | cudnn (NVIDIA; see BENCHMARKS.md)
+    c.model.decode_attention = "xla"     # engine decode: xla | pallas (ragged; needs rollout.max_len % 128 == 0)
 
     c.data = ml_collections.ConfigDict()
     c.data.task = "arith"                # synthetic multi-digit arithmetic

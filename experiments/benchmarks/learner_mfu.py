@@ -68,7 +68,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3_1p7b")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--variants", default="xla:full:1,cudnn:full:1,cudnn:full:2,cudnn:full:4,cudnn:dots:4")
+    p.add_argument("--variants", default="xla:full:1,cudnn:full:4,cudnn:none:4,cudnn:dots:8")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--matmul_n", type=int, default=8192)
     p.add_argument("--record", help="append the result block to this markdown file")

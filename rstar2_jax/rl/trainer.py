@@ -31,6 +31,7 @@ from rstar2_jax.data.problems import load_problems
 from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models import tiny
+from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rewards import extract_answer
 from rstar2_jax.rl.checkpoints import RunCheckpoints
@@ -53,6 +54,11 @@ def validate(cfg: ml_collections.ConfigDict):
         if not cond:
             raise ConfigValueError(f"invalid config: {msg}")
     need(cfg.model.dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.model.dtype!r}")
+    need(cfg.model.attention in FULL_ATTENTION, f"model.attention must be one of {FULL_ATTENTION}, got {cfg.model.attention!r}")
+    need(cfg.model.decode_attention in DECODE_ATTENTION,
+         f"model.decode_attention must be one of {DECODE_ATTENTION}, got {cfg.model.decode_attention!r}")
+    need(cfg.model.decode_attention != "pallas" or cfg.rollout.max_len % 128 == 0,
+         f"model.decode_attention=pallas needs rollout.max_len to be a multiple of 128, got {cfg.rollout.max_len}")
     need(cfg.format in ("tiny", "rstar2"), f"format must be tiny or rstar2, got {cfg.format!r}")
     need(cfg.rl.roc.mode in ("paper", "release", "off"), f"rl.roc.mode must be paper, release or off, got {cfg.rl.roc.mode!r}")
     need(cfg.rl.group_size >= 2, "rl.group_size must be >= 2 (advantages need a group)")
@@ -93,6 +99,7 @@ class RLRun:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model = models.load_pretrained(model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
         self.model.remat = cfg.model.remat
+        self.model.set_attention(full=cfg.model.attention, decode=cfg.model.decode_attention)
         if cfg.data.task == "arith":
             self.train_problems = arith.make_problems(cfg.data.train_problems, seed=cfg.seed + 1)
             self.eval_problems = arith.make_problems(cfg.data.eval_problems, seed=10_000 + cfg.seed)

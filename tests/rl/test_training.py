@@ -118,6 +118,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     ("--config.rl.roc.mode=best", "rl.roc.mode must be paper, release or off"),
     ("--config.rl.group_size=1", "rl.group_size must be >= 2"),
     ("--config.model.dtype=float8", "model.dtype must be one of"),
+    ("--config.model.attention=flash", "model.attention must be one of"),
     ("--config.rl.not_a_field=3", "not_a_field"),
 ])
 def test_bad_config_is_rejected_with_a_clear_message(tmp_path, override, message):
@@ -133,6 +134,11 @@ def test_validate_directly():
     with pytest.raises(ConfigValueError, match="max_response_tokens must be < rollout.max_len"):
         RLRun(cfg, "/tmp/never-created-rl-run")
     assert not os.path.exists("/tmp/never-created-rl-run")
+    cfg = small_config()
+    cfg.model.decode_attention = "pallas"  # small_config's max_len is 256: fine
+    cfg.rollout.max_len = 200
+    with pytest.raises(ConfigValueError, match="needs rollout.max_len to be a multiple of 128"):
+        RLRun(cfg, "/tmp/never-created-rl-run")
 
 
 def test_stage_filter_drops_problems_solved_k_of_k(tmp_path):
