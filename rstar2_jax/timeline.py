@@ -78,6 +78,15 @@ class Timeline:
         return union_length(self._spans.get(kind, ()))
 
     @contextlib.contextmanager
+    def span(self, kind: str):
+        """Record the enclosed wall time as `kind`."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add(kind, start, time.monotonic())
+
+    @contextlib.contextmanager
     def activate(self):
         token = _current.set(self)
         try:
@@ -86,13 +95,7 @@ class Timeline:
             _current.reset(token)
 
 
-@contextlib.contextmanager
 def span(kind: str):
     """Record the enclosed wall time as `kind` in the active Timeline (none active: no-op)."""
     timeline = _current.get()
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        if timeline is not None:
-            timeline.add(kind, start, time.monotonic())
+    return timeline.span(kind) if timeline is not None else contextlib.nullcontext()

@@ -82,37 +82,45 @@ def hf_shape(spec: WeightSpec, our_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(our_shape)
 
 
-def from_hf(spec: WeightSpec, tensor: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:
+def from_hf(spec: WeightSpec, tensor, our_shape: tuple[int, ...]):
+    """HF layout -> ours. Pure layout: numpy arrays (a view where numpy can) or JAX arrays."""
     if spec.kind == "linear":
-        return np.ascontiguousarray(tensor.T).reshape(our_shape)
+        return tensor.T.reshape(our_shape)
     return tensor.reshape(our_shape)
 
 
-# The same layout changes on the device. Large host transposes run at well under 1 GB/s (numpy
-# walks one of the two arrays across cache lines); an accelerator does them at memory speed, so
-# export and single-device load move only contiguous bytes between host and device.
-# Only the layout (kind, in_ndim) is static, so the layers of a model share compiled programs.
+def to_hf(spec: WeightSpec, array):
+    """Our layout -> HF's (the inverse of from_hf), numpy or JAX arrays."""
+    shape = hf_shape(spec, array.shape)
+    if spec.kind == "linear":
+        return array.reshape(shape[::-1]).T
+    return array.reshape(shape)
+
+
+# The same layout changes, jitted on the device. Large host transposes run at well under 1 GB/s
+# (numpy walks one of the two arrays across cache lines); an accelerator does them at memory
+# speed, so export and single-device load move only contiguous bytes between host and device.
+# Only the layout (names blanked) is static, so the layers of a model share compiled programs.
 def from_hf_on_device(spec: WeightSpec, tensor: jax.Array, our_shape: tuple[int, ...], dtype) -> jax.Array:
-    return _from_hf_jit(spec.kind, spec.in_ndim, tensor, tuple(our_shape), jnp.dtype(dtype))
+    return _from_hf_jit(_layout(spec), tensor, tuple(our_shape), jnp.dtype(dtype))
 
 
 def to_hf_on_device(spec: WeightSpec, array: jax.Array, dtype) -> jax.Array:
-    return _to_hf_jit(spec.kind, spec.in_ndim, array, jnp.dtype(dtype))
+    return _to_hf_jit(_layout(spec), array, jnp.dtype(dtype))
 
 
-@partial(jax.jit, static_argnums=(0, 1, 3, 4))
-def _from_hf_jit(kind, in_ndim, tensor, our_shape, dtype):
-    if kind == "linear":
-        return tensor.T.reshape(our_shape).astype(dtype)
-    return tensor.reshape(our_shape).astype(dtype)
+def _layout(spec: WeightSpec) -> WeightSpec:
+    return spec._replace(ours="", hf="")
 
 
-@partial(jax.jit, static_argnums=(0, 1, 3))
-def _to_hf_jit(kind, in_ndim, array, dtype):
-    shape = hf_shape(WeightSpec("", "", kind, in_ndim), array.shape)
-    if kind == "linear":
-        return array.reshape(shape[::-1]).T.astype(dtype)
-    return array.reshape(shape).astype(dtype)
+@partial(jax.jit, static_argnums=(0, 2, 3))
+def _from_hf_jit(layout: WeightSpec, tensor, our_shape, dtype):
+    return from_hf(layout, tensor, our_shape).astype(dtype)
+
+
+@partial(jax.jit, static_argnums=(0, 2))
+def _to_hf_jit(layout: WeightSpec, array, dtype):
+    return to_hf(layout, array).astype(dtype)
 
 
 def unused_hf_name(name: str, cfg: ModelConfig) -> bool:

@@ -39,7 +39,7 @@ from rstar2_jax.rl.evaluation import rollout_problems, summarize
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rollout import AgentConfig, PromptFormat
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.timeline import Timeline, exclusive_length, span
+from rstar2_jax.timeline import Timeline, exclusive_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -278,9 +278,9 @@ class RLRun:
             batch = make_batch([t.token_ids for t, _ in rows], [t.loss_mask for t, _ in rows],
                                [t.logprobs for t, _ in rows], [a for _, a in rows], pad_multiple=32,
                                rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
-            with timeline.activate(), span("learner"):
+            with timeline.span("learner"):
                 train_metrics = self.learner.update(batch)
-            with timeline.activate(), span("sync"):
+            with timeline.span("sync"):
                 engine.update_weights(self.learner.model_state(), self.learner.version)
         summary = summarize(scored)
         gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in scored)
@@ -306,8 +306,6 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
     """
     tool_s = timeline.union("tool")
     tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))
-    steps = stats_after.decode_steps - stats_before.decode_steps
-    busy_slots = stats_after.busy_slot_steps - stats_before.busy_slot_steps
     return {
         "time/step_s": step_s, "time/rollout_s": rollout_s, "time/reward_s": timeline.union("reward"),
         "time/learner_s": timeline.union("learner"), "time/sync_s": timeline.union("sync"),
@@ -315,7 +313,7 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
         "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
         "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
         "engine/busy": timeline.union("engine") / max(rollout_s, 1e-9),
-        "engine/slot_utilization": busy_slots / max(1, steps * stats_after.slots),
+        "engine/slot_utilization": stats_after.since(stats_before).slot_utilization,
     }
 
 

@@ -132,15 +132,18 @@ def test_chunked_logprobs_never_materialise_full_logits(qwen3_model, chunk, expe
     assert bool(big) == expect_full, f"chunk={chunk}: full-logit-sized arrays: {big[:3]}"
 
 
-def _all_shapes(jaxpr):
-    out = []
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (remat, map, custom_vjp) included."""
     for eqn in jaxpr.eqns:
-        out += [getattr(v.aval, "shape", ()) for v in eqn.outvars]
+        yield eqn
         for p in eqn.params.values():
             inner = getattr(p, "jaxpr", p)
             if hasattr(inner, "eqns"):
-                out += _all_shapes(inner)
-    return out
+                yield from _all_eqns(inner)
+
+
+def _all_shapes(jaxpr):
+    return [getattr(v.aval, "shape", ()) for eqn in _all_eqns(jaxpr) for v in eqn.outvars]
 
 
 def test_bf16_compute_close_to_fp32():
@@ -188,3 +191,20 @@ def test_logprob_gradients_exact_in_fp32_and_close_in_bf16():
     for g, ref in zip(got16, want):
         err = np.linalg.norm(np.asarray(g, np.float32) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
         assert err < 3e-2, err
+
+
+def test_lm_head_matmuls_run_in_the_compute_dtype_forward_and_backward():
+    """With bf16 compute every vocab-sized matmul of the log-prob gradient takes bf16 operands
+    (a float32 cotangent would send the two backward ones to fp32/tf32 GEMMs)."""
+    from rstar2_jax.models import logprobs as lp_mod
+    vocab = 50
+    h = jnp.zeros((2, 40, 16), jnp.bfloat16)
+    w = jnp.zeros((16, vocab), jnp.bfloat16)
+    tgt = jnp.zeros((2, 40), jnp.int32)
+    loss = lambda h, w: jnp.sum(lp_mod.token_logprobs_from_hidden(h, w, tgt, chunk_size=16))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, w)
+    head_dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                 and any(vocab in getattr(v.aval, "shape", ()) for v in e.invars)]
+    assert len(head_dots) >= 3  # forward (twice: remat), d/dh, d/dW
+    assert all(v.aval.dtype == jnp.bfloat16 for e in head_dots for v in e.invars), \
+        [[str(v.aval) for v in e.invars] for e in head_dots]

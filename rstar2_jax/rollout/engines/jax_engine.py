@@ -7,10 +7,11 @@ one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens
 is refilled before the next step. Idle slots decode at position `max_len`, where the cache write
 is dropped, so they cost compute but never corrupt anything.
 
-With `kv_bucket`, a decode step reads only the first slots of the cache: the smallest multiple
-of kv_bucket that covers every live row (one compiled step per bucket). Together with a ragged
-decode kernel (`model.set_attention(decode="pallas")`) a step costs what its rows have written,
-not the cache's capacity.
+A step's attention reads what the model's decode implementation reads: the whole cache with
+"xla", only each row's live slots with `model.set_attention(decode="pallas")` (the fast path on
+NVIDIA GPUs). `kv_bucket` instead slices the XLA read to the smallest multiple of kv_bucket that
+covers every live row (one compiled step per bucket); on an H100 that slice was copied before the
+attention and came out slower (BENCHMARKS.md), so it is off by default.
 
 Device work runs on one worker thread, so the asyncio loop stays free for tool calls while the
 model runs. `update_weights` swaps the parameter state between steps; shapes are unchanged, so
@@ -63,9 +64,11 @@ class EngineStats:
         """Share of decode-step slots that did useful work (1.0: every slot busy every step)."""
         return self.busy_slot_steps / max(1, self.decode_steps * self.slots)
 
-    def as_dict(self) -> dict[str, float]:
-        return {"engine_prefill_s": self.prefill_s, "engine_decode_s": self.decode_s,
-                "engine_decode_steps": self.decode_steps, "engine_slot_utilization": self.slot_utilization}
+    def since(self, before: "EngineStats") -> "EngineStats":
+        """What happened between `before` (a copy taken earlier) and now."""
+        return EngineStats(self.prefill_s - before.prefill_s, self.decode_s - before.decode_s,
+                           self.decode_steps - before.decode_steps, self.busy_slot_steps - before.busy_slot_steps,
+                           self.slots)
 
 
 class JaxEngine:
@@ -93,8 +96,6 @@ class JaxEngine:
         self._loop_task: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
-        self.steps = 0
-        self.tokens_generated = 0
         graphdef = self._graphdef
 
         def row_keys(seeds, counters):
@@ -157,7 +158,7 @@ class JaxEngine:
         if self._loop_task is not None:
             raise RuntimeError("precompile before the engine starts serving")
         for n in prompt_lengths:
-            bucket = min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (int(n) - 1).bit_length()))
+            bucket = self._prefill_bucket(int(n))
             self._cache, *_ = self._prefill(self._state, self._cache, jnp.int32(0), jnp.zeros((1, bucket), jnp.int32),
                                             jnp.int32(1), jnp.uint32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
         inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
@@ -183,6 +184,11 @@ class JaxEngine:
 
     async def __aexit__(self, *exc):
         await self.close()
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run so far."""
+        return self.stats.decode_steps
 
     @property
     def busy_slots(self) -> int:
@@ -228,8 +234,7 @@ class JaxEngine:
         if req.future.done():  # cancelled by the caller while queued
             return
         n = len(req.prompt)
-        bucket = min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (n - 1).bit_length()))
-        tokens = np.zeros((1, bucket), np.int32)
+        tokens = np.zeros((1, self._prefill_bucket(n)), np.int32)
         tokens[0, :n] = req.prompt
         s = req.sampling
         req.version_start = self.version
@@ -242,7 +247,7 @@ class JaxEngine:
             start = time.monotonic()
             cache, token, logp = self._prefill(*args)
             token, logp = int(token), float(logp)
-            self._record_busy("prefill_s", start)
+            self.stats.prefill_s += self._record_busy(start)
             return cache, token, logp
 
         self._cache, token, logp = await loop.run_in_executor(self._executor, run)
@@ -279,26 +284,30 @@ class JaxEngine:
             start = time.monotonic()
             cache, token, logp = self._decode(*args, kv_len=kv_len)
             token, logp = np.asarray(token), np.asarray(logp)
-            self._record_busy("decode_s", start)
+            self.stats.decode_s += self._record_busy(start)
             return cache, token, logp
 
         self._cache, sampled, logps = await loop.run_in_executor(self._executor, run)
-        self.steps += 1
         self.stats.decode_steps += 1
         self.stats.busy_slot_steps += len(busy)
         for slot, req in enumerate(self._active):
             if req is not None:
                 self._append(slot, int(sampled[slot]), float(logps[slot]))
 
-    def _record_busy(self, stat: str, start: float):
+    def _record_busy(self, start: float) -> float:
+        """Keep (start, now) as device work; its duration."""
         end = time.monotonic()
-        setattr(self.stats, stat, getattr(self.stats, stat) + end - start)
         self._busy.append((start, end))
+        return end - start
 
     def take_busy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) of the device work since the last call (time.monotonic), and forget them."""
         out, self._busy = self._busy, []
         return out
+
+    def _prefill_bucket(self, prompt_len: int) -> int:
+        """Prompts are padded to a power of two (a few compiled prefill shapes)."""
+        return min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (prompt_len - 1).bit_length()))
 
     def _kv_len(self, needed: int) -> int | None:
         """The cache prefix a step reads: `needed` slots rounded up to a bucket (None: all)."""
@@ -310,7 +319,6 @@ class JaxEngine:
         req = self._active[slot]
         req.generated.append(token)
         req.logprobs.append(logp)
-        self.tokens_generated += 1
         finish, stop_string = None, None
         if token in self.eos_ids:
             finish = "eos"
