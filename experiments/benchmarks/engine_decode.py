@@ -3,8 +3,9 @@
     python -m experiments.benchmarks.engine_decode --model qwen3_0p6b --slots 128 --prompt 256 \
         --new 1024 --variants xla:full,pallas:full,xla:256 [--record BENCHMARKS.md]
 
-A variant is decode-attention:kv-bucket ("full": every step reads the whole cache; a number:
-the live prefix rounded up to that bucket). Random bf16 weights; `slots` requests of `prompt`
+A variant is decode-attention:kv-bucket[:splits] ("full": every step reads the whole cache; a
+number: the live prefix rounded up to that bucket; splits: the Pallas kernel's parallel chunks per
+row and head, default its own). Random bf16 weights; `slots` requests of `prompt`
 tokens each sample exactly `new` tokens (EOS off, temperature 1.0, no top-k/top-p), all slots
 busy. Roofline: the least bytes a step must move (every weight once + each row's live keys and
 values, rstar2_jax.models.flops.decode_step_bytes) over the copy bandwidth measured in the same
@@ -45,8 +46,10 @@ async def _generate(engine, prompts, new):
         return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
 
 
-def run_variant(model, attention, bucket, slots, prompt, new):
+def run_variant(model, attention, bucket, splits, slots, prompt, new):
     model.set_attention(decode=attention)
+    for layer in model.layers:  # None (the kernel's default) must be settable back
+        layer.attn.decode_splits = splits
     max_len = -(-(prompt + new) // 128) * 128
     engine = JaxEngine(model, _NoTokenizer(), slots=slots, max_len=max_len, eos_ids=(),
                        kv_bucket=None if bucket == "full" else int(bucket))
@@ -80,24 +83,25 @@ def main(argv=None):
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rows = []
     for variant in args.variants.split(","):
-        attention, bucket = variant.split(":")
+        attention, bucket, *splits = variant.split(":")
+        splits = int(splits[0]) if splits else None
         try:
-            stats, bytes_total = run_variant(model, attention, bucket, args.slots, args.prompt, args.new)
+            stats, bytes_total = run_variant(model, attention, bucket, splits, args.slots, args.prompt, args.new)
         except Exception as e:
             msg = str(e).splitlines()[0][:120]
             print(f"{variant}: FAILED {type(e).__name__}: {msg}", flush=True)
-            rows.append([attention, bucket, "failed", msg, "", "", "", ""])
+            rows.append([attention, bucket, splits or "default", "failed", msg, "", "", "", ""])
             continue
         decode_tokens = args.slots * (args.new - 1)
         floor_s = bytes_total / bw
         step_ms = stats.decode_s / stats.decode_steps * 1e3
-        rows.append([attention, bucket, f"{decode_tokens / stats.decode_s:.0f}", f"{step_ms:.2f}",
+        rows.append([attention, bucket, splits or "default", f"{decode_tokens / stats.decode_s:.0f}", f"{step_ms:.2f}",
                      f"{floor_s / stats.decode_steps * 1e3:.2f}", f"{floor_s / stats.decode_s:.1%}",
                      f"{args.slots * args.prompt / stats.prefill_s:.0f}", f"{stats.slot_utilization:.0%}"])
         print(f"{variant}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
               f"(floor {floor_s / stats.decode_steps * 1e3:.2f} ms) = {floor_s / stats.decode_s:.1%} of roofline; "
               f"prefill {args.slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
-    table = common.markdown_table(["decode attention", "kv bucket", "decode tok/s", "step ms", "roofline step ms",
+    table = common.markdown_table(["decode attention", "kv bucket", "pallas splits", "decode tok/s", "step ms", "roofline step ms",
                                    "of roofline", "prefill tok/s", "slot utilization"], rows)
     common.record(args.record, f"JaxEngine decode: {args.model}, {args.slots} sequences",
                   "python -m experiments.benchmarks.engine_decode " + " ".join(argv if argv is not None else sys.argv[1:]),

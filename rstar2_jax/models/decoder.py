@@ -92,6 +92,7 @@ class Attention(nnx.Module):
         e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg, self.dtype = cfg, dtype
         self.full_impl, self.decode_impl = "xla", "xla"  # see Decoder.set_attention
+        self.decode_splits: int | None = None
         self.q_proj = _param(rngs, (e, h, d), ("embed", "q_heads", "head_dim"), param_dtype, "normal")
         self.k_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
         self.v_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
@@ -146,7 +147,7 @@ class Attention(nnx.Module):
             n = cache_k.shape[2] if kv_len is None else min(kv_len, cache_k.shape[2])
             keys, values = cache_k[:, :, :n].astype(self.dtype), cache_v[:, :, :n].astype(self.dtype)
             if self.decode_impl == "pallas" and t == 1:
-                out = _pallas_decode_attention(q, keys, values, positions[:, 0] + 1, cfg)
+                out = _pallas_decode_attention(q, keys, values, positions[:, 0] + 1, cfg, self.decode_splits)
             else:
                 mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]  # [B, T, S]
                 out = _xla_attention(q, keys, values, mask, cfg)
@@ -179,11 +180,12 @@ def _fused_causal_attention(q, k, v, cfg: ModelConfig, implementation: str):
                                         implementation=implementation)
 
 
-def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig):
+def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig, splits: int | None = None):
     """One query token per row against its first lengths[b] cache slots: the ragged read.
 
     Blocks of 128 slots past a row's length are skipped, so a row costs what it has written, not
-    the cache's capacity. The cache is split into up to 16 parallel chunks (flash-decoding).
+    the cache's capacity. Each (row, kv head) is cut into `splits` chunks run in parallel and
+    combined (flash-decoding); None: up to 16 (a divisor of the cache's 128-slot blocks).
     """
     from jax.experimental.pallas.ops.gpu import decode_attention
 
@@ -191,7 +193,10 @@ def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig):
     if s % 128:
         raise ValueError(f"pallas decode attention needs a cache length that is a multiple of 128, got {s}")
     blocks = s // 128
-    splits = max(d for d in range(1, 17) if blocks % d == 0)
+    if splits is None:
+        splits = max(d for d in range(1, 17) if blocks % d == 0)
+    elif splits < 1 or blocks % splits:
+        raise ValueError(f"decode_splits={splits} must divide the cache's {blocks} blocks of 128 slots")
     # gqa wants [B, S, kv_heads, d] and swaps to head-major itself; the two swaps cancel in XLA.
     out = decode_attention.gqa(q[:, 0], keys.swapaxes(1, 2), values.swapaxes(1, 2), kv_seq_len=lengths,
                                sm_scale=cfg.head_dim ** -0.5, block_k=128, k_splits=splits,
@@ -269,11 +274,13 @@ class Decoder(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
-    def set_attention(self, full: str | None = None, decode: str | None = None) -> "Decoder":
+    def set_attention(self, full: str | None = None, decode: str | None = None,
+                      decode_splits: int | None = None) -> "Decoder":
         """Choose the attention implementation of every layer (see the module docstring).
 
         full: "xla" | "cudnn" for forwards without a cache; decode: "xla" | "pallas" for
-        single-token steps against the cache. Set it before nnx.split (engines, learners).
+        single-token steps against the cache; decode_splits: the Pallas kernel's parallel chunks
+        per row and head (None: its default). Set it before nnx.split (engines, learners).
         """
         if full is not None and full not in FULL_ATTENTION:
             raise ValueError(f"full attention must be one of {FULL_ATTENTION}, got {full!r}")
@@ -282,6 +289,7 @@ class Decoder(nnx.Module):
         for layer in self.layers:
             layer.attn.full_impl = full or layer.attn.full_impl
             layer.attn.decode_impl = decode or layer.attn.decode_impl
+            layer.attn.decode_splits = decode_splits or layer.attn.decode_splits
         return self
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,

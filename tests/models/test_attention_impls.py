@@ -55,10 +55,11 @@ def test_decode_reading_a_live_prefix_equals_reading_the_whole_cache():
     np.testing.assert_allclose(prefix, full, atol=1e-5, rtol=1e-5)
 
 
-def test_pallas_ragged_decode_equals_xla_decode():
+@pytest.mark.parametrize("splits", [None, 1])
+def test_pallas_ragged_decode_equals_xla_decode(splits):
     model = random_model(small_config("qwen3"), seed=5)
     want = _decode_logits(model, seed=1)
-    got = _decode_logits(model.set_attention(decode="pallas"), seed=1)
+    got = _decode_logits(model.set_attention(decode="pallas", decode_splits=splits), seed=1)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -76,6 +77,9 @@ def test_pallas_decode_is_really_taken_and_wants_128_slot_caches():
     cache = models.init_cache(model.cfg, batch=1, max_len=200)
     with pytest.raises(ValueError, match="multiple of 128"):
         model(jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache=cache)
+    cache = models.init_cache(model.cfg, batch=1, max_len=384)
+    with pytest.raises(ValueError, match="must divide the cache's 3 blocks"):
+        model.set_attention(decode_splits=2)(jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache=cache)
 
 
 def test_a_prefix_shorter_than_a_live_row_changes_its_logits():
