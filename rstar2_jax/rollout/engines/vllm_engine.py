@@ -1,0 +1,362 @@
+"""VLLMEngine: the rollout engine as a client of a vLLM OpenAI-compatible server.
+
+Same interface as JaxEngine (`generate`, `update_weights`, `version`), so the agent loop, the
+evaluation and the trainer do not know which engine they talk to.
+
+Token in, token out: prompts go as token ids to /v1/completions and the choice's `token_ids`
+and `logprobs.token_logprobs` come back; text is never re-tokenized. The server runs with
+`--logprobs-mode processed_logprobs` (vllm_server.py): log-probs at the sampling temperature,
+what the learner recomputes. (With top-k/top-p vLLM renormalizes over the kept tokens, unlike
+JaxEngine; RL sampling uses neither.)
+
+Weight sync (`update_weights`): the learner's parameters are written as HF-named safetensors
+into a fresh directory (under /dev/shm where it exists), then the server is paused (in-flight
+requests kept), `reload_weights` runs through /collective_rpc, the prefix cache is reset (cached
+KV was computed by the old weights), the weight version is bumped and the server resumed. Then
+a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
+sequence must match the JAX model's within `probe_tolerance`. This catches the tied-embedding
+trap (vLLM's reload updates a tied embedding but keeps the old output layer) and any other
+silently ignored tensor.
+
+A dead or restarting server loses nothing: a request that fails on the connection (or with a
+5xx) is sent again once the server answers, after the latest weights are reloaded into it (a
+restarted server starts from the model directory it was launched with). Nothing is appended to
+a trajectory until a completion arrives whole, so a retried turn is neither lost, duplicated
+nor truncated. A server that stays down past `restart_timeout` raises ServerUnavailable, which
+the scheduler answers by sending the request to another engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rstar2_jax.models.checkpoint import save_pretrained
+from rstar2_jax.models.decoder import Decoder
+from rstar2_jax.models.logprobs import token_logprobs
+from rstar2_jax.rollout.engines.base import Completion
+from rstar2_jax.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ServerUnavailable(ConnectionError):
+    """The server did not answer (refused, reset, timed out, or a 5xx)."""
+
+
+class ServerRequestError(ValueError):
+    """The server rejected the request (4xx): retrying it would not help."""
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLoad:
+    """What /metrics says about one server (summed over its engine cores)."""
+    kv_usage: float = 0.0           # share of the KV cache in use, 0..1
+    kv_capacity_tokens: int = 0     # KV cache size in tokens
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0            # since the server started
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return int(self.kv_capacity_tokens * (1.0 - self.kv_usage))
+
+
+_METRIC_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for each sample line of Prometheus text exposition."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC_LINE.match(line)
+        if m:
+            out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return out
+
+
+def server_load(metrics_text: str) -> ServerLoad:
+    sums: dict[str, float] = {}
+    capacity = 0
+    for name, labels, value in parse_prometheus(metrics_text):
+        if name == "vllm:cache_config_info":
+            capacity += int(float(labels.get("kv_cache_size_tokens") or 0))
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                      "vllm:num_preemptions_total"):
+            sums[name] = sums.get(name, 0.0) + value
+    engines = max(1, sum(1 for n, _, _ in parse_prometheus(metrics_text) if n == "vllm:kv_cache_usage_perc"))
+    return ServerLoad(kv_usage=sums.get("vllm:kv_cache_usage_perc", 0.0) / engines, kv_capacity_tokens=capacity,
+                      running=int(sums.get("vllm:num_requests_running", 0)),
+                      waiting=int(sums.get("vllm:num_requests_waiting", 0)),
+                      preemptions=int(sums.get("vllm:num_preemptions_total", 0)))
+
+
+class VLLMClient:
+    """Blocking JSON-over-HTTP calls to one server (run them in threads from async code)."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            if e.code >= 500:
+                raise ServerUnavailable(f"{method} {self.url}{path}: HTTP {e.code}: {detail}") from e
+            raise ServerRequestError(f"{method} {self.url}{path}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as e:
+            raise ServerUnavailable(f"{method} {self.url}{path}: {e}") from e
+        text = raw.decode()
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+
+    def get_text(self, path: str, timeout: float = 10.0) -> str:
+        out = self.request("GET", path, timeout=timeout)
+        return out if isinstance(out, str) else json.dumps(out)
+
+    def alive(self) -> bool:
+        try:
+            return bool(self.request("GET", "/v1/models", timeout=2.0).get("data"))
+        except (ServerUnavailable, ServerRequestError, AttributeError):
+            return False
+
+
+def _default_sync_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMEngine:
+    """model: a Decoder of the served architecture (its graph is used to export and to probe
+    synced weights; its parameters are the starting point, and need not be the server's)."""
+
+    def __init__(self, url: str, model: Decoder | None = None, *, model_name: str | None = None,
+                 sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
+                 probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
+                 max_concurrency: int = 256):
+        self.client = VLLMClient(url, timeout=request_timeout)
+        self.url = self.client.url
+        self.version = 0
+        self.restart_timeout = restart_timeout
+        self.probe_tolerance = probe_tolerance
+        self.export_dtype = export_dtype
+        self.retries = 0                       # requests sent again after a server failure
+        self.reloads_after_restart = 0
+        self._template = model
+        self._graphdef = nnx.split(model)[0] if model is not None else None
+        info = self.client.request("GET", "/v1/models", timeout=30.0)["data"][0]
+        self.model_name = model_name or info["id"]
+        self.max_model_len = int(info.get("max_model_len") or 0) or None
+        self._sync_root = sync_dir or os.path.join(_default_sync_root(), f"rstar2_sync_{os.getpid()}_{id(self):x}")
+        self._synced_dir: str | None = None    # the latest weights the server should have
+        vocab = model.cfg.vocab_size if model is not None else 256
+        self._probe_tokens = np.random.default_rng(1234).integers(0, vocab, probe_length).tolist()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-client")
+        self._up: asyncio.Event | None = None
+        self._recovery: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       stop: Sequence[str] = ()) -> Completion:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        max_tokens = sampling.max_tokens
+        if self.max_model_len is not None:
+            max_tokens = min(max_tokens, self.max_model_len - len(prompt))
+        if max_tokens <= 0:
+            return Completion([], [], "length", self.version, self.version)
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+                "stop": list(stop) + list(sampling.stop), "include_stop_str_in_output": True}
+        if sampling.seed is not None:
+            body["seed"] = int(sampling.seed) % 2 ** 63
+        deadline = time.monotonic() + self.restart_timeout
+        while True:
+            await self._wait_up(deadline)
+            version_start = self.version
+            try:
+                out = await self._call("POST", "/v1/completions", body)
+            except ServerUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                self.retries += 1
+                self._mark_down()
+                continue
+            choice = out["choices"][0]
+            if choice.get("finish_reason") == "abort":  # aborted by a server shutting down: send again
+                self.retries += 1
+                self._mark_down()
+                continue
+            return _completion(choice, version_start, self.version)
+
+    async def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: self.client.request(method, path, body, timeout))
+
+    def load(self) -> ServerLoad:
+        return server_load(self.client.get_text("/metrics"))
+
+    async def load_async(self) -> ServerLoad:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.load)
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(token t | tokens before t) for t >= 1 under the served weights (at T = 1)."""
+        out = self.client.request("POST", "/v1/completions", {
+            "model": self.model_name, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 1.0,
+            "prompt_logprobs": 0, "return_token_ids": True})
+        entries = out["choices"][0]["prompt_logprobs"]
+        return [float(entries[i][str(int(t))]["logprob"]) for i, t in enumerate(token_ids) if i > 0]
+
+    # ------------------------------------------------------------------------------------------
+    # server failures
+
+    def _ensure_event(self) -> asyncio.Event:
+        if self._up is None:
+            self._up = asyncio.Event()
+            self._up.set()
+        return self._up
+
+    async def _wait_up(self, deadline: float):
+        up = self._ensure_event()
+        if not up.is_set():
+            try:
+                await asyncio.wait_for(up.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ServerUnavailable(f"{self.url} still down after {self.restart_timeout:.0f} s") from None
+
+    def _mark_down(self):
+        up = self._ensure_event()
+        up.clear()
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self):
+        """Poll until the server answers, put the latest weights back if it restarted, then let
+        the waiting requests go."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.restart_timeout
+        while time.monotonic() < deadline:
+            if await loop.run_in_executor(self._executor, self.client.alive):
+                try:
+                    await loop.run_in_executor(self._executor, self._restore_weights)
+                except (ServerUnavailable, ServerRequestError) as e:
+                    log.warning("restoring weights on %s failed (%s); retrying", self.url, e)
+                else:
+                    self._up.set()
+                    return
+            await asyncio.sleep(1.0)
+        log.error("%s did not come back within %.0f s", self.url, self.restart_timeout)
+        self._up.set()  # waiting requests try once more and raise ServerUnavailable
+
+    def _restore_weights(self):
+        served = self.client.request("GET", "/weight_info", timeout=10.0).get("weight_version")
+        if self._synced_dir is not None and str(served) != str(self.version):
+            log.warning("%s restarted (weight version %s, expected %s): reloading %s", self.url, served,
+                        self.version, self._synced_dir)
+            self._reload(self._synced_dir, self.version)
+            self.reloads_after_restart += 1
+
+    # ------------------------------------------------------------------------------------------
+    # weight sync
+
+    def update_weights(self, params: Any, version: int | None = None) -> None:
+        """Push parameters (an nnx.State of the model's variables, or a Decoder) to the server."""
+        if self._graphdef is None:
+            raise ValueError("VLLMEngine(model=...) is needed to export weights")
+        model = params if isinstance(params, nnx.Module) else nnx.merge(self._graphdef, params)
+        version = self.version + 1 if version is None else version
+        target = os.path.join(self._sync_root, f"v{version}")
+        start = time.perf_counter()
+        save_pretrained(model, target, dtype=self.export_dtype, tokenizer_dir=None)
+        self._reload(target, version)
+        previous, self._synced_dir = self._synced_dir, target
+        if previous and previous != target:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.version = version
+        self.check_sync(model)
+        log.info("synced weights v%d to %s in %.2f s", version, self.url, time.perf_counter() - start)
+
+    def _reload(self, weights_dir: str, version: int):
+        c = self.client
+        c.request("POST", "/pause?mode=keep")
+        try:
+            c.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+            c.request("POST", "/reset_prefix_cache")
+            c.request("POST", "/update_weight_version", {"new_version": str(version)})
+        finally:
+            c.request("POST", "/resume")
+
+    def check_sync(self, model: Decoder) -> float:
+        """Largest |log-prob difference| between the server and `model` on the probe tokens."""
+        served = np.asarray(self.prompt_logprobs(self._probe_tokens))
+        tokens = jnp.asarray([self._probe_tokens], jnp.int32)
+        ours = np.asarray(jax.device_get(token_logprobs(model, tokens)))[0, 1:]
+        err = float(np.max(np.abs(served - ours)))
+        if not np.isfinite(err) or err > self.probe_tolerance:
+            tied = " The model ties its embeddings: vLLM's reload_weights keeps the old output layer " \
+                   "of tied models (shared notes on vLLM); restart the server from the new weights " \
+                   "or untie the embeddings." if model.cfg.tie_word_embeddings else ""
+            raise WeightSyncError(f"after the sync to {self.url}, vLLM's log-probs differ from the learner's by "
+                                  f"{err:.3g} (> {self.probe_tolerance:g}).{tied}")
+        return err
+
+    async def close(self):
+        if self._recovery is not None:
+            self._recovery.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self._sync_root, ignore_errors=True)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+def _completion(choice: dict, version_start: int, version_end: int) -> Completion:
+    token_ids = [int(t) for t in choice["token_ids"]]
+    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    if len(logprobs) != len(token_ids):
+        raise ServerRequestError(f"vLLM returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
+    reason, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+    if reason == "length":
+        return Completion(token_ids, logprobs, "length", version_start, version_end)
+    if isinstance(stop_reason, str):
+        return Completion(token_ids, logprobs, "stop", version_start, version_end, stop_reason)
+    return Completion(token_ids, logprobs, "eos", version_start, version_end)

@@ -1,0 +1,167 @@
+"""Start, watch and stop a vLLM OpenAI-compatible server (a separate process, in its own venv).
+
+    server = VLLMServer(model_dir, port=8100, python=".venv-vllm/bin/python")
+    server.start(); server.wait_ready()   # ... server.url ...; server.stop()
+
+vLLM lives in its own virtual environment (it pins its own torch), so the server is always a
+subprocess started with that venv's python; this module only builds the command and manages the
+process. The flags that matter for RL (see shared notes on vLLM):
+- VLLM_SERVER_DEV_MODE=1 enables /pause, /resume, /collective_rpc (reload_weights),
+  /reset_prefix_cache and /update_weight_version, which the weight sync calls;
+- --logprobs-mode processed_logprobs returns log-probs at the sampling temperature (before
+  top-k/top-p), the distribution the learner recomputes; the default is the raw (T = 1) one;
+- on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and VLLM_CPU_OMP_THREADS_BIND=nobind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_python() -> str:
+    """The vLLM venv's interpreter: $RSTAR2_VLLM_PYTHON, else .venv-vllm/bin/python under the cwd."""
+    return os.environ.get("RSTAR2_VLLM_PYTHON") or os.path.join(".venv-vllm", "bin", "python")
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8100
+    dtype: str = "auto"               # float32 for exact parity tests, bfloat16 on GPUs
+    max_model_len: int = 4096
+    served_model_name: str | None = None  # default: the model directory
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    cpu_kv_cache_gib: float = 1.0     # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    extra_args: tuple[str, ...] = ()
+
+
+def server_command(model_dir: str, opts: ServerOptions, python: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) that start a vLLM server for `model_dir` with the RL routes on."""
+    argv = [python or default_python(), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", os.path.abspath(model_dir), "--host", opts.host, "--port", str(opts.port),
+            "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len), "--seed", str(opts.seed),
+            "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", str(opts.tensor_parallel_size)]
+    if opts.served_model_name:
+        argv += ["--served-model-name", opts.served_model_name]
+    if opts.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    argv += list(opts.extra_args)
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{opts.cpu_kv_cache_gib:g}",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return argv, env
+
+
+def shell_command(argv: list[str], env: dict[str, str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class VLLMServer:
+    """One vLLM server process. `restart()` keeps the URL (same port), as a supervisor would."""
+
+    def __init__(self, model_dir: str, opts: ServerOptions | None = None, *, python: str | None = None,
+                 log_path: str | None = None):
+        self.model_dir = os.path.abspath(model_dir)
+        self.opts = opts or ServerOptions()
+        self.python = python or default_python()
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.opts.host}:{self.opts.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.opts.served_model_name or self.model_dir
+
+    def start(self) -> "VLLMServer":
+        if not os.path.exists(self.python):
+            raise ServerStartError(f"no vLLM interpreter at {self.python}: create the venv (`make .venv-vllm/.installed`, "
+                                   "README 'vLLM rollout server') or pass python=")
+        argv, env = server_command(self.model_dir, self.opts, self.python)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        # its own process group, so stop() also ends the engine-core child process
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 600.0) -> "VLLMServer":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(f"vLLM server exited with code {self.proc.returncode} while starting"
+                                       + (f"; log: {self.log_path}\n{_tail(self.log_path)}" if self.log_path else ""))
+            if is_ready(self.url):
+                return self
+            time.sleep(1.0)
+        raise ServerStartError(f"vLLM server at {self.url} not ready after {timeout:.0f} s"
+                               + (f"; log: {self.log_path}\n{_tail(self.log_path)}" if self.log_path else ""))
+
+    def kill(self):
+        """SIGKILL the whole process group: what a crash looks like to clients."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 30.0):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def restart(self, timeout: float = 600.0) -> "VLLMServer":
+        self.stop()
+        return self.start().wait_ready(timeout)
+
+    def __enter__(self):
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as r:
+            return r.status == 200 and bool(json.load(r).get("data"))
+    except (OSError, ValueError):
+        return False
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":  # pragma: no cover - see rstar2_jax.rollout.serve
+    sys.exit("use: python -m rstar2_jax.rollout.serve --model DIR")
