@@ -2,7 +2,7 @@
 
 An engine turns a token-id prompt into a completion: token ids, the sampler's log-prob of each,
 and why it stopped. Token in, token out: nothing here ever re-tokenizes text. `JaxEngine` (in
-process) and the vLLM server engine implement the same three members.
+process) and the vLLM server engine implement the same members; `load()` is what the scheduler balances on.
 """
 
 from __future__ import annotations
@@ -23,6 +23,21 @@ class Completion:
     stop_string: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLoad:
+    """An engine's KV load: from a vLLM server's /metrics (summed over its engine cores), or a
+    JaxEngine's slots."""
+    kv_usage: float = 0.0           # share of the KV cache in use, 0..1
+    kv_capacity_tokens: int = 0     # KV cache size in tokens
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0            # since the server started
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return int(self.kv_capacity_tokens * (1.0 - self.kv_usage))
+
+
 class Engine(Protocol):
     version: int
 
@@ -30,3 +45,5 @@ class Engine(Protocol):
                        stop: Sequence[str] = ()) -> Completion: ...
 
     def update_weights(self, params: Any, version: int | None = None) -> None: ...
+
+    def load(self) -> ServerLoad: ...

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from rstar2_jax.models.decoder import Decoder, KVCache, init_cache
-from rstar2_jax.rollout.engines.base import Completion
+from rstar2_jax.rollout.engines.base import Completion, ServerLoad
 from rstar2_jax.rollout.sampling import SamplingParams, sample
 
 MIN_PREFILL_BUCKET = 16
@@ -189,6 +189,13 @@ class JaxEngine:
     def steps(self) -> int:
         """Decode steps run so far."""
         return self.stats.decode_steps
+
+    def load(self) -> ServerLoad:
+        """Load in the scheduler's terms: every slot owns a max_len row of KV, so capacity is
+        slots x max_len tokens and a busy slot uses its whole row."""
+        busy = self.busy_slots
+        return ServerLoad(kv_usage=busy / self.slots, kv_capacity_tokens=self.slots * self.max_len, running=busy,
+                          waiting=self._queue.qsize() if self._queue is not None else 0)
 
     @property
     def busy_slots(self) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import http.client
 import json
 import logging
@@ -51,7 +50,7 @@ from flax import nnx
 from rstar2_jax.models.checkpoint import save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
-from rstar2_jax.rollout.engines.base import Completion
+from rstar2_jax.rollout.engines.base import Completion, ServerLoad
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,20 +66,6 @@ class ServerRequestError(ValueError):
 
 class WeightSyncError(RuntimeError):
     pass
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLoad:
-    """What /metrics says about one server (summed over its engine cores)."""
-    kv_usage: float = 0.0           # share of the KV cache in use, 0..1
-    kv_capacity_tokens: int = 0     # KV cache size in tokens
-    running: int = 0
-    waiting: int = 0
-    preemptions: int = 0            # since the server started
-
-    @property
-    def free_kv_tokens(self) -> int:
-        return int(self.kv_capacity_tokens * (1.0 - self.kv_usage))
 
 
 _METRIC_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')

@@ -1,0 +1,181 @@
+"""Dispatch turn requests across several engines (vLLM servers and/or JaxEngines).
+
+    engine = Scheduler([VLLMEngine(url1, model), VLLMEngine(url2, model)], policy="kv_aware")
+    traj = await run_agent(engine, sandbox, ...)   # a Scheduler is itself an Engine
+
+The unit of scheduling is one turn (one `generate` call): when a turn ends in a tool call, the
+agent loop sends the call to the sandbox at once and the trajectory comes back to the scheduler
+with its next turn when the result arrives, so no engine waits on a tool.
+
+Policies (pure functions of the engines' loads; the simulation benchmark runs the same ones):
+- "kv_aware" (rStar2-Agent's load balancer): a request reserves prompt + new tokens of KV; it
+  goes to the engine with the most free KV tokens that can hold it, and waits (FIFO) when none
+  can, instead of pushing an engine into preemption. Free = capacity - max(our reservations,
+  what the engine reports in use), refreshed from each engine's metrics, so usage by other
+  clients counts too.
+- "round_robin", "least_requests": the usual baselines.
+
+A request whose engine fails (ServerUnavailable after its restart window) is sent to another
+engine; the failed engine is skipped until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Callable, Sequence
+
+from rstar2_jax.rollout.engines.base import Completion, ServerLoad
+from rstar2_jax.rollout.engines.vllm_engine import ServerUnavailable
+from rstar2_jax.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineLoad:
+    """One engine as a policy sees it."""
+    capacity_tokens: int
+    reserved_tokens: int = 0     # sum of the reservations of our requests in flight there
+    used_tokens: int = 0         # KV in use as the engine last reported it
+    in_flight: int = 0           # our requests in flight there
+    healthy: bool = True
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - max(self.reserved_tokens, self.used_tokens)
+
+
+def pick_kv_aware(loads: Sequence[EngineLoad], need: int, turn: int) -> int | None:
+    """The healthy engine with the most free KV that fits `need` tokens; None: wait.
+
+    A request larger than every engine's whole capacity could never fit: it goes to an idle
+    engine (where it runs alone) rather than waiting forever."""
+    fits = [i for i, l in enumerate(loads) if l.healthy and l.free_tokens >= need]
+    if fits:
+        return max(fits, key=lambda i: (loads[i].free_tokens, -i))
+    if all(need > l.capacity_tokens for l in loads if l.healthy):
+        idle = [i for i, l in enumerate(loads) if l.healthy and l.in_flight == 0]
+        return idle[0] if idle else None
+    return None
+
+
+def pick_round_robin(loads: Sequence[EngineLoad], need: int, turn: int) -> int | None:
+    healthy = [i for i, l in enumerate(loads) if l.healthy]
+    return healthy[turn % len(healthy)] if healthy else None
+
+
+def pick_least_requests(loads: Sequence[EngineLoad], need: int, turn: int) -> int | None:
+    healthy = [i for i, l in enumerate(loads) if l.healthy]
+    return min(healthy, key=lambda i: (loads[i].in_flight, i)) if healthy else None
+
+
+POLICIES: dict[str, Callable[[Sequence[EngineLoad], int, int], int | None]] = {
+    "kv_aware": pick_kv_aware, "round_robin": pick_round_robin, "least_requests": pick_least_requests}
+
+
+def reservation(prompt_len: int, max_tokens: int, reserve_new_tokens: int | None) -> int:
+    """KV tokens a turn may come to hold: its prompt plus the new tokens it is allowed (or fewer,
+    when `reserve_new_tokens` bets on shorter answers and accepts some risk of preemption)."""
+    new = max_tokens if reserve_new_tokens is None else min(max_tokens, reserve_new_tokens)
+    return prompt_len + new
+
+
+class Scheduler:
+    def __init__(self, engines: Sequence, policy: str = "kv_aware", *, reserve_new_tokens: int | None = None,
+                 refresh_s: float = 1.0):
+        if not engines:
+            raise ValueError("Scheduler needs at least one engine")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        self.engines = list(engines)
+        self.policy = policy
+        self.reserve_new_tokens = reserve_new_tokens
+        self.refresh_s = refresh_s
+        self.loads = [EngineLoad(capacity_tokens=e.load().kv_capacity_tokens) for e in self.engines]
+        self.dispatched = [0] * len(self.engines)   # turns sent to each engine
+        self.rerouted = 0                            # turns sent again after their engine failed
+        self._turns = itertools.count()
+        self._changed: asyncio.Condition | None = None
+        self._last_refresh = 0.0
+
+    @property
+    def version(self) -> int:
+        return min(e.version for e in self.engines)
+
+    def update_weights(self, params, version: int | None = None) -> None:
+        version = self.version + 1 if version is None else version
+        for e in self.engines:
+            e.update_weights(params, version)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       stop: Sequence[str] = ()) -> Completion:
+        need = reservation(len(prompt_ids), sampling.max_tokens, self.reserve_new_tokens)
+        changed = self._condition()
+        while True:
+            index = await self._acquire(need)
+            try:
+                return await self.engines[index].generate(prompt_ids, sampling, stop)
+            except ServerUnavailable as e:
+                log.warning("engine %d failed (%s); sending the turn elsewhere", index, e)
+                self.loads[index].healthy = False
+                self.rerouted += 1
+                if not any(l.healthy for l in self.loads):
+                    raise
+            finally:
+                async with changed:
+                    self.loads[index].reserved_tokens -= need
+                    self.loads[index].in_flight -= 1
+                    changed.notify_all()
+
+    async def _acquire(self, need: int) -> int:
+        """Wait until the policy places the request; reserve there."""
+        changed = self._condition()
+        while True:
+            await self._refresh()
+            async with changed:
+                index = POLICIES[self.policy](self.loads, need, next(self._turns))
+                if index is not None:
+                    load = self.loads[index]
+                    load.reserved_tokens += need
+                    load.in_flight += 1
+                    self.dispatched[index] += 1
+                    return index
+                try:  # woken by a finished request, or re-read the metrics after refresh_s
+                    await asyncio.wait_for(changed.wait(), max(self.refresh_s, 0.05))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _refresh(self):
+        """Re-read the engines' metrics at most every refresh_s (and retry unhealthy ones)."""
+        now = time.monotonic()
+        if now - self._last_refresh < self.refresh_s:
+            return
+        self._last_refresh = now
+        for i, e in enumerate(self.engines):
+            try:
+                load: ServerLoad = await asyncio.to_thread(e.load)
+            except ServerUnavailable:
+                self.loads[i].healthy = False
+                continue
+            self.loads[i].capacity_tokens = load.kv_capacity_tokens
+            self.loads[i].used_tokens = load.kv_capacity_tokens - load.free_kv_tokens
+            self.loads[i].healthy = True
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def close(self):
+        for e in self.engines:
+            await e.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
