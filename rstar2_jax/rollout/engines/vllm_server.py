@@ -49,7 +49,7 @@ class ServerOptions:
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
     seed: int = 0
-    cpu_kv_cache_gib: float = 1.0     # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    cpu_kv_cache_gib: int = 1         # VLLM_CPU_KVCACHE_SPACE, whole GiB (CPU build only)
     extra_args: tuple[str, ...] = ()
 
 
@@ -64,7 +64,7 @@ def server_command(model_dir: str, opts: ServerOptions, python: str | None = Non
     if opts.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     argv += list(opts.extra_args)
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{opts.cpu_kv_cache_gib:g}",
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(int(opts.cpu_kv_cache_gib)),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     return argv, env
 
@@ -101,11 +101,11 @@ class VLLMServer:
             raise ServerStartError(f"no vLLM interpreter at {self.python}: create the venv (`make .venv-vllm/.installed`, "
                                    "README 'vLLM rollout server') or pass python=")
         argv, env = server_command(self.model_dir, self.opts, self.python)
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None  # None: the server prints to our stdout
         # its own process group, so stop() also ends the engine-core child process
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        if log is not subprocess.DEVNULL:
+        if log is not None:
             log.close()
         return self
 

@@ -1,0 +1,308 @@
+"""Discrete-event simulation of one rollout step across many engines: which dispatch policy
+keeps them busy without preemptions?
+
+    python -m experiments.benchmarks.scheduler_sim [--engines 64 --rollouts_per_engine 32 --seeds 3] [--record BENCHMARKS.md]
+
+The policies are the scheduler's own functions (rstar2_jax.rollout.scheduler.POLICIES); the
+engines are modelled, not run. Each engine behaves like a vLLM server: continuous batching,
+requests admitted first-come first-served while their context fits in its KV cache, and when a
+decode step would overflow the cache the most recently admitted request is preempted (its KV
+dropped, recomputed by a prefill when it is admitted again). A decode step costs
+`step_base + step_per_seq * running + step_per_kv_token * kv_tokens` (weights read once, KV read
+per token), a prefill `prefill_per_token` per token not already cached; a trajectory's next turn
+on the engine that ran its previous turn finds its prefix cached.
+
+Workload (rStar2-Agent's setting, scaled to the issue's 64 engines x 32 rollouts): turns whose
+lengths are log-normal (heavy tail) within an 8K-token budget, a tool call after every turn but
+the last (about 5 per trajectory), tool latency log-normal with mean 0.3 s and a 1% tail of
+5-second timeouts. Defaults for the engine costs are a 14B model in bf16 on one H100 (28 GB of
+weights at ~3 TB/s, 196 KB of KV per token, ~240K tokens of KV cache).
+
+Reported per policy (mean over seeds): makespan (last trajectory done), idle engine share (time
+an engine had nothing to run before the makespan, over engines x makespan), preemptions and the
+tokens they forced to recompute, and the mean number of requests an engine ran at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import heapq
+import math
+import time
+
+import numpy as np
+
+from experiments.benchmarks import common
+from rstar2_jax.rollout.scheduler import POLICIES, EngineLoad, reservation
+
+
+@dataclasses.dataclass
+class SimConfig:
+    engines: int = 64
+    rollouts_per_engine: int = 32
+    prompt_tokens: int = 300
+    budget_tokens: int = 8192            # response budget per trajectory (model + tool tokens)
+    mean_tool_calls: float = 5.0         # geometric number of tool-calling turns
+    max_turns: int = 15
+    turn_tokens_median: float = 250.0    # log-normal turn length ...
+    turn_tokens_sigma: float = 1.2       # ... heavy tail
+    tool_response_tokens: int = 120
+    tool_mean_s: float = 0.3
+    tool_sigma: float = 1.0
+    tool_timeout_share: float = 0.01
+    tool_timeout_s: float = 5.0
+    kv_capacity_tokens: int = 240_000
+    step_base_s: float = 0.0095          # 28 GB of weights / 3 TB/s
+    step_per_seq_s: float = 5e-5
+    step_per_kv_token_s: float = 6.5e-8  # 196 KB / 3 TB/s
+    prefill_per_token_s: float = 7e-5    # 2 x 14e9 FLOPs / 400 TFLOP/s
+    reserve_new_tokens: int | None = None  # kv_aware: None reserves the whole remaining budget
+
+
+@dataclasses.dataclass
+class Trajectory:
+    turns: list[int]                     # model tokens of each turn
+    tool_s: list[float]                  # latency of the tool call after each turn but the last
+    context: int                         # tokens so far (prompt + everything appended)
+    turn: int = 0
+    last_engine: int = -1
+    done_at: float = 0.0
+
+
+@dataclasses.dataclass
+class Request:
+    traj: Trajectory
+    new_tokens: int                      # tokens this turn will generate (the engine does not know)
+    reserve: int                         # what the scheduler reserved
+    generated: int = 0
+    cached: bool = False                 # prefix in this engine's cache (no prefill for it)
+
+    @property
+    def kv(self) -> int:
+        return self.traj.context + self.generated
+
+
+class Engine:
+    def __init__(self, index: int, cfg: SimConfig):
+        self.index, self.cfg = index, cfg
+        self.running: list[Request] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.t = 0.0                     # the engine's own clock (end of its last step)
+        self.kv_used = 0
+        self.reserved = 0
+        self.preemptions = 0
+        self.recomputed_tokens = 0
+        self.busy_s = 0.0
+        self.seq_steps = 0.0             # sum over steps of running requests (for mean batch)
+        self.steps = 0
+        self.version = 0                 # bumped on every change: stale wake-ups are ignored
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(capacity_tokens=self.cfg.kv_capacity_tokens, reserved_tokens=self.reserved,
+                          used_tokens=self.kv_used, in_flight=len(self.running) + len(self.waiting))
+
+    def step_time(self, k: int) -> float:
+        """Time of the next k decode steps with the current batch (KV grows by n per step)."""
+        c, n = self.cfg, len(self.running)
+        per = c.step_base_s + c.step_per_seq_s * n + c.step_per_kv_token_s * self.kv_used
+        return k * per + c.step_per_kv_token_s * n * k * (k - 1) / 2
+
+    def admit(self):
+        c = self.cfg
+        while self.waiting:
+            req = self.waiting[0]
+            if self.kv_used + req.kv + 1 > c.kv_capacity_tokens and self.running:
+                break
+            self.waiting.popleft()
+            # a turn back on the engine of its previous turn only prefills the tool response
+            prefill = c.tool_response_tokens if req.cached else req.kv
+            self.t += prefill * c.prefill_per_token_s
+            self.busy_s += prefill * c.prefill_per_token_s
+            self.kv_used += req.kv
+            self.running.append(req)
+
+    def plan(self) -> int:
+        """Decode steps until the next thing happens inside the engine (a finish or an overflow)."""
+        n = len(self.running)
+        to_finish = min(r.new_tokens - r.generated for r in self.running)
+        room = (self.cfg.kv_capacity_tokens - self.kv_used) // n
+        return max(0, min(to_finish, room))
+
+    def advance(self, k: int):
+        dt = self.step_time(k)
+        n = len(self.running)
+        self.t += dt
+        self.busy_s += dt
+        self.steps += k
+        self.seq_steps += k * n
+        self.kv_used += k * n
+        for r in self.running:
+            r.generated += k
+
+    def preempt_newest(self):
+        r = self.running.pop()
+        self.kv_used -= r.kv
+        self.preemptions += 1
+        self.recomputed_tokens += r.kv
+        r.cached = False
+        self.waiting.appendleft(r)
+
+
+def make_workload(cfg: SimConfig, rng: np.random.Generator) -> list[Trajectory]:
+    out = []
+    for _ in range(cfg.engines * cfg.rollouts_per_engine):
+        calls = min(cfg.max_turns - 1, int(rng.geometric(1.0 / (cfg.mean_tool_calls + 1))) - 1)
+        turns, budget = [], cfg.budget_tokens
+        for i in range(calls + 1):
+            n = int(min(budget, max(1, rng.lognormal(math.log(cfg.turn_tokens_median), cfg.turn_tokens_sigma))))
+            turns.append(n)
+            budget -= n + cfg.tool_response_tokens
+            if budget <= 0:
+                break
+        mu = math.log(cfg.tool_mean_s) - cfg.tool_sigma ** 2 / 2
+        tools = [cfg.tool_timeout_s if rng.random() < cfg.tool_timeout_share else float(rng.lognormal(mu, cfg.tool_sigma))
+                 for _ in turns[:-1]]
+        out.append(Trajectory(turns, tools, cfg.prompt_tokens))
+    return out
+
+
+def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    trajs = make_workload(cfg, rng)
+    engines = [Engine(i, cfg) for i in range(cfg.engines)]
+    pick = POLICIES[policy]
+    events: list = []                    # (time, seq, kind, payload)
+    seq = iter(range(1 << 62))
+    held: collections.deque[Request] = collections.deque()  # waiting for the scheduler (kv_aware)
+    turn_counter = iter(range(1 << 62))
+    now = 0.0
+
+    def budget_left(t: Trajectory) -> int:
+        return cfg.budget_tokens - (t.context - cfg.prompt_tokens)
+
+    def dispatch(req: Request) -> bool:
+        loads = [e.load() for e in engines]
+        i = pick(loads, req.reserve, next(turn_counter))
+        if i is None:
+            return False
+        e = engines[i]
+        req.cached = req.traj.last_engine == i
+        req.traj.last_engine = i
+        e.reserved += req.reserve
+        if not e.running and not e.waiting:
+            e.t = max(e.t, now)
+        e.waiting.append(req)
+        kick(e)
+        return True
+
+    def submit(t: Trajectory):
+        new = t.turns[t.turn]
+        req = Request(t, new, reservation(t.context, budget_left(t), cfg.reserve_new_tokens))
+        if held or not dispatch(req):
+            held.append(req)
+
+    def kick(e: Engine):
+        """Bring the engine to `now`, admit what fits, schedule its next internal event."""
+        if e.running and e.t < now:      # part-way through a plan: finish the steps done by now
+            k = e.plan()
+            lo, hi = 0, k
+            while lo < hi:               # most whole steps that end by `now`
+                mid = (lo + hi + 1) // 2
+                if e.t + e.step_time(mid) <= now:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            e.advance(lo)
+        if not e.running:
+            e.t = max(e.t, now)
+        e.admit()
+        e.version += 1
+        if e.running:
+            k = e.plan()
+            heapq.heappush(events, (e.t + e.step_time(k), next(seq), "engine", (e.index, e.version)))
+
+    for t in trajs:
+        submit(t)
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "tool":
+            submit(payload)
+            continue
+        index, version = payload
+        e = engines[index]
+        if version != e.version:
+            continue
+        e.advance(e.plan())
+        finished = [r for r in e.running if r.generated >= r.new_tokens]
+        for r in finished:
+            e.running.remove(r)
+            e.kv_used -= r.kv
+            e.reserved -= r.reserve
+            t = r.traj
+            t.context += r.new_tokens
+            t.turn += 1
+            if t.turn < len(t.turns):
+                t.context += cfg.tool_response_tokens
+                heapq.heappush(events, (e.t + t.tool_s[t.turn - 1], next(seq), "tool", t))
+            else:
+                t.done_at = e.t
+        if not finished and e.running and e.plan() == 0:
+            e.preempt_newest()
+        now = e.t
+        kick(e)
+        if finished:
+            while held and dispatch(held[0]):
+                held.popleft()
+    makespan = max(t.done_at for t in trajs)
+    busy = sum(min(e.busy_s, makespan) for e in engines)
+    steps = sum(e.steps for e in engines)
+    return {"makespan_s": makespan, "idle_share": 1 - busy / (len(engines) * makespan),
+            "preemptions": sum(e.preemptions for e in engines),
+            "recomputed_tokens": sum(e.recomputed_tokens for e in engines),
+            "mean_batch": sum(e.seq_steps for e in engines) / max(1, steps),
+            "tool_calls": sum(len(t.tool_s) for t in trajs)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=int, default=64)
+    p.add_argument("--rollouts_per_engine", type=int, default=32)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--reserve", type=int, nargs="*", default=[1024],
+                   help="extra kv_aware variants that reserve this many new tokens per turn (not the whole budget)")
+    p.add_argument("--kv_capacity", type=int, nargs="*", default=[240_000, 60_000],
+                   help="KV cache tokens per engine, one scenario each (240K: 14B on an H100; less: memory pressure)")
+    p.add_argument("--record", help="append the result block to this markdown file")
+    args = p.parse_args(argv)
+    for capacity in args.kv_capacity:
+        run_scenario(args, SimConfig(engines=args.engines, rollouts_per_engine=args.rollouts_per_engine,
+                                     kv_capacity_tokens=capacity), argv)
+
+
+def run_scenario(args, base: SimConfig, argv):
+    variants = [("round_robin", base), ("least_requests", base), ("kv_aware (whole budget)", base)]
+    variants += [(f"kv_aware (reserve {r})", dataclasses.replace(base, reserve_new_tokens=r)) for r in args.reserve]
+    header = ["policy", "makespan s", "idle engine share", "preemptions", "recomputed tokens", "mean batch",
+              "sim wall s"]
+    rows = []
+    for name, cfg in variants:
+        policy = name.split(" ")[0]
+        start = time.perf_counter()
+        runs = [simulate(cfg, policy, seed) for seed in range(args.seeds)]
+        mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+        spread = {k: float(np.std([r[k] for r in runs])) for k in runs[0]}
+        rows.append((name, f"{mean['makespan_s']:.1f} ± {spread['makespan_s']:.1f}", f"{mean['idle_share']:.1%}",
+                     f"{mean['preemptions']:.0f}", f"{mean['recomputed_tokens']:,.0f}", f"{mean['mean_batch']:.1f}",
+                     f"{time.perf_counter() - start:.1f}"))
+    config = (f"{args.engines} engines x {args.rollouts_per_engine} rollouts, {args.seeds} seeds (mean ± std), "
+              f"~{runs[0]['tool_calls']} tool calls per step; engine model: 14B bf16 on one H100, "
+              f"{base.kv_capacity_tokens:,} KV tokens per engine, {base.budget_tokens}-token budget (module docstring)")
+    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(argv or [])
+    common.record(args.record, "Rollout scheduler simulation (discrete-event)", command.strip(), config,
+                  common.markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

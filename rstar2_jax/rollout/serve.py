@@ -1,0 +1,62 @@
+"""Start a vLLM rollout server for a model directory, with the flags RL training needs.
+
+    python -m rstar2_jax.rollout.serve --model runs/tiny_arith/base_model --port 8100
+    python -m rstar2_jax.rollout.serve --model DIR --print_only      # just print the command
+
+Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm_urls='["http://127.0.0.1:8100"]'`
+(several URLs go through the KV-aware scheduler). The server runs in vLLM's own venv
+(--python, default .venv-vllm/bin/python; README "vLLM rollout server"). It stays in the
+foreground until Ctrl-C; its weights are replaced by the trainer's at every sync.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+from rstar2_jax.rollout.engines.vllm_server import (ServerOptions, VLLMServer, default_python, server_command,
+                                                    shell_command)
+
+_MODEL = flags.DEFINE_string("model", None, "HF model directory to launch with", required=True)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0 for other machines)")
+_PORT = flags.DEFINE_integer("port", 8100, "port")
+_DTYPE = flags.DEFINE_string("dtype", "auto", "float32 | bfloat16 | auto (the checkpoint's)")
+_MAX_LEN = flags.DEFINE_integer("max_model_len", 4096, "longest prompt + response, tokens")
+_TP = flags.DEFINE_integer("tensor_parallel_size", 1, "GPUs per server")
+_GPU_MEM = flags.DEFINE_float("gpu_memory_utilization", None, "share of GPU memory vLLM may take (GPU)")
+_CPU_KV = flags.DEFINE_integer("cpu_kv_cache_gib", 4, "KV cache size in whole GiB (CPU build)")
+_PYTHON = flags.DEFINE_string("python", None, "the vLLM venv's python (default $RSTAR2_VLLM_PYTHON or .venv-vllm)")
+_PRINT_ONLY = flags.DEFINE_bool("print_only", False, "print the command instead of running it")
+_EXTRA = flags.DEFINE_multi_string("vllm_arg", [], "extra argument passed to vLLM as is (repeat)")
+
+
+def main(argv):
+    del argv
+    if not os.path.exists(os.path.join(_MODEL.value, "config.json")):
+        sys.exit(f"--model {_MODEL.value}: no config.json there (an HF model directory is expected)")
+    opts = ServerOptions(host=_HOST.value, port=_PORT.value, dtype=_DTYPE.value, max_model_len=_MAX_LEN.value,
+                         tensor_parallel_size=_TP.value, gpu_memory_utilization=_GPU_MEM.value,
+                         cpu_kv_cache_gib=_CPU_KV.value, extra_args=tuple(_EXTRA.value))
+    python = _PYTHON.value or default_python()
+    argv, env = server_command(_MODEL.value, opts, python)
+    print(shell_command(argv, env), flush=True)
+    if _PRINT_ONLY.value:
+        return
+    server = VLLMServer(_MODEL.value, opts, python=python)
+    try:
+        server.start()
+        print(f"starting vLLM at {server.url} (about a minute on CPU) ...", flush=True)
+        server.wait_ready()
+        print(f"ready: {server.url}   train with --config.rollout.engine=vllm "
+              f"--config.rollout.vllm_urls='[\"{server.url}\"]'", flush=True)
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    app.run(main)

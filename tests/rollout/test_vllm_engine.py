@@ -1,0 +1,251 @@
+"""VLLMEngine against real vLLM CPU servers (.venv-vllm, installed by `make test`) serving the
+tiny model: parity with the JAX model, weight sync after a learner update, the tied-embedding
+trap, a multi-turn rollout with real sandbox calls, a server killed mid-batch, the scheduler
+over a vLLM server and a JaxEngine, and a short training run.
+
+Each server takes about a minute to start on two cores; the session shares one where it can.
+"""
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sandbox
+from rstar2_jax import models
+from rstar2_jax.data import arith
+from rstar2_jax.learner import Learner, LearnerConfig, make_batch
+from rstar2_jax.learner.sft import SFTTrainer
+from rstar2_jax.models import tiny
+from rstar2_jax.rewards import answer_reward
+from rstar2_jax.rollout import AgentConfig, run_agent
+from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError, server_load
+from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.scheduler import Scheduler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
+
+def start_server(model_dir, log_dir, name="server") -> VLLMServer:
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make test` installs it (make venv-vllm)")
+    server = VLLMServer(str(model_dir), ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
+                                                      cpu_kv_cache_gib=1),
+                        python=VLLM_PYTHON, log_path=os.path.join(str(log_dir), f"{name}.log"))
+    return server.start().wait_ready(timeout=600)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_dir, tmp_path_factory):
+    server = start_server(tiny_dir, tmp_path_factory.mktemp("vllm"))
+    yield server
+    server.stop()
+
+
+def perturbed(model, scale=0.05, seed=0):
+    """The model with every matrix nudged: a stand-in for 'weights the server has not seen'."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if x.ndim == 2 else x for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def jax_logprobs(model, ids, temperature=1.0):
+    return np.asarray(models.token_logprobs(model, jnp.asarray([ids], jnp.int32), temperature=temperature))[0]
+
+
+def test_generation_matches_the_jax_model(vllm_server, tiny_model, tokenizer):
+    prompt = tokenizer.encode("<|im_start|>user\nWhat is 12+34?<|im_end|>\n<|im_start|>assistant\n")
+
+    async def main():
+        engine = VLLMEngine(vllm_server.url, tiny_model)
+        engine.update_weights(tiny_model)  # whatever an earlier test synced, serve the fixture's model
+        greedy = await engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))
+        sampled = await engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.7, seed=11))
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256) as jax_engine:
+            reference = await jax_engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))
+        await engine.close()
+        return greedy, sampled, reference
+
+    greedy, sampled, reference = asyncio.run(main())
+    assert greedy.token_ids == reference.token_ids and len(greedy.token_ids) == 40
+    np.testing.assert_allclose(greedy.logprobs, reference.logprobs, atol=1e-3)
+    # sampled tokens: vLLM's log-probs are the learner's at the sampling temperature
+    recomputed = jax_logprobs(tiny_model, prompt + sampled.token_ids, temperature=0.7)[len(prompt):]
+    np.testing.assert_allclose(sampled.logprobs, recomputed, atol=1e-3)
+    assert sampled.finish_reason in ("length", "eos", "stop")
+
+
+def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny_model, tokenizer):
+    ids = tokenizer.encode("<|im_start|>user\nWhat is 5*7?<|im_end|>\n<|im_start|>assistant\n35")
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 256, 48).tolist() for _ in range(4)]
+    batch = make_batch(rows, [[0] * 8 + [1] * 40] * 4, [[-5.0] * 48] * 4, [1.0, -1.0, 0.5, -0.5], pad_multiple=16)
+    learner = Learner(tiny_model, LearnerConfig(lr=1e-2, warmup_steps=0))
+    engine = VLLMEngine(vllm_server.url, tiny_model)
+    engine.update_weights(learner.model_state(), learner.version)
+    before = np.asarray(engine.prompt_logprobs(ids))
+    learner.update(batch)
+    engine.update_weights(learner.model_state(), learner.version)
+    after = np.asarray(engine.prompt_logprobs(ids))
+    updated = jax_logprobs(learner.model(), ids)[1:]
+    np.testing.assert_allclose(after, updated, atol=1e-3)
+    assert np.max(np.abs(after - before)) > 1e-2  # the update moved the served model
+    served_version = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+    assert served_version == str(learner.version) == str(engine.version)
+    asyncio.run(engine.close())
+
+
+def memorized_tool_model(tiny_model, tokenizer, fmt):
+    """The tiny model fine-tuned on one clean trace until greedy decoding replays it: a tool call
+    printing 123+456, then the answer from the tool's output."""
+    problem = arith.Problem("p", "What is 123+456?", "579", "123+456")
+    example = arith.tokenize_trace(tokenizer, fmt, problem, arith.sft_trace(problem, "clean", None))
+    trainer = SFTTrainer(tiny_model, lr=3e-3, warmup_steps=5, pad_multiple=64)
+    for _ in range(150):
+        loss = trainer.step([example] * 4)["loss"]
+    assert loss < 0.01, f"SFT did not memorize the trace (loss {loss:.3f})"
+    return trainer.model(), problem
+
+
+def test_multi_turn_rollout_with_real_sandbox_calls(vllm_server, tiny_model, tokenizer):
+    fmt = arith.tiny_format()
+    model, problem = memorized_tool_model(tiny_model, tokenizer, fmt)
+    cfg = AgentConfig(format=fmt, max_turns=4, max_response_tokens=300, temperature=0.0)
+
+    async def main():
+        async with sandbox.LocalSandbox(workers=2) as sb:
+            engine = VLLMEngine(vllm_server.url, model)
+            engine.update_weights(model)
+            traj = await run_agent(engine, sb, tokenizer, problem.question, cfg)
+            await engine.close()
+            async with JaxEngine(model, tokenizer, slots=2, max_len=512) as jax_engine:
+                reference = await run_agent(jax_engine, sb, tokenizer, problem.question, cfg)
+        return traj, reference
+
+    traj, reference = asyncio.run(main())
+    assert len(traj.turns) == 2 and traj.finish_reason == "eos"
+    tool = traj.turns[0].tools[0]
+    assert tool.status == "ok" and tool.output.strip() == "579"  # executed in the sandbox
+    assert answer_reward(traj.response_text, problem.answer) == 1.0
+    assert traj.token_ids == reference.token_ids
+    mask = np.asarray(traj.loss_mask, bool)
+    np.testing.assert_allclose(np.asarray(traj.logprobs)[mask], np.asarray(reference.logprobs)[mask], atol=1e-3)
+
+
+def test_tied_embedding_reload_is_detected(tmp_path):
+    model_dir = tiny.build_tiny_model(tmp_path / "tied", seed=3, tie_word_embeddings=True)
+    model = models.load_pretrained(model_dir)
+    server = start_server(model_dir, tmp_path, "tied")
+    try:
+        engine = VLLMEngine(server.url, model)
+        assert engine.check_sync(model) < 1e-3  # as launched: consistent
+        with pytest.raises(WeightSyncError, match="ties its embeddings"):
+            engine.update_weights(perturbed(model))
+    finally:
+        server.stop()
+
+
+def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(tiny_model, tokenizer, tmp_path):
+    """Eight trajectories are in flight when the server is SIGKILLed; it is restarted from its
+    launch directory (the old weights). Each trajectory completes exactly once, whole, and equals
+    what a healthy server with the synced weights produced: the engine put them back first."""
+    server = start_server(tmp_path_factory_dir(tmp_path, tiny_model), tmp_path, "killed")
+    synced = perturbed(tiny_model, seed=1)
+    fmt = arith.tiny_format()
+    cfg = AgentConfig(format=fmt, max_turns=2, max_response_tokens=500, temperature=0.0)
+    questions = [f"What is {i}+{i}?" for i in range(8)]
+
+    async def batch(engine, sb, on_first_progress=None):
+        tasks = [asyncio.create_task(run_agent(engine, sb, tokenizer, q, cfg)) for q in questions]
+        if on_first_progress is not None:
+            await on_first_progress()
+        return await asyncio.gather(*tasks)
+
+    async def main():
+        async with sandbox.LocalSandbox(workers=2) as sb:
+            engine = VLLMEngine(server.url, tiny_model, restart_timeout=600)
+            engine.update_weights(synced)
+            healthy = await batch(engine, sb)
+
+            async def kill_then_restart():
+                while server_load(engine.client.get_text("/metrics")).running < 4:
+                    await asyncio.sleep(0.05)
+                server.kill()
+                threading.Thread(target=server.restart, daemon=True).start()
+
+            recovered = await batch(engine, sb, kill_then_restart)
+            await engine.close()
+            return engine, healthy, recovered
+
+    try:
+        engine, healthy, recovered = asyncio.run(main())
+    finally:
+        server.stop()
+    assert engine.retries >= 1 and engine.reloads_after_restart >= 1
+    assert len(recovered) == len(questions)
+    for a, b in zip(healthy, recovered):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+        assert len(b.logprobs) == len(b.token_ids)
+
+
+def tmp_path_factory_dir(tmp_path, model):
+    """A launch directory holding `model` (the server's starting weights)."""
+    out = tmp_path / "launch"
+    models.save_pretrained(model, out)
+    return out
+
+
+def test_scheduler_over_a_vllm_server_and_a_jax_engine(vllm_server, tiny_model, tokenizer):
+    """Both policies return what one engine would; kv_aware sends everything to the server, whose
+    KV cache (1 GiB: ~1M tokens) dwarfs the JaxEngine's 4 x 256 slots; least_requests uses both."""
+    prompts = [tokenizer.encode(f"<|im_start|>user\n{i}*{i}=") for i in range(12)]
+    sampling = SamplingParams(max_tokens=24, temperature=0.0)
+
+    async def main():
+        vllm_engine = VLLMEngine(vllm_server.url, tiny_model)
+        vllm_engine.update_weights(tiny_model)
+        out = {}
+        async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=256) as jax_engine:
+            reference = [await jax_engine.generate(p, sampling) for p in prompts]
+            for policy in ("kv_aware", "least_requests"):
+                scheduler = Scheduler([vllm_engine, jax_engine], policy, refresh_s=0.2)
+                out[policy] = scheduler, await asyncio.gather(*(scheduler.generate(p, sampling) for p in prompts))
+        await vllm_engine.close()
+        return reference, out
+
+    reference, out = asyncio.run(main())
+    for policy, (scheduler, completions) in out.items():
+        assert [c.token_ids for c in completions] == [c.token_ids for c in reference], policy
+        assert sum(scheduler.dispatched) == len(prompts)
+        assert all(l.in_flight == 0 and l.reserved_tokens == 0 for l in scheduler.loads)
+    assert out["kv_aware"][0].dispatched == [len(prompts), 0]
+    assert min(out["least_requests"][0].dispatched) > 0
+
+
+def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path):
+    from rstar2_jax.rl.trainer import run
+    from tests.rl.test_training import small_config
+
+    cfg = small_config(steps=2)
+    cfg.rollout.engine = "vllm"
+    cfg.rollout.vllm_urls = [vllm_server.url]
+    results = run(cfg, str(tmp_path))
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    rl = [l for l in lines if l["phase"] == "rl"]
+    assert [l["step"] for l in rl] == [0, 1] and all(l["kept_rollouts"] > 0 for l in rl)
+    assert "before" in results and "after" in results
+    served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+    assert served == "2"  # SFT start = version 0, then one sync per RL step
