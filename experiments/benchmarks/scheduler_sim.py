@@ -113,7 +113,8 @@ class Engine:
         c = self.cfg
         while self.waiting:
             req = self.waiting[0]
-            if self.kv_used + req.kv + 1 > c.kv_capacity_tokens and self.running:
+            # room for its context and one more decode step of every running request
+            if self.running and self.kv_used + req.kv + len(self.running) + 1 > c.kv_capacity_tokens:
                 break
             self.waiting.popleft()
             # a turn back on the engine of its previous turn only prefills the tool response
