@@ -47,7 +47,7 @@ def get_config():
     c.rollout.temperature = 1.0
     c.rollout.tool_timeout_s = 5.0
     c.rollout.engine = "jax"             # jax (embedded) | vllm (servers at vllm_urls; see README)
-    c.rollout.vllm_urls = []             # e.g. ["http://127.0.0.1:8100"]; several go through the scheduler
+    c.rollout.vllm_urls = ()             # server URLs (repeat --config.rollout.vllm_urls=URL); several: the scheduler
     c.rollout.scheduler = "kv_aware"     # kv_aware | round_robin | least_requests (several servers)
     c.rollout.vllm_export_dtype = ""     # dtype of synced weights ("" = the params'); bfloat16 for bf16 servers
     c.rollout.vllm_probe_tolerance = 1e-3  # max |log-prob| gap server vs learner after a sync (raise for bf16)

@@ -133,7 +133,8 @@ class RLRun:
             return JaxEngine(engine_model, self.tokenizer, slots=r.slots, max_len=r.max_len, seed=self.cfg.seed)
         export_dtype = DTYPES[r.vllm_export_dtype] if r.get("vllm_export_dtype") else None
         engines = [VLLMEngine(url, engine_model, export_dtype=export_dtype,
-                              probe_tolerance=r.get("vllm_probe_tolerance", 1e-3)) for url in r.vllm_urls]
+                              probe_tolerance=r.get("vllm_probe_tolerance", 1e-3))
+                   for url in ([r.vllm_urls] if isinstance(r.vllm_urls, str) else r.vllm_urls)]
         return engines[0] if len(engines) == 1 else Scheduler(engines, r.get("scheduler", "kv_aware"))
 
     def sft(self):
@@ -337,8 +338,9 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
 
 
 def format_breakdown(m: dict[str, float]) -> str:
+    slots = f", slots {m['engine/slot_utilization']:.0%}" if "engine/slot_utilization" in m else ""
     return (f"step {m['step']}: {m['time/step_s']:.1f}s = rollout {m['time/rollout_s']:.1f}s (engine busy "
-            f"{m['engine/busy']:.0%}, slots {m.get('engine/slot_utilization', float('nan')):.0%}; tools {m['time/tool_s']:.1f}s, "
+            f"{m['engine/busy']:.0%}{slots}; tools {m['time/tool_s']:.1f}s, "
             f"{m['time/tool_overlap']:.0%} overlapped, wait {m['time/tool_wait_s']:.2f}s) + reward "
             f"{m['time/reward_s']:.2f}s + learner {m['time/learner_s']:.1f}s + sync {m['time/sync_s']:.2f}s")
 

@@ -3,7 +3,7 @@
     python -m rstar2_jax.rollout.serve --model runs/tiny_arith/base_model --port 8100
     python -m rstar2_jax.rollout.serve --model DIR --print_only      # just print the command
 
-Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm_urls='["http://127.0.0.1:8100"]'`
+Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm_urls=http://127.0.0.1:8100`
 (several URLs go through the KV-aware scheduler). The server runs in vLLM's own venv
 (--python, default .venv-vllm/bin/python; README "vLLM rollout server"). It stays in the
 foreground until Ctrl-C; its weights are replaced by the trainer's at every sync.
@@ -50,7 +50,7 @@ def main(argv):
         print(f"starting vLLM at {server.url} (about a minute on CPU) ...", flush=True)
         server.wait_ready()
         print(f"ready: {server.url}   train with --config.rollout.engine=vllm "
-              f"--config.rollout.vllm_urls='[\"{server.url}\"]'", flush=True)
+              f"--config.rollout.vllm_urls={server.url}", flush=True)
         server.proc.wait()
     except KeyboardInterrupt:
         pass
