@@ -137,18 +137,22 @@ def load_pretrained(model_dir: str | os.PathLike, dtype=jnp.float32, *, param_dt
     return model
 
 
-def model_params_host(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
-    """HF tensor name -> host numpy array, in `dtype` (default: the parameters' own).
-
-    Cast and layout change happen on the device, so only the written bytes cross to the host."""
+def model_params_hf(model: Decoder, dtype=None) -> dict[str, jax.Array]:
+    """HF tensor name -> device array in HF layout, in `dtype` (default: the parameters' own)."""
     params = _param_paths(nnx.state(model, nnx.Param))
     specs = weight_map.weight_specs(list(params))
     out = {}
     for path, var in params.items():
         value = var.get_value()
-        hf = weight_map.to_hf_on_device(specs[path], value, jnp.dtype(dtype or value.dtype))
-        out[specs[path].hf] = np.asarray(jax.device_get(hf))
+        out[specs[path].hf] = weight_map.to_hf_on_device(specs[path], value, jnp.dtype(dtype or value.dtype))
     return out
+
+
+def model_params_host(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
+    """HF tensor name -> host numpy array, in `dtype` (default: the parameters' own).
+
+    Cast and layout change happen on the device, so only the written bytes cross to the host."""
+    return {name: np.asarray(jax.device_get(x)) for name, x in model_params_hf(model, dtype).items()}
 
 
 def save_pretrained(model: Decoder, out_dir: str | os.PathLike, *, dtype=None,

@@ -250,3 +250,15 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path):
     assert "before" in results and "after" in results
     served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
     assert served == "2"  # SFT start = version 0, then one sync per RL step
+
+
+def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, tiny_model, caplog):
+    """No GPU (or no libnccl) here: sync="nccl" logs why and syncs through safetensors instead;
+    the probe still checks the result."""
+    engine = VLLMEngine(vllm_server.url, tiny_model, sync="nccl")
+    target = perturbed(tiny_model, seed=4)
+    with caplog.at_level("WARNING"):
+        engine.update_weights(target, 5)
+    assert engine.sync == "safetensors" and "NCCL weight sync unavailable" in caplog.text
+    assert engine.check_sync(target) < 1e-3 and engine.version == 5
+    asyncio.run(engine.close())

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar2_jax.models.checkpoint import save_pretrained
+from rstar2_jax.models.checkpoint import model_params_hf, save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.rollout.engines.base import Completion, ServerLoad
@@ -149,7 +149,9 @@ class VLLMEngine:
     def __init__(self, url: str, model: Decoder | None = None, *, model_name: str | None = None,
                  sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
-                 max_concurrency: int = 256):
+                 max_concurrency: int = 256, sync: str = "safetensors", nccl_server_ranks: int = 1):
+        if sync not in ("safetensors", "nccl"):
+            raise ValueError(f"sync must be safetensors or nccl, got {sync!r}")
         self.client = VLLMClient(url, timeout=request_timeout)
         self.url = self.client.url
         self.version = 0
@@ -164,7 +166,11 @@ class VLLMEngine:
         self.model_name = model_name or info["id"]
         self.max_model_len = int(info.get("max_model_len") or 0) or None
         self._sync_root = sync_dir or os.path.join(_default_sync_root(), f"rstar2_sync_{os.getpid()}_{id(self):x}")
-        self._synced_dir: str | None = None    # the latest weights the server should have
+        self._synced_dir: str | None = None    # the latest weights the server should have, on disk ...
+        self._synced_model: Decoder | None = None  # ... and in memory (NCCL sync writes no files)
+        self.sync = sync
+        self._nccl_server_ranks = nccl_server_ranks
+        self._nccl = None
         vocab = model.cfg.vocab_size if model is not None else 256
         self._probe_tokens = np.random.default_rng(1234).integers(0, vocab, probe_length).tolist()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-client")
@@ -280,7 +286,11 @@ class VLLMEngine:
 
     def _restore_weights(self):
         served = self.client.request("GET", "/weight_info", timeout=10.0).get("weight_version")
-        if self._synced_dir is not None and str(served) != str(self.version):
+        if self._synced_model is not None and str(served) != str(self.version):
+            if self._synced_dir is None:  # synced over NCCL: the restarted server needs files
+                self._synced_dir = os.path.join(self._sync_root, f"v{self.version}")
+                save_pretrained(self._synced_model, self._synced_dir, dtype=self.export_dtype, tokenizer_dir=None)
+                self._nccl = None  # its communicator died with the old server
             log.warning("%s restarted (weight version %s, expected %s): reloading %s", self.url, served,
                         self.version, self._synced_dir)
             self._reload(self._synced_dir, self.version)
@@ -295,16 +305,34 @@ class VLLMEngine:
             raise ValueError("VLLMEngine(model=...) is needed to export weights")
         model = params if isinstance(params, nnx.Module) else nnx.merge(self._graphdef, params)
         version = self.version + 1 if version is None else version
-        target = os.path.join(self._sync_root, f"v{version}")
         start = time.perf_counter()
-        save_pretrained(model, target, dtype=self.export_dtype, tokenizer_dir=None)
-        self._reload(target, version)
-        previous, self._synced_dir = self._synced_dir, target
-        if previous and previous != target:
-            shutil.rmtree(previous, ignore_errors=True)
+        if not (self.sync == "nccl" and self._sync_nccl(model, version)):
+            target = os.path.join(self._sync_root, f"v{version}")
+            save_pretrained(model, target, dtype=self.export_dtype, tokenizer_dir=None)
+            self._reload(target, version)
+            previous, self._synced_dir = self._synced_dir, target
+            if previous and previous != target:
+                shutil.rmtree(previous, ignore_errors=True)
+        self._synced_model = model
         self.version = version
         self.check_sync(model)
         log.info("synced weights v%d to %s in %.2f s", version, self.url, time.perf_counter() - start)
+
+    def _sync_nccl(self, model: Decoder, version: int) -> bool:
+        """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the safetensors path."""
+        from rstar2_jax.rollout.engines.nccl_sync import NcclUnavailable, NcclWeightSender
+        try:
+            if self._nccl is None:
+                self._nccl = NcclWeightSender(self.client, server_ranks=self._nccl_server_ranks)
+            self._nccl.send(model_params_hf(model, self.export_dtype), version)
+        except NcclUnavailable as e:
+            log.warning("NCCL weight sync unavailable (%s); using safetensors", e)
+            self.sync = "safetensors"
+            return False
+        if self._synced_dir:
+            shutil.rmtree(self._synced_dir, ignore_errors=True)
+            self._synced_dir = None
+        return True
 
     def _reload(self, weights_dir: str, version: int):
         c = self.client
