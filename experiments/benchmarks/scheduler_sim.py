@@ -29,6 +29,7 @@ import argparse
 import collections
 import dataclasses
 import heapq
+import itertools
 import math
 import time
 
@@ -175,9 +176,9 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
     engines = [Engine(i, cfg) for i in range(cfg.engines)]
     pick = POLICIES[policy]
     events: list = []                    # (time, seq, kind, payload)
-    seq = iter(range(1 << 62))
+    seq = itertools.count()
     held: collections.deque[Request] = collections.deque()  # waiting for the scheduler (kv_aware)
-    turn_counter = iter(range(1 << 62))
+    turn_counter = itertools.count()
     now = 0.0
 
     def budget_left(t: Trajectory) -> int:
@@ -192,8 +193,6 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
         req.cached = req.traj.last_engine == i
         req.traj.last_engine = i
         e.reserved += req.reserve
-        if not e.running and not e.waiting:
-            e.t = max(e.t, now)
         e.waiting.append(req)
         kick(e)
         return True

@@ -134,7 +134,7 @@ class RLRun:
         export_dtype = DTYPES[r.vllm_export_dtype] if r.get("vllm_export_dtype") else None
         engines = [VLLMEngine(url, engine_model, export_dtype=export_dtype,
                               probe_tolerance=r.get("vllm_probe_tolerance", 1e-3))
-                   for url in ([r.vllm_urls] if isinstance(r.vllm_urls, str) else r.vllm_urls)]
+                   for url in r.vllm_urls]
         return engines[0] if len(engines) == 1 else Scheduler(engines, r.get("scheduler", "kv_aware"))
 
     def sft(self):

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import threading
-import time
 import urllib.request
 
 import jax
@@ -162,7 +161,7 @@ def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(
     """Eight trajectories are in flight when the server is SIGKILLed; it is restarted from its
     launch directory (the old weights). Each trajectory completes exactly once, whole, and equals
     what a healthy server with the synced weights produced: the engine put them back first."""
-    server = start_server(tmp_path_factory_dir(tmp_path, tiny_model), tmp_path, "killed")
+    server = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "killed")
     synced = perturbed(tiny_model, seed=1)
     fmt = arith.tiny_format()
     cfg = AgentConfig(format=fmt, max_turns=2, max_response_tokens=500, temperature=0.0)
@@ -201,7 +200,7 @@ def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(
         assert len(b.logprobs) == len(b.token_ids)
 
 
-def tmp_path_factory_dir(tmp_path, model):
+def launch_dir(tmp_path, model):
     """A launch directory holding `model` (the server's starting weights)."""
     out = tmp_path / "launch"
     models.save_pretrained(model, out)

@@ -58,8 +58,8 @@ class NcclWeightSender:
                     "ncclCommInitRank")
         one = jnp.zeros((1,), jnp.float32).block_until_ready()
         ptr = one.unsafe_buffer_pointer()
-        self._check(self._nccl.ncclAllReduce(ctypes.c_void_p(ptr), ctypes.c_void_p(ptr), ctypes.c_size_t(1), 7, 0,
-                                             self._comm, None), "ncclAllReduce (warm-up)")
+        self._check(self._nccl.ncclAllReduce(ctypes.c_void_p(ptr), ctypes.c_void_p(ptr), ctypes.c_size_t(1),
+                                             _NCCL_DTYPES[one.dtype], 0, self._comm, None), "ncclAllReduce (warm-up)")
         joined()
 
     def send(self, tensors: Mapping[str, jax.Array], version: int):

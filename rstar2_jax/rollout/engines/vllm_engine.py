@@ -51,6 +51,7 @@ from rstar2_jax.models.checkpoint import model_params_hf, save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.rollout.engines.base import Completion, ServerLoad
+from rstar2_jax.rollout.engines.vllm_server import is_ready
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -86,15 +87,15 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 def server_load(metrics_text: str) -> ServerLoad:
     sums: dict[str, float] = {}
-    capacity = 0
+    capacity = engines = 0
     for name, labels, value in parse_prometheus(metrics_text):
         if name == "vllm:cache_config_info":
             capacity += int(float(labels.get("kv_cache_size_tokens") or 0))
         elif name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
                       "vllm:num_preemptions_total"):
             sums[name] = sums.get(name, 0.0) + value
-    engines = max(1, sum(1 for n, _, _ in parse_prometheus(metrics_text) if n == "vllm:kv_cache_usage_perc"))
-    return ServerLoad(kv_usage=sums.get("vllm:kv_cache_usage_perc", 0.0) / engines, kv_capacity_tokens=capacity,
+            engines += name == "vllm:kv_cache_usage_perc"  # one sample per engine core
+    return ServerLoad(kv_usage=sums.get("vllm:kv_cache_usage_perc", 0.0) / max(1, engines), kv_capacity_tokens=capacity,
                       running=int(sums.get("vllm:num_requests_running", 0)),
                       waiting=int(sums.get("vllm:num_requests_waiting", 0)),
                       preemptions=int(sums.get("vllm:num_preemptions_total", 0)))
@@ -132,10 +133,7 @@ class VLLMClient:
         return out if isinstance(out, str) else json.dumps(out)
 
     def alive(self) -> bool:
-        try:
-            return bool(self.request("GET", "/v1/models", timeout=2.0).get("data"))
-        except (ServerUnavailable, ServerRequestError, AttributeError):
-            return False
+        return is_ready(self.url)
 
 
 def _default_sync_root() -> str:
@@ -230,10 +228,6 @@ class VLLMEngine:
 
     def load(self) -> ServerLoad:
         return server_load(self.client.get_text("/metrics"))
-
-    async def load_async(self) -> ServerLoad:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.load)
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """log p(token t | tokens before t) for t >= 1 under the served weights (at T = 1)."""

@@ -16,6 +16,7 @@ process. The flags that matter for RL (see shared notes on vLLM):
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import os
 import shlex
@@ -24,7 +25,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 
@@ -148,10 +148,11 @@ class VLLMServer:
 
 
 def is_ready(url: str) -> bool:
+    """The server answers /v1/models with its model (what a restarted server does once loaded)."""
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as r:
             return r.status == 200 and bool(json.load(r).get("data"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return False
 
 
