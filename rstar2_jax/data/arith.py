@@ -10,9 +10,11 @@ that RL has something to fix, and RoC something to prefer against):
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import random
+import traceback
 
 from rstar2_jax.rollout.prompt import PromptFormat, compact_format
 
@@ -61,6 +63,18 @@ def _mistype(expr: str, rng: random.Random) -> str:
     return expr[:i] + wrong + expr[i + 1:]
 
 
+def syntax_error_text(code: str) -> str:
+    """What the sandbox answers for code that does not compile: the traceback as its zygote
+    formats it (user frames only), stripped as the tool turn shows it. The SFT traces must show
+    the model the real text, or after a real error it is off its training distribution and never
+    learns to recover (which leaves RoC nothing to choose between among correct rollouts)."""
+    try:
+        ast.parse(code, "<code>")
+    except SyntaxError as e:
+        return "".join(traceback.format_exception_only(e)).strip()  # no user frames: it never ran
+    raise ValueError(f"not a syntax error: {code!r}")
+
+
 def sft_trace(problem: Problem, kind: str, rng: random.Random) -> list[tuple[str, str]]:
     """The trace as (role, text) pieces: role "model" (trained on) or "tool" (the tool turn text
     is produced by the format at tokenization time from the output given here)."""
@@ -73,8 +87,7 @@ def sft_trace(problem: Problem, kind: str, rng: random.Random) -> list[tuple[str
         return [("model", tool_call_text(f"print({bad})")), ("tool", result + "\n"), ("model", answer_text(result))]
     if kind == "error_then_fix":
         broken = f"print({problem.expression}"
-        error = ('Traceback (most recent call last):\n  File "<code>", line 1\n    ' + broken +
-                 "\n         ^\nSyntaxError: '(' was never closed")
+        error = syntax_error_text(broken)
         return [("model", tool_call_text(broken)), ("tool", error), ("model", tool_call_text(f"print({problem.expression})")),
                 ("tool", problem.answer + "\n"), ("model", answer_text(problem.answer))]
     if kind == "no_tool":
