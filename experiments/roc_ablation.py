@@ -2,8 +2,12 @@
 
     python -m rstar2_jax.train --config=experiments/roc_ablation.py:off,4,2,0.001 --workdir=runs/roc_off_4_2
 
+    python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --seeds=3 --workdir=runs/roc_ablation
+    python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --grid=FIG4 --seeds=3 --workdir=runs/fig4
+
 `get_config("MODE,G,OVERSAMPLE[,EPS]")` gives one cell; `GRID` lists them all (mode "off" ignores
-eps: plain GRPO draws uniformly).
+eps: plain GRPO draws uniformly); `FIG4` is the paper's Fig. 4 comparison at toy scale: plain GRPO
+against GRPO-RoC as in the paper and as in the released code.
 """
 
 from experiments import tiny_arith
@@ -11,6 +15,7 @@ from experiments import tiny_arith
 GRID = ([("off", g, o, 1e-3) for g, o in ((4, 2), (2, 2), (4, 1))]
         + [(mode, g, o, eps) for mode in ("paper", "release") for g, o in ((4, 2), (2, 2), (4, 1))
            for eps in (1e-3, 0.1)])
+FIG4 = [("off", 4, 2, 1e-3), ("paper", 4, 2, 1e-3), ("release", 4, 2, 1e-3)]
 
 
 def get_config(arg: str = "paper,4,2,0.001"):

@@ -21,6 +21,7 @@ class TrainBatch:
     advantages: np.ndarray        # float32 [N]
     sampler_logprobs: np.ndarray  # float32 [N, T]
     old_logprobs: np.ndarray | None = None  # float32 [N, T], recomputed by the learner
+    entropy: np.ndarray | None = None       # float32 [N, T], per-token entropy from the same pass
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
     learner = Learner(model, LearnerConfig(...), mesh=mesh)
     batch.old_logprobs = learner.logprobs(batch.tokens)
-    metrics = learner.update(batch)          # one optimizer step (micro-batches inside)
+    metrics = learner.update(batch)          # one optimizer step (micro-batches inside); fills
+                                             # batch.old_logprobs and batch.entropy when missing
     engine.update_weights(learner.model_state(), learner.version)
 
 Parameters stay float32 (master weights); the model's compute dtype (e.g. bf16) is the one it
@@ -52,7 +53,7 @@ class Learner:
         self.state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
         self.version = 0
         self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.loss), donate_argnums=(0,))
-        self._logprobs = jax.jit(partial(compute_logprobs, self.graphdef, cfg=cfg.loss))
+        self._logprobs = jax.jit(partial(compute_logprobs, self.graphdef, cfg=cfg.loss), static_argnames="with_entropy")
 
     # ------------------------------------------------------------------------------------------
     def _put(self, x: np.ndarray):
@@ -64,14 +65,18 @@ class Learner:
     def _ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def logprobs(self, tokens: np.ndarray) -> np.ndarray:
+    def logprobs(self, tokens: np.ndarray, with_entropy: bool = False):
+        """Log-probs [N, T] of `tokens` under the current weights; with `with_entropy`, the pair
+        (log-probs, entropy), both computed in the same vocabulary chunks."""
         with self._ctx():
-            return np.asarray(self._logprobs(self.state.params, self._put(tokens)))
+            out = self._logprobs(self.state.params, self._put(tokens), with_entropy=with_entropy)
+            return tuple(map(np.asarray, out)) if with_entropy else np.asarray(out)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on `batch` (old log-probs recomputed here when missing)."""
+        """One optimizer step on `batch` (old log-probs and token entropies recomputed here when
+        missing: the entropies cost one more reduction over the logits the pass has anyway)."""
         if batch.old_logprobs is None:
-            batch.old_logprobs = self.logprobs(batch.tokens)
+            batch.old_logprobs, batch.entropy = self.logprobs(batch.tokens, with_entropy=True)
         arrays = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
                   "old_logprobs": batch.old_logprobs}
         with self._ctx():
@@ -79,6 +84,8 @@ class Learner:
         self.version += 1
         out = {k: float(v) for k, v in metrics.items()}
         out.update(sampler_mismatch(batch))
+        if batch.entropy is not None and batch.num_tokens:
+            out["entropy_mean"] = float((batch.entropy * batch.loss_mask).sum() / batch.num_tokens)
         return out
 
     def reset_optimizer(self):

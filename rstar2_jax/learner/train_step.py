@@ -38,10 +38,12 @@ class LossConfig:
     micro_batches: int = 1
 
 
-def compute_logprobs(graphdef, params, tokens, cfg: LossConfig):
-    """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs)."""
+def compute_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bool = False):
+    """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs); with
+    `with_entropy`, also the entropy of the distribution each token was drawn from [N, T]."""
     model = nnx.merge(graphdef, params)
-    return token_logprobs(model, tokens, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature)
+    return token_logprobs(model, tokens, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature,
+                          with_entropy=with_entropy)
 
 
 def _policy_loss(graphdef, cfg: LossConfig, params, batch):

@@ -104,6 +104,8 @@ class RLRun:
         self.model_dir = model_dir
         with open(os.path.join(self.workdir, "run.json"), "w") as f:  # what evaluate --checkpoint loads
             json.dump({"model_dir": os.path.abspath(model_dir), "run_name": cfg.run_name}, f, indent=2)
+        with open(os.path.join(self.workdir, "config.json"), "w") as f:  # what the notebooks show
+            f.write(cfg.to_json_best_effort(indent=2))
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model = models.load_pretrained(model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
         self.model.remat = cfg.model.remat
@@ -278,13 +280,12 @@ class RLRun:
             for j, s in enumerate(group):
                 t = s.trajectory
                 if j in adv_of:
-                    rows.append((t, adv_of[j]))
+                    rows.append((t, adv_of[j], len(records)))
                 records.append(trajectory_record(
                     t, run=cfg.run_name, step=step, problem_id=problem.id, sample_index=j, problem=problem.question,
                     gold=problem.answer, extracted_answer=extract_answer(t.response_text), reward=s.reward,
                     p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
                     advantage=float(adv_of.get(j, 0.0))))
-        self.traces.write(step, records)
         if filter_k and n_roll >= filter_k:
             # the stage's data filter: a problem the latest policy solved k/k teaches nothing more
             solved = set(meta.get("solved", []))
@@ -294,13 +295,16 @@ class RLRun:
 
         train_metrics = {}
         if rows:
-            batch = make_batch([t.token_ids for t, _ in rows], [t.loss_mask for t, _ in rows],
-                               [t.logprobs for t, _ in rows], [a for _, a in rows], pad_multiple=32,
+            batch = make_batch([t.token_ids for t, _, _ in rows], [t.loss_mask for t, _, _ in rows],
+                               [t.logprobs for t, _, _ in rows], [a for _, a, _ in rows], pad_multiple=32,
                                rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
             with timeline.span("learner"):
                 train_metrics = self.learner.update(batch)
+            for i, (t, _, r) in enumerate(rows):  # the learner's per-token entropies, for the analysis
+                records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
             with timeline.span("sync"):
                 engine.update_weights(self.learner.model_state(), self.learner.version)
+        self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
         summary = summarize(scored)
         gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in scored)
         metrics = {

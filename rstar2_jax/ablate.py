@@ -1,0 +1,137 @@
+"""Run an ablation grid (every cell x every seed, one after the other) and summarise it.
+
+    python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --seeds=3 --workdir=runs/roc_ablation
+    python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --grid=FIG4 --seeds=3 \
+        --workdir=runs/fig4 [--config.rl.steps=20]
+
+The config file has `get_config(arg)` and a list of cells (`--grid`, default GRID); a cell is a
+tuple whose comma-joined values are the `arg` (e.g. ("paper", 4, 2, 0.001) -> "paper,4,2,0.001").
+`--config.X=V` overrides apply to every cell. Runs go to WORKDIR/<run_name>/seed<k>/.
+
+Resumable: a finished run (results.json) is skipped, an unfinished one resumes from its last
+checkpoint. Runs of one seed whose model, data and SFT settings agree share one SFT warm start
+(WORKDIR/_warm_start/<key>/, an HF directory), so the grid pays for SFT once per seed.
+Writes WORKDIR/summary.csv, summary.md, runs.csv, curves.png and finals.png.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "ablation config: get_config(arg) and a list of cells")
+_GRID = flags.DEFINE_string("grid", "GRID", "name of the list of cells in the config file")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "seeds per cell (0 .. seeds-1)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "ablation directory", required=True)
+_SUMMARY_ONLY = flags.DEFINE_bool("summary_only", False, "only write the summary of the runs already finished")
+
+
+def cell_arg(cell) -> str:
+    return ",".join(str(v) for v in cell)
+
+
+def load_config_module(config_file: str):
+    spec = importlib.util.spec_from_file_location("ablation_config", config_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def warm_start_key(cfg) -> str:
+    """Runs with equal keys start RL from the same SFT'd weights."""
+    parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in ("seed", "model", "data", "format", "sft")}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def ensure_warm_start(cfg, workdir: str) -> str:
+    """The HF directory of this config's SFT'd model, trained the first time it is asked for."""
+    from rstar2_jax import models
+    from rstar2_jax.rl.trainer import RLRun
+
+    root = os.path.join(workdir, "_warm_start", warm_start_key(cfg))
+    final = os.path.join(root, "model")
+    if os.path.exists(os.path.join(final, "config.json")):
+        return final
+    run = RLRun(cfg, os.path.join(root, "build"))
+    params = run.sft()
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    models.save_pretrained(run._model_with(params), tmp, tokenizer_dir=run.model_dir)
+    os.replace(tmp, final)  # a crash mid-write leaves no half model
+    return final
+
+
+def plan(config_file: str, grid: str, seeds: int, overrides: dict, workdir: str):
+    """(arg, seed, config, run_dir) of every run, in order."""
+    module = load_config_module(config_file)
+    cells = getattr(module, grid, None)
+    if not isinstance(cells, (list, tuple)) or not cells:
+        raise app.UsageError(f"{config_file} has no non-empty list {grid!r} of cells")
+    out = []
+    for arg in map(cell_arg, cells):
+        for seed in range(seeds):
+            cfg = module.get_config(arg)
+            cfg.update_from_flattened_dict(overrides)
+            cfg.seed = seed
+            out.append((arg, seed, cfg, os.path.join(workdir, cfg.run_name, f"seed{seed}")))
+    return out
+
+
+def write_summary(workdir: str, order: list[str]) -> str:
+    from rstar2_jax import ablation
+
+    finals = ablation.load_finals(workdir)
+    finals.to_csv(os.path.join(workdir, "runs.csv"), index=False)
+    summary = ablation.summarize_finals(finals, order)
+    summary.to_csv(os.path.join(workdir, "summary.csv"), index=False)
+    table = ablation.summary_markdown(summary)
+    with open(os.path.join(workdir, "summary.md"), "w") as f:
+        f.write(table + "\n")
+    ablation.plot_curves(ablation.load_curves(workdir), os.path.join(workdir, "curves.png"), order)
+    ablation.plot_finals(summary, os.path.join(workdir, "finals.png"))
+    return table
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from rstar2_jax.rl.trainer import ConfigValueError, run, validate
+
+    if _CONFIG.value is None:
+        raise app.UsageError("--config is required, e.g. --config=experiments/roc_ablation.py")
+    config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+    overrides = config_flags.get_override_values(flags.FLAGS["config"])
+    workdir = os.path.abspath(_WORKDIR.value)
+    runs = plan(config_file, _GRID.value, _SEEDS.value, overrides, workdir)
+    try:
+        for _, _, cfg, _ in runs:
+            validate(cfg)
+    except ConfigValueError as e:
+        raise app.UsageError(str(e)) from None
+    order = list(dict.fromkeys(cfg.run_name for _, _, cfg, _ in runs))
+    if not _SUMMARY_ONLY.value:
+        for i, (arg, seed, cfg, run_dir) in enumerate(runs, 1):
+            head = f"[{i}/{len(runs)}] {cfg.run_name} seed {seed}"
+            if os.path.exists(os.path.join(run_dir, "results.json")):
+                print(f"{head}: finished, skipped", flush=True)
+                continue
+            print(f"{head}: {run_dir}", flush=True)
+            if cfg.sft.steps > 0 and not cfg.model.path:
+                cfg.model.path = ensure_warm_start(cfg, workdir)
+                cfg.sft.steps = 0
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "cell.json"), "w") as f:
+                json.dump({"cell": cfg.run_name, "arg": arg, "seed": seed}, f)
+            run(cfg, run_dir)
+    print("\n" + write_summary(workdir, order))
+    print(f"\nwrote {workdir}/summary.csv, summary.md, runs.csv, curves.png, finals.png")
+
+
+if __name__ == "__main__":
+    app.run(main)

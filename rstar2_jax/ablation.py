@@ -1,0 +1,150 @@
+"""An ablation's runs read back: training curves, final numbers, mean and spread over seeds, plots.
+
+Layout written by `python -m rstar2_jax.ablate`: `WORKDIR/<cell>/seed<k>/` is one training run
+(metrics.jsonl, results.json, traces/) with `cell.json` naming its cell and seed. The notebook
+`notebooks/roc_ablation.ipynb` and the CLI's summary both use these functions.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+import pandas as pd
+
+from rstar2_jax.traces import load_run
+
+# training-curve metrics (metrics.jsonl, one row per RL step) and what a plot calls them
+CURVES = {
+    "reward_mean": "accuracy of the step's rollouts",
+    "p_err_correct": "tool-error ratio in correct rollouts",
+    "mean_response_tokens": "response tokens",
+}
+# final numbers: the after-RL evaluation (results.json), sampled at the training temperature
+FINALS = {
+    "greedy_accuracy": ("greedy", "accuracy"),
+    "sampled_accuracy": ("sampled", "accuracy"),
+    "tool_error_ratio_correct": ("sampled", "tool_error_ratio_correct"),
+    "tool_calls": ("sampled", "mean_tool_calls"),
+    "response_tokens": ("sampled", "mean_response_tokens"),
+}
+
+
+def ablation_runs(workdir: str) -> list[dict]:
+    """cell.json of every run under `workdir` (finished or not), with its `dir`."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(workdir, "*", "seed*", "cell.json"))):
+        with open(path) as f:
+            out.append({**json.load(f), "dir": os.path.dirname(path)})
+    return out
+
+
+def load_curves(workdir: str) -> pd.DataFrame:
+    """cell, seed, step and the CURVES metrics of every run."""
+    frames = []
+    for run in ablation_runs(workdir):
+        if not os.path.exists(os.path.join(run["dir"], "metrics.jsonl")):
+            continue
+        m = load_run(run["dir"]).metrics
+        if len(m):
+            frames.append(m[["step", *CURVES]].assign(cell=run["cell"], seed=run["seed"]))
+    if not frames:
+        raise FileNotFoundError(f"no training metrics under {workdir}/*/seed*/")
+    return pd.concat(frames, ignore_index=True)[["cell", "seed", "step", *CURVES]]
+
+
+def load_finals(workdir: str) -> pd.DataFrame:
+    """One row per finished run (results.json written): cell, seed and the FINALS numbers."""
+    rows = []
+    for run in ablation_runs(workdir):
+        if not os.path.exists(os.path.join(run["dir"], "results.json")):
+            continue
+        after = load_run(run["dir"]).results["after"]
+        rows.append({"cell": run["cell"], "seed": run["seed"],
+                     **{name: after[mode][key] for name, (mode, key) in FINALS.items()}})
+    if not rows:
+        raise FileNotFoundError(f"no finished run (results.json) under {workdir}/*/seed*/")
+    return pd.DataFrame(rows)
+
+
+def summarize_finals(finals: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:
+    """Per cell: number of seeds, then mean and standard deviation (ddof=1; 0 for one seed) of each
+    final number, as columns `<metric>_mean`, `<metric>_std`."""
+    g = finals.groupby("cell", sort=False)
+    out = pd.DataFrame({"seeds": g.size()})
+    for name in FINALS:
+        out[f"{name}_mean"] = g[name].mean()
+        out[f"{name}_std"] = g[name].std(ddof=1).fillna(0.0)
+    if order is not None:
+        out = out.reindex([c for c in order if c in out.index])
+    return out.reset_index()
+
+
+def summary_markdown(summary: pd.DataFrame) -> str:
+    """The summary as a Markdown table, mean +- std over seeds."""
+    pct = {"greedy_accuracy", "sampled_accuracy"}
+    header = ["cell", "seeds", *FINALS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for _, r in summary.iterrows():
+        cells = [r["cell"], str(int(r["seeds"]))]
+        for name in FINALS:
+            m, s = r[f"{name}_mean"], r[f"{name}_std"]
+            cells.append(f"{m:.1%} ± {s:.1%}" if name in pct else f"{m:.3f} ± {s:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curve_bands(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Per cell and step: mean, min and max of `metric` over seeds."""
+    return (curves.groupby(["cell", "step"], sort=False)[metric].agg(["mean", "min", "max"]).reset_index())
+
+
+def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None):
+    """One panel per CURVES metric over RL steps: mean over seeds, band from min to max."""
+    import matplotlib
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = order or list(dict.fromkeys(curves["cell"]))
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
+    for ax, (metric, label) in zip(np.atleast_1d(axes), CURVES.items()):
+        bands = curve_bands(curves, metric)
+        for cell in cells:
+            b = bands[bands.cell == cell]
+            if not len(b):
+                continue
+            line, = ax.plot(b.step, b["mean"], label=cell)
+            ax.fill_between(b.step, b["min"], b["max"], color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("RL step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
+
+def plot_finals(summary: pd.DataFrame, path: str | None = None):
+    """Bar per cell for each final number, with the standard deviation over seeds."""
+    import matplotlib
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(FINALS), figsize=(3.2 * len(FINALS), 3.6))
+    x = np.arange(len(summary))
+    for ax, name in zip(axes, FINALS):
+        ax.bar(x, summary[f"{name}_mean"], yerr=summary[f"{name}_std"], capsize=3,
+               color=[f"C{i}" for i in range(len(summary))])
+        ax.set_xticks(x, summary["cell"], rotation=60, ha="right", fontsize=7)
+        ax.set_title(name.replace("_", " "), fontsize=10)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
