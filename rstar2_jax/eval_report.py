@@ -3,7 +3,9 @@ samples, with a 95% interval over problems."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from typing import Sequence
 
 import numpy as np
@@ -11,8 +13,31 @@ import numpy as np
 from rstar2_jax.rewards import tool_error_ratio
 from rstar2_jax.rl.evaluation import Scored
 
+# Multiple-choice questions already list their options; this asks for the letter in the box.
+CHOICE_INSTRUCTION = "\n\nPut only the letter of the correct option (A, B, C or D) in \\boxed{}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    name: str
+    path: str
+    multiple_choice: bool = False   # graded on the option letter (rewards.choice_reward)
+
+
 BENCHMARK_FILES = {"aime24": "aime24.jsonl", "aime25": "aime25.jsonl", "math500": "math_500.jsonl",
                    "amc23": "amc23.jsonl", "gpqa_diamond": "gpqa_diamond.jsonl"}
+MULTIPLE_CHOICE = {"gpqa_diamond"}
+
+
+def resolve_benchmark(name: str, data_dir: str) -> Benchmark:
+    """A known benchmark name (its file under `data_dir`) or the path of any JSONL problem file
+    (named after the file; multiple choice if its name says gpqa)."""
+    if name.endswith(".jsonl"):
+        stem = os.path.splitext(os.path.basename(name))[0]
+        return Benchmark(stem, name, multiple_choice="gpqa" in stem.lower())
+    if name not in BENCHMARK_FILES:
+        raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARK_FILES)} (or a path to a .jsonl file)")
+    return Benchmark(name, os.path.join(data_dir, BENCHMARK_FILES[name]), name in MULTIPLE_CHOICE)
 
 
 def benchmark_summary(scored: Sequence[Scored], samples: int) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Benchmark scoring math, and the evaluate CLI end to end on the tiny model with the shared data."""
+"""Benchmark scoring math, benchmark files (names, paths, HF variants, malformed lines), and the
+evaluate CLI end to end on the tiny model with the shared data."""
 
 import json
 import os
@@ -8,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from rstar2_jax.eval_report import benchmark_summary, markdown_table
+from rstar2_jax.data.jsonl import DataError
+from rstar2_jax.data.problems import load_problems
+from rstar2_jax.eval_report import benchmark_summary, markdown_table, resolve_benchmark
 from rstar2_jax.models import tiny
 from rstar2_jax.rl.evaluation import Scored
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
@@ -61,3 +64,57 @@ def test_evaluate_cli_rejects_unknown_benchmarks(tmp_path):
                            f"--data_dir={DATA}", f"--out={tmp_path / 'e'}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "unknown benchmark 'imo99'" in proc.stderr
+
+
+def _evaluate(tmp_path, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_shared_benchmarks_load_with_their_golds():
+    sizes = {"aime24": 30, "aime25": 30, "math500": 500, "amc23": 40, "gpqa_diamond": 198}
+    for name, n in sizes.items():
+        bench = resolve_benchmark(name, DATA)
+        problems = load_problems(bench.path)
+        assert len(problems) == n and all(p.question and p.answer for p in problems)
+        assert bench.multiple_choice == (name == "gpqa_diamond")
+    assert {p.answer for p in load_problems(resolve_benchmark("gpqa_diamond", DATA).path)} <= set("ABCD")
+    custom = resolve_benchmark("/data/my_gpqa_subset.jsonl", DATA)
+    assert custom.name == "my_gpqa_subset" and custom.multiple_choice
+    with pytest.raises(ValueError, match="unknown benchmark 'imo99'"):
+        resolve_benchmark("imo99", DATA)
+
+
+def test_hf_style_question_solution_rows_take_the_boxed_answer(tmp_path):
+    path = tmp_path / "hf.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "solution": "So it is \\boxed{\\frac{4}{2}}."}) + "\n"
+                    + json.dumps({"problem": "2+2?", "answer": 4.0}) + "\n")
+    problems = load_problems(path)
+    assert [(p.question, p.answer) for p in problems] == [("1+1?", "\\frac{4}{2}"), ("2+2?", "4")]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "invalid JSON"),
+    (json.dumps({"question": "x", "solution": "no box here"}), "no answer field"),
+    (json.dumps({"answer": "3"}), "no problem text"),
+])
+def test_malformed_benchmark_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"problem": "ok", "answer": "1"}) + "\n\n" + line + "\n")
+    with pytest.raises(DataError, match=f"{path}:3: {message}"):
+        load_problems(path)
+
+
+def test_evaluate_cli_reports_a_malformed_file_by_file_and_line(tmp_path):
+    model = tiny.build_tiny_model(tmp_path / "m")
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + '{"problem": "2+2", "answer"' + "\n")
+    proc = _evaluate(tmp_path, f"--model={model}", f"--benchmarks={path}", "--format=tiny", f"--out={tmp_path / 'e'}")
+    assert proc.returncode != 0 and f"{path}:2: invalid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_evaluate_cli_needs_urls_for_vllm(tmp_path):
+    model = tiny.build_tiny_model(tmp_path / "m")
+    proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", f"--data_dir={DATA}", f"--out={tmp_path / 'e'}")
+    assert proc.returncode != 0 and "--engine vllm needs --url" in proc.stderr

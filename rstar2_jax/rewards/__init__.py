@@ -1,6 +1,6 @@
 """Rewards: answer extraction, equivalence, and the RoC penalties. Depends on nothing of ours."""
 
-from rstar2_jax.rewards.answer import extract_answer, normalize
+from rstar2_jax.rewards.answer import chosen_option, extract_answer, normalize
 from rstar2_jax.rewards.equivalence import is_equivalent, set_verify_limits
 from rstar2_jax.rewards.penalties import format_penalty, tool_error_ratio
 
@@ -10,5 +10,12 @@ def answer_reward(response: str, gold: str) -> float:
     return 1.0 if is_equivalent(extract_answer(response), gold) else 0.0
 
 
-__all__ = ["answer_reward", "extract_answer", "format_penalty", "is_equivalent", "normalize",
+def choice_reward(response: str, gold_letter: str) -> float:
+    """Multiple choice (GPQA-Diamond): 1.0 if the \\boxed{} answer of the last <answer> block
+    picks the gold option letter, else 0.0."""
+    pred = extract_answer(response)
+    return 1.0 if pred is not None and chosen_option(pred) == gold_letter.strip().upper() else 0.0
+
+
+__all__ = ["answer_reward", "choice_reward", "chosen_option", "extract_answer", "format_penalty", "is_equivalent", "normalize",
            "set_verify_limits", "tool_error_ratio"]

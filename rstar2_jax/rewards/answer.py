@@ -65,6 +65,16 @@ def choice_letter(answer: str) -> str | None:
     return m.group(1).upper() if m else None
 
 
+_CHOICE_LEAD = re.compile(r"^(?:(?:option|answer|choice)\s*:?\s*)?\(?([A-Ja-j])\)?(?=$|[\s.:)\]])", re.IGNORECASE)
+
+
+def chosen_option(answer: str) -> str | None:
+    """The option letter a multiple-choice answer picks: 'D' for 'D', '(D)', 'D.', 'D) 10^-4 eV',
+    'Option D', '\\text{D}'; None when it does not start with a lone letter ('Dopamine')."""
+    m = _CHOICE_LEAD.match(normalize(answer))
+    return m.group(1).upper() if m else None
+
+
 def top_level_items(answer: str) -> int:
     """How many comma-separated items an answer lists outside brackets ('5, 6, 7' -> 3)."""
     s = _THOUSANDS.sub("", answer)

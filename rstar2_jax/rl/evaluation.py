@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -20,11 +20,19 @@ class Scored:
 
 
 async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str], golds: Sequence[str],
-                           cfg: AgentConfig, seeds: Sequence[int]) -> list[Scored]:
-    trajs = await asyncio.gather(*(run_agent(engine, sandbox, tokenizer, q, cfg, seed=s)
-                                   for q, s in zip(questions, seeds)))
+                           cfg: AgentConfig, seeds: Sequence[int], *,
+                           grader: Callable[[str, str], float] = answer_reward, progress=None) -> list[Scored]:
+    """All rollouts concurrently, graded by `grader(response, gold)`; `progress` (e.g. a tqdm
+    bar) is updated as each one finishes."""
+    async def one(q, s):
+        t = await run_agent(engine, sandbox, tokenizer, q, cfg, seed=s)
+        if progress is not None:
+            progress.update(1)
+        return t
+
+    trajs = await asyncio.gather(*(one(q, s) for q, s in zip(questions, seeds)))
     with span("reward"):
-        return [Scored(t, answer_reward(t.response_text, g)) for t, g in zip(trajs, golds)]
+        return [Scored(t, grader(t.response_text, g)) for t, g in zip(trajs, golds)]
 
 
 def summarize(scored: Sequence[Scored]) -> dict[str, float]:

@@ -7,8 +7,8 @@ import time
 import pytest
 from hypothesis import given, strategies as st
 
-from rstar2_jax.rewards import (answer_reward, extract_answer, format_penalty, is_equivalent,
-                                tool_error_ratio)
+from rstar2_jax.rewards import (answer_reward, choice_reward, chosen_option, extract_answer, format_penalty,
+                                is_equivalent, tool_error_ratio)
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
 
@@ -94,3 +94,18 @@ def test_format_penalty_law(answers, turns):
     text = "x" + "<answer>\\boxed{1}</answer>" * answers
     p = format_penalty(text, turns)
     assert p == (1.0 if answers == 0 else min(1.0, (answers - 1) / turns))
+
+
+@pytest.mark.parametrize("answer, letter", [
+    ("D", "D"), ("(D)", "D"), ("D.", "D"), ("D) 10^-4 eV", "D"), ("Option D", "D"), ("\\text{D}", "D"),
+    ("\\text{(B)}", "B"), ("b", "B"), ("answer: C", "C"), ("Dopamine", None), ("10^-4 ev", None), ("", None),
+])
+def test_chosen_option_reads_the_leading_letter(answer, letter):
+    assert chosen_option(answer) == letter
+
+
+def test_choice_reward_grades_the_option_letter_of_the_last_answer_block():
+    assert choice_reward("<answer>\\boxed{D. 10^-4 ev}</answer>", "D") == 1.0
+    assert choice_reward("<answer>\\boxed{C}</answer>", "D") == 0.0
+    assert choice_reward("<answer>\\boxed{10^-4 ev}</answer>", "D") == 0.0  # the option's text is not its letter
+    assert choice_reward("\\boxed{D}", "D") == 0.0  # outside an <answer> block
