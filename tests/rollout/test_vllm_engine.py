@@ -1,7 +1,7 @@
 """VLLMEngine against real vLLM CPU servers (.venv-vllm, installed by `make test`) serving the
 tiny model: parity with the JAX model, weight sync after a learner update, the tied-embedding
 trap, a multi-turn rollout with real sandbox calls, a server killed mid-batch, the scheduler
-over a vLLM server and a JaxEngine, and a short training run.
+over a vLLM server and a JaxEngine, a short training run, and the evaluate CLI on a server.
 
 Each server takes about a minute to start on two cores; the session shares one where it can.
 """
@@ -9,6 +9,8 @@ Each server takes about a minute to start on two cores; the session shares one w
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -31,6 +33,7 @@ from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError, 
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.scheduler import Scheduler
+from rstar2_jax.traces import read_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -261,3 +264,28 @@ def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, ti
     assert engine.sync == "safetensors" and "NCCL weight sync unavailable" in caplog.text
     assert engine.check_sync(target) < 1e-3 and engine.version == 5
     asyncio.run(engine.close())
+
+
+def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, tiny_dir, tiny_model, tmp_path):
+    async def serve_the_fixture_model():  # whatever an earlier test synced
+        async with VLLMEngine(vllm_server.url, tiny_model) as engine:
+            engine.update_weights(tiny_model)
+    asyncio.run(serve_the_fixture_model())
+    data = os.path.join(ROOT, "..", "shared", "data")
+    results, tokens = {}, {}
+    for engine in ("jax", "vllm"):
+        out = tmp_path / engine
+        args = [f"--model={tiny_dir}", "--benchmarks=aime24,gpqa_diamond", f"--data_dir={data}", "--limit=2",
+                "--samples=2", "--temperature=0", "--max_tokens=40", "--max_turns=2", "--format=tiny",
+                f"--engine={engine}", f"--out={out}"] + ([f"--url={vllm_server.url}"] if engine == "vllm" else [])
+        proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads((out / "results.json").read_text())
+        assert report["protocol"]["engine"] == engine
+        results[engine] = report["results"]
+        tokens[engine] = {name: [list(t) for t in read_traces(out / "traces" / name)["token_ids"]]
+                          for name in ("aime24", "gpqa_diamond")}
+    assert results["vllm"] == results["jax"]  # greedy: the same rollouts, so the same table
+    assert tokens["vllm"] == tokens["jax"]
+    assert all(len(v) == 4 for v in tokens["jax"].values())
