@@ -62,6 +62,19 @@ def test_old_logprobs_match_the_sampler_for_the_same_weights():
     assert metrics["logprob_mismatch_max"] < 1e-5 and metrics["importance_ratio_std"] < 1e-5
 
 
+def test_update_returns_the_entropies_of_the_weights_it_started_from():
+    model = random_model(small_config("qwen3"), seed=7)
+    learner = Learner(model, LearnerConfig(lr=1e-2, warmup_steps=1))
+    batch = _batch(seed=8)
+    lp, ent = learner.logprobs(batch.tokens, with_entropy=True)
+    np.testing.assert_allclose(lp, learner.logprobs(batch.tokens), atol=1e-6)  # same pass, same log-probs
+    metrics = learner.update(batch)
+    np.testing.assert_allclose(batch.entropy, ent, atol=1e-5)  # filled from the pre-update weights
+    m = batch.loss_mask > 0
+    assert (batch.entropy[m] > 0).all() and (batch.entropy[m] <= np.log(model.cfg.vocab_size) + 1e-4).all()
+    assert metrics["entropy_mean"] == pytest.approx(float(ent[m].mean()), rel=1e-5)
+
+
 def test_reset_optimizer_zeroes_the_moments():
     learner = Learner(random_model(small_config("qwen3"), seed=6), LearnerConfig(lr=1e-3, warmup_steps=1))
     learner.update(_batch())

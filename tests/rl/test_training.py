@@ -47,6 +47,8 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path):
     assert set(traces["step"]) == {0, 1}
     kept = traces[traces["kept"]]
     assert len(kept) <= 2 * 2 * 2 and (traces[~traces["kept"]]["advantage"] == 0).all()
+    for _, r in traces.iterrows():  # the learner's per-token entropies, written for kept rollouts only
+        assert (r["entropy"] is not None and len(r["entropy"]) == len(r["token_ids"])) == bool(r["kept"])
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [l["phase"] for l in lines].count("rl") == 2 and any(l["phase"] == "sft" for l in lines)
     for rl in (l for l in lines if l["phase"] == "rl"):  # the per-step breakdown adds up

@@ -1,0 +1,126 @@
+"""The ablation CLI end to end (grid x seeds, shared warm starts, resume, summary) on a small
+FIG4 grid, and both notebooks executed headless against what it produced: a notebook that raises
+fails the suite. Notebooks are stored without outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import numpy as np
+import pandas as pd
+import pytest
+from nbclient import NotebookClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+CELLS = ["roc_off_4_2_0.001", "roc_paper_4_2_0.001", "roc_release_4_2_0.001"]
+# big enough for the SFT'd policy to solve some problems (so runs have positives, negatives and
+# RoC choices), small enough for the suite: 2 warm starts + 6 runs of 3 RL steps
+SMALL = ["--config.sft.steps=200", "--config.rl.steps=3", "--config.rl.batch_problems=4",
+         "--config.data.eval_problems=16", "--config.checkpoint.every=3"]
+
+
+def ablate(workdir, *extra):
+    return subprocess.run([sys.executable, "-m", "rstar2_jax.ablate", "--config=experiments/roc_ablation.py",
+                           "--grid=FIG4", "--seeds=2", f"--workdir={workdir}", *SMALL, *extra], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def ablation_dir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fig4")
+    proc = ablate(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_ablate_runs_every_cell_and_seed_from_one_warm_start_per_seed(ablation_dir):
+    for cell in CELLS:
+        for seed in (0, 1):
+            run = ablation_dir / cell / f"seed{seed}"
+            assert json.loads((run / "cell.json").read_text()) == {"cell": cell, "arg": cell[4:].replace("_", ","),
+                                                                     "seed": seed}
+            config = json.loads((run / "config.json").read_text())
+            assert config["rl"]["steps"] == 3 and config["seed"] == seed and config["sft"]["steps"] == 0
+            assert config["rl"]["roc"]["mode"] == cell.split("_")[1]
+            assert (run / "results.json").exists() and sorted(os.listdir(run / "traces"))[-1] == "step_000002.parquet"
+    assert len(os.listdir(ablation_dir / "_warm_start")) == 2
+    for seed in (0, 1):  # the same warm start and evaluation seeds: the same policy before RL in every cell
+        before = [json.loads((ablation_dir / c / f"seed{seed}" / "results.json").read_text())["before"] for c in CELLS]
+        assert before[0] == before[1] == before[2]
+
+
+def test_ablate_summary_is_mean_and_spread_over_seeds(ablation_dir):
+    runs = pd.read_csv(ablation_dir / "runs.csv")
+    summary = pd.read_csv(ablation_dir / "summary.csv").set_index("cell")
+    assert list(summary.index) == CELLS and (summary["seeds"] == 2).all()
+    for cell in CELLS:
+        for metric in ("greedy_accuracy", "sampled_accuracy", "tool_error_ratio_correct", "response_tokens"):
+            values = [json.loads((ablation_dir / cell / f"seed{s}" / "results.json").read_text())["after"]
+                      ["greedy" if metric == "greedy_accuracy" else "sampled"]
+                      [{"greedy_accuracy": "accuracy", "sampled_accuracy": "accuracy",
+                        "response_tokens": "mean_response_tokens"}.get(metric, metric)] for s in (0, 1)]
+            assert sorted(runs[runs.cell == cell][metric]) == pytest.approx(sorted(values))
+            assert summary.loc[cell, f"{metric}_mean"] == pytest.approx(np.mean(values))
+            assert summary.loc[cell, f"{metric}_std"] == pytest.approx(np.std(values, ddof=1))
+    table = (ablation_dir / "summary.md").read_text()
+    assert all(f"| {cell} | 2 |" in table for cell in CELLS)
+    for png in ("curves.png", "finals.png"):
+        assert (ablation_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablate_rerun_skips_finished_runs_and_rewrites_the_same_summary(ablation_dir):
+    before = (ablation_dir / "summary.csv").read_text()
+    proc = ablate(ablation_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("finished, skipped") == 6
+    assert (ablation_dir / "summary.csv").read_text() == before
+
+
+def test_ablate_rejects_an_unknown_grid(tmp_path):
+    proc = ablate(tmp_path, "--grid=NOPE")
+    assert proc.returncode != 0 and "has no non-empty list 'NOPE'" in proc.stderr
+
+
+def execute(name, env):
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits the environment
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return nb
+
+
+def outputs_text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            parts.append(out.get("text", ""))
+            parts.extend(str(v) for k, v in out.get("data", {}).items() if k.startswith("text/"))
+    return "\n".join(parts)
+
+
+def test_explore_traces_notebook_runs_on_a_finished_run(ablation_dir):
+    nb = execute("explore_traces.ipynb", {"RSTAR2_RUN": str(ablation_dir / "roc_paper_4_2_0.001" / "seed0")})
+    text = outputs_text(nb)
+    assert "3 steps, 96 rollouts" in text                        # 3 steps x 4 problems x 8 rollouts
+    assert "turn 0" in text and "tool" in text                   # the trajectory viewer rendered
+    assert "reflection_share" in text and "forking" in text      # the entropy section ran on real entropies
+    assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))
+
+
+def test_roc_ablation_notebook_runs_on_the_ablation(ablation_dir):
+    text = outputs_text(execute("roc_ablation.ipynb", {"RSTAR2_ABLATION": str(ablation_dir)}))
+    assert all(cell in text for cell in CELLS) and "± " in text
+
+
+@pytest.mark.parametrize("name", ["explore_traces.ipynb", "roc_ablation.ipynb"])
+def test_notebooks_are_stored_without_outputs(name):
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.outputs == [] and c.execution_count is None for c in code)
