@@ -62,7 +62,7 @@ def ensure_warm_start(cfg, workdir: str) -> str:
     params = run.sft()
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    models.save_pretrained(run._model_with(params), tmp, tokenizer_dir=run.model_dir)
+    models.save_pretrained(run.model_with(params), tmp, tokenizer_dir=run.model_dir)
     os.replace(tmp, final)  # a crash mid-write leaves no half model
     return final
 

@@ -195,9 +195,9 @@ class RLRun:
             print(f"resumed from {self.checkpoints.directory} step {latest}")
         elif cfg.sft.steps > 0:
             params = self.sft()
-            self.learner = Learner(self._model_with(params), lcfg, mesh=self.mesh)
+            self.learner = Learner(self.model_with(params), lcfg, mesh=self.mesh)
             self.checkpoints.save(0, self.learner.state, meta)
-        engine_model = self._model_with(self.learner.model_state())
+        engine_model = self.model_with(self.learner.model_state())
         async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
                 self.make_engine(engine_model) as engine:
             engine.update_weights(self.learner.model_state(), self.learner.version)
@@ -238,7 +238,8 @@ class RLRun:
                 batch.append(p)
         return batch, pos
 
-    def _model_with(self, params):
+    def model_with(self, params):
+        """The run's model architecture with `params` (an nnx.State of its Params)."""
         from flax import nnx
         graphdef, _ = nnx.split(self.model, nnx.Param)
         return nnx.merge(graphdef, params)
