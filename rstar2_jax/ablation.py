@@ -101,15 +101,28 @@ def curve_bands(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
     return (curves.groupby(["cell", "step"], sort=False)[metric].agg(["mean", "min", "max"]).reset_index())
 
 
-def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None):
-    """One panel per CURVES metric over RL steps: mean over seeds, band from min to max."""
+def _subplots(n: int, panel_width: float, to_file: bool):
+    """A figure with `n` panels in a row; headless (Agg) when it only goes to a file."""
     import matplotlib
-    if path is not None:
+    if to_file:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt.subplots(1, n, figsize=(panel_width * n, 3.6))
 
+
+def _finish(fig, path: str | None):
+    fig.tight_layout()
+    if path is not None:
+        import matplotlib.pyplot as plt
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
+
+def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None):
+    """One panel per CURVES metric over RL steps: mean over seeds, band from min to max."""
     cells = order or list(dict.fromkeys(curves["cell"]))
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
+    fig, axes = _subplots(len(CURVES), 5, path is not None)
     for ax, (metric, label) in zip(np.atleast_1d(axes), CURVES.items()):
         bands = curve_bands(curves, metric)
         for cell in cells:
@@ -122,29 +135,16 @@ def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] 
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_finals(summary: pd.DataFrame, path: str | None = None):
     """Bar per cell for each final number, with the standard deviation over seeds."""
-    import matplotlib
-    if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(FINALS), figsize=(3.2 * len(FINALS), 3.6))
+    fig, axes = _subplots(len(FINALS), 3.2, path is not None)
     x = np.arange(len(summary))
     for ax, name in zip(axes, FINALS):
         ax.bar(x, summary[f"{name}_mean"], yerr=summary[f"{name}_std"], capsize=3,
                color=[f"C{i}" for i in range(len(summary))])
         ax.set_xticks(x, summary["cell"], rotation=60, ha="right", fontsize=7)
         ax.set_title(name.replace("_", " "), fontsize=10)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)

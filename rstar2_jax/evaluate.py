@@ -37,8 +37,8 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "problems per benchmark (0 = all)")
 _FORMAT = flags.DEFINE_enum("format", "rstar2", ["rstar2", "tiny"], "prompt format")
 _ENGINE = flags.DEFINE_enum("engine", "jax", ["jax", "vllm"], "rollout engine")
 _URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); repeat for several")
-_SCHEDULER = flags.DEFINE_enum("scheduler", "kv_aware", ["kv_aware", "round_robin", "least_requests"],
-                                "policy over several vLLM servers")
+_SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
+                                  "round_robin or least_requests")
 _SLOTS = flags.DEFINE_integer("slots", 32, "JaxEngine batch slots")
 _OUT = flags.DEFINE_string("out", "runs/eval", "output directory")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
@@ -75,11 +75,13 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer):
     """A function longest_prompt -> async context manager of the engine for one benchmark."""
     from rstar2_jax.rollout.engines import JaxEngine
     from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-    from rstar2_jax.rollout.scheduler import Scheduler
+    from rstar2_jax.rollout.scheduler import POLICIES, Scheduler
 
     if _ENGINE.value == "vllm":
         if not _URL.value:
             raise app.UsageError("--engine vllm needs --url (start a server: python -m rstar2_jax.rollout.serve --model DIR)")
+        if _SCHEDULER.value not in POLICIES:
+            raise app.UsageError(f"--scheduler must be one of {sorted(POLICIES)}, got {_SCHEDULER.value!r}")
 
         @contextlib.asynccontextmanager
         async def servers(longest_prompt: int):

@@ -118,3 +118,6 @@ def test_evaluate_cli_needs_urls_for_vllm(tmp_path):
     model = tiny.build_tiny_model(tmp_path / "m")
     proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", f"--data_dir={DATA}", f"--out={tmp_path / 'e'}")
     assert proc.returncode != 0 and "--engine vllm needs --url" in proc.stderr
+    proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", "--url=http://127.0.0.1:9", "--scheduler=fastest",
+                     f"--data_dir={DATA}", f"--out={tmp_path / 'e'}")
+    assert proc.returncode != 0 and "--scheduler must be one of ['kv_aware', 'least_requests', 'round_robin']" in proc.stderr

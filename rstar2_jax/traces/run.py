@@ -10,19 +10,9 @@ import os
 import numpy as np
 import pandas as pd
 
+from rstar2_jax.data.jsonl import iter_jsonl
+from rstar2_jax.rewards.penalties import FAILED_TOOL_STATUSES
 from rstar2_jax.traces.schema import read_traces
-
-
-def _read_metrics(path: str) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-    return rows
 
 
 def _by_step(rows: list[dict]) -> pd.DataFrame:
@@ -62,7 +52,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
         with open(path) as f:
             return json.load(f)
 
-    rows = _read_metrics(metrics_path)
+    rows = [row for _, _, row in iter_jsonl(metrics_path, "metrics file")]
     evals = pd.DataFrame([r for r in rows if r.get("phase") == "eval"])
     model_dir = read_json("run.json", {}).get("model_dir", os.path.join(run_dir, "base_model"))
     return Run(run_dir, read_json("config.json", {}), _by_step([r for r in rows if r.get("phase") == "rl"]),
@@ -74,7 +64,7 @@ def with_trajectory_columns(df: pd.DataFrame) -> pd.DataFrame:
     num_tool_errors, tool_calls_per_turn and has_tool_error."""
     df = df.copy()
     statuses = df["turns"].map(lambda turns: [tool["status"] for t in turns for tool in t["tools"]])
-    df["num_tool_errors"] = statuses.map(lambda s: sum(x != "ok" for x in s)).astype(int)
+    df["num_tool_errors"] = statuses.map(lambda s: sum(x in FAILED_TOOL_STATUSES for x in s)).astype(int)
     df["has_tool_error"] = df["num_tool_errors"] > 0
     df["tool_calls_per_turn"] = df["num_tool_calls"] / df["num_turns"].clip(lower=1)
     df["positive"] = df["reward"] > 0
