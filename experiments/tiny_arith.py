@@ -67,6 +67,7 @@ def get_config():
     c.rl.grad_clip = 1.0
     c.rl.micro_batches = 1
     c.rl.advantage = "grpo"
+    c.rl.token_entropy = True            # per-token entropies of kept rollouts into the traces (learner pass)
     c.rl.max_staleness = 0
     c.rl.roc = ml_collections.ConfigDict()
     c.rl.roc.mode = "paper"              # paper | release | off

@@ -39,6 +39,10 @@ class LearnerConfig:
     b1: float = 0.9
     b2: float = 0.999
     loss: LossConfig = LossConfig()
+    # update() also returns per-token entropies from its old-log-prob pass, for the forking /
+    # reflection analysis; one more reduction over the logits: +15-22% on that pass on CPU
+    # (BENCHMARKS.md, "Entropy in the old-log-prob pass").
+    token_entropy: bool = True
 
 
 class Learner:
@@ -73,10 +77,12 @@ class Learner:
             return tuple(map(np.asarray, out)) if with_entropy else np.asarray(out)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on `batch` (old log-probs and token entropies recomputed here when
-        missing: the entropies cost one more reduction over the logits the pass has anyway)."""
-        if batch.old_logprobs is None:
+        """One optimizer step on `batch` (old log-probs, and with cfg.token_entropy the token
+        entropies, recomputed here when missing)."""
+        if batch.old_logprobs is None and self.cfg.token_entropy:
             batch.old_logprobs, batch.entropy = self.logprobs(batch.tokens, with_entropy=True)
+        elif batch.old_logprobs is None:
+            batch.old_logprobs = self.logprobs(batch.tokens)
         arrays = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
                   "old_logprobs": batch.old_logprobs}
         with self._ctx():

@@ -178,7 +178,7 @@ class RLRun:
         self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
         cfg = self.cfg
         lcfg = LearnerConfig(lr=cfg.rl.lr, warmup_steps=cfg.rl.warmup_steps, weight_decay=cfg.rl.weight_decay,
-                             grad_clip=cfg.rl.grad_clip,
+                             grad_clip=cfg.rl.grad_clip, token_entropy=cfg.rl.get("token_entropy", True),
                              loss=LossConfig(cfg.rl.loss.name, cfg.rl.loss.eps_low, cfg.rl.loss.eps_high,
                                              cfg.rl.loss.dual_clip, temperature=cfg.rollout.temperature,
                                              micro_batches=cfg.rl.micro_batches))
@@ -301,8 +301,9 @@ class RLRun:
                                rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
             with timeline.span("learner"):
                 train_metrics = self.learner.update(batch)
-            for i, (t, _, r) in enumerate(rows):  # the learner's per-token entropies, for the analysis
-                records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
+            if batch.entropy is not None:  # the learner's per-token entropies, for the analysis
+                for i, (t, _, r) in enumerate(rows):
+                    records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
             with timeline.span("sync"):
                 engine.update_weights(self.learner.model_state(), self.learner.version)
         self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway

@@ -75,6 +75,16 @@ def test_update_returns_the_entropies_of_the_weights_it_started_from():
     assert metrics["entropy_mean"] == pytest.approx(float(ent[m].mean()), rel=1e-5)
 
 
+def test_update_without_token_entropy_runs_the_plain_log_prob_pass():
+    model = random_model(small_config("qwen3"), seed=7)
+    learner = Learner(model, LearnerConfig(token_entropy=False))
+    batch = _batch(seed=8)
+    want = learner.logprobs(batch.tokens)
+    metrics = learner.update(batch)
+    assert batch.entropy is None and "entropy_mean" not in metrics
+    np.testing.assert_array_equal(batch.old_logprobs, want)
+
+
 def test_reset_optimizer_zeroes_the_moments():
     learner = Learner(random_model(small_config("qwen3"), seed=6), LearnerConfig(lr=1e-3, warmup_steps=1))
     learner.update(_batch())
