@@ -1,4 +1,4 @@
-# Two commands on a fresh machine:  make demo   |   make test
+# Two commands on a fresh machine:  make demo   |   make test   (make test-quick while developing)
 # Everything the targets need is installed by them; nothing is assumed to be there by hand.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: demo clean-demo test venv venv-dev venv-vllm redis clean
+.PHONY: demo clean-demo test test-quick venv venv-dev venv-vllm redis clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,8 +48,13 @@ demo: $(VENV)/.runtime
 clean-demo:
 	rm -rf runs/tiny_arith
 
+# The full suite (what CI runs).
 test: $(VENV)/.dev $(VLLM_VENV)/.installed redis
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything not marked slow (no vLLM servers, training runs, ablation, notebooks): for development.
+test-quick: $(VENV)/.dev redis
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

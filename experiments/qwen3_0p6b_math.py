@@ -2,7 +2,7 @@
 JSONL math set.
 
     python -m rstar2_jax.train --config=experiments/qwen3_0p6b_math.py:/path/to/qwen3-0.6b,/path/train.jsonl \
-        --workdir=runs/qwen3_0p6b --config.data.eval_path=../shared/data/aime24.jsonl
+        --workdir=runs/qwen3_0p6b --config.data.eval_path=/path/to/aime24.jsonl
 """
 
 from experiments import tiny_arith
@@ -18,15 +18,14 @@ def get_config(arg: str = ""):
     c.model.attention = "cudnn"          # NVIDIA GPUs; "xla" elsewhere (AMD, CPU)
     c.model.decode_attention = "pallas"
     c.format = "rstar2"
-    c.data.task = train_jsonl or "train.jsonl"
+    c.data.task = "jsonl"
+    c.data.train_path = train_jsonl or "train.jsonl"
     c.data.train_problems = 0            # all
     c.data.eval_problems = 0
-    c.data.eval_path = "../shared/data/aime24.jsonl"
+    c.data.eval_path = "aime24.jsonl"    # set --config.data.eval_path
     c.sft.steps = 0
     c.rollout.slots = 64
     c.rollout.max_len = 8192 + 1024
-    c.rollout.max_turns = 10
-    c.rollout.max_response_tokens = 8192
     c.rl.steps = 300
     c.rl.batch_problems = 32
     c.rl.group_size = 8

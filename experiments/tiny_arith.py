@@ -25,12 +25,13 @@ def get_config():
     c.model.decode_attention = "xla"     # engine decode: xla | pallas (ragged; needs rollout.max_len % 128 == 0)
 
     c.data = ml_collections.ConfigDict()
-    c.data.task = "arith"                # synthetic multi-digit arithmetic
-    c.data.train_problems = 4000
+    c.data.task = "arith"                # arith (synthetic multi-digit arithmetic) | jsonl (train_path, eval_path)
+    c.data.train_problems = 4000         # arith: how many; jsonl: the first N (0 = all)
     c.data.eval_problems = 200
-    c.data.eval_path = ""                # JSONL evaluation set when task is a JSONL file
+    c.data.train_path = ""               # jsonl task: problem/answer rows
+    c.data.eval_path = ""
 
-    c.format = "tiny"                    # tiny | rstar2
+    c.format = "tiny"                    # prompt format: tiny (the demo's) | compact | rstar2 (the paper's)
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 350
@@ -41,9 +42,7 @@ def get_config():
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.slots = 32
-    c.rollout.max_len = 640
-    c.rollout.max_turns = 4
-    c.rollout.max_response_tokens = 400
+    c.rollout.max_len = 640              # KV per slot: longest prompt + every stage's max_response_tokens must fit
     c.rollout.temperature = 1.0
     c.rollout.tool_timeout_s = 5.0
     c.rollout.engine = "jax"             # jax (embedded) | vllm (servers at vllm_urls; see README)
@@ -68,7 +67,7 @@ def get_config():
     c.rl.micro_batches = 1
     c.rl.advantage = "grpo"
     c.rl.token_entropy = True            # per-token entropies of kept rollouts into the traces (learner pass)
-    c.rl.max_staleness = 0
+    c.rl.max_staleness = 0               # policy versions a rollout may lag the learner (0: on-policy)
     c.rl.roc = ml_collections.ConfigDict()
     c.rl.roc.mode = "paper"              # paper | release | off
     c.rl.roc.eps = 1e-3
@@ -81,8 +80,9 @@ def get_config():
     c.rl.loss.eps_high = 0.28
     c.rl.loss.dual_clip = ml_collections.config_dict.placeholder(float)
 
-    # Stages: from `start_step`, these rollout limits apply; `filter_solved_k` drops problems the
-    # latest policy solved k out of k times; `reset_optimizer` at the stage's first step.
+    # Stages: from `start_step`, these rollout limits apply (the token budget covers all turns);
+    # `filter_solved_k` (0 = off) drops problems whose first k rollouts in a step all scored;
+    # `reset_optimizer` at the stage's first step.
     c.stages = [dict(start_step=0, max_response_tokens=400, max_turns=4, filter_solved_k=0, reset_optimizer=False)]
 
     c.eval = ml_collections.ConfigDict()

@@ -13,7 +13,8 @@ from absl import app, flags, logging
 
 _MODEL = flags.DEFINE_string("model", None, "HF model directory", required=True)
 _PROMPT = flags.DEFINE_string("prompt", "Solve the system of equations: 2x + 3y = 7, x - y = 1", "the problem")
-_FORMAT = flags.DEFINE_enum("format", "rstar2", ["rstar2", "compact"], "prompt format")
+_FORMAT = flags.DEFINE_string("format", "rstar2", "prompt format the model was trained in: rstar2, compact or "
+                               "tiny (the CPU demo's model)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature; 0 = greedy")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 2048, "token budget after the prompt, all turns")
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 10, "assistant turns")
@@ -32,18 +33,18 @@ async def _chat():
     from rstar2_jax import models
     from rstar2_jax.models.tokenizer import Tokenizer
     from rstar2_jax.rewards import extract_answer
-    from rstar2_jax.rollout import AgentConfig, PromptFormat, compact_format, run_agent
-    from rstar2_jax.rollout.engines import JaxEngine
+    from rstar2_jax.rollout import AgentConfig, make_format, run_agent
+    from rstar2_jax.rollout.engines import make_engine
 
+    fmt = make_format(_FORMAT.value)
     model = models.load_pretrained(_MODEL.value)
     tokenizer = Tokenizer.from_pretrained(_MODEL.value)
-    fmt = PromptFormat() if _FORMAT.value == "rstar2" else compact_format()
     cfg = AgentConfig(format=fmt, max_turns=_MAX_TURNS.value, max_response_tokens=_MAX_TOKENS.value,
                       temperature=_TEMPERATURE.value)
     print(fmt.prompt(_PROMPT.value))
     max_len = len(tokenizer.encode(fmt.prompt(_PROMPT.value))) + _MAX_TOKENS.value + 1
     async with sandbox.LocalSandbox(workers=2, isolation=_ISOLATION.value) as sb, \
-            JaxEngine(model, tokenizer, slots=1, max_len=max_len, seed=_SEED.value) as engine:
+            make_engine("jax", model, tokenizer, slots=1, max_len=max_len, seed=_SEED.value) as engine:
         traj = await run_agent(engine, sb, tokenizer, _PROMPT.value, cfg, on_turn=_print_turn)
     print(f"\n=== {traj.finish_reason}: {len(traj.turns)} turns, {traj.num_response_tokens} tokens, "
           f"{len(traj.tool_statuses)} tool calls; answer: {extract_answer(traj.response_text)!r}")
@@ -52,6 +53,9 @@ async def _chat():
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    from rstar2_jax.rollout import FORMATS
+    if _FORMAT.value not in FORMATS:
+        raise app.UsageError(f"--format must be one of {sorted(FORMATS)}, got {_FORMAT.value!r}")
     asyncio.run(_chat())
 
 

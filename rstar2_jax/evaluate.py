@@ -1,7 +1,7 @@
 """Evaluate a model on math benchmarks under the paper's protocol.
 
-    python -m rstar2_jax.evaluate --model DIR --benchmarks aime24,aime25,math500 --data_dir ../shared/data
-    python -m rstar2_jax.evaluate --checkpoint runs/tiny_arith --benchmarks math500 --format tiny --limit 50
+    python -m rstar2_jax.evaluate --model DIR --benchmarks aime24,aime25,math500 --data_dir ~/data/math
+    python -m rstar2_jax.evaluate --checkpoint runs/tiny_arith --benchmarks my_set.jsonl --limit 50
     python -m rstar2_jax.evaluate --model DIR --engine vllm --url http://127.0.0.1:8000 [--url ...] \
         --benchmarks aime24,gpqa_diamond
 
@@ -12,13 +12,13 @@ Parquet traces (--out/traces/<benchmark>/). With --engine vllm the servers at --
 (several: the KV-aware scheduler) and --model only names the tokenizer (the directory the servers
 were started with). Benchmark files (JSONL with problem/answer, question/answer, or an HF-style
 solution with a \\boxed{} answer; GPQA-Diamond graded on the option letter) are not shipped: the
-public sets come from e.g. the evaluation folders of AReaL or Qwen2.5-Math (see README).
+public sets come from e.g. the evaluation folders of AReaL or Qwen2.5-Math (see README). Names
+resolve under --data_dir, or $RSTAR2_DATA_DIR when the flag is not given.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 
@@ -28,14 +28,16 @@ _MODEL = flags.DEFINE_string("model", None, "HF model directory")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint")
 _BENCHMARKS = flags.DEFINE_list("benchmarks", ["aime24", "aime25", "math500"],
                                 "benchmark names (aime24, aime25, math500, amc23, gpqa_diamond) or .jsonl paths")
-_DATA_DIR = flags.DEFINE_string("data_dir", "../shared/data", "directory of the benchmark JSONL files")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "directory of the benchmark JSONL files (default: "
+                                 "$RSTAR2_DATA_DIR); not needed when --benchmarks are .jsonl paths")
 _SAMPLES = flags.DEFINE_integer("samples", 16, "samples per problem")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 30000, "token budget after the prompt, all turns")
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "assistant turns")
 _LIMIT = flags.DEFINE_integer("limit", 0, "problems per benchmark (0 = all)")
-_FORMAT = flags.DEFINE_enum("format", "rstar2", ["rstar2", "tiny"], "prompt format")
-_ENGINE = flags.DEFINE_enum("engine", "jax", ["jax", "vllm"], "rollout engine")
+_FORMAT = flags.DEFINE_string("format", None, "prompt format (rstar2, compact, tiny); default: the run's with "
+                               "--checkpoint, else rstar2")
+_ENGINE = flags.DEFINE_string("engine", "jax", "rollout engine: jax (embedded) or vllm (servers at --url)")
 _URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); repeat for several")
 _SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
                                   "round_robin or least_requests")
@@ -44,13 +46,18 @@ _OUT = flags.DEFINE_string("out", "runs/eval", "output directory")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 
 
-def run_model_dir(checkpoint: str) -> str:
-    """The base model directory of a training run (its run.json)."""
+def run_info(checkpoint: str) -> dict:
+    """A training run's run.json: its base model directory and prompt format."""
     run_file = os.path.join(checkpoint, "run.json")
     if not os.path.exists(run_file):
         raise app.UsageError(f"{checkpoint} is not a training run directory (no run.json)")
     with open(run_file) as f:
-        return json.load(f)["model_dir"]
+        return json.load(f)
+
+
+def run_model_dir(checkpoint: str) -> str:
+    """The base model directory of a training run."""
+    return run_info(checkpoint)["model_dir"]
 
 
 def load_policy(model_dir: str | None, checkpoint: str | None):
@@ -72,31 +79,16 @@ def load_policy(model_dir: str | None, checkpoint: str | None):
 
 
 def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer):
-    """A function longest_prompt -> async context manager of the engine for one benchmark."""
-    from rstar2_jax.rollout.engines import JaxEngine
-    from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-    from rstar2_jax.rollout.scheduler import POLICIES, Scheduler
+    """A function longest_prompt -> async context manager of the engine for one benchmark (the
+    embedded engine's KV is sized to the benchmark's longest prompt + --max_tokens)."""
+    from rstar2_jax.rollout.engines import make_engine
 
-    if _ENGINE.value == "vllm":
-        if not _URL.value:
-            raise app.UsageError("--engine vllm needs --url (start a server: python -m rstar2_jax.rollout.serve --model DIR)")
-        if _SCHEDULER.value not in POLICIES:
-            raise app.UsageError(f"--scheduler must be one of {sorted(POLICIES)}, got {_SCHEDULER.value!r}")
+    model = load_policy(model_dir, checkpoint) if _ENGINE.value == "jax" else None  # vllm: the servers' weights
 
-        @contextlib.asynccontextmanager
-        async def servers(longest_prompt: int):
-            engines = [VLLMEngine(url) for url in _URL.value]
-            engine = engines[0] if len(engines) == 1 else Scheduler(engines, _SCHEDULER.value)
-            async with engine:
-                yield engine
-        return servers
-
-    model = load_policy(model_dir, checkpoint)
-
-    def embedded(longest_prompt: int):
-        return JaxEngine(model, tokenizer, slots=_SLOTS.value, max_len=longest_prompt + _MAX_TOKENS.value + 1,
-                         seed=_SEED.value)
-    return embedded
+    def engine_for(longest_prompt: int):
+        return make_engine(_ENGINE.value, model, tokenizer, max_len=longest_prompt + _MAX_TOKENS.value + 1,
+                           slots=_SLOTS.value, seed=_SEED.value, urls=_URL.value, scheduler=_SCHEDULER.value)
+    return engine_for
 
 
 async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench) -> dict:
@@ -106,8 +98,7 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench) -> dic
     from rstar2_jax.data.problems import load_problems
     from rstar2_jax.eval_report import CHOICE_INSTRUCTION, benchmark_summary
     from rstar2_jax.rewards import answer_reward, choice_reward, extract_answer
-    from rstar2_jax.rl.evaluation import rollout_problems
-    from rstar2_jax.rl.trainer import stable_seed
+    from rstar2_jax.rl.evaluation import rollout_problems, stable_seed
     from rstar2_jax.traces import TraceWriter, trajectory_record
 
     problems = load_problems(bench.path, limit=_LIMIT.value or None)
@@ -130,12 +121,10 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench) -> dic
     return benchmark_summary(scored, k)
 
 
-async def run_eval(make_engine, tokenizer, benchmarks) -> dict:
+async def run_eval(make_engine, tokenizer, benchmarks, fmt) -> dict:
     import sandbox
-    from rstar2_jax.data.arith import tiny_format
-    from rstar2_jax.rollout import AgentConfig, PromptFormat
+    from rstar2_jax.rollout import AgentConfig
 
-    fmt = tiny_format() if _FORMAT.value == "tiny" else PromptFormat()
     cfg = AgentConfig(format=fmt, max_turns=_MAX_TURNS.value, max_response_tokens=_MAX_TOKENS.value,
                       temperature=_TEMPERATURE.value)
     results = {}
@@ -152,11 +141,24 @@ def main(argv):
     from rstar2_jax.data.jsonl import DataError
     from rstar2_jax.eval_report import markdown_table, resolve_benchmark
     from rstar2_jax.models.tokenizer import Tokenizer
+    from rstar2_jax.rollout import make_format
+    from rstar2_jax.rollout.engines import ENGINE_KINDS
+    from rstar2_jax.rollout.scheduler import POLICIES
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")
+    if _ENGINE.value not in ENGINE_KINDS:
+        raise app.UsageError(f"--engine must be one of {ENGINE_KINDS}, got {_ENGINE.value!r}")
+    if _ENGINE.value == "vllm" and not _URL.value:
+        raise app.UsageError("--engine vllm needs --url (start a server: python -m rstar2_jax.rollout.serve --model DIR)")
+    if _SCHEDULER.value not in POLICIES:
+        raise app.UsageError(f"--scheduler must be one of {sorted(POLICIES)}, got {_SCHEDULER.value!r}")
+    format_name = _FORMAT.value or (run_info(_CHECKPOINT.value).get("format", "rstar2") if _CHECKPOINT.value
+                                    else "rstar2")
     try:
-        benchmarks = [resolve_benchmark(name, _DATA_DIR.value) for name in _BENCHMARKS.value]
+        fmt = make_format(format_name)
+        data_dir = _DATA_DIR.value if _DATA_DIR.value is not None else os.environ.get("RSTAR2_DATA_DIR")
+        benchmarks = [resolve_benchmark(name, data_dir) for name in _BENCHMARKS.value]
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     for bench in benchmarks:
@@ -166,13 +168,13 @@ def main(argv):
     tokenizer = Tokenizer.from_pretrained(model_dir)
     make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer)
     try:
-        results = asyncio.run(run_eval(make_engine, tokenizer, benchmarks))
+        results = asyncio.run(run_eval(make_engine, tokenizer, benchmarks, fmt))
     except DataError as e:  # a malformed benchmark line: file and line, no traceback
         raise app.UsageError(str(e)) from None
     os.makedirs(_OUT.value, exist_ok=True)
     protocol = {"samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": _MAX_TOKENS.value,
                 "max_turns": _MAX_TURNS.value, "model": _MODEL.value or _CHECKPOINT.value, "engine": _ENGINE.value,
-                "urls": _URL.value, "format": _FORMAT.value, "seed": _SEED.value}
+                "urls": _URL.value, "format": format_name, "seed": _SEED.value}
     with open(os.path.join(_OUT.value, "results.json"), "w") as f:
         json.dump({"protocol": protocol, "results": results}, f, indent=2)
     table = markdown_table(results)

@@ -24,7 +24,7 @@ def main(argv):
     cfg = _CONFIG.value
     if cfg is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/tiny_arith.py")
-    if cfg.get("distributed", False):
+    if cfg.distributed:
         import jax
         jax.distributed.initialize()  # coordinator / process ids from the cluster environment
     try:

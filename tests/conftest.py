@@ -26,3 +26,10 @@ def tiny_model(tiny_dir):
 def tokenizer(tiny_dir):
     from rstar2_jax.models.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def benchmark_dir(tmp_path_factory):
+    """A data directory of small benchmark files in the public sets' formats (tests/benchmark_files.py)."""
+    from tests.benchmark_files import write_benchmarks
+    return write_benchmarks(tmp_path_factory.mktemp("benchmarks"))

@@ -1,5 +1,5 @@
 """Benchmark scoring math, benchmark files (names, paths, HF variants, malformed lines), and the
-evaluate CLI end to end on the tiny model with the shared data."""
+evaluate CLI end to end on the tiny model with small files in the public sets' formats."""
 
 import json
 import os
@@ -17,7 +17,6 @@ from rstar2_jax.rl.evaluation import Scored
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "..", "shared", "data")
 
 
 def _scored(reward, statuses=(), n_tokens=10):
@@ -41,11 +40,11 @@ def test_pass_at_1_is_averaged_over_samples_with_an_interval():
         benchmark_summary(scored, samples=5)
 
 
-def test_evaluate_cli_writes_tables_and_traces(tmp_path):
+def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir):
     model = tiny.build_tiny_model(tmp_path / "m")
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", "--benchmarks=aime24,gpqa_diamond",
-                           f"--data_dir={DATA}", "--limit=2", "--samples=2", "--max_tokens=40", "--max_turns=2",
+                           f"--data_dir={benchmark_dir}", "--limit=2", "--samples=2", "--max_tokens=40", "--max_turns=2",
                            "--format=tiny", f"--out={out}", "--slots=4"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -58,10 +57,10 @@ def test_evaluate_cli_writes_tables_and_traces(tmp_path):
     assert "| aime24 (2 x 2) |" in (out / "results.md").read_text()
 
 
-def test_evaluate_cli_rejects_unknown_benchmarks(tmp_path):
+def test_evaluate_cli_rejects_unknown_benchmarks(tmp_path, benchmark_dir):
     model = tiny.build_tiny_model(tmp_path / "m")
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", "--benchmarks=imo99",
-                           f"--data_dir={DATA}", f"--out={tmp_path / 'e'}"], cwd=ROOT, capture_output=True, text=True,
+                           f"--data_dir={benchmark_dir}", f"--out={tmp_path / 'e'}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "unknown benchmark 'imo99'" in proc.stderr
 
@@ -71,18 +70,20 @@ def _evaluate(tmp_path, *args, timeout=600):
                           text=True, timeout=timeout)
 
 
-def test_shared_benchmarks_load_with_their_golds():
-    sizes = {"aime24": 30, "aime25": 30, "math500": 500, "amc23": 40, "gpqa_diamond": 198}
+def test_benchmark_names_resolve_in_the_data_dir_with_their_golds(benchmark_dir):
+    sizes = {"aime24": 3, "aime25": 2, "math500": 3, "amc23": 2, "gpqa_diamond": 2}
     for name, n in sizes.items():
-        bench = resolve_benchmark(name, DATA)
+        bench = resolve_benchmark(name, benchmark_dir)
         problems = load_problems(bench.path)
         assert len(problems) == n and all(p.question and p.answer for p in problems)
         assert bench.multiple_choice == (name == "gpqa_diamond")
-    assert {p.answer for p in load_problems(resolve_benchmark("gpqa_diamond", DATA).path)} <= set("ABCD")
-    custom = resolve_benchmark("/data/my_gpqa_subset.jsonl", DATA)
+    assert {p.answer for p in load_problems(resolve_benchmark("gpqa_diamond", benchmark_dir).path)} == {"B", "C"}
+    custom = resolve_benchmark("/data/my_gpqa_subset.jsonl", None)
     assert custom.name == "my_gpqa_subset" and custom.multiple_choice
     with pytest.raises(ValueError, match="unknown benchmark 'imo99'"):
-        resolve_benchmark("imo99", DATA)
+        resolve_benchmark("imo99", benchmark_dir)
+    with pytest.raises(ValueError, match="pass --data_dir DIR"):  # names never resolve anywhere by default
+        resolve_benchmark("aime24", None)
 
 
 def test_hf_style_question_solution_rows_take_the_boxed_answer(tmp_path):
@@ -114,10 +115,10 @@ def test_evaluate_cli_reports_a_malformed_file_by_file_and_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_evaluate_cli_needs_urls_for_vllm(tmp_path):
+def test_evaluate_cli_needs_urls_for_vllm(tmp_path, benchmark_dir):
     model = tiny.build_tiny_model(tmp_path / "m")
-    proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", f"--data_dir={DATA}", f"--out={tmp_path / 'e'}")
+    proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", f"--data_dir={benchmark_dir}", f"--out={tmp_path / 'e'}")
     assert proc.returncode != 0 and "--engine vllm needs --url" in proc.stderr
     proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", "--url=http://127.0.0.1:9", "--scheduler=fastest",
-                     f"--data_dir={DATA}", f"--out={tmp_path / 'e'}")
+                     f"--data_dir={benchmark_dir}", f"--out={tmp_path / 'e'}")
     assert proc.returncode != 0 and "--scheduler must be one of ['kv_aware', 'least_requests', 'round_robin']" in proc.stderr

@@ -1,22 +1,25 @@
-"""Problem-set loading from the shared benchmark files, and clear errors for bad lines."""
+"""Problem-set loading in the public benchmarks' formats, and clear errors for bad lines."""
 
 import os
 
 import pytest
 
 from rstar2_jax.data.problems import DataError, load_problems
-
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-
-
-@pytest.mark.parametrize("name,rows", [("aime24", 30), ("aime25", 30), ("math_500", 500), ("amc23", 40)])
-def test_shared_benchmarks_load(name, rows):
-    problems = load_problems(os.path.join(DATA, f"{name}.jsonl"))
-    assert len(problems) == rows and all(p.question and p.answer for p in problems)
+from tests.benchmark_files import ROWS
 
 
-def test_amc_float_answers_become_integers():
-    assert load_problems(os.path.join(DATA, "amc23.jsonl"))[0].answer == "27"
+@pytest.mark.parametrize("name", ["aime24", "aime25", "math_500", "amc23"])
+def test_benchmark_formats_load(benchmark_dir, name):
+    problems = load_problems(os.path.join(benchmark_dir, f"{name}.jsonl"))
+    rows = ROWS[f"{name}.jsonl"]
+    assert [p.question for p in problems] == [r.get("problem", r.get("question")) for r in rows]
+    assert all(p.answer for p in problems)
+
+
+def test_answers_keep_their_text_and_integral_floats_become_integers(benchmark_dir):
+    assert [p.answer for p in load_problems(os.path.join(benchmark_dir, "aime24.jsonl"))] == ["025", "231", "024"]
+    assert [p.answer for p in load_problems(os.path.join(benchmark_dir, "aime25.jsonl"))] == ["56", "24"]
+    assert [p.answer for p in load_problems(os.path.join(benchmark_dir, "amc23.jsonl"))] == ["27", "2.5"]
 
 
 @pytest.mark.parametrize("content,message", [

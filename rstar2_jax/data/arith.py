@@ -16,15 +16,7 @@ import json
 import random
 import traceback
 
-from rstar2_jax.rollout.prompt import PromptFormat, compact_format
-
-TINY_TOOL_NAME = "python"
-
-
-def tiny_format() -> PromptFormat:
-    """The demo's compact protocol: short system prompt, tool named "python"."""
-    return compact_format(system="Use python.", tool_name=TINY_TOOL_NAME, max_tool_output_chars=120,
-                          generation_prefix="")
+from rstar2_jax.rollout.prompt import TINY_TOOL_NAME, PromptFormat
 
 
 @dataclasses.dataclass(frozen=True)

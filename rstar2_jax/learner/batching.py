@@ -1,8 +1,8 @@
 """Trajectories -> padded training arrays, with length bucketing.
 
 Sequences are right-padded to a multiple of `pad_multiple` (few compiled shapes, little waste)
-and the batch is padded with all-masked rows to a multiple of `rows_multiple` (micro-batches x
-data-parallel width). Masks and log-probs stay aligned with token positions: position t holds
+and the batch can be padded with all-masked rows to a multiple of `rows_multiple`; the Learner
+pads what it is given to micro-batches x the mesh's batch width itself (`pad_rows`). Masks and log-probs stay aligned with token positions: position t holds
 the token, its loss mask, and log p(token_t | tokens_<t).
 """
 
@@ -56,3 +56,17 @@ def make_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence
         adv[i] = advantages[i]
     mask[:, 0] = 0.0  # the first token has no log-prob (nothing predicts it)
     return TrainBatch(tokens, mask, adv, logp)
+
+
+def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
+    """`batch` with all-masked rows appended up to a multiple of `multiple` rows (itself when it
+    already divides). Masked rows add nothing to the loss sum or the token count."""
+    n = batch.tokens.shape[0]
+    extra = round_up(max(n, 1), multiple) - n
+    if extra == 0:
+        return batch
+
+    def pad(x):
+        return None if x is None else np.concatenate([x, np.zeros((extra,) + x.shape[1:], x.dtype)])
+    return TrainBatch(pad(batch.tokens), pad(batch.loss_mask), pad(batch.advantages), pad(batch.sampler_logprobs),
+                      pad(batch.old_logprobs), pad(batch.entropy))

@@ -8,7 +8,8 @@
 
 Parameters stay float32 (master weights); the model's compute dtype (e.g. bf16) is the one it
 was built with. With a mesh, parameters live on their NamedShardings and batches are sharded
-over (data, fsdp).
+over (data, fsdp): `update` pads a batch with masked rows to a multiple of micro-batches x that
+width, so every micro-batch splits evenly over the devices (never silently replicated).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstar2_jax import sharding as sharding_lib
-from rstar2_jax.learner.batching import TrainBatch
+from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import LossConfig, TrainState, compute_logprobs, train_step
 
@@ -60,6 +61,12 @@ class Learner:
         self._logprobs = jax.jit(partial(compute_logprobs, self.graphdef, cfg=cfg.loss), static_argnames="with_entropy")
 
     # ------------------------------------------------------------------------------------------
+    @property
+    def rows_multiple(self) -> int:
+        """Batch rows must be a multiple of this: micro-batches x the devices the batch is split over."""
+        width = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        return self.cfg.loss.micro_batches * width
+
     def _put(self, x: np.ndarray):
         if self.mesh is None:
             return jnp.asarray(x)
@@ -79,12 +86,16 @@ class Learner:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on `batch` (old log-probs, and with cfg.token_entropy the token
         entropies, recomputed here when missing)."""
-        if batch.old_logprobs is None and self.cfg.token_entropy:
-            batch.old_logprobs, batch.entropy = self.logprobs(batch.tokens, with_entropy=True)
-        elif batch.old_logprobs is None:
-            batch.old_logprobs = self.logprobs(batch.tokens)
-        arrays = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-                  "old_logprobs": batch.old_logprobs}
+        rows = batch.tokens.shape[0]
+        padded = pad_rows(batch, self.rows_multiple)
+        if padded.old_logprobs is None and self.cfg.token_entropy:
+            padded.old_logprobs, padded.entropy = self.logprobs(padded.tokens, with_entropy=True)
+            batch.old_logprobs, batch.entropy = padded.old_logprobs[:rows], padded.entropy[:rows]
+        elif padded.old_logprobs is None:
+            padded.old_logprobs = self.logprobs(padded.tokens)
+            batch.old_logprobs = padded.old_logprobs[:rows]
+        arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages,
+                  "old_logprobs": padded.old_logprobs}
         with self._ctx():
             self.state, metrics = self._train(self.state, {k: self._put(v) for k, v in arrays.items()})
         self.version += 1

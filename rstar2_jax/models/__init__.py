@@ -5,9 +5,10 @@ from rstar2_jax.models.checkpoint import (CheckpointError, abstract_model, load_
 from rstar2_jax.models.config import ConfigError, ModelConfig, RopeConfig
 from rstar2_jax.models.decoder import Decoder, KVCache, init_cache
 from rstar2_jax.models.logprobs import token_logprobs, token_logprobs_from_hidden
+from rstar2_jax.models.resolve import resolve
 
 __all__ = [
     "CheckpointError", "ConfigError", "Decoder", "KVCache", "ModelConfig", "RopeConfig",
-    "abstract_model", "init_cache", "load_pretrained", "save_pretrained", "token_logprobs",
+    "abstract_model", "init_cache", "load_pretrained", "resolve", "save_pretrained", "token_logprobs",
     "token_logprobs_from_hidden",
 ]

@@ -1,22 +1,26 @@
-"""The RL run: SFT warm start (optional), then GRPO-RoC steps with the embedded engine and sandbox.
+"""The RL run: SFT warm start (optional), then GRPO-RoC steps.
 
-Every step: sample problems -> 2G rollouts each (agent loop, JaxEngine, LocalSandbox) -> rewards
-and RoC penalties -> RoC keeps G -> advantages -> learner update (old log-probs recomputed) ->
-weights to the engine -> traces (Parquet), metrics (JSONL + TensorBoard), checkpoint (orbax).
+Every step: next problems of the task -> 2G rollouts each (agent loop, engine, sandbox) ->
+rewards and RoC penalties -> RoC keeps G -> advantages -> learner update (old log-probs
+recomputed) -> weights to the engine -> traces (Parquet), metrics (JSONL + TensorBoard),
+checkpoint (orbax).
 
-Reproducible: every rollout's sampling seed and every RoC draw derive from (config seed, step,
-problem, sample), so a run resumed from its last checkpoint continues exactly as it would have.
+The trainer is generic: the task (`data.task`, rstar2_jax.data.tasks), the model
+(`models.resolve`) and the engine (`make_engine`) come from the config by name.
+
+Reproducible: every rollout's sampling seed, every RoC draw and the per-epoch data order derive
+from (config seed, step, problem, sample), so a run resumed from its last checkpoint continues
+exactly as it would have.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,25 +30,25 @@ from tqdm.auto import tqdm
 
 import sandbox as sandbox_lib
 from rstar2_jax import models, sharding
-from rstar2_jax.data import arith
-from rstar2_jax.data.problems import load_problems
+from rstar2_jax.algo import ADVANTAGES, LOSSES, SELECTION_MODES
+from rstar2_jax.data.tasks import check_task, make_task
 from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
-from rstar2_jax.models import tiny
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rewards import extract_answer
 from rstar2_jax.rl.checkpoints import RunCheckpoints
-from rstar2_jax.rl.evaluation import rollout_problems, summarize
+from rstar2_jax.rl.evaluation import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.rl.grpo_roc import select_group
-from rstar2_jax.rollout import AgentConfig, PromptFormat
-from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-from rstar2_jax.rollout.scheduler import POLICIES, Scheduler
+from rstar2_jax.rollout import FORMATS, AgentConfig, PromptFormat, make_format
+from rstar2_jax.rollout.engines import ENGINE_KINDS, Engine, make_engine
+from rstar2_jax.rollout.scheduler import POLICIES
 from rstar2_jax.timeline import Timeline, exclusive_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+STAGE_KEYS = {"start_step", "max_response_tokens", "max_turns", "filter_solved_k", "reset_optimizer"}
+ISOLATIONS = ("strict", "basic")
 
 
 class ConfigValueError(ValueError):
@@ -52,43 +56,112 @@ class ConfigValueError(ValueError):
 
 
 def validate(cfg: ml_collections.ConfigDict):
+    """Every field checked against what it may be, before anything runs (a typo in a name that
+    is only looked up after SFT would otherwise cost the SFT)."""
+    errors = []
+
     def need(cond, msg):
         if not cond:
-            raise ConfigValueError(f"invalid config: {msg}")
-    need(cfg.model.dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.model.dtype!r}")
-    need(cfg.model.attention in FULL_ATTENTION, f"model.attention must be one of {FULL_ATTENTION}, got {cfg.model.attention!r}")
-    need(cfg.model.decode_attention in DECODE_ATTENTION,
-         f"model.decode_attention must be one of {DECODE_ATTENTION}, got {cfg.model.decode_attention!r}")
-    need(cfg.model.decode_attention != "pallas" or cfg.rollout.max_len % 128 == 0,
-         f"model.decode_attention=pallas needs rollout.max_len to be a multiple of 128, got {cfg.rollout.max_len}")
-    need(cfg.format in ("tiny", "rstar2"), f"format must be tiny or rstar2, got {cfg.format!r}")
-    need(cfg.rl.roc.mode in ("paper", "release", "off"), f"rl.roc.mode must be paper, release or off, got {cfg.rl.roc.mode!r}")
-    need(cfg.rl.group_size >= 2, "rl.group_size must be >= 2 (advantages need a group)")
-    need(cfg.rl.oversample >= 1, "rl.oversample must be >= 1")
-    need(cfg.rl.batch_problems >= 1 and cfg.rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
-    need(cfg.rollout.max_response_tokens < cfg.rollout.max_len, "rollout.max_response_tokens must be < rollout.max_len")
-    r = cfg.rollout
-    need(r.get("engine", "jax") in ("jax", "vllm"), f"rollout.engine must be jax or vllm, got {r.get('engine')!r}")
-    if r.get("engine", "jax") == "vllm":
-        need(len(r.get("vllm_urls", [])) >= 1, "rollout.engine=vllm needs rollout.vllm_urls: the server URLs "
-             "(start one with `python -m rstar2_jax.rollout.serve --model DIR`)")
-        need(r.get("scheduler", "kv_aware") in POLICIES, f"rollout.scheduler must be one of {sorted(POLICIES)}")
+            errors.append(msg)
+
+    def one_of(value, allowed, field):
+        need(value in allowed, f"{field} must be one of {sorted(allowed)}, got {value!r}")
+
+    m, r, rl = cfg.model, cfg.rollout, cfg.rl
+    one_of(m.dtype, DTYPES, "model.dtype")
+    one_of(m.attention, FULL_ATTENTION, "model.attention")
+    one_of(m.decode_attention, DECODE_ATTENTION, "model.decode_attention")
+    need(m.decode_attention != "pallas" or r.max_len % 128 == 0,
+         f"model.decode_attention=pallas needs rollout.max_len to be a multiple of 128, got {r.max_len}")
+    one_of(cfg.format, FORMATS, "format")
+    errors += check_task(cfg.data)
+    one_of(r.engine, ENGINE_KINDS, "rollout.engine")
+    need(r.engine != "vllm" or len(r.vllm_urls) >= 1, "rollout.engine=vllm needs rollout.vllm_urls: the server URLs "
+         "(start one with `python -m rstar2_jax.rollout.serve --model DIR`)")
+    one_of(r.scheduler, POLICIES, "rollout.scheduler")
+    need(r.vllm_export_dtype in ("", *DTYPES), f"rollout.vllm_export_dtype must be '' or one of {sorted(DTYPES)}")
+    one_of(cfg.sandbox.isolation, ISOLATIONS, "sandbox.isolation")
+    one_of(rl.roc.mode, SELECTION_MODES, "rl.roc.mode")
+    one_of(rl.advantage, ADVANTAGES, "rl.advantage")
+    one_of(rl.loss.name, LOSSES, "rl.loss.name")
+    need(rl.group_size >= 2, "rl.group_size must be >= 2 (advantages need a group)")
+    need(rl.oversample >= 1, "rl.oversample must be >= 1")
+    need(rl.batch_problems >= 1 and rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
+    need(rl.micro_batches >= 1, "rl.micro_batches must be >= 1")
+    need(cfg.sft.steps == 0 or cfg.data.task in _tasks_with_sft(),
+         f"sft.steps must be 0 for data.task={cfg.data.task!r}: it has no SFT data (fine-tune first with "
+         "python -m rstar2_jax.sft and set model.path)")
     need(len(cfg.stages) >= 1 and cfg.stages[0]["start_step"] == 0, "stages must start with start_step=0")
+    for i, stage in enumerate(cfg.stages):
+        keys = set(stage)
+        need(keys == STAGE_KEYS, f"stages[{i}] must have exactly the keys {sorted(STAGE_KEYS)}; "
+             f"missing {sorted(STAGE_KEYS - keys)}, unknown {sorted(keys - STAGE_KEYS)}")
+        if keys == STAGE_KEYS:
+            need(0 < stage["max_response_tokens"] < r.max_len,
+                 f"stages[{i}].max_response_tokens must be in (0, rollout.max_len={r.max_len}), "
+                 f"got {stage['max_response_tokens']}")
+            need(stage["max_turns"] >= 1, f"stages[{i}].max_turns must be >= 1")
+            need(stage["filter_solved_k"] <= rl.group_size * rl.oversample,
+                 f"stages[{i}].filter_solved_k={stage['filter_solved_k']} exceeds the rollouts per problem "
+                 f"(rl.group_size x rl.oversample = {rl.group_size * rl.oversample})")
     starts = [s["start_step"] for s in cfg.stages]
     need(starts == sorted(starts), "stages must be ordered by start_step")
-    need(cfg.data.task == "arith" or os.path.exists(cfg.data.task), f"data.task: no such file {cfg.data.task!r}")
-    if cfg.data.task != "arith":
-        need(os.path.exists(cfg.data.get("eval_path", "")), "data.eval_path: a JSONL file of evaluation problems")
-        need(cfg.sft.steps == 0, "sft.steps must be 0 for JSONL tasks (fine-tune first with python -m rstar2_jax.sft)")
+    if errors:
+        raise ConfigValueError("invalid config:\n  " + "\n  ".join(errors))
 
 
-def stable_seed(*parts) -> int:
-    """A 31-bit seed from parts, the same in every process (unlike hash() of strings)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") >> 1
+def _tasks_with_sft() -> set[str]:
+    from rstar2_jax.data.tasks import TASKS
+    return {name for name, spec in TASKS.items() if spec.has_sft_data}
+
+
+def check_prompt_room(fmt: PromptFormat, tokenizer, problems, stages, max_len: int):
+    """The longest prompt of `problems` plus every stage's response budget must fit max_len."""
+    longest = max(len(tokenizer.encode(fmt.prompt(p.question))) for p in problems)
+    for i, stage in enumerate(stages):
+        if longest + stage["max_response_tokens"] > max_len:
+            raise ConfigValueError(f"invalid config: the longest prompt ({longest} tokens) + stages[{i}]."
+                                   f"max_response_tokens ({stage['max_response_tokens']}) exceeds rollout.max_len "
+                                   f"({max_len})")
 
 
 def stage_index(cfg, step: int) -> int:
     return max(i for i, s in enumerate(cfg.stages) if s["start_step"] <= step)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of the n training problems in `epoch`: a fresh permutation every epoch, from
+    the run seed (as verl's shuffling loader), so a resumed run replays it exactly."""
+    return np.random.default_rng([seed, 0x5EED, epoch]).permutation(n)
+
+
+def next_problems(problems: Sequence, pos: int, count: int, seed: int, skip: set[str]) -> tuple[list, int]:
+    """`count` problems from position `pos` of the shuffled stream (pos counts problems drawn
+    since the run began), skipping ids in `skip`; returns them and the new position."""
+    n = len(problems)
+    if len(skip.intersection(p.id for p in problems)) >= n:
+        raise RuntimeError("every training problem has been filtered out as solved")
+    batch, order, epoch = [], None, -1
+    while len(batch) < count:
+        if pos // n != epoch:
+            epoch = pos // n
+            order = epoch_order(n, seed, epoch)
+        p = problems[order[pos % n]]
+        pos += 1
+        if p.id not in skip:
+            batch.append(p)
+    return batch, pos
+
+
+@dataclasses.dataclass
+class StepRollouts:
+    """What one RL step generated: the problems, their 2G rollouts each (problem-major), timings."""
+    problems: list
+    scored: list[Scored]
+    started: float                 # time.monotonic() when the step's rollouts began
+    rollout_s: float
+    timeline: Timeline             # tool, reward, engine spans (and learner, sync once trained)
+    stats_before: Any              # engine.stats at the start (engines that keep stats)
 
 
 class RLRun:
@@ -96,30 +169,32 @@ class RLRun:
         validate(cfg)
         self.cfg, self.workdir = cfg, os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
-        self.fmt: PromptFormat = arith.tiny_format() if cfg.format == "tiny" else PromptFormat()
-        model_dir = cfg.model.path or os.path.join(self.workdir, "base_model")
-        if not cfg.model.path and not os.path.exists(os.path.join(model_dir, "config.json")):
-            tiny.build_tiny_model(model_dir, seed=cfg.seed, num_layers=cfg.model.tiny_layers,
-                                         hidden_size=cfg.model.tiny_hidden, intermediate_size=3 * cfg.model.tiny_hidden)
-        self.model_dir = model_dir
+        self.fmt = make_format(cfg.format)
+        self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
         with open(os.path.join(self.workdir, "run.json"), "w") as f:  # what evaluate --checkpoint loads
-            json.dump({"model_dir": os.path.abspath(model_dir), "run_name": cfg.run_name}, f, indent=2)
+            json.dump({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
+                       "format": cfg.format}, f, indent=2)
         with open(os.path.join(self.workdir, "config.json"), "w") as f:  # what the notebooks show
             f.write(cfg.to_json_best_effort(indent=2))
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        self.model = models.load_pretrained(model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.task = make_task(cfg.data, cfg.seed)
+        check_prompt_room(self.fmt, self.tokenizer, [*self.task.train_problems, *self.task.eval_problems],
+                          cfg.stages, cfg.rollout.max_len)
+        self.model = models.load_pretrained(self.model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
         self.model.remat = cfg.model.remat
         self.model.set_attention(full=cfg.model.attention, decode=cfg.model.decode_attention)
-        if cfg.data.task == "arith":
-            self.train_problems = arith.make_problems(cfg.data.train_problems, seed=cfg.seed + 1)
-            self.eval_problems = arith.make_problems(cfg.data.eval_problems, seed=10_000 + cfg.seed)
-        else:  # JSONL problem sets (problem/answer per line)
-            self.train_problems = load_problems(cfg.data.task, limit=cfg.data.train_problems or None)
-            self.eval_problems = load_problems(cfg.data.eval_path, limit=cfg.data.eval_problems or None)
         self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep)
         self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
         self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
         self.learner: Learner | None = None
+
+    @property
+    def train_problems(self):
+        return self.task.train_problems
+
+    @property
+    def eval_problems(self):
+        return self.task.eval_problems
 
     # ------------------------------------------------------------------------------------------
     def agent_config(self, step: int, temperature: float | None = None) -> AgentConfig:
@@ -128,20 +203,16 @@ class RLRun:
         return AgentConfig(format=self.fmt, max_turns=stage["max_turns"], max_response_tokens=stage["max_response_tokens"],
                            temperature=r.temperature if temperature is None else temperature, tool_timeout_s=r.tool_timeout_s)
 
-    def make_engine(self, engine_model):
-        """The embedded JaxEngine, or clients of vLLM servers (several: behind the scheduler)."""
+    def make_engine(self, engine_model) -> Engine:
         r = self.cfg.rollout
-        if r.get("engine", "jax") == "jax":
-            return JaxEngine(engine_model, self.tokenizer, slots=r.slots, max_len=r.max_len, seed=self.cfg.seed)
-        export_dtype = DTYPES[r.vllm_export_dtype] if r.get("vllm_export_dtype") else None
-        engines = [VLLMEngine(url, engine_model, export_dtype=export_dtype,
-                              probe_tolerance=r.get("vllm_probe_tolerance", 1e-3))
-                   for url in r.vllm_urls]
-        return engines[0] if len(engines) == 1 else Scheduler(engines, r.get("scheduler", "kv_aware"))
+        return make_engine(r.engine, engine_model, self.tokenizer, max_len=r.max_len, slots=r.slots, seed=self.cfg.seed,
+                           urls=r.vllm_urls, scheduler=r.scheduler,
+                           export_dtype=DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else None,
+                           probe_tolerance=r.vllm_probe_tolerance)
 
     def sft(self):
         c = self.cfg.sft
-        data = arith.sft_dataset(self.tokenizer, self.fmt, c.examples, seed=self.cfg.seed + 2)
+        data = self.task.sft_data(self.tokenizer, self.fmt, c.examples, seed=self.cfg.seed + 2)
         trainer = SFTTrainer(self.model, lr=c.lr, warmup_steps=c.warmup_steps, pad_multiple=32)
         bar = tqdm(zip(range(c.steps), iterate_batches(data, c.batch_size, self.cfg.seed)), total=c.steps,
                    desc="SFT", dynamic_ncols=True)
@@ -171,21 +242,23 @@ class RLRun:
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
 
+    def learner_config(self) -> LearnerConfig:
+        rl = self.cfg.rl
+        return LearnerConfig(lr=rl.lr, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
+                             grad_clip=rl.grad_clip, token_entropy=rl.token_entropy,
+                             loss=LossConfig(rl.loss.name, rl.loss.eps_low, rl.loss.eps_high, rl.loss.dual_clip,
+                                             temperature=self.cfg.rollout.temperature,
+                                             micro_batches=rl.micro_batches))
+
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
         cfg = self.cfg
-        lcfg = LearnerConfig(lr=cfg.rl.lr, warmup_steps=cfg.rl.warmup_steps, weight_decay=cfg.rl.weight_decay,
-                             grad_clip=cfg.rl.grad_clip, token_entropy=cfg.rl.get("token_entropy", True),
-                             loss=LossConfig(cfg.rl.loss.name, cfg.rl.loss.eps_low, cfg.rl.loss.eps_high,
-                                             cfg.rl.loss.dual_clip, temperature=cfg.rollout.temperature,
-                                             micro_batches=cfg.rl.micro_batches))
+        lcfg = self.learner_config()
         latest = self.checkpoints.latest_step()
-        self.mesh = None
-        if "mesh" in cfg and jax.device_count() > 1:
-            self.mesh = sharding.make_mesh(**cfg.mesh)
+        self.mesh = sharding.make_mesh(**cfg.mesh) if jax.device_count() > 1 else None
         self.learner = Learner(self.model, lcfg, mesh=self.mesh)
         meta = {"rl_step": 0, "data_pos": 0, "version": 0, "stage": 0, "results": {}}
         if latest is not None:
@@ -214,6 +287,7 @@ class RLRun:
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 meta["rl_step"] = step + 1
+                meta["version"] = self.learner.version
                 meta["results"] = results
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.rl.steps:
                     self.checkpoints.save(step + 1, self.learner.state, meta)
@@ -225,55 +299,66 @@ class RLRun:
             json.dump(results, f, indent=2)
         return results
 
-    def _next_problems(self, pos: int, skip: set[str]):
-        """The next batch of training problems from `pos` (wrapping), skipping `skip` ids."""
-        n = len(self.train_problems)
-        if len(skip) >= n:
-            raise RuntimeError("every training problem has been filtered out as solved")
-        batch = []
-        while len(batch) < self.cfg.rl.batch_problems:
-            p = self.train_problems[pos % n]
-            pos = (pos + 1) % n
-            if p.id not in skip:
-                batch.append(p)
-        return batch, pos
-
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""
         from flax import nnx
         graphdef, _ = nnx.split(self.model, nnx.Param)
         return nnx.merge(graphdef, params)
 
-    async def rl_step(self, engine, sb, step: int, meta: dict[str, Any]):
+    # ------------------------------------------------------------------------------------------
+    # one RL step: rollouts -> selection -> training -> metrics
+    async def rl_step(self, engine: Engine, sb, step: int, meta: dict[str, Any]):
         cfg = self.cfg
         stage_i = stage_index(cfg, step)
         if stage_i != meta.get("stage", 0):
             if cfg.stages[stage_i]["reset_optimizer"]:
                 self.learner.reset_optimizer()
             meta["stage"] = stage_i
-        n_roll = cfg.rl.group_size * cfg.rl.oversample
-        filter_k = int(cfg.stages[stage_i].get("filter_solved_k", 0) or 0)
-        problems, meta["data_pos"] = self._next_problems(meta["data_pos"], set(meta.get("solved", [])) if filter_k else set())
+        filter_k = cfg.stages[stage_i]["filter_solved_k"]
+        problems, meta["data_pos"] = next_problems(self.train_problems, meta["data_pos"], cfg.rl.batch_problems,
+                                                   cfg.seed, set(meta.get("solved", [])) if filter_k else set())
+        out = await self.generate(engine, sb, step, problems)
+        rows, records = self.select(step, out)
+        if filter_k:
+            meta["solved"] = sorted(set(meta.get("solved", [])) | solved_ids(out, self.rollouts_per_problem, filter_k))
+        train_metrics = self.train(engine, rows, records, out.timeline)
+        self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
+        metrics = {"phase": "rl", "step": step, "stage": meta["stage"],
+                   **self.step_metrics(engine, out, len(rows)), **train_metrics}
+        self._log(metrics)
+        return metrics, meta
+
+    @property
+    def rollouts_per_problem(self) -> int:
+        return self.cfg.rl.group_size * self.cfg.rl.oversample
+
+    async def generate(self, engine: Engine, sb, step: int, problems) -> StepRollouts:
+        """2G rollouts of every problem, concurrently, with the step's seeds."""
+        cfg, n_roll = self.cfg, self.rollouts_per_problem
         questions = [p.question for p in problems for _ in range(n_roll)]
         golds = [p.answer for p in problems for _ in range(n_roll)]
         seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
-        step_start = time.monotonic()
+        start = time.monotonic()
         timeline = Timeline()
-        take_busy = getattr(engine, "take_busy_intervals", list)  # engines that measure their busy time
-        take_busy()  # only this step's work
-        stats_before = dataclasses.replace(engine.stats) if hasattr(engine, "stats") else None
+        engine.take_busy_intervals()  # only this step's work
+        stats_before = dataclasses.replace(engine.stats) if engine.stats is not None else None
         with timeline.activate():
             scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
-        rollout_s = time.monotonic() - step_start - timeline.union("reward")
-        timeline.extend("engine", take_busy())
+        rollout_s = time.monotonic() - start - timeline.union("reward")
+        timeline.extend("engine", engine.take_busy_intervals())
         stale = [s for s in scored if s.trajectory.min_version < self.learner.version - cfg.rl.max_staleness]
         if stale:
             raise RuntimeError(f"step {step}: {len(stale)} rollouts are older than the allowed staleness")
+        return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before)
 
+    def select(self, step: int, out: StepRollouts) -> tuple[list[tuple[Any, float, int]], list[dict]]:
+        """RoC per group: (trajectory, advantage, record index) of each kept rollout, and the
+        trace record of every rollout (kept or not)."""
+        cfg, n_roll = self.cfg, self.rollouts_per_problem
         rng = np.random.default_rng([cfg.seed, step])
         rows, records = [], []
-        for b, problem in enumerate(problems):
-            group = scored[b * n_roll:(b + 1) * n_roll]
+        for b, problem in enumerate(out.problems):
+            group = out.scored[b * n_roll:(b + 1) * n_roll]
             sel = select_group(group, cfg.rl.group_size, rng, mode=cfg.rl.roc.mode, eps=cfg.rl.roc.eps,
                                min_neg=cfg.rl.roc.min_neg, min_pos=cfg.rl.roc.min_pos, advantage=cfg.rl.advantage,
                                reject_uniform=cfg.rl.roc.reject_uniform_groups)
@@ -287,38 +372,42 @@ class RLRun:
                     gold=problem.answer, extracted_answer=extract_answer(t.response_text), reward=s.reward,
                     p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
                     advantage=float(adv_of.get(j, 0.0))))
-        if filter_k and n_roll >= filter_k:
-            # the stage's data filter: a problem the latest policy solved k/k teaches nothing more
-            solved = set(meta.get("solved", []))
-            solved.update(p.id for b, p in enumerate(problems)
-                          if all(s.reward > 0 for s in scored[b * n_roll:(b + 1) * n_roll]))
-            meta["solved"] = sorted(solved)
+        return rows, records
 
-        train_metrics = {}
-        if rows:
-            batch = make_batch([t.token_ids for t, _, _ in rows], [t.loss_mask for t, _, _ in rows],
-                               [t.logprobs for t, _, _ in rows], [a for _, a, _ in rows], pad_multiple=32,
-                               rows_multiple=cfg.rl.micro_batches, max_len=cfg.rollout.max_len)
-            with timeline.span("learner"):
-                train_metrics = self.learner.update(batch)
-            if batch.entropy is not None:  # the learner's per-token entropies, for the analysis
-                for i, (t, _, r) in enumerate(rows):
-                    records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
-            with timeline.span("sync"):
-                engine.update_weights(self.learner.model_state(), self.learner.version)
-        self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
-        summary = summarize(scored)
-        gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in scored)
-        metrics = {
-            "phase": "rl", "step": step, "stage": meta["stage"], "reward_mean": summary["accuracy"],
-            "p_err_correct": summary["tool_error_ratio_correct"],
-            "kept_rollouts": len(rows), "rollout_s": rollout_s, "tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
+    def train(self, engine: Engine, rows, records, timeline: Timeline) -> dict[str, float]:
+        """One learner update on the kept rollouts (none kept: no update), then the weights to
+        the engine; the learner's per-token entropies go into the kept rollouts' records."""
+        if not rows:
+            return {}
+        batch = make_batch([t.token_ids for t, _, _ in rows], [t.loss_mask for t, _, _ in rows],
+                           [t.logprobs for t, _, _ in rows], [a for _, a, _ in rows], pad_multiple=32,
+                           max_len=self.cfg.rollout.max_len)
+        with timeline.span("learner"):
+            metrics = self.learner.update(batch)
+        if batch.entropy is not None:
+            for i, (t, _, r) in enumerate(rows):
+                records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
+        with timeline.span("sync"):
+            engine.update_weights(self.learner.model_state(), self.learner.version)
+        return metrics
+
+    def step_metrics(self, engine: Engine, out: StepRollouts, kept: int) -> dict[str, float]:
+        summary = summarize(out.scored)
+        gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in out.scored)
+        step_s = time.monotonic() - out.started
+        return {
+            "reward_mean": summary["accuracy"], "p_err_correct": summary["tool_error_ratio_correct"],
+            "kept_rollouts": kept, "rollout_s": out.rollout_s, "tokens_per_s": gen_tokens / max(out.rollout_s, 1e-9),
             "mean_response_tokens": summary["mean_response_tokens"], "mean_tool_calls": summary["mean_tool_calls"],
-            **step_breakdown(timeline, rollout_s, time.monotonic() - step_start, stats_before, getattr(engine, "stats", None)),
-            **train_metrics,
+            **step_breakdown(out.timeline, out.rollout_s, step_s, out.stats_before, engine.stats),
         }
-        self._log(metrics)
-        return metrics, meta
+
+
+def solved_ids(out: StepRollouts, n_roll: int, k: int) -> set[str]:
+    """The stage's online data filter: problems whose first k rollouts of this step all scored
+    (k = 2G: every rollout). A problem the latest policy solves k/k teaches nothing more."""
+    return {p.id for b, p in enumerate(out.problems)
+            if all(s.reward > 0 for s in out.scored[b * n_roll:b * n_roll + k])}
 
 
 def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_before, stats_after) -> dict[str, float]:
@@ -327,7 +416,7 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
     tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
     the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
     behind generation. engine_busy: share of the rollout the engine spent on device work;
-    engine_slot_utilization: share of decode-step slots that held a request (JaxEngine only).
+    engine_slot_utilization: share of decode-step slots that held a request (engines with stats).
     """
     tool_s = timeline.union("tool")
     tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))

@@ -4,7 +4,9 @@ Default = rStar2-Agent's: a system prompt asking for reasoning in <reason> and t
 in <answer> with \\boxed{}, the Hermes tools block declaring
 `execute_python_code_with_standard_io(code, input)`, the user template, generation prefix
 `<|im_start|>assistant\\n<reason>` and tool results as one user turn of <tool_response> blocks.
-`compact_format()` is the same protocol with short strings, for the tiny CPU model.
+`compact_format()` is the same protocol with short strings, for the tiny CPU model, and
+`tiny_format()` the CPU demo's (tool named "python"). FORMATS is the one table of named formats
+that train (`--config.format`), evaluate and chat (`--format`) choose from.
 """
 
 from __future__ import annotations
@@ -113,6 +115,24 @@ def compact_format(**overrides: Any) -> PromptFormat:
                   user_template="{problem}", generation_prefix="", max_tool_output_chars=200)
     fields.update(overrides)
     return PromptFormat(**fields)
+
+
+TINY_TOOL_NAME = "python"
+
+
+def tiny_format() -> PromptFormat:
+    """The CPU demo's compact protocol: short system prompt, tool named "python"."""
+    return compact_format(system="Use python.", tool_name=TINY_TOOL_NAME, max_tool_output_chars=120)
+
+
+# Named prompt formats: a model is trained in one and must be driven in the same one.
+FORMATS = {"rstar2": PromptFormat, "compact": compact_format, "tiny": tiny_format}
+
+
+def make_format(name: str) -> PromptFormat:
+    if name not in FORMATS:
+        raise ValueError(f"unknown prompt format {name!r}; known: {sorted(FORMATS)}")
+    return FORMATS[name]()
 
 
 def tool_output_text(result) -> str:

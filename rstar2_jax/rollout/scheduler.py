@@ -28,8 +28,8 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from rstar2_jax.rollout.engines.base import Completion, ServerLoad
-from rstar2_jax.rollout.engines.vllm_engine import ServerUnavailable
+from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
+from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def reservation(prompt_len: int, max_tokens: int, reserve_new_tokens: int | None
     return prompt_len + new
 
 
-class Scheduler:
+class Scheduler(Engine):
     def __init__(self, engines: Sequence, policy: str = "kv_aware", *, reserve_new_tokens: int | None = None,
                  refresh_s: float = 1.0):
         if not engines:
@@ -170,15 +170,19 @@ class Scheduler:
             self._changed = asyncio.Condition()
         return self._changed
 
+    def load(self) -> ServerLoad:
+        """The engines' loads added up (usage weighted by capacity)."""
+        loads = [e.load() for e in self.engines]
+        capacity = sum(l.kv_capacity_tokens for l in loads)
+        used = sum(l.kv_capacity_tokens * l.kv_usage for l in loads)
+        return ServerLoad(kv_usage=used / capacity if capacity else 0.0, kv_capacity_tokens=capacity,
+                          running=sum(l.running for l in loads), waiting=sum(l.waiting for l in loads),
+                          preemptions=sum(l.preemptions for l in loads))
+
     def take_busy_intervals(self) -> list[tuple[float, float]]:
-        return [iv for e in self.engines if hasattr(e, "take_busy_intervals") for iv in e.take_busy_intervals()]
+        return [iv for e in self.engines for iv in e.take_busy_intervals()]
 
     async def close(self):
         for e in self.engines:
             await e.close()
 
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.close()

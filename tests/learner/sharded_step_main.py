@@ -29,6 +29,20 @@ def main():
         spec = str(jax.tree.leaves(learner.state.params)[0].sharding.spec)
         print(json.dumps(dict(mesh=axes, max_param_diff=float(np.abs(flat(learner) - flat(ref)).max()),
                               grad_norm=metrics["grad_norm"], ref_grad_norm=ref_metrics["grad_norm"], spec=spec)))
+    # 3 rows over data=2 x fsdp=4 with 2 micro-batches: the learner pads to 16 rows itself, so
+    # every micro-batch splits over the 8 devices (before, 3 rows were silently replicated).
+    ref = Learner(random_model(cfg, seed=9), lcfg)
+    ref_metrics = ref.update(_batch(seed=2, rows=3, vocab=256, rows_multiple=1))
+    learner = Learner(random_model(cfg, seed=9), lcfg, mesh=sharding.make_mesh(data=2, fsdp=4, tensor=1))
+    batch = _batch(seed=2, rows=3, vocab=256, rows_multiple=1)
+    seen = []
+    put = learner._put
+    learner._put = lambda x: seen.append(put(x)) or seen[-1]
+    metrics = learner.update(batch)
+    print(json.dumps(dict(mesh="padded", max_param_diff=float(np.abs(flat(learner) - flat(ref)).max()),
+                          grad_norm=metrics["grad_norm"], ref_grad_norm=ref_metrics["grad_norm"],
+                          spec=str(seen[-1].sharding.spec), rows=int(seen[-1].shape[0]),
+                          rows_multiple=learner.rows_multiple, entropy_rows=int(batch.entropy.shape[0]))))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
 from tests.models.conftest import random_model, small_config
 
 
-def _batch(seed=0, rows=8, length=40, vocab=257):
+def _batch(seed=0, rows=8, length=40, vocab=257, rows_multiple=4):
     rng = np.random.default_rng(seed)
     tokens = [list(rng.integers(1, vocab, size=int(rng.integers(10, length)))) for _ in range(rows)]
     masks = [[0] * 5 + [1] * (len(t) - 5) for t in tokens]
     logps = [[0.0] * len(t) for t in tokens]
     adv = list(rng.normal(size=rows))
-    return make_batch(tokens, masks, logps, adv, pad_multiple=16, rows_multiple=4)
+    return make_batch(tokens, masks, logps, adv, pad_multiple=16, rows_multiple=rows_multiple)
 
 
 def _params_flat(learner):

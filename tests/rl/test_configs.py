@@ -28,8 +28,14 @@ def test_paper_recipe_matches_the_paper():
 
 def test_jsonl_configs_need_their_files(tmp_path):
     c = qwen3_0p6b_math.get_config(f"{tmp_path},{tmp_path / 'missing.jsonl'}")
-    with pytest.raises(ConfigValueError, match="data.task: no such file"):
+    with pytest.raises(ConfigValueError, match="data.train_path: no such file"):
         validate(c)
+    (tmp_path / "train.jsonl").write_text('{"problem": "1+1", "answer": 2}\n')
+    c.data.train_path = str(tmp_path / "train.jsonl")
+    with pytest.raises(ConfigValueError, match="data.eval_path: no such file"):
+        validate(c)
+    c.data.eval_path = c.data.train_path
+    validate(c)
 
 
 def test_rollout_seeds_are_the_same_in_every_process():
@@ -37,9 +43,9 @@ def test_rollout_seeds_are_the_same_in_every_process():
     import subprocess
     import sys
 
-    from rstar2_jax.rl.trainer import stable_seed
+    from rstar2_jax.rl.evaluation import stable_seed
 
-    code = "from rstar2_jax.rl.trainer import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
+    code = "from rstar2_jax.rl.evaluation import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONHASHSEED="12345"), check=True).stdout

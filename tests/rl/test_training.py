@@ -11,7 +11,7 @@ import time
 import pytest
 
 from experiments import tiny_arith
-from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run
+from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run, validate
 from rstar2_jax.traces import read_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +29,6 @@ def small_config(**rl):
     c.rl.group_size = 2
     c.rl.oversample = 2
     c.rollout.slots = 8
-    c.rollout.max_response_tokens = 120
     c.rollout.max_len = 256
     c.stages = [dict(start_step=0, max_response_tokens=120, max_turns=2, filter_solved_k=0, reset_optimizer=False)]
     c.checkpoint.every = 1
@@ -38,7 +37,7 @@ def small_config(**rl):
     return c
 
 
-def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path):
+def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, benchmark_dir):
     cfg = small_config()
     results = run(cfg, str(tmp_path))
     assert set(results) == {"before", "after"} and "accuracy" in results["after"]["sampled"]
@@ -61,7 +60,7 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path):
     assert os.listdir(tmp_path / "tensorboard")
     # the trained policy evaluates straight from the run directory
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--checkpoint={tmp_path}", "--benchmarks=aime24",
-                           f"--data_dir={os.path.join(ROOT, '..', 'shared', 'data')}", "--limit=1", "--samples=1",
+                           f"--data_dir={benchmark_dir}", "--limit=1", "--samples=1",
                            "--max_tokens=20", "--max_turns=1", "--format=tiny", f"--out={tmp_path / 'eval'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -100,7 +99,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
             "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.sft.examples=8",
             "--config.data.eval_problems=2", "--config.eval.before_and_after=False", "--config.rl.steps=4",
             "--config.rl.batch_problems=2", "--config.rl.group_size=2", "--config.checkpoint.every=1",
-            "--config.rollout.max_response_tokens=100", "--config.rollout.max_len=256", "--config.rollout.slots=8"]
+            "--config.rollout.max_len=512", "--config.rollout.slots=8"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = work / "checkpoints"
     deadline = time.monotonic() + 300
@@ -117,7 +116,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("--config.rl.roc.mode=best", "rl.roc.mode must be paper, release or off"),
+    ("--config.rl.roc.mode=best", "rl.roc.mode must be one of ['off', 'paper', 'release']"),
     ("--config.rl.group_size=1", "rl.group_size must be >= 2"),
     ("--config.model.dtype=float8", "model.dtype must be one of"),
     ("--config.model.attention=flash", "model.attention must be one of"),
@@ -132,8 +131,8 @@ def test_bad_config_is_rejected_with_a_clear_message(tmp_path, override, message
 
 def test_validate_directly():
     cfg = small_config()
-    cfg.rollout.max_response_tokens = 10_000
-    with pytest.raises(ConfigValueError, match="max_response_tokens must be < rollout.max_len"):
+    cfg.stages[0]["max_response_tokens"] = 10_000
+    with pytest.raises(ConfigValueError, match=r"stages\[0\].max_response_tokens must be in \(0, rollout.max_len=256\)"):
         RLRun(cfg, "/tmp/never-created-rl-run")
     assert not os.path.exists("/tmp/never-created-rl-run")
     cfg = small_config()
@@ -143,20 +142,85 @@ def test_validate_directly():
         RLRun(cfg, "/tmp/never-created-rl-run")
 
 
-def test_stage_filter_drops_problems_solved_k_of_k(tmp_path):
-    from rstar2_jax.data.arith import Problem
+@pytest.mark.parametrize("field, value, message", [
+    ("rl.advantage", "grpoo", "rl.advantage must be one of ['grpo', 'mean_only'], got 'grpoo'"),
+    ("rl.loss.name", "clip_hi", "rl.loss.name must be one of ['clip_higher'], got 'clip_hi'"),
+    ("rl.roc.mode", "best", "rl.roc.mode must be one of ['off', 'paper', 'release'], got 'best'"),
+    ("format", "qwen", "format must be one of ['compact', 'rstar2', 'tiny'], got 'qwen'"),
+    ("data.task", "chess", "data.task must be one of ['arith', 'jsonl'], got 'chess'"),
+    ("rollout.engine", "sglang", "rollout.engine must be one of ['jax', 'vllm'], got 'sglang'"),
+    ("rollout.scheduler", "fastest", "rollout.scheduler must be one of"),
+    ("sandbox.isolation", "none", "sandbox.isolation must be one of ['basic', 'strict']"),
+])
+def test_names_are_checked_against_their_registries_before_anything_runs(tmp_path, field, value, message):
+    cfg = small_config()
+    section, _, name = field.rpartition(".")
+    setattr(cfg if not section else eval(f"cfg.{section}"), name, value)  # noqa: S307 - our own field names
+    with pytest.raises(ConfigValueError) as e:
+        RLRun(cfg, str(tmp_path / "run"))
+    assert message in str(e.value)
+    assert not os.path.exists(tmp_path / "run")  # nothing built, no SFT run
 
-    rl = RLRun(small_config(), str(tmp_path))
-    rl.train_problems = [Problem(str(i), f"q{i}", "1", "1") for i in range(5)]
-    batch, pos = rl._next_problems(3, skip={"4", "0"})
-    assert [p.id for p in batch] == ["3", "1"] and pos == 2
+
+def test_all_config_errors_are_reported_at_once_and_stages_are_checked():
+    cfg = small_config()
+    cfg.rl.advantage = "x"
+    cfg.stages = [dict(start_step=0, max_response_tokens=120, max_turns=0, filter_solved_k=9, reset_optimizer=False),
+                  dict(start_step=5, max_tokens=100)]
+    with pytest.raises(ConfigValueError) as e:
+        validate(cfg)
+    text = str(e.value)
+    assert "rl.advantage" in text and "stages[0].max_turns must be >= 1" in text
+    assert "stages[0].filter_solved_k=9 exceeds the rollouts per problem" in text
+    assert "stages[1] must have exactly the keys" in text and "unknown ['max_tokens']" in text
+
+
+def test_prompts_that_leave_no_room_for_the_response_are_rejected_before_training(tmp_path):
+    cfg = small_config()
+    cfg.stages[0]["max_response_tokens"] = 250  # < max_len 256, but no prompt fits beside it
+    with pytest.raises(ConfigValueError, match=r"the longest prompt \(\d+ tokens\) \+ stages\[0\]"):
+        RLRun(cfg, str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_dead_rollout_fields_are_gone():
+    """The stage decides turns and tokens: rollout.max_turns / max_response_tokens were ignored."""
+    r = tiny_arith.get_config().rollout
+    assert "max_turns" not in r and "max_response_tokens" not in r
+
+
+def test_training_problems_are_shuffled_per_epoch_and_the_stream_resumes_exactly():
+    from rstar2_jax.data.arith import Problem
+    from rstar2_jax.rl.trainer import next_problems
+
+    problems = [Problem(str(i), f"q{i}", "1", "1") for i in range(10)]
+    ids = [p.id for p in next_problems(problems, 0, 30, seed=3, skip=set())[0]]
+    epochs = [ids[i:i + 10] for i in (0, 10, 20)]
+    assert all(sorted(e, key=int) == [str(i) for i in range(10)] for e in epochs)  # each epoch: every problem once
+    assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != [str(i) for i in range(10)]  # reshuffled
+    # drawn in pieces (a resumed run continues from its saved position) == drawn at once
+    pieces, pos = [], 0
+    for n in (4, 7, 19):
+        batch, pos = next_problems(problems, pos, n, seed=3, skip=set())
+        pieces += [p.id for p in batch]
+    assert pieces == ids and pos == 30
+    assert next_problems(problems, 0, 10, seed=4, skip=set())[0] != next_problems(problems, 0, 10, seed=3, skip=set())[0]
+
+
+def test_stage_filter_skips_solved_problems():
+    from rstar2_jax.data.arith import Problem
+    from rstar2_jax.rl.trainer import next_problems
+
+    problems = [Problem(str(i), f"q{i}", "1", "1") for i in range(5)]
+    batch, pos = next_problems(problems, 0, 6, seed=0, skip={"4", "0"})
+    assert len(batch) == 6 and not {p.id for p in batch} & {"4", "0"} and pos == 10  # two epochs, 2 skipped in each
     with pytest.raises(RuntimeError, match="filtered out"):
-        rl._next_problems(0, skip={str(i) for i in range(5)})
+        next_problems(problems, 0, 1, seed=0, skip={str(i) for i in range(5)})
 
 
 def test_step_breakdown_measures_tool_wait_against_engine_work():
     from rstar2_jax.rl.trainer import step_breakdown
-    from rstar2_jax.rollout.engines.jax_engine import EngineStats
+    from rstar2_jax.rollout.engines import EngineStats
     from rstar2_jax.timeline import Timeline
 
     t = Timeline()

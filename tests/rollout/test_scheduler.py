@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rstar2_jax.rollout.engines.base import Completion, ServerLoad
-from rstar2_jax.rollout.engines.vllm_engine import ServerUnavailable
+from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
+from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.scheduler import (EngineLoad, Scheduler, pick_kv_aware, pick_least_requests,
                                           pick_round_robin, reservation)
@@ -55,7 +55,7 @@ def test_reservation_is_prompt_plus_bounded_new_tokens(prompt, max_tokens, reser
     assert (r == prompt + max_tokens) == (reserve is None or reserve >= max_tokens)
 
 
-class FakeKVEngine:
+class FakeKVEngine(Engine):
     """A server with `capacity` KV tokens: each request holds prompt + max_tokens while it runs
     `duration` seconds; admitting past capacity counts a preemption (what vLLM would do)."""
 
@@ -84,6 +84,9 @@ class FakeKVEngine:
 
     def update_weights(self, params, version=None):
         self.version = version
+
+    def take_busy_intervals(self):
+        return []
 
     async def close(self):
         pass

@@ -27,9 +27,10 @@ from rstar2_jax.learner import Learner, LearnerConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer
 from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
-from rstar2_jax.rollout import AgentConfig, run_agent
+from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError, server_load
+from rstar2_jax.rollout.engines.vllm_client import server_load
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.scheduler import Scheduler
@@ -123,7 +124,7 @@ def memorized_tool_model(tiny_model, tokenizer, fmt):
 
 
 def test_multi_turn_rollout_with_real_sandbox_calls(vllm_server, tiny_model, tokenizer):
-    fmt = arith.tiny_format()
+    fmt = tiny_format()
     model, problem = memorized_tool_model(tiny_model, tokenizer, fmt)
     cfg = AgentConfig(format=fmt, max_turns=4, max_response_tokens=300, temperature=0.0)
 
@@ -166,7 +167,7 @@ def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(
     what a healthy server with the synced weights produced: the engine put them back first."""
     server = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "killed")
     synced = perturbed(tiny_model, seed=1)
-    fmt = arith.tiny_format()
+    fmt = tiny_format()
     cfg = AgentConfig(format=fmt, max_turns=2, max_response_tokens=500, temperature=0.0)
     questions = [f"What is {i}+{i}?" for i in range(8)]
 
@@ -266,16 +267,16 @@ def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, ti
     asyncio.run(engine.close())
 
 
-def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, tiny_dir, tiny_model, tmp_path):
+def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, tiny_dir, tiny_model, tmp_path,
+                                                                  benchmark_dir):
     async def serve_the_fixture_model():  # whatever an earlier test synced
         async with VLLMEngine(vllm_server.url, tiny_model) as engine:
             engine.update_weights(tiny_model)
     asyncio.run(serve_the_fixture_model())
-    data = os.path.join(ROOT, "..", "shared", "data")
     results, tokens = {}, {}
     for engine in ("jax", "vllm"):
         out = tmp_path / engine
-        args = [f"--model={tiny_dir}", "--benchmarks=aime24,gpqa_diamond", f"--data_dir={data}", "--limit=2",
+        args = [f"--model={tiny_dir}", "--benchmarks=aime24,gpqa_diamond", f"--data_dir={benchmark_dir}", "--limit=2",
                 "--samples=2", "--temperature=0", "--max_tokens=40", "--max_turns=2", "--format=tiny",
                 f"--engine={engine}", f"--out={out}"] + ([f"--url={vllm_server.url}"] if engine == "vllm" else [])
         proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", *args], cwd=ROOT, capture_output=True,

@@ -2,13 +2,16 @@
 
 An engine turns a token-id prompt into a completion: token ids, the sampler's log-prob of each,
 and why it stopped. Token in, token out: nothing here ever re-tokenizes text. `JaxEngine` (in
-process) and the vLLM server engine implement the same members; `load()` is what the scheduler balances on.
+process), `VLLMEngine` (a client of a vLLM server) and the `Scheduler` (several engines behind
+one) all derive from `Engine`, which declares everything a caller may use: the trainer, the
+evaluation and the agent loop never probe an engine for optional members.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 from rstar2_jax.rollout.sampling import SamplingParams
 
@@ -38,12 +41,57 @@ class ServerLoad:
         return int(self.kv_capacity_tokens * (1.0 - self.kv_usage))
 
 
-class Engine(Protocol):
-    version: int
+@dataclasses.dataclass
+class EngineStats:
+    """Where an in-process engine's time went (device work, measured around each jitted call)."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    busy_slot_steps: int = 0     # sum over decode steps of the slots that held a request
+    slots: int = 1
 
+    @property
+    def slot_utilization(self) -> float:
+        """Share of decode-step slots that did useful work (1.0: every slot busy every step)."""
+        return self.busy_slot_steps / max(1, self.decode_steps * self.slots)
+
+    def since(self, before: "EngineStats") -> "EngineStats":
+        """What happened between `before` (a copy taken earlier) and now."""
+        return EngineStats(self.prefill_s - before.prefill_s, self.decode_s - before.decode_s,
+                           self.decode_steps - before.decode_steps, self.busy_slot_steps - before.busy_slot_steps,
+                           self.slots)
+
+
+class Engine(abc.ABC):
+    """A rollout engine; use it as `async with engine:` (closing frees threads, servers' sync
+    directories, device loops)."""
+
+    version: int = 0                    # version of the weights it samples with
+    stats: EngineStats | None = None    # device-time accounting, where the engine can measure it
+
+    @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       stop: Sequence[str] = ()) -> Completion: ...
+                       stop: Sequence[str] = ()) -> Completion:
+        """One turn: sample after `prompt_ids` until a stop string, EOS or max_tokens."""
 
-    def update_weights(self, params: Any, version: int | None = None) -> None: ...
+    @abc.abstractmethod
+    def update_weights(self, params: Any, version: int | None = None) -> None:
+        """Sample with `params` (an nnx.State of the model's Params) from now on."""
 
-    def load(self) -> ServerLoad: ...
+    @abc.abstractmethod
+    def load(self) -> ServerLoad:
+        """KV load, what the scheduler balances on."""
+
+    @abc.abstractmethod
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) in time.monotonic() of the work done since the last call, then forgotten."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release what the engine holds; idempotent."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

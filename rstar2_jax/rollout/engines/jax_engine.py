@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from rstar2_jax.models.decoder import Decoder, KVCache, init_cache
-from rstar2_jax.rollout.engines.base import Completion, ServerLoad
+from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
 from rstar2_jax.rollout.sampling import SamplingParams, sample
 
 MIN_PREFILL_BUCKET = 16
@@ -50,28 +50,7 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
-class EngineStats:
-    """Where the engine's time went (device work, measured around each jitted call)."""
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-    busy_slot_steps: int = 0     # sum over decode steps of the slots that held a request
-    slots: int = 1
-
-    @property
-    def slot_utilization(self) -> float:
-        """Share of decode-step slots that did useful work (1.0: every slot busy every step)."""
-        return self.busy_slot_steps / max(1, self.decode_steps * self.slots)
-
-    def since(self, before: "EngineStats") -> "EngineStats":
-        """What happened between `before` (a copy taken earlier) and now."""
-        return EngineStats(self.prefill_s - before.prefill_s, self.decode_s - before.decode_s,
-                           self.decode_steps - before.decode_steps, self.busy_slot_steps - before.busy_slot_steps,
-                           self.slots)
-
-
-class JaxEngine:
+class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None):
         if slots < 1:
@@ -181,9 +160,6 @@ class JaxEngine:
     async def __aenter__(self):
         self._ensure_running()
         return self
-
-    async def __aexit__(self, *exc):
-        await self.close()
 
     @property
     def steps(self) -> int:
