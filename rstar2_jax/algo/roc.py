@@ -1,19 +1,22 @@
 """Resample-on-Correct (RoC): which rollouts of an oversampled group of 2G are trained on.
 
-rStar2-Agent samples 2G rollouts per problem and keeps G. How `keep` is split between the two
-sides (documented here because the paper and the released code differ):
+rStar2-Agent samples 2G rollouts per problem and keeps G. The paper and the released code split
+`keep` between the two sides differently (docs/FIDELITY.md has the table):
 
-- "paper": negatives (reward <= 0) and positives get `keep` in proportion to their counts in the
-  group, n_neg = round(keep * negatives / group) (ties round half to even), n_pos = keep - n_neg,
-  each clamped to what exists (the other side takes the rest). With 2G -> G this keeps half of each
-  side, as in the paper. Negatives are drawn uniformly without replacement (failure modes stay
-  diverse); positives without replacement with probability proportional to 1 / (p_total + eps),
-  p_total = p_err + p_format (clean successes are preferred, noisy ones still possible).
-- "release": microsoft/rStar's released roc.py: both sides sorted by penalty (lowest first),
-  proportional counts with Python's round, at least `min_neg` / `min_pos` per side when available,
-  the first k of each side; and when both proportional counts fall below their minimums, the whole
-  group is kept (that code's behaviour: the group is not down-sampled at all). Where that code's
-  independent rounding would not sum to `keep` (never for 2G -> G), positives get the remainder.
+- "paper" (section 3): keep floor(|negatives| x keep / n) negatives, drawn uniformly without
+  replacement (failure modes stay diverse), and fill the rest of `keep` with positives, drawn
+  without replacement with probability proportional to 1 / (p_total + eps), p_total = p_err +
+  p_format (clean successes preferred, noisy ones still possible). With 2G -> G that is half the
+  negatives rounded down, and the positives get ceil(|positives| / 2): a lone success is kept.
+  When one side runs short the other fills `keep`.
+- "release": microsoft/rStar's rstar2_agent/down_sample/roc.py as of commit 5e95b19 ("rm sort for
+  negative samples (#50)"): proportional counts with Python's round (half to even) on each side,
+  raised to at least `min_neg` / `min_pos` where that many exist (the other side takes the
+  rest); the whole group is kept when both counts fall below their minimums; positives sorted by
+  penalty (stable, lowest first) and the first k taken; negatives taken first-k in rollout order
+  (no longer sorted). Its penalties are computed from the response text (rewards.penalties:
+  release_penalties). Where its independent rounding does not sum to `keep` (never for 2G -> G)
+  the released code asserts; here positives take the remainder.
 - "off": plain GRPO on `keep` rollouts drawn uniformly at random.
 
 `roc_select` is pure given `rng` (a numpy Generator).
@@ -46,10 +49,7 @@ def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, mode: st
     pos = np.flatnonzero(rewards > 0)
     if mode == "release":
         return _release(neg, pos, penalties, keep, n, min_neg, min_pos)
-    n_neg = int(round(keep * len(neg) / n))
-    n_neg = min(n_neg, len(neg))
-    n_pos = min(keep - n_neg, len(pos))
-    n_neg = keep - n_pos  # if positives ran short, negatives fill the rest (and vice versa)
+    n_neg, n_pos = paper_counts(len(neg), len(pos), keep)
     chosen_neg = rng.choice(neg, size=n_neg, replace=False) if n_neg else np.arange(0)
     if n_pos:
         weights = 1.0 / (penalties[pos] + eps)
@@ -59,9 +59,18 @@ def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, mode: st
     return np.sort(np.concatenate([chosen_neg, chosen_pos]).astype(np.int64))
 
 
+def paper_counts(negatives: int, positives: int, keep: int) -> tuple[int, int]:
+    """(negatives kept, positives kept) of the paper's split: floor(negatives x keep / n)
+    negatives, the rest of `keep` positives; a side that runs short is filled by the other."""
+    n = negatives + positives
+    n_neg = min(negatives * keep // n, negatives)
+    n_pos = min(keep - n_neg, positives)
+    return keep - n_pos, n_pos
+
+
 def _release(neg, pos, penalties, keep, n, min_neg, min_pos) -> np.ndarray:
-    neg = sorted(neg, key=lambda i: penalties[i])  # stable: ties keep rollout order
-    pos = sorted(pos, key=lambda i: penalties[i])
+    neg = list(neg)                                # rollout order: the release no longer sorts these
+    pos = sorted(pos, key=lambda i: penalties[i])  # stable: ties keep rollout order
     n_neg = round(len(neg) * keep / n)
     n_pos = round(len(pos) * keep / n)
     if n_neg < min_neg and n_pos < min_pos:

@@ -2,11 +2,14 @@
 
 p_err = (tool calls that failed: parse errors, execution errors, timeouts) / tool calls, and 0.5
 for a trajectory without tool calls (neutral: neither clean nor noisy). p_format = 1 with no
-<answer> block, else min(1, (answer blocks - 1) / turns).
+<answer> block, else min(1, (answer blocks - 1) / turns). The released code's variants
+(release_error_ratio, release_format_penalty) read the response text instead; RoC's "release"
+mode uses them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 FAILED_TOOL_STATUSES = frozenset({"parse_error", "error", "timeout", "memory", "output_limit", "killed",
@@ -24,3 +27,34 @@ def format_penalty(response_text: str, num_turns: int) -> float:
     if answers == 0:
         return 1.0
     return min(1.0, (answers - 1) / max(num_turns, 1))
+
+
+# The released code's penalties (microsoft/rStar rstar2_agent/down_sample/roc.py), computed from
+# the decoded response text (special tokens kept, the prompt excluded), not from tool statuses.
+_TOOL_RESPONSE = re.compile(r"<tool_response>.*?</tool_response>", re.DOTALL)
+_ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+_ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant.*?<\|im_end\|>", re.DOTALL)
+
+
+def release_error_ratio(response_text: str) -> float:
+    """Share of <tool_response> blocks whose text contains "error" (any case); 0.5 with none.
+    (Output that merely prints the word "error" counts too: that is the release.)"""
+    blocks = _TOOL_RESPONSE.findall(response_text)
+    if not blocks:
+        return 0.5
+    return sum("error" in b.lower() for b in blocks) / len(blocks)
+
+
+def release_format_penalty(response_text: str) -> float:
+    """1 without a closed <answer> block or with unbalanced tags; else min(1, (answer blocks - 1)
+    / turns), where turns counts `<|im_start|>assistant ... <|im_end|>` spans in the response:
+    the first turn's header is in the prompt, so an answer in the first turn scores 1 there."""
+    if "<answer>" not in response_text or "</answer>" not in response_text:
+        return 1.0
+    closed = len(_ANSWER_BLOCK.findall(response_text))
+    if response_text.count("<answer>") != closed or response_text.count("</answer>") != closed:
+        return 1.0
+    turns = len(_ASSISTANT_TURN.findall(response_text))
+    if turns == 0:
+        return 1.0
+    return min((closed - 1) / turns, 1.0)

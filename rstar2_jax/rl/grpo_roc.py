@@ -13,6 +13,7 @@ import numpy as np
 from rstar2_jax.algo import advantages as compute_advantages
 from rstar2_jax.algo import group_is_informative, roc_select
 from rstar2_jax.rewards import format_penalty, tool_error_ratio
+from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
 from rstar2_jax.rl.evaluation import Scored
 
 
@@ -24,11 +25,20 @@ class GroupSelection:
     p_format: np.ndarray
 
 
+def penalties(group: Sequence[Scored], mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(p_err, p_format) per rollout: the paper's (tool statuses, the model's own text), or in
+    "release" mode the released code's (read off the response text)."""
+    if mode == "release":
+        texts = [s.trajectory.response_text for s in group]
+        return (np.array([release_error_ratio(t) for t in texts]), np.array([release_format_penalty(t) for t in texts]))
+    return (np.array([tool_error_ratio(s.trajectory.tool_statuses) for s in group]),
+            np.array([format_penalty(s.trajectory.assistant_text, len(s.trajectory.turns)) for s in group]))
+
+
 def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, mode: str, eps: float,
                  min_neg: int, min_pos: int, advantage: str, reject_uniform: bool) -> GroupSelection:
     rewards = np.array([s.reward for s in group])
-    p_err = np.array([tool_error_ratio(s.trajectory.tool_statuses) for s in group])
-    p_format = np.array([format_penalty(s.trajectory.assistant_text, len(s.trajectory.turns)) for s in group])
+    p_err, p_format = penalties(group, mode)
     kept = roc_select(rewards, p_err + p_format, keep, rng, mode, eps=eps, min_neg=min_neg, min_pos=min_pos)
     if reject_uniform and not group_is_informative(rewards[kept]):
         kept = kept[:0]

@@ -1,12 +1,14 @@
-"""The multi-turn agent loop: generate until a tool call, run it, append the result, repeat.
+"""The multi-turn agent loop: generate a turn, run its tool calls, append the results, repeat.
 
     traj = await run_agent(engine, sandbox, tokenizer, problem, AgentConfig())
 
-One token budget (`max_response_tokens`) covers everything after the prompt, model and tool
-tokens alike. The loop stops on EOS without a tool call, on the budget, or after `max_turns`
-assistant turns. Calls that do not parse get their parse error back as the tool response. Many
-trajectories run concurrently (asyncio.gather): while one waits for the sandbox, the engine
-keeps decoding the others.
+A turn ends where the model ends it (EOS; rStar2-Agent's release) or, in formats with
+`tool_call_stops_turn`, at the first `</tool_call>`. One token budget (`max_response_tokens`)
+covers everything after the prompt, model and tool tokens alike. The loop stops on a turn
+without tool calls, on the budget, or at `max_turns` assistant turns: as in the release, the
+tool calls of the last allowed turn are not run (finish_reason "max_turns"). Calls that do not
+parse get their parse error back as the tool response. Many trajectories run concurrently
+(asyncio.gather): while one waits for the sandbox, the engine keeps decoding the others.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
         sampling = SamplingParams(max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   seed=None if seed is None else seed * 1009 + turn_index)
         start = time.monotonic()
-        comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end])
+        comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end] if fmt.tool_call_stops_turn else [])
         traj.generation_s += time.monotonic() - start
         traj.append(comp.token_ids, 1, comp.logprobs)
         turn = Turn(tokenizer.decode(comp.token_ids), len(comp.token_ids), comp.finish_reason,
@@ -80,6 +82,11 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
             calls = [ToolCall(turn.text, error=f"Tool call error: {fmt.tool_call_end} without {fmt.tool_call_start}")]
         if not calls:
             traj.finish_reason = comp.finish_reason  # eos: answered; length: out of budget
+            if on_turn:
+                on_turn(turn)
+            break
+        if turn_index + 1 >= cfg.max_turns:
+            traj.finish_reason = "max_turns"  # the release stops here, before running the last turn's tools
             if on_turn:
                 on_turn(turn)
             break
@@ -96,7 +103,5 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
             traj.finish_reason = "length"  # no room for the results and another turn
             break
         traj.append(tool_ids, 0)
-    else:
-        traj.finish_reason = "max_turns"
     traj.response_text = tokenizer.decode(traj.token_ids[traj.prompt_len:])
     return traj

@@ -1,12 +1,19 @@
 """The prompt format: every string the policy sees that is not its own, kept in config.
 
-Default = rStar2-Agent's: a system prompt asking for reasoning in <reason> and the final answer
-in <answer> with \\boxed{}, the Hermes tools block declaring
-`execute_python_code_with_standard_io(code, input)`, the user template, generation prefix
-`<|im_start|>assistant\\n<reason>` and tool results as one user turn of <tool_response> blocks.
+Default = rStar2-Agent's release (microsoft/rStar rstar2_agent/config: the chat template of
+rstar2_agent_trainer.yaml and the tool schema of tool_config/python_tool_config.yaml): its
+default system prompt (the <reason>/<answer> conversation prompt of the paper's Fig. 3) followed
+by the Hermes tools block declaring `python_code_with_standard_io(code, input)`; the user
+template; generation prefix `<|im_start|>assistant\n<reason>`. The model ends every turn itself
+with `<|im_end|>`, tool calls included (that token is trained); tool results come back as one
+user turn of <tool_response> blocks, right after the model's `<|im_end|>`, and the next
+assistant turn opens with the same `<|im_start|>assistant\n<reason>` header.
+
 `compact_format()` is the same protocol with short strings, for the tiny CPU model, and
-`tiny_format()` the CPU demo's (tool named "python"). FORMATS is the one table of named formats
-that train (`--config.format`), evaluate and chat (`--format`) choose from.
+`tiny_format()` the CPU demo's (tool named "python"). Both stop a turn at `</tool_call>` (the
+format closes the turn), which sends the call to the sandbox a few tokens earlier. FORMATS is
+the one table of named formats that train (`--config.format`), evaluate and chat (`--format`)
+choose from.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import dataclasses
 import json
 from typing import Any, Sequence
 
-TOOL_NAME = "execute_python_code_with_standard_io"
+TOOL_NAME = "python_code_with_standard_io"
 
 PYTHON_TOOL_SCHEMA = {
     "type": "function",
@@ -29,9 +36,11 @@ PYTHON_TOOL_SCHEMA = {
         "parameters": {
             "type": "object",
             "properties": {
-                "code": {"type": "string", "description": "A string containing Python code to be executed."},
-                "input": {"type": "string", "description": "A string that serves as the standard input "
-                                                           "(stdin) for the code."},
+                "code": {"type": "string", "description": "A string containing Python code to be executed. The "
+                                                          "code can read from standard input using the input() "
+                                                          "function."},
+                "input": {"type": "string", "description": "A string that will be provided as standard input to "
+                                                           "the code when it calls input()."},
             },
             "required": ["code", "input"],
         },
@@ -39,10 +48,10 @@ PYTHON_TOOL_SCHEMA = {
 }
 
 DEFAULT_SYSTEM = (
-    "You are a helpful assistant that solves problems by reasoning and by running Python code. "
-    "Think step by step inside <reason> </reason>. You may call the Python tool as often as useful; "
-    "read its output and refine your reasoning. When you are done, give the final answer inside "
-    "<answer> </answer>, with the final result in \\boxed{}."
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
+    "Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <reason> </reason> and answer is enclosed within <answer> </answer> "
+    "tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer here </answer>."
 )
 DEFAULT_USER = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
                 "And your final answer will be extracted automatically by the \\boxed{{}} tag.\n"
@@ -65,7 +74,9 @@ class PromptFormat:
     tools_block: str = TOOLS_BLOCK                   # {tools}: one JSON schema per line; "" = none
     turn_start: str = "<|im_start|>"
     turn_end: str = "<|im_end|>"
-    generation_prefix: str = "<reason>"              # after "<|im_start|>assistant\n"
+    generation_prefix: str = "<reason>"              # after "<|im_start|>assistant\n", every turn
+    tool_call_stops_turn: bool = False               # True: a turn ends at </tool_call> and the format
+                                                     # closes it; False: the model closes it with EOS
     tool_call_start: str = "<tool_call>"
     tool_call_end: str = "</tool_call>"
     tool_response_start: str = "<tool_response>\n"
@@ -96,7 +107,8 @@ class PromptFormat:
         turn with a <tool_response> block per call, and open the next assistant turn."""
         blocks = "\n".join(f"{self.tool_response_start}{self.truncate(o)}{self.tool_response_end}" for o in outputs)
         close = "" if assistant_turn_closed else f"{self.turn_end}\n"
-        return f"{close}{self.turn_start}user\n{blocks}{self.turn_end}\n{self.turn_start}assistant\n"
+        return (f"{close}{self.turn_start}user\n{blocks}{self.turn_end}\n"
+                f"{self.turn_start}assistant\n{self.generation_prefix}")
 
     def truncate(self, text: str) -> str:
         n = self.max_tool_output_chars
@@ -112,7 +124,8 @@ class PromptFormat:
 def compact_format(**overrides: Any) -> PromptFormat:
     """Same protocol, short strings: for the tiny model, whose context is small."""
     fields = dict(system="Solve with python. Answer in <answer>\\boxed{}</answer>.", tools=(), tools_block="",
-                  user_template="{problem}", generation_prefix="", max_tool_output_chars=200)
+                  user_template="{problem}", generation_prefix="", max_tool_output_chars=200,
+                  tool_call_stops_turn=True)
     fields.update(overrides)
     return PromptFormat(**fields)
 

@@ -109,3 +109,56 @@ def test_choice_reward_grades_the_option_letter_of_the_last_answer_block():
     assert choice_reward("<answer>\\boxed{C}</answer>", "D") == 0.0
     assert choice_reward("<answer>\\boxed{10^-4 ev}</answer>", "D") == 0.0  # the option's text is not its letter
     assert choice_reward("\\boxed{D}", "D") == 0.0  # outside an <answer> block
+
+
+def released_error_ratio(text, pattern=r'<tool_response>.*?</tool_response>'):
+    """microsoft/rStar roc.py calc_error_ratio_penalty_weights.error_ratio, ported."""
+    import re
+    matches = re.findall(pattern, text, re.DOTALL)
+    error_count = len([match for match in matches if 'error' in match.lower()])
+    return 0.5 if len(matches) == 0 else error_count / len(matches)
+
+
+def released_format_penalty(text):
+    """microsoft/rStar roc.py calc_format_penalty_weights.answer_tag_repetition, ported."""
+    import re
+    answer_tags = ["<answer>", "</answer>"]
+    if any(tag not in text for tag in answer_tags):
+        return 1.0
+    closed = len(re.findall(r'<answer>.*?</answer>', text, re.DOTALL))
+    if any(text.count(tag) != closed for tag in answer_tags):
+        return 1.0
+    num_turns = len(re.findall(r'<\|im_start\|>assistant.*?<\|im_end\|>', text, re.DOTALL))
+    if num_turns == 0:
+        return 1.0
+    return min((closed - 1) / num_turns, 1.0)
+
+
+TOOL = "<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>"
+RESPONSES = [
+    "x</reason><answer>\\boxed{1}</answer><|im_end|>",                       # no tool, answer in turn 1
+    "<tool_call>{}</tool_call><|im_end|>" + TOOL.format("42") + "ok<answer>\\boxed{42}</answer><|im_end|>",
+    "<tool_call>{}</tool_call><|im_end|>" + TOOL.format("Traceback: NameError") + "<answer>1</answer><|im_end|>",
+    "<tool_call>{}</tool_call><|im_end|>" + TOOL.format("ERROR? no") + "<answer>1</answer><answer>2</answer><|im_end|>",
+    "<answer>1</answer><answer>2",                                              # unbalanced
+    "<tool_call>{}</tool_call><|im_end|>" + TOOL.format("1") + "<tool_call>{}</tool_call><|im_end|>"
+    + TOOL.format("Timeout error") + "<answer>a</answer><answer>b</answer><answer>c</answer><|im_end|>",
+    "no answer at all",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", RESPONSES)
+def test_release_penalties_are_the_released_functions(text):
+    from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
+    assert release_error_ratio(text) == released_error_ratio(text)
+    assert release_format_penalty(text) == released_format_penalty(text)
+
+
+@given(st.lists(st.sampled_from(["<answer>", "</answer>", "<tool_response>", "</tool_response>", "error", "x",
+                                 "<|im_start|>assistant", "<|im_end|>", "\n"]), max_size=30))
+def test_release_penalties_law(pieces):
+    from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
+    text = "".join(pieces)
+    assert release_error_ratio(text) == released_error_ratio(text)
+    assert release_format_penalty(text) == released_format_penalty(text)

@@ -103,7 +103,9 @@ def test_max_turns(tokenizer):
     turns = [call("print(1)")]
     cfg = AgentConfig(format=FMT, max_turns=3, max_response_tokens=5000)
     traj = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "p", cfg))
-    assert traj.finish_reason == "max_turns" and len(traj.turns) == 3 and traj.tool_statuses == ["ok"] * 3
+    # as in the release: the last allowed turn's tool calls are not run, and nothing follows it
+    assert traj.finish_reason == "max_turns" and len(traj.turns) == 3 and traj.tool_statuses == ["ok"] * 2
+    assert traj.loss_mask[-1] == 1 and traj.response_text.endswith("</tool_call>")
 
 
 def test_slow_tool_calls_do_not_block_other_trajectories(tokenizer):
@@ -146,3 +148,21 @@ def test_real_engine_multi_turn_logprobs_align_with_the_learner(tiny_model, toke
     assert mask.sum() > 0 and (~mask[traj.prompt_len:]).sum() > 0  # model and tool tokens both present
     np.testing.assert_allclose(np.asarray(traj.logprobs)[mask], learner[mask], atol=2e-4)
     assert not np.any(np.asarray(traj.logprobs)[~mask])
+
+
+def test_release_format_turns_end_with_the_model_s_own_eos_and_it_is_trained(tokenizer):
+    """rStar2-Agent's release: the model ends a tool-call turn with <|im_end|> itself (trained,
+    mask 1); the tool turn follows it directly and opens the next turn with the <reason> header."""
+    from rstar2_jax.rollout import PromptFormat
+    fmt = PromptFormat()
+    turns = [call("print(6*7)") + "<|im_end|>", "ok</reason><answer>\\boxed{42}</answer><|im_end|>"]
+    engine = ScriptedEngine(tokenizer, turns)
+    cfg = AgentConfig(format=fmt, max_turns=4, max_response_tokens=5000)
+    traj = run(lambda sb: run_agent(engine, sb, tokenizer, "p", cfg))
+    assert traj.finish_reason == "eos" and traj.tool_statuses == ["ok"]
+    first = tokenizer.encode(turns[0])
+    start = traj.prompt_len
+    assert traj.token_ids[start:start + len(first)] == first and set(traj.loss_mask[start:start + len(first)]) == {1}
+    tool_turn = "<|im_start|>user\n<tool_response>\n42\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>"
+    assert traj.response_text == turns[0] + tool_turn + turns[1]
+    assert engine.prompts[1] == traj.token_ids[:start + len(first) + len(tokenizer.encode(tool_turn))]

@@ -25,7 +25,7 @@ def test_tool_turn_closes_the_assistant_turn_once():
     fmt = PromptFormat()
     open_turn = fmt.tool_turn(["42\n", "err"], assistant_turn_closed=False)
     assert open_turn == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n\n</tool_response>\n"
-                         "<tool_response>\nerr\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+                         "<tool_response>\nerr\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>")
     assert not fmt.tool_turn(["x"], assistant_turn_closed=True).startswith("<|im_end|>")
 
 
@@ -89,3 +89,26 @@ def test_no_calls():
 ])
 def test_tool_output_text(result, text):
     assert tool_output_text(result) == text
+
+
+def test_default_prompt_is_the_release_chat_template_rendering():
+    """What rstar2_agent_trainer.yaml's chat template renders for [user: P] with the python tool
+    of python_tool_config.yaml and add_generation_prompt (written out here from that template)."""
+    fmt = PromptFormat()
+    system = ("A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+              "The Assistant first thinks about the reasoning process in the mind and then provides the User with "
+              "the answer. The reasoning process is enclosed within <reason> </reason> and answer is enclosed within "
+              "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer "
+              "here </answer>.")
+    tool = json.dumps(fmt.tools[0])
+    want = ("<|im_start|>system\n" + system + "\n\n# Tools\n\nYou may call one or more functions to assist with the "
+            "user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            + tool + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nYou must put your answer inside <answer> "
+            "</answer> tags, i.e., <answer> answer here </answer>. And your final answer will be extracted "
+            "automatically by the \\boxed{} tag.\nThis is the problem:\nP<|im_end|>\n<|im_start|>assistant\n<reason>")
+    assert fmt.prompt("P") == want
+    schema = fmt.tools[0]["function"]
+    assert schema["name"] == "python_code_with_standard_io" and schema["parameters"]["required"] == ["code", "input"]
+    assert not fmt.tool_call_stops_turn  # the model closes its tool-call turns with <|im_end|>
