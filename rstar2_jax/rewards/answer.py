@@ -34,10 +34,15 @@ def extract_answer(response: str) -> str | None:
     return last_boxed(blocks[-1])
 
 
-_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox|mathbf)\{([^{}]*)\}")
+_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathit|mbox|mathbf|operatorname)\{([^{}]*)\}")
+# A number followed by words in a text box, optionally squared or cubed ("10 \text{ cm}^2",
+# "5 \text{ apples}"): the words are a unit or a label, the number is the answer.
+_TRAILING_TEXT = re.compile(r"^(.*?\d)\s*\\(?:text|mbox|mathrm|textrm)\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?\d\}?)?\s*$")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _UNITS = re.compile(r"\s*\\?(?:text\{)?\s*(?:cm|m|km|kg|g|mg|s|sec|seconds|minutes|hours|units|degrees|dollars|"
-                    r"inches|feet|ft|meters|cents|square units|sq units)\s*\}?\s*$")
+                    r"inches|feet|ft|meters|cents|square units|sq units)\s*\}?(?:\^\{?\d\}?)?\s*$")
+_LATEX_SPACE = re.compile(r"(?<!\\)\\ ")  # "\ " (a space), not the row break "\\" followed by a space
+_IMAGINARY_UNIT = re.compile(r"\\imath\b|\\(?:mathrm|mathit|text|operatorname)\{i\}")
 _CHOICE = re.compile(r"^\(?\s*([A-Ea-e])\s*\)?$")
 
 
@@ -46,7 +51,11 @@ def normalize(answer: str) -> str:
     s = answer.strip().strip("$").strip()
     if s.startswith("\\boxed"):
         s = last_boxed(s) or s
-    s = s.replace("\\!", "").replace("\\,", "").replace("\\ ", " ").replace("\\left", "").replace("\\right", "")
+    s = s.replace("\\!", "").replace("\\,", "").replace("\\left", "").replace("\\right", "")
+    s = _LATEX_SPACE.sub(" ", s)
+    s = s.replace("{bmatrix}", "{pmatrix}")  # the same matrix, square or round brackets
+    s = _IMAGINARY_UNIT.sub("i", s)
+    s = _TRAILING_TEXT.sub(r"\1", s)
     s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("°", "").replace("\\%", "").replace("%", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = _TEXT_WRAPPERS.sub(r"\1", s)

@@ -2,8 +2,11 @@
 
 math-verify catches what strings miss (1/2 vs 0.5, \\frac{1}{2} vs \\dfrac12, x+1 vs 1+x); the
 normalisation catches what it misses or gets wrong (leading zeros, thousands separators, units,
-degrees, percent, choice letters) and a guard removes its false positive of matching one element
-of a list ("5, 6, 7" against 7: math-verify reads the last number).
+degrees, percent, text after a number, bracket style of matrices, spellings of the imaginary
+unit, choice letters) and a guard removes its false positive of matching one element of a list
+("5, 6, 7" against 7: math-verify reads the last number). Where normalising changed an answer,
+the raw strings are checked too, so the result is never below math-verify alone on a true pair
+(tests/rewards/test_grader_vs_math_verify.py measures it per category).
 
 The worker process has a memory cap and each check a time cap: a pathological answer (power
 towers, deep nesting, megabytes of text) costs at most `timeout_s` and compares unequal.
@@ -90,4 +93,8 @@ def is_equivalent(pred: str | None, gold: str) -> bool:
         return choice_letter(pred) == gold_letter
     if top_level_items(p) != top_level_items(g):
         return False  # "5, 6, 7" is not 7, whatever a parser picks out of it
-    return _worker.equal(p, g)
+    if _worker.equal(p, g):
+        return True
+    # Never below math-verify alone: where the normalisation changed a side, the raw strings get
+    # their own check (math-verify reads some forms better untouched).
+    return (p, g) != (pred.strip(), gold.strip()) and _worker.equal(pred.strip(), gold.strip())
