@@ -33,7 +33,7 @@ def get_config(arg: str = ""):
     c.rl.lr = 1e-6
     c.rl.warmup_steps = 20
     c.rl.micro_batches = 16
-    c.stages = [dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, reset_optimizer=False)]
+    c.stages = [dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False)]
     c.sandbox.workers = 32
     c.checkpoint.every = 20
     return c

@@ -31,9 +31,9 @@ def get_config(arg: str = ""):
     c.rl.micro_batches = 64
     c.rl.roc.mode = "paper"
     c.stages = [
-        dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, reset_optimizer=False),
-        dict(start_step=300, max_response_tokens=12288, max_turns=10, filter_solved_k=0, reset_optimizer=False),
-        dict(start_step=385, max_response_tokens=12288, max_turns=15, filter_solved_k=8, reset_optimizer=True),
+        dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False),
+        dict(start_step=300, max_response_tokens=12288, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False),
+        dict(start_step=385, max_response_tokens=12288, max_turns=15, filter_solved_k=8, filter_mode="offline", reset_optimizer=True),
     ]
     c.sandbox.workers = 64
     c.checkpoint.every = 10

@@ -80,10 +80,12 @@ def get_config():
     c.rl.loss.eps_high = 0.28
     c.rl.loss.dual_clip = ml_collections.config_dict.placeholder(float)
 
-    # Stages: from `start_step`, these rollout limits apply (the token budget covers all turns);
-    # `filter_solved_k` (0 = off) drops problems whose first k rollouts in a step all scored;
-    # `reset_optimizer` at the stage's first step.
-    c.stages = [dict(start_step=0, max_response_tokens=400, max_turns=4, filter_solved_k=0, reset_optimizer=False)]
+    # Stages: from `start_step`, these rollout limits apply (the token budget covers all turns).
+    # `filter_solved_k` (0 = off) drops problems the policy solves k/k: filter_mode "offline" is
+    # the paper's pre-pass (k rollouts of every training problem when the stage begins, results in
+    # the run dir, resumable), "online" drops a problem when the first k of its rollouts in a step
+    # all score. `reset_optimizer` at the stage's first step.
+    c.stages = [dict(start_step=0, max_response_tokens=400, max_turns=4, filter_solved_k=0, filter_mode="offline", reset_optimizer=False)]
 
     c.eval = ml_collections.ConfigDict()
     c.eval.before_and_after = True

@@ -40,6 +40,7 @@ from rstar2_jax.rewards import extract_answer
 from rstar2_jax.rl.checkpoints import RunCheckpoints
 from rstar2_jax.rl.evaluation import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.rl.grpo_roc import select_group
+from rstar2_jax.rl.prefilter import prefilter_solved
 from rstar2_jax.rollout import FORMATS, AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import ENGINE_KINDS, Engine, make_engine
 from rstar2_jax.rollout.scheduler import POLICIES
@@ -47,7 +48,8 @@ from rstar2_jax.timeline import Timeline, exclusive_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-STAGE_KEYS = {"start_step", "max_response_tokens", "max_turns", "filter_solved_k", "reset_optimizer"}
+STAGE_KEYS = {"start_step", "max_response_tokens", "max_turns", "filter_solved_k", "filter_mode", "reset_optimizer"}
+FILTER_MODES = ("offline", "online")
 ISOLATIONS = ("strict", "basic")
 
 
@@ -101,7 +103,9 @@ def validate(cfg: ml_collections.ConfigDict):
                  f"stages[{i}].max_response_tokens must be in (0, rollout.max_len={r.max_len}), "
                  f"got {stage['max_response_tokens']}")
             need(stage["max_turns"] >= 1, f"stages[{i}].max_turns must be >= 1")
-            need(stage["filter_solved_k"] <= rl.group_size * rl.oversample,
+            need(stage["filter_mode"] in FILTER_MODES,
+                 f"stages[{i}].filter_mode must be one of {list(FILTER_MODES)}, got {stage['filter_mode']!r}")
+            need(stage["filter_mode"] != "online" or stage["filter_solved_k"] <= rl.group_size * rl.oversample,
                  f"stages[{i}].filter_solved_k={stage['filter_solved_k']} exceeds the rollouts per problem "
                  f"(rl.group_size x rl.oversample = {rl.group_size * rl.oversample})")
     starts = [s["start_step"] for s in cfg.stages]
@@ -314,12 +318,15 @@ class RLRun:
             if cfg.stages[stage_i]["reset_optimizer"]:
                 self.learner.reset_optimizer()
             meta["stage"] = stage_i
-        filter_k = cfg.stages[stage_i]["filter_solved_k"]
+        filter_k, filter_mode = cfg.stages[stage_i]["filter_solved_k"], cfg.stages[stage_i]["filter_mode"]
+        if filter_k and filter_mode == "offline" and meta.get("prefiltered_stage") != stage_i:
+            meta["solved"] = sorted(await self.prefilter(engine, sb, stage_i, step))
+            meta["prefiltered_stage"] = stage_i
         problems, meta["data_pos"] = next_problems(self.train_problems, meta["data_pos"], cfg.rl.batch_problems,
                                                    cfg.seed, set(meta.get("solved", [])) if filter_k else set())
         out = await self.generate(engine, sb, step, problems)
         rows, records = self.select(step, out)
-        if filter_k:
+        if filter_k and filter_mode == "online":
             meta["solved"] = sorted(set(meta.get("solved", [])) | solved_ids(out, self.rollouts_per_problem, filter_k))
         train_metrics = self.train(engine, rows, records, out.timeline)
         self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
@@ -327,6 +334,26 @@ class RLRun:
                    **self.step_metrics(engine, out, len(rows)), **train_metrics}
         self._log(metrics)
         return metrics, meta
+
+    async def prefilter(self, engine: Engine, sb, stage_i: int, step: int) -> set[str]:
+        """The paper's pre-pass before stage `stage_i`: filter_solved_k rollouts of every training
+        problem with the current policy; the ids solved k/k (dropped for the rest of the run)."""
+        cfg = self.cfg
+        agent = self.agent_config(step)
+
+        async def solve(problems, k):
+            seeds = [stable_seed(cfg.seed, "prefilter", stage_i, p.id, j) for p in problems for j in range(k)]
+            scored = await rollout_problems(engine, sb, self.tokenizer, [p.question for p in problems for _ in range(k)],
+                                            [p.answer for p in problems for _ in range(k)], agent, seeds)
+            return [sum(s.reward > 0 for s in scored[i * k:(i + 1) * k]) for i in range(len(problems))]
+
+        path = os.path.join(self.workdir, "prefilter", f"stage{stage_i}.jsonl")
+        solved = await prefilter_solved(self.train_problems, cfg.stages[stage_i]["filter_solved_k"], path, solve,
+                                        chunk=cfg.rl.batch_problems, desc=f"stage {stage_i} pre-filter")
+        n = len(self.train_problems)
+        print(f"stage {stage_i} pre-filter: {len(solved)} of {n} problems solved k/k and dropped, {n - len(solved)} kept")
+        self._log({"phase": "prefilter", "stage": stage_i, "step": step, "problems": n, "dropped": len(solved)})
+        return solved
 
     @property
     def rollouts_per_problem(self) -> int:

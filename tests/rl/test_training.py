@@ -30,7 +30,7 @@ def small_config(**rl):
     c.rl.oversample = 2
     c.rollout.slots = 8
     c.rollout.max_len = 256
-    c.stages = [dict(start_step=0, max_response_tokens=120, max_turns=2, filter_solved_k=0, reset_optimizer=False)]
+    c.stages = [dict(start_step=0, max_response_tokens=120, max_turns=2, filter_solved_k=0, filter_mode="offline", reset_optimizer=False)]
     c.checkpoint.every = 1
     for k, v in rl.items():
         setattr(c.rl, k, v)
@@ -165,7 +165,7 @@ def test_names_are_checked_against_their_registries_before_anything_runs(tmp_pat
 def test_all_config_errors_are_reported_at_once_and_stages_are_checked():
     cfg = small_config()
     cfg.rl.advantage = "x"
-    cfg.stages = [dict(start_step=0, max_response_tokens=120, max_turns=0, filter_solved_k=9, reset_optimizer=False),
+    cfg.stages = [dict(start_step=0, max_response_tokens=120, max_turns=0, filter_solved_k=9, filter_mode="online", reset_optimizer=False),
                   dict(start_step=5, max_tokens=100)]
     with pytest.raises(ConfigValueError) as e:
         validate(cfg)

@@ -1,0 +1,77 @@
+"""The paper's difficulty filter before a stage (rStar2-Agent, section 5: before stage 3 the
+final stage-2 policy samples 8 rollouts for every training problem and the problems it solves
+8/8 are removed, 42K -> 17.3K).
+
+Resumable: each problem's result is appended to `<workdir>/prefilter/stage<i>.jsonl` as soon as
+its rollouts are graded ({"id", "solved", "k"}); a restarted run reads the file and samples only
+the problems not in it. A line cut short by a crash is the last line; it is dropped and its problem
+sampled again. `stage<i>.summary.json` records the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Awaitable, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from rstar2_jax.data.jsonl import DataError
+
+
+def read_results(path: str) -> dict[str, int]:
+    """problem id -> rollouts solved, from a pre-filter file (missing file: nothing yet)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    out = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # no newline after it: a write cut short by a crash
+                continue
+            raise DataError(f"{path}:{lineno}: invalid JSON in the pre-filter results") from None
+        out[str(row["id"])] = int(row["solved"])
+    return out
+
+
+async def prefilter_solved(problems: Sequence, k: int, path: str,
+                           solve: Callable[[Sequence, int], Awaitable[list[int]]], chunk: int,
+                           desc: str = "pre-filter") -> set[str]:
+    """Ids of the problems solved k out of k. `solve(problems, k)` returns, per problem, how many
+    of its k rollouts scored; it is called on chunks of `chunk` problems not yet in `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    done = read_results(path)
+    _drop_cut_line(path)
+    todo = [p for p in problems if p.id not in done]
+    with tqdm(total=len(problems), initial=len(problems) - len(todo), desc=desc, dynamic_ncols=True) as bar:
+        for start in range(0, len(todo), chunk):
+            part = todo[start:start + chunk]
+            counts = await solve(part, k)
+            with open(path, "a", encoding="utf-8") as f:
+                for p, n in zip(part, counts):
+                    f.write(json.dumps({"id": p.id, "solved": int(n), "k": k}) + "\n")
+                    done[p.id] = int(n)
+                f.flush()
+                os.fsync(f.fileno())
+            bar.update(len(part))
+    ids = {p.id for p in problems}
+    solved = {i for i, n in done.items() if n >= k and i in ids}
+    summary = {"problems": len(ids), "solved_k_of_k": len(solved), "kept": len(ids) - len(solved), "k": k}
+    with open(os.path.splitext(path)[0] + ".summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    return solved
+
+
+def _drop_cut_line(path: str):
+    """Truncate a last line that a crash cut short (no newline after it), so appends stay whole."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
