@@ -1,6 +1,7 @@
 """Solve one problem interactively with tool calls, printed turn by turn.
 
     python -m rstar2_jax.chat --model DIR --prompt "Solve 2x + 3y = 7, x - y = 1"
+    python -m rstar2_jax.chat --checkpoint runs/tiny_arith --prompt "What is 123*45?"   # a run's policy, its format
 
 Like rStar2-Agent's chat_with_tool_call example, on the embedded JaxEngine and LocalSandbox.
 """
@@ -11,10 +12,11 @@ import asyncio
 
 from absl import app, flags, logging
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory", required=True)
+_MODEL = flags.DEFINE_string("model", None, "HF model directory")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint and format")
 _PROMPT = flags.DEFINE_string("prompt", "Solve the system of equations: 2x + 3y = 7, x - y = 1", "the problem")
-_FORMAT = flags.DEFINE_string("format", "rstar2", "prompt format the model was trained in: rstar2, compact or "
-                               "tiny (the CPU demo's model)")
+_FORMAT = flags.DEFINE_string("format", None, "prompt format the model was trained in: rstar2, compact or "
+                               "tiny (the CPU demo's); default: the run's with --checkpoint, else rstar2")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature; 0 = greedy")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 2048, "token budget after the prompt, all turns")
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 10, "assistant turns")
@@ -28,17 +30,15 @@ def _print_turn(turn):
         print(f"--- tool: {tool.status} in {tool.latency_s * 1000:.0f} ms ---\n{tool.output}")
 
 
-async def _chat():
+async def _chat(model, model_dir: str, format_name: str):
     import sandbox
-    from rstar2_jax import models
     from rstar2_jax.models.tokenizer import Tokenizer
     from rstar2_jax.rewards import extract_answer
     from rstar2_jax.rollout import AgentConfig, make_format, run_agent
     from rstar2_jax.rollout.engines import make_engine
 
-    fmt = make_format(_FORMAT.value)
-    model = models.load_pretrained(_MODEL.value)
-    tokenizer = Tokenizer.from_pretrained(_MODEL.value)
+    fmt = make_format(format_name)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
     cfg = AgentConfig(format=fmt, max_turns=_MAX_TURNS.value, max_response_tokens=_MAX_TOKENS.value,
                       temperature=_TEMPERATURE.value)
     print(fmt.prompt(_PROMPT.value))
@@ -53,10 +53,21 @@ async def _chat():
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    from rstar2_jax import models
+    from rstar2_jax.rl.checkpoints import NotARunError, load_run_policy, run_info
     from rstar2_jax.rollout import FORMATS
-    if _FORMAT.value not in FORMATS:
-        raise app.UsageError(f"--format must be one of {sorted(FORMATS)}, got {_FORMAT.value!r}")
-    asyncio.run(_chat())
+
+    if (_MODEL.value is None) == (_CHECKPOINT.value is None):
+        raise app.UsageError("give exactly one of --model or --checkpoint")
+    try:
+        run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
+        format_name = _FORMAT.value or run.get("format", "rstar2")
+        if format_name not in FORMATS:
+            raise app.UsageError(f"--format must be one of {sorted(FORMATS)}, got {format_name!r}")
+        model = models.load_pretrained(_MODEL.value) if _MODEL.value else load_run_policy(_CHECKPOINT.value)
+    except NotARunError as e:
+        raise app.UsageError(str(e)) from None
+    asyncio.run(_chat(model, _MODEL.value or run["model_dir"], format_name))
 
 
 if __name__ == "__main__":

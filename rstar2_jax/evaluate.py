@@ -46,36 +46,12 @@ _OUT = flags.DEFINE_string("out", "runs/eval", "output directory")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 
 
-def run_info(checkpoint: str) -> dict:
-    """A training run's run.json: its base model directory and prompt format."""
-    run_file = os.path.join(checkpoint, "run.json")
-    if not os.path.exists(run_file):
-        raise app.UsageError(f"{checkpoint} is not a training run directory (no run.json)")
-    with open(run_file) as f:
-        return json.load(f)
-
-
-def run_model_dir(checkpoint: str) -> str:
-    """The base model directory of a training run."""
-    return run_info(checkpoint)["model_dir"]
-
-
 def load_policy(model_dir: str | None, checkpoint: str | None):
     """The model of a HF directory, or of a training run's latest checkpoint."""
     from rstar2_jax import models
-    from rstar2_jax.learner import Learner
-    from rstar2_jax.rl.checkpoints import RunCheckpoints
+    from rstar2_jax.rl.checkpoints import load_run_policy
 
-    if model_dir is not None:
-        return models.load_pretrained(model_dir)
-    ckpts = RunCheckpoints(os.path.join(checkpoint, "checkpoints"))
-    step = ckpts.latest_step()
-    if step is None:
-        raise app.UsageError(f"no checkpoint under {checkpoint}/checkpoints")
-    template = Learner(models.load_pretrained(run_model_dir(checkpoint)))
-    template.state, _ = ckpts.restore(step, template.state)
-    ckpts.close()
-    return template.model()
+    return models.load_pretrained(model_dir) if model_dir is not None else load_run_policy(checkpoint)
 
 
 def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer):
@@ -144,6 +120,7 @@ def main(argv):
     from rstar2_jax.rollout import make_format
     from rstar2_jax.rollout.engines import ENGINE_KINDS
     from rstar2_jax.rollout.scheduler import POLICIES
+    from rstar2_jax.rl.checkpoints import NotARunError, run_info
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")
@@ -153,23 +130,23 @@ def main(argv):
         raise app.UsageError("--engine vllm needs --url (start a server: python -m rstar2_jax.rollout.serve --model DIR)")
     if _SCHEDULER.value not in POLICIES:
         raise app.UsageError(f"--scheduler must be one of {sorted(POLICIES)}, got {_SCHEDULER.value!r}")
-    format_name = _FORMAT.value or (run_info(_CHECKPOINT.value).get("format", "rstar2") if _CHECKPOINT.value
-                                    else "rstar2")
     try:
+        run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
+        format_name = _FORMAT.value or run.get("format", "rstar2")
         fmt = make_format(format_name)
         data_dir = _DATA_DIR.value if _DATA_DIR.value is not None else os.environ.get("RSTAR2_DATA_DIR")
         benchmarks = [resolve_benchmark(name, data_dir) for name in _BENCHMARKS.value]
-    except ValueError as e:
+    except (ValueError, NotARunError) as e:
         raise app.UsageError(str(e)) from None
     for bench in benchmarks:
         if not os.path.exists(bench.path):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
-    model_dir = _MODEL.value or run_model_dir(_CHECKPOINT.value)
+    model_dir = _MODEL.value or run["model_dir"]
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer)
     try:
+        make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer)
         results = asyncio.run(run_eval(make_engine, tokenizer, benchmarks, fmt))
-    except DataError as e:  # a malformed benchmark line: file and line, no traceback
+    except (DataError, NotARunError) as e:  # a malformed benchmark line: file and line, no traceback
         raise app.UsageError(str(e)) from None
     os.makedirs(_OUT.value, exist_ok=True)
     protocol = {"samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": _MAX_TOKENS.value,

@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # a 6-run ablation and two notebooks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 CELLS = ["roc_off_4_2_0.001", "roc_paper_4_2_0.001", "roc_release_4_2_0.001"]

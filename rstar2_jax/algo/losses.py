@@ -20,11 +20,12 @@ register_loss = partial(register, LOSSES)
 
 @register_loss("clip_higher")
 def clip_higher_loss(logprobs, old_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
-                     dual_clip: float | None = None):
+                     dual_clip: float | None = None, token_weights=None):
     """PPO clipped surrogate with an asymmetric range [1 - eps_low, 1 + eps_high] (clip-higher).
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sequence) or [B, T].
     dual_clip c > 1: for negative advantages the loss is also capped at -A * c.
+    token_weights [B, T] (e.g. truncated importance weights) scale each token's term of the sum.
     Returns (loss_sum, token_count, stats) with stats summed over tokens (divide by the count).
     """
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
@@ -40,7 +41,17 @@ def clip_higher_loss(logprobs, old_logprobs, advantages, mask, *, eps_low: float
         "clip_fraction_sum": jnp.sum((clipped > unclipped).astype(jnp.float32) * mask),
         "approx_kl_sum": jnp.sum(0.5 * log_ratio ** 2 * mask),
     }
-    return jnp.sum(per_token * mask), jnp.sum(mask), stats
+    weighted = per_token * mask if token_weights is None else per_token * mask * token_weights
+    return jnp.sum(weighted), jnp.sum(mask), stats
+
+
+def truncated_importance_weights(old_logprobs, sampler_logprobs, cap: float):
+    """Per-token weights min(pi_learner / pi_sampler, cap) for truncated importance sampling
+    (TIS): the engine samples with its own numerics (another kernel, bf16, or weights some
+    versions old under asynchronous rollouts), so its distribution is not the learner's; the
+    clipped ratio corrects the policy gradient toward the learner's policy while bounding the
+    variance. Constants of the update: no gradient flows through them."""
+    return jnp.minimum(jnp.exp(old_logprobs - sampler_logprobs), cap)
 
 
 def kl_penalty(logprobs, ref_logprobs, mask):

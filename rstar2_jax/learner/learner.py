@@ -96,6 +96,8 @@ class Learner:
             batch.old_logprobs = padded.old_logprobs[:rows]
         arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages,
                   "old_logprobs": padded.old_logprobs}
+        if self.cfg.loss.tis_cap is not None:
+            arrays["sampler_logprobs"] = padded.sampler_logprobs
         with self._ctx():
             self.state, metrics = self._train(self.state, {k: self._put(v) for k, v in arrays.items()})
         self.version += 1

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from rstar2_jax.algo.losses import loss_fn
+from rstar2_jax.algo.losses import loss_fn, truncated_importance_weights
 from rstar2_jax.models.logprobs import token_logprobs
 
 
@@ -36,6 +36,9 @@ class LossConfig:
     temperature: float = 1.0
     logprob_chunk: int = 512
     micro_batches: int = 1
+    # Truncated importance sampling between the sampler's log-probs and the learner's recomputed
+    # ones (None: off, the paper's setting; the batch then needs no sampler_logprobs).
+    tis_cap: float | None = None
 
 
 def compute_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bool = False):
@@ -49,13 +52,22 @@ def compute_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bo
 def _policy_loss(graphdef, cfg: LossConfig, params, batch):
     """(loss sum, token count, stats, log-probs) of the configured policy loss on `batch`."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg)
-    loss_sum, count, stats = loss_fn(cfg.name)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
-                                               eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
-    return loss_sum, count, stats, lp
+    mask = batch["loss_mask"]
+    weights, stats = None, {}
+    if cfg.tis_cap is not None:
+        weights = jax.lax.stop_gradient(truncated_importance_weights(batch["old_logprobs"], batch["sampler_logprobs"],
+                                                                     cfg.tis_cap))
+        stats = {"tis_weight_sum": jnp.sum(weights * mask),
+                 "tis_truncated_sum": jnp.sum((weights >= cfg.tis_cap).astype(jnp.float32) * mask)}
+    loss_sum, count, loss_stats = loss_fn(cfg.name)(lp, batch["old_logprobs"], batch["advantages"], mask,
+                                                    eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                                    dual_clip=cfg.dual_clip, token_weights=weights)
+    return loss_sum, count, {**loss_stats, **stats}, lp
 
 
 def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, state: TrainState, batch: dict):
-    """batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs [N, T]."""
+    """batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs [N, T] (and
+    sampler_logprobs [N, T] with cfg.tis_cap)."""
     n = batch["tokens"].shape[0]
     m = cfg.micro_batches
     if n % m:
@@ -79,6 +91,8 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, stat
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     stats0 = {"clip_fraction_sum": 0.0, "approx_kl_sum": 0.0, "nll_sum": 0.0}
+    if cfg.tis_cap is not None:
+        stats0.update(tis_weight_sum=0.0, tis_truncated_sum=0.0)
     (grads, stats), _ = jax.lax.scan(accumulate, (zeros, jax.tree.map(jnp.float32, stats0)), micro)
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -91,6 +105,9 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, stat
         "nll_per_token": stats["nll_sum"] / total_tokens,
         "tokens": total_tokens,
     }
+    if cfg.tis_cap is not None:
+        metrics["tis_weight_mean"] = stats["tis_weight_sum"] / total_tokens
+        metrics["tis_truncated_fraction"] = stats["tis_truncated_sum"] / total_tokens
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -4,6 +4,7 @@ from the newest complete one (orbax writes to a temporary directory and renames 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -33,3 +34,33 @@ class RunCheckpoints:
 
     def close(self):
         self.manager.close()
+
+
+class NotARunError(ValueError):
+    """A directory that is not a training run (or has no checkpoint yet)."""
+
+
+def run_info(run_dir: str) -> dict[str, Any]:
+    """A training run's run.json: its base model directory, name and prompt format."""
+    path = os.path.join(run_dir, "run.json")
+    if not os.path.exists(path):
+        raise NotARunError(f"{run_dir} is not a training run directory (no run.json)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_run_policy(run_dir: str):
+    """The policy of a training run's latest checkpoint (an nnx.Module of its architecture)."""
+    from rstar2_jax import models
+    from rstar2_jax.learner import Learner
+
+    ckpts = RunCheckpoints(os.path.join(run_dir, "checkpoints"))
+    try:
+        step = ckpts.latest_step()
+        if step is None:
+            raise NotARunError(f"no checkpoint under {run_dir}/checkpoints")
+        template = Learner(models.load_pretrained(run_info(run_dir)["model_dir"]))
+        template.state, _ = ckpts.restore(step, template.state)
+    finally:
+        ckpts.close()
+    return template.model()

@@ -90,6 +90,7 @@ def validate(cfg: ml_collections.ConfigDict):
     need(rl.oversample >= 1, "rl.oversample must be >= 1")
     need(rl.batch_problems >= 1 and rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
     need(rl.micro_batches >= 1, "rl.micro_batches must be >= 1")
+    need(rl.tis_cap == 0 or rl.tis_cap >= 1, f"rl.tis_cap must be 0 (off) or >= 1, got {rl.tis_cap}")
     need(cfg.sft.steps == 0 or cfg.data.task in _tasks_with_sft(),
          f"sft.steps must be 0 for data.task={cfg.data.task!r}: it has no SFT data (fine-tune first with "
          "python -m rstar2_jax.sft and set model.path)")
@@ -252,7 +253,7 @@ class RLRun:
                              grad_clip=rl.grad_clip, token_entropy=rl.token_entropy,
                              loss=LossConfig(rl.loss.name, rl.loss.eps_low, rl.loss.eps_high, rl.loss.dual_clip,
                                              temperature=self.cfg.rollout.temperature,
-                                             micro_batches=rl.micro_batches))
+                                             micro_batches=rl.micro_batches, tis_cap=rl.tis_cap or None))
 
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:

@@ -104,3 +104,42 @@ def test_make_batch_pads_and_aligns():
     assert b.num_tokens == 3
     with pytest.raises(ValueError, match="differ in length"):
         make_batch([[1, 2]], [[1]], [[0, 0]], [0.0])
+
+
+def test_truncated_importance_weights_hand_computed():
+    from rstar2_jax.algo.losses import truncated_importance_weights
+    old = np.log(np.array([[0.5, 0.2, 0.9]], np.float32))
+    sampler = np.log(np.array([[0.25, 0.4, 0.1]], np.float32))
+    np.testing.assert_allclose(truncated_importance_weights(old, sampler, 2.0), [[2.0, 0.5, 2.0]], rtol=1e-6)
+    np.testing.assert_allclose(truncated_importance_weights(old, sampler, 10.0), [[2.0, 0.5, 9.0]], rtol=1e-5)
+
+
+def _update_with(tis_cap, sampler_shift=0.0, seed=11):
+    cfg = small_config("qwen3")
+    learner = Learner(random_model(cfg, seed=seed), LearnerConfig(lr=1e-3, warmup_steps=1,
+                                                                  loss=LossConfig(tis_cap=tis_cap)))
+    batch = _batch(seed=12)
+    lp = learner.logprobs(batch.tokens)
+    # the sampler's log-probs: the learner's own (same weights, on-policy), optionally shifted
+    shift = sampler_shift * np.random.default_rng(0).standard_normal(lp.shape).astype(np.float32)
+    batch.sampler_logprobs = np.where(batch.loss_mask > 0, lp + shift, 0.0).astype(np.float32)
+    metrics = learner.update(batch)
+    return _params_flat(learner), metrics
+
+
+def test_correction_off_and_on_policy_is_bit_identical_to_the_plain_update():
+    """Staleness 0 and correction off is today's update; on-policy (sampler == learner) with the
+    correction on weighs every token by exactly 1, so it is the same update bit for bit."""
+    plain, m_plain = _update_with(None)
+    on_policy, m_on = _update_with(1e9)
+    np.testing.assert_array_equal(plain, on_policy)
+    assert m_on["tis_weight_mean"] == pytest.approx(1.0, abs=1e-6) and m_on["tis_truncated_fraction"] == 0.0
+    assert "tis_weight_mean" not in m_plain
+
+
+def test_correction_reweights_tokens_when_the_sampler_differs():
+    plain, _ = _update_with(None, sampler_shift=0.5)
+    corrected, m = _update_with(2.0, sampler_shift=0.5)
+    assert np.abs(plain - corrected).max() > 1e-6  # the update moved
+    assert 0.0 < m["tis_truncated_fraction"] < 1.0 and m["tis_weight_mean"] <= 2.0
+    assert m["importance_ratio_max"] > 2.0  # the mismatch metrics see what the cap cut

@@ -62,6 +62,7 @@ def _two_stage_config(steps=3):
     return cfg
 
 
+@pytest.mark.slow
 def test_a_run_pre_filters_when_the_stage_begins_and_never_trains_on_dropped_problems(tmp_path):
     from rstar2_jax.data.tasks import make_task
 

@@ -37,6 +37,7 @@ def small_config(**rl):
     return c
 
 
+@pytest.mark.slow
 def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, benchmark_dir):
     cfg = small_config()
     results = run(cfg, str(tmp_path))
@@ -65,6 +66,12 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "eval" / "results.json").read_text())["results"]["aime24"]["problems"] == 1
+    # chat drives the run's policy in the run's own prompt format
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.chat", f"--checkpoint={tmp_path}", "--prompt=What is 12*34?",
+                           "--max_tokens=60", "--max_turns=2", "--temperature=0", "--isolation=basic"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("<|im_start|>system\nUse python.<|im_end|>") and "\n=== " in proc.stdout
 
 
 def _rl_lines(path):
@@ -75,6 +82,7 @@ COMPARED = ("reward_mean", "kept_rollouts", "mean_response_tokens", "mean_tool_c
             "logprob_mismatch_max")
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_continues_identically(tmp_path):
     cfg = small_config(steps=3)
     cfg.eval.before_and_after = False
@@ -92,6 +100,7 @@ def test_resume_after_a_crash_continues_identically(tmp_path):
                 assert la[key] == pytest.approx(lb[key], rel=1e-6, abs=1e-7), (la["step"], key)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume(tmp_path):
     """A real SIGKILL: the restarted run picks up at the last checkpoint and finishes."""
     work = tmp_path / "killed"

@@ -36,6 +36,8 @@ from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.scheduler import Scheduler
 from rstar2_jax.traces import read_traces
 
+pytestmark = pytest.mark.slow  # real vLLM CPU servers (~60 s to start each)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
