@@ -40,6 +40,7 @@ def test_pass_at_1_is_averaged_over_samples_with_an_interval():
         benchmark_summary(scored, samples=5)
 
 
+@pytest.mark.slow
 def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir):
     model = tiny.build_tiny_model(tmp_path / "m")
     out = tmp_path / "eval"

@@ -23,6 +23,7 @@ def _params_flat(learner):
     return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(learner.state.params)])
 
 
+@pytest.mark.slow
 def test_micro_batch_accumulation_is_exact():
     cfg = small_config("qwen3")
     results = []
@@ -127,6 +128,7 @@ def _update_with(tis_cap, sampler_shift=0.0, seed=11):
     return _params_flat(learner), metrics
 
 
+@pytest.mark.slow
 def test_correction_off_and_on_policy_is_bit_identical_to_the_plain_update():
     """Staleness 0 and correction off is today's update; on-policy (sampler == learner) with the
     correction on weighs every token by exactly 1, so it is the same update bit for bit."""
@@ -137,6 +139,7 @@ def test_correction_off_and_on_policy_is_bit_identical_to_the_plain_update():
     assert "tis_weight_mean" not in m_plain
 
 
+@pytest.mark.slow
 def test_correction_reweights_tokens_when_the_sampler_differs():
     plain, _ = _update_with(None, sampler_shift=0.5)
     corrected, m = _update_with(2.0, sampler_shift=0.5)

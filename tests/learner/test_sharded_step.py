@@ -4,6 +4,8 @@ import pytest
 
 from tests.fake_devices import run_on_8_fake_devices
 
+pytestmark = pytest.mark.slow  # a subprocess that compiles the step on 8 fake devices (~1 min)
+
 
 @pytest.fixture(scope="module")
 def results():

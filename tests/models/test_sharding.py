@@ -12,6 +12,7 @@ def sharded_results():
     return run_on_8_fake_devices("tests.models.sharded_forward_main")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index,axes", [(0, "fsdp=8"), (1, "fsdp=4,tensor=2"), (2, "data=2,fsdp=2,tensor=2")])
 def test_sharded_forward_equals_unsharded(sharded_results, index, axes):
     result = sharded_results[index]

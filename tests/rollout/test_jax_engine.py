@@ -154,6 +154,7 @@ def test_seeded_requests_reproduce_whatever_else_is_batched(tiny_model, tokenize
     assert alone.token_ids == crowded.token_ids and alone.logprobs == pytest.approx(crowded.logprobs, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny_model, tokenizer):
     """kv_bucket (read only the live cache prefix) and the ragged Pallas decode kernel change
     what a step reads, not what it samples: seeded completions and log-probs agree."""
@@ -184,6 +185,7 @@ def test_kv_bucket_rounds_up_to_cover_the_longest_live_row(tiny_model, tokenizer
     assert JaxEngine(tiny_model, tokenizer, slots=1, max_len=100)._kv_len(5) is None
 
 
+@pytest.mark.slow
 def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model, tokenizer):
     prompt = tokenizer.encode("precompile me")
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
