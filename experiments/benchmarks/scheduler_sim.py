@@ -20,7 +20,10 @@ weights at ~3 TB/s, 196 KB of KV per token, ~240K tokens of KV cache).
 
 Reported per policy (mean over seeds): makespan (last trajectory done), idle engine share (time
 an engine had nothing to run before the makespan, over engines x makespan), preemptions and the
-tokens they forced to recompute, and the mean number of requests an engine ran at once.
+tokens they forced to recompute, prefill tokens (everything not found in an engine's prefix
+cache: whole trajectories re-prefilled when a turn moves engines), and the mean number of
+requests an engine ran at once. "+ affinity" variants keep a trajectory on the engine of its
+previous turn when it fits there (the scheduler's pick_with_affinity).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import time
 import numpy as np
 
 from experiments.benchmarks import common
-from rstar2_jax.rollout.scheduler import POLICIES, EngineLoad, reservation
+from rstar2_jax.rollout.scheduler import POLICIES, EngineLoad, pick_with_affinity, reservation
 
 
 @dataclasses.dataclass
@@ -60,6 +63,7 @@ class SimConfig:
     step_per_kv_token_s: float = 6.5e-8  # 196 KB / 3 TB/s
     prefill_per_token_s: float = 7e-5    # 2 x 14e9 FLOPs / 400 TFLOP/s
     reserve_new_tokens: int | None = None  # kv_aware: None reserves the whole remaining budget
+    affinity: bool = False               # a trajectory's next turn goes back to its engine when it fits
 
 
 @dataclasses.dataclass
@@ -95,6 +99,7 @@ class Engine:
         self.reserved = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
+        self.prefill_tokens = 0          # tokens prefilled (not found in the prefix cache)
         self.busy_s = 0.0
         self.seq_steps = 0.0             # sum over steps of running requests (for mean batch)
         self.steps = 0
@@ -120,6 +125,7 @@ class Engine:
             self.waiting.popleft()
             # a turn back on the engine of its previous turn only prefills the tool response
             prefill = c.tool_response_tokens if req.cached else req.kv
+            self.prefill_tokens += prefill
             self.t += prefill * c.prefill_per_token_s
             self.busy_s += prefill * c.prefill_per_token_s
             self.kv_used += req.kv
@@ -186,7 +192,8 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
 
     def dispatch(req: Request) -> bool:
         loads = [e.load() for e in engines]
-        i = pick(loads, req.reserve, next(turn_counter))
+        home = req.traj.last_engine if cfg.affinity and req.traj.last_engine >= 0 else None
+        i = pick_with_affinity(pick, loads, req.reserve, next(turn_counter), home)
         if i is None:
             return False
         e = engines[i]
@@ -261,6 +268,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
     return {"makespan_s": makespan, "idle_share": 1 - busy / (len(engines) * makespan),
             "preemptions": sum(e.preemptions for e in engines),
             "recomputed_tokens": sum(e.recomputed_tokens for e in engines),
+            "prefill_tokens": sum(e.prefill_tokens for e in engines),
             "mean_batch": sum(e.seq_steps for e in engines) / max(1, steps),
             "tool_calls": sum(len(t.tool_s) for t in trajs)}
 
@@ -284,8 +292,11 @@ def main(argv=None):
 def run_scenario(args, base: SimConfig, argv):
     variants = [("round_robin", base), ("least_requests", base), ("kv_aware (whole budget)", base)]
     variants += [(f"kv_aware (reserve {r})", dataclasses.replace(base, reserve_new_tokens=r)) for r in args.reserve]
-    header = ["policy", "makespan s", "idle engine share", "preemptions", "recomputed tokens", "mean batch",
-              "sim wall s"]
+    variants += [("least_requests + affinity", dataclasses.replace(base, affinity=True))]
+    variants += [(f"kv_aware (reserve {r}) + affinity", dataclasses.replace(base, reserve_new_tokens=r, affinity=True))
+                 for r in args.reserve]
+    header = ["policy", "makespan s", "idle engine share", "preemptions", "recomputed tokens", "prefill tokens",
+              "mean batch", "sim wall s"]
     rows = []
     for name, cfg in variants:
         policy = name.split(" ")[0]
@@ -294,7 +305,8 @@ def run_scenario(args, base: SimConfig, argv):
         mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
         spread = {k: float(np.std([r[k] for r in runs])) for k in runs[0]}
         rows.append((name, f"{mean['makespan_s']:.1f} ± {spread['makespan_s']:.1f}", f"{mean['idle_share']:.1%}",
-                     f"{mean['preemptions']:.0f}", f"{mean['recomputed_tokens']:,.0f}", f"{mean['mean_batch']:.1f}",
+                     f"{mean['preemptions']:.0f}", f"{mean['recomputed_tokens']:,.0f}",
+                     f"{mean['prefill_tokens']:,.0f}", f"{mean['mean_batch']:.1f}",
                      f"{time.perf_counter() - start:.1f}"))
     config = (f"{args.engines} engines x {args.rollouts_per_engine} rollouts, {args.seeds} seeds (mean ± std), "
               f"~{runs[0]['tool_calls']} tool calls per step; engine model: 14B bf16 on one H100, "

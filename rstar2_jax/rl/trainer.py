@@ -167,6 +167,7 @@ class StepRollouts:
     rollout_s: float
     timeline: Timeline             # tool, reward, engine spans (and learner, sync once trained)
     stats_before: Any              # engine.stats at the start (engines that keep stats)
+    load_before: Any               # engine.load() at the start (prefix-cache counters)
 
 
 class RLRun:
@@ -370,6 +371,7 @@ class RLRun:
         timeline = Timeline()
         engine.take_busy_intervals()  # only this step's work
         stats_before = dataclasses.replace(engine.stats) if engine.stats is not None else None
+        load_before = engine.load()
         with timeline.activate():
             scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
         rollout_s = time.monotonic() - start - timeline.union("reward")
@@ -377,7 +379,7 @@ class RLRun:
         stale = [s for s in scored if s.trajectory.min_version < self.learner.version - cfg.rl.max_staleness]
         if stale:
             raise RuntimeError(f"step {step}: {len(stale)} rollouts are older than the allowed staleness")
-        return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before)
+        return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before, load_before)
 
     def select(self, step: int, out: StepRollouts) -> tuple[list[tuple[Any, float, int]], list[dict]]:
         """RoC per group: (trajectory, advantage, record index) of each kept rollout, and the
@@ -423,11 +425,15 @@ class RLRun:
         summary = summarize(out.scored)
         gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in out.scored)
         step_s = time.monotonic() - out.started
+        load = engine.load()
+        queries = load.prefix_cache_queries - out.load_before.prefix_cache_queries
+        cache = ({"engine/prefix_cache_hit_rate": (load.prefix_cache_hits - out.load_before.prefix_cache_hits) / queries}
+                 if queries > 0 else {})  # servers that report their prefix cache (vLLM)
         return {
             "reward_mean": summary["accuracy"], "p_err_correct": summary["tool_error_ratio_correct"],
             "kept_rollouts": kept, "rollout_s": out.rollout_s, "tokens_per_s": gen_tokens / max(out.rollout_s, 1e-9),
             "mean_response_tokens": summary["mean_response_tokens"], "mean_tool_calls": summary["mean_tool_calls"],
-            **step_breakdown(out.timeline, out.rollout_s, step_s, out.stats_before, engine.stats),
+            **step_breakdown(out.timeline, out.rollout_s, step_s, out.stats_before, engine.stats), **cache,
         }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
@@ -23,6 +24,9 @@ from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 from rstar2_jax.timeline import span
+
+
+_SESSIONS = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,7 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
     """seed: makes the trajectory reproducible (each turn samples from its own key) regardless of
     what else the engine is batching; None draws from the engine's stream."""
     fmt = cfg.format
+    session = next(_SESSIONS)  # names this trajectory to the engine: its turns share one prefix
     prompt_ids = tokenizer.encode(fmt.prompt(problem))
     traj = Trajectory(prompt_len=len(prompt_ids), token_ids=[], loss_mask=[], logprobs=[])
     traj.append(prompt_ids, 0)
@@ -70,7 +75,8 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
         sampling = SamplingParams(max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   seed=None if seed is None else seed * 1009 + turn_index)
         start = time.monotonic()
-        comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end] if fmt.tool_call_stops_turn else [])
+        comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end] if fmt.tool_call_stops_turn else [],
+                                     session=session)
         traj.generation_s += time.monotonic() - start
         traj.append(comp.token_ids, 1, comp.logprobs)
         turn = Turn(tokenizer.decode(comp.token_ids), len(comp.token_ids), comp.finish_reason,

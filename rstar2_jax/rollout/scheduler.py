@@ -15,6 +15,14 @@ Policies (pure functions of the engines' loads; the simulation benchmark runs th
   clients counts too.
 - "round_robin", "least_requests": the usual baselines.
 
+Prefix affinity (`affinity=True`, the default): a trajectory's turns share a growing prefix, and
+only the engine that ran its previous turn holds that prefix in its KV/prefix cache. A turn that
+names its trajectory (`session`) goes back to that engine ("home") whenever it is healthy and has
+room for it; otherwise it spills to where the policy puts it, which becomes its new home
+(`pick_with_affinity`). Without affinity, a kv_aware scheduler sends successive turns to whichever
+engine is emptiest, and each move re-prefills the whole trajectory. `prefix_cache_hit_rate()`
+reports what the servers saw (vLLM's prefix-cache counters).
+
 A request whose engine fails (ServerUnavailable after its restart window) is sent to another
 engine; the failed engine is skipped until it answers again.
 """
@@ -22,11 +30,12 @@ engine; the failed engine is skipped until it answers again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
@@ -77,6 +86,15 @@ POLICIES: dict[str, Callable[[Sequence[EngineLoad], int, int], int | None]] = {
     "kv_aware": pick_kv_aware, "round_robin": pick_round_robin, "least_requests": pick_least_requests}
 
 
+def pick_with_affinity(pick: Callable[[Sequence[EngineLoad], int, int], int | None], loads: Sequence[EngineLoad],
+                       need: int, turn: int, home: int | None) -> int | None:
+    """`home` (the engine holding the trajectory's prefix) when it is healthy and `need` fits
+    there; otherwise whatever `pick` decides."""
+    if home is not None and loads[home].healthy and loads[home].free_tokens >= need:
+        return home
+    return pick(loads, need, turn)
+
+
 def reservation(prompt_len: int, max_tokens: int, reserve_new_tokens: int | None) -> int:
     """KV tokens a turn may come to hold: its prompt plus the new tokens it is allowed (or fewer,
     when `reserve_new_tokens` bets on shorter answers and accepts some risk of preemption)."""
@@ -86,7 +104,7 @@ def reservation(prompt_len: int, max_tokens: int, reserve_new_tokens: int | None
 
 class Scheduler(Engine):
     def __init__(self, engines: Sequence, policy: str = "kv_aware", *, reserve_new_tokens: int | None = None,
-                 refresh_s: float = 1.0):
+                 refresh_s: float = 1.0, affinity: bool = True, max_sessions: int = 1 << 16):
         if not engines:
             raise ValueError("Scheduler needs at least one engine")
         if policy not in POLICIES:
@@ -98,6 +116,12 @@ class Scheduler(Engine):
         self.loads = [EngineLoad(capacity_tokens=e.load().kv_capacity_tokens) for e in self.engines]
         self.dispatched = [0] * len(self.engines)   # turns sent to each engine
         self.rerouted = 0                            # turns sent again after their engine failed
+        self.affinity = affinity
+        self.stayed = 0                              # turns placed on their session's home engine
+        self.spilled = 0                             # turns whose home had no room (or was down)
+        self._homes: collections.OrderedDict = collections.OrderedDict()  # session -> engine, LRU
+        self._max_sessions = max_sessions
+        self._cache_baseline = [(l.prefix_cache_queries, l.prefix_cache_hits) for l in map(lambda e: e.load(), self.engines)]
         self._turns = itertools.count()
         self._changed: asyncio.Condition | None = None
         self._last_refresh = 0.0
@@ -112,13 +136,13 @@ class Scheduler(Engine):
             e.update_weights(params, version)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       stop: Sequence[str] = ()) -> Completion:
+                       stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
         need = reservation(len(prompt_ids), sampling.max_tokens, self.reserve_new_tokens)
         changed = self._condition()
         while True:
-            index = await self._acquire(need)
+            index = await self._acquire(need, session)
             try:
-                return await self.engines[index].generate(prompt_ids, sampling, stop)
+                return await self.engines[index].generate(prompt_ids, sampling, stop, session=session)
             except ServerUnavailable as e:
                 log.warning("engine %d failed (%s); sending the turn elsewhere", index, e)
                 self.loads[index].healthy = False
@@ -131,23 +155,45 @@ class Scheduler(Engine):
                     self.loads[index].in_flight -= 1
                     changed.notify_all()
 
-    async def _acquire(self, need: int) -> int:
-        """Wait until the policy places the request; reserve there."""
+    async def _acquire(self, need: int, session: Hashable | None = None) -> int:
+        """Wait until the policy places the request (at its session's home when that fits); reserve there."""
         changed = self._condition()
+        home = self._homes.get(session) if self.affinity and session is not None else None
         while True:
             await self._refresh()
             async with changed:
-                index = POLICIES[self.policy](self.loads, need, next(self._turns))
+                index = pick_with_affinity(POLICIES[self.policy], self.loads, need, next(self._turns), home)
                 if index is not None:
                     load = self.loads[index]
                     load.reserved_tokens += need
                     load.in_flight += 1
                     self.dispatched[index] += 1
+                    if home is not None:
+                        self.stayed += index == home
+                        self.spilled += index != home
+                    if session is not None:
+                        self._remember(session, index)
                     return index
                 try:  # woken by a finished request, or re-read the metrics after refresh_s
                     await asyncio.wait_for(changed.wait(), max(self.refresh_s, 0.05))
                 except asyncio.TimeoutError:
                     pass
+
+    def _remember(self, session: Hashable, index: int):
+        self._homes[session] = index
+        self._homes.move_to_end(session)
+        while len(self._homes) > self._max_sessions:
+            self._homes.popitem(last=False)
+
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of prompt tokens the servers found in their prefix caches since this scheduler
+        started (None when they report no lookups, e.g. JaxEngines)."""
+        queries = hits = 0
+        for engine, (q0, h0) in zip(self.engines, self._cache_baseline):
+            load = engine.load()
+            queries += load.prefix_cache_queries - q0
+            hits += load.prefix_cache_hits - h0
+        return hits / queries if queries > 0 else None
 
     async def _refresh(self):
         """Re-read the engines' metrics at most every refresh_s (and retry unhealthy ones)."""

@@ -30,7 +30,7 @@ class ScriptedEngine:
         self.prompts = []
         self.version = 7
 
-    async def generate(self, prompt_ids, sampling, stop=()):
+    async def generate(self, prompt_ids, sampling, stop=(), *, session=None):
         self.prompts.append(list(prompt_ids))
         await asyncio.sleep(self.delay_s)
         text = self.turns[min(len(self.prompts) - 1, len(self.turns) - 1)]

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
 from rstar2_jax.rollout.sampling import SamplingParams
-from rstar2_jax.rollout.scheduler import (EngineLoad, Scheduler, pick_kv_aware, pick_least_requests,
-                                          pick_round_robin, reservation)
+from rstar2_jax.rollout.scheduler import (POLICIES, EngineLoad, Scheduler, pick_kv_aware, pick_least_requests,
+                                          pick_round_robin, pick_with_affinity, reservation)
 
 loads_strategy = st.lists(st.builds(EngineLoad, capacity_tokens=st.integers(1, 10_000),
                                     reserved_tokens=st.integers(0, 10_000), used_tokens=st.integers(0, 10_000),
@@ -66,13 +66,19 @@ class FakeKVEngine(Engine):
         self.served = 0
         self.version = 0
         self.fail = False
+        self.prefixes = {}               # session -> tokens of it this engine holds (its prefix cache)
+        self.queries = self.hits = 0
 
     def load(self):
-        return ServerLoad(kv_usage=self.used / self.capacity, kv_capacity_tokens=self.capacity)
+        return ServerLoad(kv_usage=self.used / self.capacity, kv_capacity_tokens=self.capacity,
+                          prefix_cache_queries=self.queries, prefix_cache_hits=self.hits)
 
-    async def generate(self, prompt_ids, sampling, stop=()):
+    async def generate(self, prompt_ids, sampling, stop=(), *, session=None):
         if self.fail:
             raise ServerUnavailable("down")
+        self.queries += len(prompt_ids)
+        self.hits += min(self.prefixes.get(session, 0), len(prompt_ids))
+        self.prefixes[session] = len(prompt_ids) + sampling.max_tokens
         need = len(prompt_ids) + sampling.max_tokens
         self.used += need
         if self.used > self.capacity:
@@ -146,3 +152,81 @@ def test_update_weights_reaches_every_engine_and_version_is_the_oldest():
 def test_unknown_policy_is_an_error():
     with pytest.raises(ValueError, match="policy"):
         Scheduler([FakeKVEngine(10)], "fastest")
+
+
+@given(loads_strategy, st.integers(1, 5000), st.integers(0, 100), st.integers(-1, 7), st.sampled_from(sorted(POLICIES)))
+def test_affinity_keeps_the_home_engine_when_it_fits_else_defers_to_the_policy(loads, need, turn, home, policy):
+    home = home if 0 <= home < len(loads) else None
+    got = pick_with_affinity(POLICIES[policy], loads, need, turn, home)
+    if home is not None and loads[home].healthy and loads[home].free_tokens >= need:
+        assert got == home
+    else:
+        assert got == POLICIES[policy](loads, need, turn)
+
+
+def _multi_turn(scheduler, sessions=16, turns=4, prompt=50, new=20):
+    """Trajectories whose every turn extends the last (prompt grows by the turn's tokens)."""
+    async def trajectory(s):
+        length = prompt
+        for _ in range(turns):
+            await scheduler.generate([0] * length, SamplingParams(max_tokens=new), session=("traj", s))
+            length += new + 10  # the turn's tokens and a tool response
+    async def main():
+        await asyncio.gather(*(trajectory(s) for s in range(sessions)))
+    asyncio.run(main())
+
+
+def test_affinity_keeps_trajectories_where_their_prefix_is_cached():
+    engines = [FakeKVEngine(capacity=2000, duration=0.005) for _ in range(4)]
+    scheduler = Scheduler(engines, "kv_aware", refresh_s=0.0)
+    _multi_turn(scheduler)
+    assert scheduler.stayed == 16 * 3 and scheduler.spilled == 0  # every later turn went home
+    # so every later turn finds its whole previous turn cached: (70 + 100 + 130) / (50 + 80 + 110 + 140)
+    assert scheduler.prefix_cache_hit_rate() == pytest.approx(300 / 380)
+
+
+def test_without_affinity_kv_aware_moves_a_trajectory_off_its_prefix():
+    """Other work lands on the engine a trajectory just used, so it is no longer the emptiest:
+    kv_aware alone moves the next turn away (re-prefilling it), affinity keeps it home."""
+    rates = {}
+    for affinity in (True, False):
+        engines = [FakeKVEngine(capacity=5000, duration=0.0) for _ in range(2)]
+        scheduler = Scheduler(engines, "kv_aware", refresh_s=0.0, affinity=affinity)
+
+        async def main():
+            length, last = 50, None
+            for _ in range(4):
+                if last is not None:
+                    scheduler.loads[last].reserved_tokens += 500  # someone else's turn arrives there
+                await scheduler.generate([0] * length, SamplingParams(max_tokens=20), session="t")
+                last = scheduler._homes["t"]
+                length += 30
+        asyncio.run(main())
+        rates[affinity] = scheduler.prefix_cache_hit_rate()
+    assert rates[True] == pytest.approx(300 / 380) and rates[False] < rates[True] - 0.2, rates
+
+
+def test_a_full_home_spills_to_the_policy_and_the_session_moves():
+    engines = [FakeKVEngine(capacity=1000, duration=0.0), FakeKVEngine(capacity=1000, duration=0.0)]
+    scheduler = Scheduler(engines, "kv_aware", refresh_s=0.0)
+
+    async def main():
+        await scheduler.generate([0] * 10, SamplingParams(max_tokens=10), session="a")
+        home = scheduler._homes["a"]
+        scheduler.loads[home].reserved_tokens += 990  # someone else fills the home engine
+        await scheduler.generate([0] * 30, SamplingParams(max_tokens=10), session="a")
+        scheduler.loads[home].reserved_tokens -= 990
+        return home
+    home = asyncio.run(main())
+    assert scheduler.spilled == 1 and scheduler._homes["a"] == 1 - home
+
+
+def test_server_load_reads_vllm_prefix_cache_counters():
+    from rstar2_jax.rollout.engines.vllm_client import server_load
+    text = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1200.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 900.0\n'
+            'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 800.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 100.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n')
+    load = server_load(text)
+    assert (load.prefix_cache_queries, load.prefix_cache_hits) == (2000, 1000)

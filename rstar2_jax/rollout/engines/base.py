@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 from rstar2_jax.rollout.sampling import SamplingParams
 
@@ -35,6 +35,8 @@ class ServerLoad:
     running: int = 0
     waiting: int = 0
     preemptions: int = 0            # since the server started
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, since the server started ...
+    prefix_cache_hits: int = 0      # ... and how many of them were found there
 
     @property
     def free_kv_tokens(self) -> int:
@@ -71,8 +73,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       stop: Sequence[str] = ()) -> Completion:
-        """One turn: sample after `prompt_ids` until a stop string, EOS or max_tokens."""
+                       stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
+        """One turn: sample after `prompt_ids` until a stop string, EOS or max_tokens. `session`
+        names the trajectory the turn belongs to (its turns share a growing prefix): a scheduler
+        keeps a session on the engine that holds that prefix; single engines ignore it."""
 
     @abc.abstractmethod
     def update_weights(self, params: Any, version: int | None = None) -> None:

@@ -24,7 +24,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +109,7 @@ class JaxEngine(Engine):
     # public interface
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       stop: Sequence[str] = ()) -> Completion:
+                       stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
         self._ensure_running()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:

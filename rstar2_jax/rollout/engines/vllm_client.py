@@ -48,13 +48,15 @@ def server_load(metrics_text: str) -> ServerLoad:
         if name == "vllm:cache_config_info":
             capacity += int(float(labels.get("kv_cache_size_tokens") or 0))
         elif name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                      "vllm:num_preemptions_total"):
+                      "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
             sums[name] = sums.get(name, 0.0) + value
             engines += name == "vllm:kv_cache_usage_perc"  # one sample per engine core
     return ServerLoad(kv_usage=sums.get("vllm:kv_cache_usage_perc", 0.0) / max(1, engines), kv_capacity_tokens=capacity,
                       running=int(sums.get("vllm:num_requests_running", 0)),
                       waiting=int(sums.get("vllm:num_requests_waiting", 0)),
-                      preemptions=int(sums.get("vllm:num_preemptions_total", 0)))
+                      preemptions=int(sums.get("vllm:num_preemptions_total", 0)),
+                      prefix_cache_queries=int(sums.get("vllm:prefix_cache_queries_total", 0)),
+                      prefix_cache_hits=int(sums.get("vllm:prefix_cache_hits_total", 0)))
 
 
 class VLLMClient:

@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +100,7 @@ class VLLMEngine(Engine):
     # generation
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       stop: Sequence[str] = ()) -> Completion:
+                       stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
