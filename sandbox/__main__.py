@@ -13,11 +13,12 @@ import logging
 import signal
 import sys
 
+from sandbox.local import ISOLATION_MODES
 from sandbox.result import Limits
 
 
 def _add_sandbox_args(p: argparse.ArgumentParser):
-    p.add_argument("--isolation", choices=["strict", "basic"], default="strict")
+    p.add_argument("--isolation", choices=ISOLATION_MODES, default="strict")
     p.add_argument("--memory-mb", type=int, default=1024, help="address space per call on top of the zygote's")
     p.add_argument("--output-kb", type=int, default=64, help="stdout and stderr cap per call")
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from sandbox.local import LocalSandbox
+from sandbox.local import ISOLATION_MODES, LocalSandbox
 
 WORKLOADS = {
     "trivial": ["print(1 + 1)"],
@@ -45,7 +45,7 @@ def add_args(p: argparse.ArgumentParser):
     p.add_argument("--baseline-calls", type=int, default=60, help="calls per workload for the fresh-interpreter baseline")
     p.add_argument("--workloads", default="trivial,sympy,mixed", help="comma list, or 'none' (burst only)")
     p.add_argument("--burst", type=int, default=0, help="also submit this many calls at once (e.g. 45000)")
-    p.add_argument("--isolation", choices=["strict", "basic"], default="strict")
+    p.add_argument("--isolation", choices=ISOLATION_MODES, default="strict")
     p.add_argument("--json", help="write the results to this file too")
 
 

@@ -32,13 +32,16 @@ def check_strict_isolation_available() -> str | None:
     return None
 
 
+ISOLATION_MODES = ("strict", "basic")
+
+
 class LocalSandbox:
     def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits = Limits(),
                  preload: Sequence[str] = DEFAULT_PRELOAD, default_timeout: float = 5.0,
                  max_pending: int = 4096, uid_base: int = DEFAULT_UID_BASE):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        if isolation not in ("strict", "basic"):
+        if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be 'strict' or 'basic', got {isolation!r}")
         self.workers = workers
         self.isolation = isolation

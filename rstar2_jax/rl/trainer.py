@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 import sandbox as sandbox_lib
 from rstar2_jax import models, sharding
 from rstar2_jax.algo import ADVANTAGES, LOSSES, SELECTION_MODES
-from rstar2_jax.data.tasks import check_task, make_task
+from rstar2_jax.data.tasks import TASKS, check_task, make_task
 from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION
@@ -50,7 +50,6 @@ from rstar2_jax.traces import TraceWriter, trajectory_record
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 STAGE_KEYS = {"start_step", "max_response_tokens", "max_turns", "filter_solved_k", "filter_mode", "reset_optimizer"}
 FILTER_MODES = ("offline", "online")
-ISOLATIONS = ("strict", "basic")
 
 
 class ConfigValueError(ValueError):
@@ -82,7 +81,7 @@ def validate(cfg: ml_collections.ConfigDict):
          "(start one with `python -m rstar2_jax.rollout.serve --model DIR`)")
     one_of(r.scheduler, POLICIES, "rollout.scheduler")
     need(r.vllm_export_dtype in ("", *DTYPES), f"rollout.vllm_export_dtype must be '' or one of {sorted(DTYPES)}")
-    one_of(cfg.sandbox.isolation, ISOLATIONS, "sandbox.isolation")
+    one_of(cfg.sandbox.isolation, sandbox_lib.ISOLATION_MODES, "sandbox.isolation")
     one_of(rl.roc.mode, SELECTION_MODES, "rl.roc.mode")
     one_of(rl.advantage, ADVANTAGES, "rl.advantage")
     one_of(rl.loss.name, LOSSES, "rl.loss.name")
@@ -91,7 +90,7 @@ def validate(cfg: ml_collections.ConfigDict):
     need(rl.batch_problems >= 1 and rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
     need(rl.micro_batches >= 1, "rl.micro_batches must be >= 1")
     need(rl.tis_cap == 0 or rl.tis_cap >= 1, f"rl.tis_cap must be 0 (off) or >= 1, got {rl.tis_cap}")
-    need(cfg.sft.steps == 0 or cfg.data.task in _tasks_with_sft(),
+    need(cfg.sft.steps == 0 or cfg.data.task not in TASKS or TASKS[cfg.data.task].has_sft_data,
          f"sft.steps must be 0 for data.task={cfg.data.task!r}: it has no SFT data (fine-tune first with "
          "python -m rstar2_jax.sft and set model.path)")
     need(len(cfg.stages) >= 1 and cfg.stages[0]["start_step"] == 0, "stages must start with start_step=0")
@@ -113,11 +112,6 @@ def validate(cfg: ml_collections.ConfigDict):
     need(starts == sorted(starts), "stages must be ordered by start_step")
     if errors:
         raise ConfigValueError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def _tasks_with_sft() -> set[str]:
-    from rstar2_jax.data.tasks import TASKS
-    return {name for name, spec in TASKS.items() if spec.has_sft_data}
 
 
 def check_prompt_room(fmt: PromptFormat, tokenizer, problems, stages, max_len: int):
