@@ -46,6 +46,7 @@ def get_config():
     c.rollout.temperature = 1.0
     c.rollout.tool_timeout_s = 5.0
     c.rollout.engine = "jax"             # jax (embedded) | vllm (servers at vllm_urls; see README)
+    c.rollout.reuse_kv = False           # jax: keep a trajectory's KV in its slot between turns (prefill only new tokens)
     c.rollout.vllm_urls = ()             # server URLs (repeat --config.rollout.vllm_urls=URL); several: the scheduler
     c.rollout.scheduler = "kv_aware"     # kv_aware | round_robin | least_requests (several servers)
     c.rollout.vllm_export_dtype = ""     # dtype of synced weights ("" = the params'); bfloat16 for bf16 servers

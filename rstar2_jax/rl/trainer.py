@@ -208,7 +208,7 @@ class RLRun:
         return make_engine(r.engine, engine_model, self.tokenizer, max_len=r.max_len, slots=r.slots, seed=self.cfg.seed,
                            urls=r.vllm_urls, scheduler=r.scheduler,
                            export_dtype=DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else None,
-                           probe_tolerance=r.vllm_probe_tolerance)
+                           probe_tolerance=r.vllm_probe_tolerance, reuse_kv=r.reuse_kv)
 
     def sft(self):
         c = self.cfg.sft

@@ -202,3 +202,55 @@ def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model,
         return out.token_ids
 
     assert _run(go(True)) == _run(go(False))
+
+
+def _turns(eng, tokenizer, sessions, turns=3, max_tokens=8):
+    """Multi-turn trajectories: each next prompt = previous prompt + completion + a tool response."""
+    async def one(s):
+        prompt, outs = tokenizer.encode(f"question {s}:"), []
+        for t in range(turns):
+            c = await eng.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), session=("traj", s))
+            outs.append(c)
+            prompt = prompt + c.token_ids + tokenizer.encode(f"<tool_response>{t}</tool_response>")
+        return outs
+    return asyncio.gather(*(one(s) for s in sessions))
+
+
+def test_kv_reuse_prefills_only_the_new_tokens_and_gives_the_same_turns(tiny_model, tokenizer):
+    results, stats = {}, {}
+    for reuse in (False, True):
+        async def go():
+            async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=256, reuse_kv=reuse) as eng:
+                out = await _turns(eng, tokenizer, range(3))
+                return out, eng.stats
+        results[reuse], stats[reuse] = _run(go())
+    for plain, reused in zip(results[False], results[True]):
+        for a, b in zip(plain, reused):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    # what was not prefilled again was reused, and most of each later turn's prompt was
+    reused = stats[True].reused_tokens
+    assert reused > 0 and stats[False].reused_tokens == 0
+    assert stats[True].prefill_tokens + reused == stats[False].prefill_tokens
+    assert stats[True].prefill_tokens < stats[False].prefill_tokens / 2
+
+
+def test_kv_reuse_never_uses_kv_of_older_weights_and_evicts_least_recently_used(tiny_model, tokenizer):
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256, reuse_kv=True) as eng:
+            greedy = SamplingParams(max_tokens=6, temperature=0.0)
+            p = tokenizer.encode("abc")
+            c = await eng.generate(p, greedy, session="a")
+            eng.update_weights(eng._state)  # same values, new version: the held KV is stale by rule
+            await eng.generate(p + c.token_ids + [5], greedy, session="a")
+            after_update = eng.stats.reused_tokens
+            # three sessions through two slots: the oldest resident is dropped, results still right
+            outs = await _turns(eng, tokenizer, range(3), turns=2)
+            return after_update, outs
+    after_update, outs = _run(go())
+    assert after_update == 0
+    async def plain():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256) as eng:
+            return await _turns(eng, tokenizer, range(3), turns=2)
+    ref = _run(plain())
+    assert [[c.token_ids for c in o] for o in outs] == [[c.token_ids for c in o] for o in ref]

@@ -51,6 +51,8 @@ class EngineStats:
     decode_steps: int = 0
     busy_slot_steps: int = 0     # sum over decode steps of the slots that held a request
     slots: int = 1
+    prefill_tokens: int = 0      # prompt tokens run through the model at admission
+    reused_tokens: int = 0       # prompt tokens whose KV a slot still held from the previous turn
 
     @property
     def slot_utilization(self) -> float:
@@ -61,7 +63,8 @@ class EngineStats:
         """What happened between `before` (a copy taken earlier) and now."""
         return EngineStats(self.prefill_s - before.prefill_s, self.decode_s - before.decode_s,
                            self.decode_steps - before.decode_steps, self.busy_slot_steps - before.busy_slot_steps,
-                           self.slots)
+                           self.slots, self.prefill_tokens - before.prefill_tokens,
+                           self.reused_tokens - before.reused_tokens)
 
 
 class Engine(abc.ABC):

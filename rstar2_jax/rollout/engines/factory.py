@@ -10,14 +10,16 @@ ENGINE_KINDS = ("jax", "vllm")
 
 
 def make_engine(kind: str, model, tokenizer, *, max_len: int, slots: int, seed: int, urls: Sequence[str] = (),
-                scheduler: str = "kv_aware", export_dtype=None, probe_tolerance: float = 1e-3) -> Engine:
-    """kind "jax": the embedded JaxEngine over `model` (slots x max_len of KV).
+                scheduler: str = "kv_aware", export_dtype=None, probe_tolerance: float = 1e-3,
+                reuse_kv: bool = False) -> Engine:
+    """kind "jax": the embedded JaxEngine over `model` (slots x max_len of KV; `reuse_kv` keeps a
+    trajectory's KV in its slot between turns).
     kind "vllm": clients of the servers at `urls` (several: behind the Scheduler with policy
     `scheduler`); `model` is the served architecture, used to export and probe synced weights
     (None: generation only, no weight sync)."""
     if kind == "jax":
         from rstar2_jax.rollout.engines.jax_engine import JaxEngine
-        return JaxEngine(model, tokenizer, slots=slots, max_len=max_len, seed=seed)
+        return JaxEngine(model, tokenizer, slots=slots, max_len=max_len, seed=seed, reuse_kv=reuse_kv)
     if kind == "vllm":
         from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
         from rstar2_jax.rollout.scheduler import Scheduler

@@ -13,6 +13,13 @@ NVIDIA GPUs). `kv_bucket` instead slices the XLA read to the smallest multiple o
 covers every live row (one compiled step per bucket); on an H100 that slice was copied before the
 attention and came out slower (BENCHMARKS.md), so it is off by default.
 
+KV reuse across turns (`reuse_kv=True`): when a request ends, its slot keeps the trajectory's KV
+(the `session` it came with) until the slot is needed. The trajectory's next turn, whose prompt
+extends those tokens, is admitted to that slot and prefills only the new tokens (the tool
+response) at their positions; other requests take empty slots first, then the least recently
+used one. KV computed by older weights is never reused. Off by default: incremental prefill
+gives the same tokens up to float rounding, not bit for bit.
+
 Device work runs on one worker thread, so the asyncio loop stays free for tool calls while the
 model runs. `update_weights` swaps the parameter state between steps; shapes are unchanged, so
 nothing recompiles.
@@ -48,11 +55,21 @@ class _Request:
     seed: int = 0                  # token i is sampled with fold_in(key(seed), i)
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    session: Hashable | None = None
+
+
+@dataclasses.dataclass
+class _Resident:
+    """What a free slot still holds: a finished turn's KV, reusable by the same trajectory."""
+    session: Hashable
+    tokens: list[int]              # the tokens whose KV is in the slot, in order
+    version: int                   # weights that computed it
+    last_used: int                 # admission counter, for least-recently-used eviction
 
 
 class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
-                 eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None):
+                 eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if kv_bucket is not None and kv_bucket < 1:
@@ -63,6 +80,9 @@ class JaxEngine(Engine):
         self.max_len = max_len
         self.kv_bucket = kv_bucket
         self.stats = EngineStats(slots=slots)
+        self.reuse_kv = reuse_kv
+        self._resident: list[_Resident | None] = [None] * slots
+        self._admissions = 0
         self._busy: list[tuple[float, float]] = []  # (start, end) of device work, time.monotonic
         self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
@@ -95,6 +115,22 @@ class JaxEngine(Engine):
             token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
             return KVCache(keys, values), token[0], logp[0]
 
+        def extend(state, cache: KVCache, slot, tokens, start, length, seed, temperature, top_k, top_p):
+            """Prefill `tokens` (the first `length` real) at positions start.. of a slot that
+            already holds the KV of positions < start; sample the first new token."""
+            model = nnx.merge(graphdef, state)
+            row = KVCache(tuple(jax.lax.dynamic_slice_in_dim(k, slot, 1, 0) for k in cache.keys),
+                          tuple(jax.lax.dynamic_slice_in_dim(v, slot, 1, 0) for v in cache.values))
+            positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+            logits, row = model(tokens, positions, cache=row)
+            keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
+            values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
+                           for v, r in zip(cache.values, row.values))
+            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
+            first_key = row_keys(seed[None], jnp.zeros((1,), jnp.int32))
+            token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
+            return KVCache(keys, values), token[0], logp[0]
+
         def decode(state, cache: KVCache, tokens, positions, seeds, counters, temperature, top_k, top_p, kv_len):
             model = nnx.merge(graphdef, state)
             logits, cache = model(tokens[:, None], positions[:, None], cache=cache, kv_len=kv_len)
@@ -103,6 +139,7 @@ class JaxEngine(Engine):
 
         # The cache is donated: updated in place, never copied per step.
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._extend = jax.jit(extend, donate_argnums=(1,))
         self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
 
     # ------------------------------------------------------------------------------------------
@@ -115,7 +152,7 @@ class JaxEngine(Engine):
         if not prompt:
             raise ValueError("prompt_ids is empty")
         future = asyncio.get_running_loop().create_future()
-        req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version)
+        req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session)
         if len(prompt) >= self.max_len or sampling.max_tokens == 0:
             return Completion([], [], "length", self.version, self.version)
         await self._queue.put(req)
@@ -191,9 +228,9 @@ class JaxEngine(Engine):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                for slot in range(self.slots):
-                    if self._active[slot] is None and not self._queue.empty():
-                        await self._admit(loop, slot, self._queue.get_nowait())
+                while None in self._active and not self._queue.empty():
+                    req = self._queue.get_nowait()
+                    await self._admit(loop, self._choose_slot(req), req)
                 if not any(self._active):
                     await self._admit_when_available(loop)
                     continue
@@ -210,30 +247,61 @@ class JaxEngine(Engine):
 
     async def _admit_when_available(self, loop):
         req = await self._queue.get()
-        await self._admit(loop, self._active.index(None), req)
+        await self._admit(loop, self._choose_slot(req), req)
+
+    def _reusable(self, slot: int, req: _Request) -> int:
+        """How many leading tokens of `req.prompt` have their KV in `slot` (0: none usable)."""
+        r = self._resident[slot]
+        if (not self.reuse_kv or r is None or req.session is None or r.session != req.session
+                or r.version != self.version or len(r.tokens) >= len(req.prompt)
+                or req.prompt[:len(r.tokens)] != r.tokens):
+            return 0
+        return len(r.tokens)
+
+    def _choose_slot(self, req: _Request) -> int:
+        """A free slot for `req`: the one holding its trajectory's KV, else an empty one, else the
+        least recently used (whose resident KV is dropped)."""
+        free = [i for i, a in enumerate(self._active) if a is None]
+        for i in free:
+            if self._reusable(i, req):
+                return i
+        empty = [i for i in free if self._resident[i] is None]
+        if empty:
+            return empty[0]
+        return min(free, key=lambda i: self._resident[i].last_used)
 
 
     async def _admit(self, loop, slot: int, req: _Request):
         if req.future.done():  # cancelled by the caller while queued
             return
-        n = len(req.prompt)
+        reuse = self._reusable(slot, req)
+        self._resident[slot] = None
+        self._admissions += 1
+        n = len(req.prompt) - reuse  # tokens to prefill
         tokens = np.zeros((1, self._prefill_bucket(n)), np.int32)
-        tokens[0, :n] = req.prompt
+        tokens[0, :n] = req.prompt[reuse:]
         s = req.sampling
         req.version_start = self.version
         # any Python int is a valid seed; the device sees its low 32 bits
         req.seed = (s.seed if s.seed is not None else int(self._seeds.integers(2 ** 32))) % 2 ** 32
-        args = (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n), jnp.uint32(req.seed),
-                jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
+        sampling_args = (jnp.uint32(req.seed), jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
+        if reuse:
+            fn, args = self._extend, (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(reuse),
+                                      jnp.int32(n)) + sampling_args
+        else:
+            fn, args = self._prefill, (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens),
+                                       jnp.int32(n)) + sampling_args
 
         def run():
             start = time.monotonic()
-            cache, token, logp = self._prefill(*args)
+            cache, token, logp = fn(*args)
             token, logp = int(token), float(logp)
             self.stats.prefill_s += self._record_busy(start)
             return cache, token, logp
 
         self._cache, token, logp = await loop.run_in_executor(self._executor, run)
+        self.stats.prefill_tokens += n
+        self.stats.reused_tokens += reuse
         self._active[slot] = req
         self._append(slot, token, logp)
 
@@ -313,6 +381,10 @@ class JaxEngine(Engine):
                 finish = "length"
         if finish is not None:
             self._active[slot] = None
+            if self.reuse_kv and req.session is not None:
+                # the last sampled token was never fed through the model: its KV is not there
+                self._resident[slot] = _Resident(req.session, req.prompt + req.generated[:-1], req.version_start,
+                                                 self._admissions)
             if not req.future.done():
                 req.future.set_result(Completion(req.generated, req.logprobs, finish, req.version_start,
                                                  self.version, stop_string))
