@@ -52,9 +52,10 @@ clean-demo:
 test: $(VENV)/.dev $(VLLM_VENV)/.installed redis
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Everything not marked slow (no vLLM servers, training runs, ablation, notebooks): for development.
+# Everything not marked slow (no vLLM servers, training runs, ablation, notebooks): for development,
+# on two pytest workers (pytest-xdist).
 test-quick: $(VENV)/.dev redis
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -37,6 +37,7 @@ def test_micro_batch_accumulation_is_exact():
         assert metrics["grad_norm"] == pytest.approx(results[0][1]["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_updates_reduce_the_policy_loss_on_a_fixed_batch():
     from rstar2_jax.learner.train_step import policy_loss_value
 

@@ -102,6 +102,7 @@ _MODELS = {}
 @settings(max_examples=6, deadline=None)
 @given(t=st.integers(2, 40), chunk=st.integers(1, 48), temperature=st.sampled_from([1.0, 0.7]),
        tied=st.booleans())
+@pytest.mark.slow
 def test_chunked_logprobs_equal_log_softmax_of_full_logits(t, chunk, temperature, tied):
     if tied not in _MODELS:
         _MODELS[tied] = random_model(small_config("qwen3", tie_word_embeddings=tied), seed=int(tied))

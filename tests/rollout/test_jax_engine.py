@@ -235,6 +235,7 @@ def test_kv_reuse_prefills_only_the_new_tokens_and_gives_the_same_turns(tiny_mod
     assert stats[True].prefill_tokens < stats[False].prefill_tokens / 2
 
 
+@pytest.mark.slow
 def test_kv_reuse_never_uses_kv_of_older_weights_and_evicts_least_recently_used(tiny_model, tokenizer):
     async def go():
         async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256, reuse_kv=True) as eng:
