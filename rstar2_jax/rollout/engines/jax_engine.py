@@ -102,25 +102,10 @@ class JaxEngine(Engine):
             # and position, never on what else shares the batch
             return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
-        def prefill(state, cache: KVCache, slot, tokens, length, seed, temperature, top_k, top_p):
+        def fill_row(state, cache: KVCache, row: KVCache, slot, tokens, start, length, seed, temperature, top_k, top_p):
+            """Run `tokens` (the first `length` real) at positions start.. on `row`, write the row
+            into the cache at `slot`, and sample the first new token."""
             model = nnx.merge(graphdef, state)
-            row = init_cache(model.cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
-            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            logits, row = model(tokens, positions, cache=row)
-            keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
-            values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
-                           for v, r in zip(cache.values, row.values))
-            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
-            first_key = row_keys(seed[None], jnp.zeros((1,), jnp.int32))
-            token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
-            return KVCache(keys, values), token[0], logp[0]
-
-        def extend(state, cache: KVCache, slot, tokens, start, length, seed, temperature, top_k, top_p):
-            """Prefill `tokens` (the first `length` real) at positions start.. of a slot that
-            already holds the KV of positions < start; sample the first new token."""
-            model = nnx.merge(graphdef, state)
-            row = KVCache(tuple(jax.lax.dynamic_slice_in_dim(k, slot, 1, 0) for k in cache.keys),
-                          tuple(jax.lax.dynamic_slice_in_dim(v, slot, 1, 0) for v in cache.values))
             positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
             logits, row = model(tokens, positions, cache=row)
             keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
@@ -130,6 +115,17 @@ class JaxEngine(Engine):
             first_key = row_keys(seed[None], jnp.zeros((1,), jnp.int32))
             token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
             return KVCache(keys, values), token[0], logp[0]
+
+        def prefill(state, cache: KVCache, slot, tokens, length, *sampling):
+            """A whole prompt into a fresh row."""
+            row = init_cache(self.cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
+            return fill_row(state, cache, row, slot, tokens, 0, length, *sampling)
+
+        def extend(state, cache: KVCache, slot, tokens, start, length, *sampling):
+            """New tokens at positions start.. of a slot that already holds the KV of positions < start."""
+            row = KVCache(tuple(jax.lax.dynamic_slice_in_dim(k, slot, 1, 0) for k in cache.keys),
+                          tuple(jax.lax.dynamic_slice_in_dim(v, slot, 1, 0) for v in cache.values))
+            return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
 
         def decode(state, cache: KVCache, tokens, positions, seeds, counters, temperature, top_k, top_p, kv_len):
             model = nnx.merge(graphdef, state)
