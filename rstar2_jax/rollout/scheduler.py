@@ -113,7 +113,8 @@ class Scheduler(Engine):
         self.policy = policy
         self.reserve_new_tokens = reserve_new_tokens
         self.refresh_s = refresh_s
-        self.loads = [EngineLoad(capacity_tokens=e.load().kv_capacity_tokens) for e in self.engines]
+        initial = [e.load() for e in self.engines]  # one metrics read per server at start-up
+        self.loads = [EngineLoad(capacity_tokens=l.kv_capacity_tokens) for l in initial]
         self.dispatched = [0] * len(self.engines)   # turns sent to each engine
         self.rerouted = 0                            # turns sent again after their engine failed
         self.affinity = affinity
@@ -121,7 +122,7 @@ class Scheduler(Engine):
         self.spilled = 0                             # turns whose home had no room (or was down)
         self._homes: collections.OrderedDict = collections.OrderedDict()  # session -> engine, LRU
         self._max_sessions = max_sessions
-        self._cache_baseline = [(l.prefix_cache_queries, l.prefix_cache_hits) for l in map(lambda e: e.load(), self.engines)]
+        self._cache_baseline = [(l.prefix_cache_queries, l.prefix_cache_hits) for l in initial]
         self._turns = itertools.count()
         self._changed: asyncio.Condition | None = None
         self._last_refresh = 0.0
