@@ -1,6 +1,7 @@
 """python -m sandbox serve | worker | bench
 
-  serve   HTTP API (native + code-judge compatible) over an embedded pool or a Redis queue
+  serve   HTTP API (native + code-judge compatible) over an embedded pool or a Redis queue;
+          set SANDBOX_TOKEN to require `Authorization: Bearer $SANDBOX_TOKEN` (needed off loopback)
   worker  take jobs from Redis and run them (start any number, on any hosts)
   bench   throughput and latency, with a fresh-interpreter baseline, and a 45,000-call burst
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -38,8 +40,15 @@ async def _serve(args):
     else:
         backend = await LocalSandbox(workers=args.workers, isolation=args.isolation, limits=_limits(args),
                                      default_timeout=args.timeout).start()
-    server = SandboxHTTPServer(backend, default_timeout=args.timeout, workers=None if args.redis else args.workers)
-    port = await server.start(args.host, args.port)
+    token = os.environ.get("SANDBOX_TOKEN") or None
+    server = SandboxHTTPServer(backend, default_timeout=args.timeout, workers=None if args.redis else args.workers,
+                               max_connections=args.max_connections, max_body_bytes=args.max_body_mb << 20,
+                               token=token)
+    try:
+        port = await server.start(args.host, args.port)
+    except ValueError as e:
+        await backend.close()
+        raise SystemExit(f"sandbox serve: {e} (export SANDBOX_TOKEN)") from None
     print(f"sandbox serving on http://{args.host}:{port} ({'redis ' + args.redis if args.redis else f'{args.workers} local workers'})",
           flush=True)
     stop = asyncio.Event()
@@ -71,6 +80,8 @@ def main(argv=None):
     serve.add_argument("--redis", help="redis://... : queue jobs for `sandbox worker`s instead of running them here")
     serve.add_argument("--workers", type=int, default=4, help="local execution slots (without --redis)")
     serve.add_argument("--timeout", type=float, default=10.0, help="default per-call timeout, seconds")
+    serve.add_argument("--max-connections", type=int, default=1024, help="connections past this get a 503")
+    serve.add_argument("--max-body-mb", type=int, default=16, help="request bodies past this get a 413")
     _add_sandbox_args(serve)
     worker = sub.add_parser("worker", help="run jobs from Redis")
     worker.add_argument("--redis", required=True)

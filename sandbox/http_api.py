@@ -1,33 +1,60 @@
-"""HTTP API over a LocalSandbox or RedisSandbox (stdlib asyncio, HTTP/1.1 with keep-alive).
+"""HTTP API over a LocalSandbox or RedisSandbox, served by aiohttp.
 
 Native:
   POST /run        {"code", "stdin"?, "timeout"?}      -> ExecResult as JSON
   POST /run/batch  {"requests": [{...}, ...]}         -> {"results": [...]} in request order
-  GET  /health, GET /metrics (Prometheus text)
+  GET  /health (with what isolation is active), GET /metrics (Prometheus text)
 code-judge compatible (rStar2-Agent's tool client and verl setups work unchanged):
   POST /run, /judge               {"type": "python", "solution", "input"?, "expected_output"?}
   POST /run/batch, /run/long-batch, /judge/batch   {"type": "batch", "submissions": [...]}
   GET  /status, GET /ping
 A body with "solution" instead of "code" is read as code-judge's. Bad requests get a 4xx with a
 message and never reach a worker.
+
+Limits: body size (413), batch size (400), connections (503 past `max_connections`), idle and
+body-read timeouts; a client that goes away has its batch's calls cancelled (queued ones never
+run, running ones are killed). With `token`, every route but /ping needs
+`Authorization: Bearer <token>`; a non-loopback address is refused without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import time
 import uuid
 from typing import Any
 
+from aiohttp import web
+
 from sandbox.result import ExecResult, validate_request
 
 log = logging.getLogger("sandbox.http")
-MAX_HEADER_BYTES = 64 << 10
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error"}
+GETS = {"/health", "/metrics", "/status", "/ping"}
+POSTS = {"/run", "/run/batch", "/run/long-batch", "/judge", "/judge/batch"}
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 35\r\n"
+         b"Connection: close\r\n\r\n{\"error\": \"too many connections\"}\n")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past the limit: one 503, then closed (never reaches aiohttp)."""
+
+    def connection_made(self, transport):
+        transport.write(_BUSY)
+        transport.close()
 
 
 class HTTPError(Exception):
@@ -44,6 +71,8 @@ class Metrics:
         self.latency_sum = 0.0
         self.latency_count = 0
         self.bad_requests = 0
+        self.cancelled = 0             # calls whose client went away
+        self.refused_connections = 0   # connections past max_connections
 
     def observe(self, result: ExecResult, seconds: float):
         self.by_status[result.status] = self.by_status.get(result.status, 0) + 1
@@ -62,6 +91,11 @@ class Metrics:
         lines += [f'sandbox_results_total{{status="{s}"}} {n}' for s, n in sorted(self.by_status.items())]
         lines += ["# HELP sandbox_bad_requests_total Requests rejected with a 4xx.",
                   "# TYPE sandbox_bad_requests_total counter", f"sandbox_bad_requests_total {self.bad_requests}",
+                  "# HELP sandbox_cancelled_total Calls cancelled because their client went away.",
+                  "# TYPE sandbox_cancelled_total counter", f"sandbox_cancelled_total {self.cancelled}",
+                  "# HELP sandbox_refused_connections_total Connections refused past the limit.",
+                  "# TYPE sandbox_refused_connections_total counter",
+                  f"sandbox_refused_connections_total {self.refused_connections}",
                   "# HELP sandbox_latency_seconds Time from request to result.",
                   "# TYPE sandbox_latency_seconds histogram"]
         lines += [f'sandbox_latency_seconds_bucket{{le="{b}"}} {n}' for b, n in zip(LATENCY_BUCKETS, self.bucket_counts)]
@@ -84,31 +118,86 @@ def code_judge_result(sub_id: str, result: ExecResult, expected_output: str | No
 
 class SandboxHTTPServer:
     def __init__(self, backend, *, default_timeout: float = 10.0, max_timeout: float = 300.0,
-                 max_body_bytes: int = 16 << 20, max_batch: int = 100_000, workers: int | None = None):
+                 max_body_bytes: int = 16 << 20, max_batch: int = 100_000, workers: int | None = None,
+                 max_connections: int = 1024, read_timeout_s: float = 30.0, idle_timeout_s: float = 75.0,
+                 token: str | None = None):
         self.backend = backend  # LocalSandbox or RedisSandbox: async run(code, stdin, timeout)
         self.default_timeout = default_timeout
         self.max_timeout = max_timeout
         self.max_body_bytes = max_body_bytes
         self.max_batch = max_batch
         self.workers = workers
+        self.max_connections = max_connections
+        self.read_timeout_s = read_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.token = token
         self.metrics = Metrics()
+        self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 8088) -> int:
-        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEADER_BYTES)
+        if not is_loopback(host) and not self.token:
+            raise ValueError(f"refusing to serve on non-loopback address {host!r} without a bearer token "
+                             "(the sandbox runs arbitrary code for whoever can reach it): set a token")
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_route("*", "/{path:.*}", self._dispatch)
+        # handler_cancellation: a client that disconnects cancels its handler, and with it its calls.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=self.idle_timeout_s)
+        await self._runner.setup()
+        protocol = self._runner.server
+
+        def factory():
+            if len(protocol.connections) >= self.max_connections:
+                self.metrics.refused_connections += 1
+                return _Refuse()
+            return protocol()
+
+        self._server = await asyncio.get_running_loop().create_server(factory, host, port, backlog=1024)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self):
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
 
     # -------------------------------------------------------------------------------------------
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        try:
+            if self.token and request.path != "/ping":
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                    raise HTTPError(401, "missing or wrong bearer token")
+            body = None
+            if request.method == "POST":
+                try:
+                    raw = await asyncio.wait_for(request.read(), self.read_timeout_s)
+                except asyncio.TimeoutError:
+                    raise HTTPError(408, f"the body did not arrive within {self.read_timeout_s} s") from None
+                except web.HTTPRequestEntityTooLarge:
+                    raise HTTPError(413, f"body is over the {self.max_body_bytes}-byte limit") from None
+                try:
+                    body = json.loads(raw) if raw else None
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+                    raise HTTPError(400, f"invalid JSON body: {where}") from None
+            status, kind, payload = await self._route(request.method, request.path, body)
+        except HTTPError as e:
+            self.metrics.bad_requests += 1
+            status, kind, payload = e.status, "json", {"error": str(e)}
+        if kind == "json":
+            return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json")
+        return web.Response(status=status, text=payload, content_type="text/plain")
+
     async def _run(self, code, stdin, timeout) -> ExecResult:
         self.metrics.in_flight += 1
         start = time.monotonic()
         try:
             result = await self.backend.run(code, stdin, timeout)
+        except asyncio.CancelledError:
+            self.metrics.cancelled += 1
+            raise
         finally:
             self.metrics.in_flight -= 1
         self.metrics.observe(result, time.monotonic() - start)
@@ -134,6 +223,11 @@ class SandboxHTTPServer:
         expected = sub.get("expected_output")
         if not isinstance(stdin, str) or not (expected is None or isinstance(expected, str)):
             raise HTTPError(400, "'input' and 'expected_output' must be strings")
+        try:
+            validate_request(sub["solution"], stdin, None, default_timeout=self.default_timeout,
+                             max_timeout=self.max_timeout)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
         invalid = None if sub.get("type", "python") == "python" else f"unsupported type {sub.get('type')!r}"
         return sub["solution"], stdin, expected, invalid
 
@@ -147,15 +241,15 @@ class SandboxHTTPServer:
         return code_judge_result(sub_id, result, expected, with_output=with_output)
 
     async def _route(self, method: str, path: str, body: Any) -> tuple[int, str, Any]:
-        path = path.split("?", 1)[0].rstrip("/") or "/"
-        gets = {"/health", "/metrics", "/status", "/ping"}
-        posts = {"/run", "/run/batch", "/run/long-batch", "/judge", "/judge/batch"}
-        if path not in gets | posts:
+        path = path.rstrip("/") or "/"
+        if path not in GETS | POSTS:
             raise HTTPError(404, f"no route {path}")
-        if (method == "GET") != (path in gets) or method not in ("GET", "POST"):
+        if (method == "GET") != (path in GETS) or method not in ("GET", "POST"):
             raise HTTPError(405, f"{method} not allowed on {path}")
         if path == "/health":
-            return 200, "json", {"status": "ok", "in_flight": self.metrics.in_flight}
+            protections = getattr(self.backend, "protections", None)
+            return 200, "json", {"status": "ok", "in_flight": self.metrics.in_flight,
+                                 **({"protections": protections} if protections is not None else {})}
         if path == "/ping":
             return 200, "json", "pong"
         if path == "/metrics":
@@ -169,13 +263,13 @@ class SandboxHTTPServer:
                 return 200, "json", await self._judge_one(body, with_output=path == "/run")
             code, stdin, timeout = self._native_args(body)
             return 200, "json", (await self._run(code, stdin, timeout)).to_dict()
-        # batches
+        # batches: every request is checked before any runs
         if "submissions" in body:
             subs = body["submissions"]
             if not isinstance(subs, list) or not subs or len(subs) > self.max_batch:
                 raise HTTPError(400, f"'submissions' must be a list of 1..{self.max_batch} submissions")
             for sub in subs:
-                self._judge_args(sub)  # reject the whole batch before anything runs
+                self._judge_args(sub)
             results = await asyncio.gather(*(self._judge_one(s, with_output=path != "/judge/batch") for s in subs))
             return 200, "json", {"sub_id": str(body.get("sub_id") or uuid.uuid4()), "results": list(results)}
         reqs = body.get("requests")
@@ -190,74 +284,3 @@ class SandboxHTTPServer:
         if depth is not None:
             return await depth()
         return max(0, self.metrics.in_flight - getattr(self.backend, "workers", 0))
-
-    # -------------------------------------------------------------------------------------------
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        try:
-            while True:
-                keep_alive = await self._one_request(reader, writer)
-                if not keep_alive:
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
-            pass
-        finally:
-            writer.close()
-
-    async def _one_request(self, reader, writer) -> bool:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        try:
-            method, target, version = lines[0].split(" ", 2)
-        except ValueError:
-            await self._respond(writer, 400, "json", {"error": "malformed request line"}, False)
-            return False
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
-        keep_alive = headers.get("connection", "").lower() != "close" and version == "HTTP/1.1"
-        try:
-            body = None
-            if method == "POST":
-                if "chunked" in headers.get("transfer-encoding", "").lower():
-                    raise HTTPError(411, "send a Content-Length (chunked bodies are not accepted)")
-                length = int(headers.get("content-length", "0") or 0)
-                if length > self.max_body_bytes:
-                    await self._discard(reader, length)  # so the client reads our answer, not a reset
-                    raise HTTPError(413, f"body of {length} bytes is over the {self.max_body_bytes}-byte limit")
-                raw = await reader.readexactly(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw else None
-                except json.JSONDecodeError as e:
-                    raise HTTPError(400, f"invalid JSON body: line {e.lineno} column {e.colno}: {e.msg}") from None
-            status, kind, payload = await self._route(method, target, body)
-        except HTTPError as e:
-            self.metrics.bad_requests += 1
-            status, kind, payload = e.status, "json", {"error": str(e)}
-            if e.status == 413:
-                keep_alive = False  # the unread body is still on the connection
-        except Exception as e:  # noqa: BLE001 - answer, never drop the connection silently
-            log.exception("request failed")
-            status, kind, payload = 500, "json", {"error": f"internal error: {e!r}"}
-        await self._respond(writer, status, kind, payload, keep_alive)
-        return keep_alive
-
-    @staticmethod
-    async def _discard(reader, length, cap=256 << 20):
-        left = min(length, cap)
-        while left > 0:
-            chunk = await reader.read(min(left, 1 << 20))
-            if not chunk:
-                break
-            left -= len(chunk)
-
-    async def _respond(self, writer, status, kind, payload, keep_alive):
-        if kind == "json":
-            data, ctype = json.dumps(payload).encode(), "application/json"
-        else:
-            data, ctype = payload.encode(), "text/plain; version=0.0.4"
-        head = (f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n")
-        writer.write(head.encode() + data)
-        await writer.drain()

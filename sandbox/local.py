@@ -76,6 +76,11 @@ class LocalSandbox:
             await self._pool.close()
 
     @property
+    def protections(self) -> dict:
+        """What the running zygote enforces: isolation, cgroups ("v1" | "v2" | None), seccomp, minimal_root."""
+        return dict(self._pool.protections)
+
+    @property
     def zygote_pid(self) -> int | None:
         """PID of the zygote (its /proc/PID/root shows the calls' private /tmp)."""
         return self._pool.zygote_pid

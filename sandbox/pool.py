@@ -1,9 +1,12 @@
 """ZygotePool: the service side of one zygote process (see zygote.py), for asyncio.
 
-Starts `python -I zygote.py` with an empty environment and one pair of pipes per worker slot,
-waits for it to report ready (or the reason it could not isolate itself), then hands jobs to
-idle slots. If the zygote dies, in-flight jobs are retried once on a fresh zygote, so a crash
-loses nothing; a job that kills two zygotes in a row gets status "internal".
+Creates the per-slot cgroups (sandbox.cgroups; falls back to rlimits with a warning where
+cgroups are not writable), starts `python -I zygote.py` with an empty environment and one pair
+of pipes per worker slot, waits for it to report ready (or the reason it could not isolate
+itself), then hands jobs to idle slots. If the zygote dies, in-flight jobs are retried once on a
+fresh zygote, so a crash loses nothing; a job that kills two zygotes in a row gets status
+"internal". A caller that is cancelled (its HTTP client went away) has its call killed, and the
+slot is handed on only once the worker has answered, so slots never fall out of step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import sys
 from typing import Sequence
 
+from sandbox.cgroups import CgroupTree
 from sandbox.result import ExecResult, Limits
 
 log = logging.getLogger("sandbox")
@@ -74,6 +78,17 @@ class ZygotePool:
         self._restart_lock = asyncio.Lock()
         self._ids = itertools.count()
         self._transports = []
+        self._cgroups: CgroupTree | None = None
+        self._reclaims: set[asyncio.Task] = set()
+        # What the running zygote reports it enforces (also in /health).
+        self.protections: dict = {}
+
+    def _make_cgroups(self):
+        if self.isolation != "strict":
+            return None, "cgroups are used with strict isolation only"
+        tree, why = CgroupTree.create(self.workers, memory_bytes=self.limits.memory_bytes,
+                                      processes=self.limits.processes, cpus=self.limits.cpus)
+        return tree, why
 
     async def start(self):
         loop = asyncio.get_running_loop()
@@ -85,10 +100,13 @@ class ZygotePool:
             child_fds += [job_r, res_w]
             parent_fds.append((job_w, res_r))
         status_r, status_w = os.pipe()
+        cgroup_note = ""
+        if self._cgroups is None:
+            self._cgroups, cgroup_note = self._make_cgroups()
         cfg = dict(channels=channels, status_fd=status_w, preload=list(self.preload),
-                   isolation=self.isolation, uid_base=self.uid_base, work_root="/tmp/sandbox-calls",
-                   tmpfs_bytes=self.limits.tmpfs_bytes, warmup=self.warmup,
-                   limits=self.limits.to_dict())
+                   isolation=self.isolation, uid_base=self.uid_base,
+                   work_root=f"/tmp/rstar2-sandbox-{os.getpid()}", warmup=self.warmup,
+                   limits=self.limits.to_dict(), cgroups=self._cgroups.to_dict() if self._cgroups else None)
         self.proc = subprocess.Popen([sys.executable, "-I", ZYGOTE_SCRIPT, json.dumps(cfg)],
                                      pass_fds=child_fds + [status_w], env={}, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
@@ -106,6 +124,18 @@ class ZygotePool:
             raise SandboxStartError(f"sandbox zygote could not start ({self.isolation} isolation): "
                                     f"{status.get('error')}")
         self.zygote_pid = status["pid"]
+        self.protections = {
+            "isolation": self.isolation,
+            "cgroups": self._cgroups.version if self._cgroups else None,
+            "seccomp": bool(status.get("seccomp")),
+            "minimal_root": bool(status.get("minimal_root")),
+        }
+        if cgroup_note and self.isolation == "strict":
+            log.warning("sandbox: per-call cgroups are NOT active (%s); memory, processes and CPU are "
+                        "limited per process (rlimits), so a call that forks multiplies them", cgroup_note)
+        if not self.protections["seccomp"]:
+            log.warning("sandbox: no seccomp filter (pyseccomp or the system's libseccomp is missing)")
+        log.info("sandbox zygote %d ready: %s", self.zygote_pid, self.protections)
         if self._idle is None:
             self._idle = asyncio.Queue()
         while not self._idle.empty():  # slots of a dead zygote: callers waiting keep this queue
@@ -128,20 +158,25 @@ class ZygotePool:
         for attempt in range(2):
             generation = self._generation
             slot = await self._idle.get()
+            job_id = next(self._ids)
             try:
-                result = await self._run_on(slot, code, stdin, timeout)
+                result = await self._run_on(slot, job_id, code, stdin, timeout)
             except _ZygoteDied:
                 await self._restart(generation)
                 if attempt == 0:
                     log.warning("sandbox zygote died during a call; retrying it on a fresh zygote")
                     continue
                 return ExecResult.internal("the sandbox zygote died twice while running this code")
+            except asyncio.CancelledError:
+                task = asyncio.create_task(self._reclaim(slot, job_id, generation))
+                self._reclaims.add(task)
+                task.add_done_callback(self._reclaims.discard)
+                raise
             self._idle.put_nowait(slot)
             return result
         raise AssertionError("unreachable")
 
-    async def _run_on(self, slot: _Slot, code, stdin, timeout) -> ExecResult:
-        job_id = next(self._ids)
+    async def _run_on(self, slot: _Slot, job_id, code, stdin, timeout) -> ExecResult:
         try:
             slot.writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout}))
             msg = await _read_msg(slot.reader)
@@ -151,14 +186,29 @@ class ZygotePool:
             raise _ZygoteDied()
         return ExecResult.from_dict(msg)
 
+    async def _reclaim(self, slot: _Slot, job_id, generation):
+        """The caller of `job_id` gave up: stop the call, wait for its (discarded) result, free the slot."""
+        try:
+            slot.writer.write(_encode({"cancel": job_id}))
+            while (await _read_msg(slot.reader)).get("id") != job_id:
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError):
+            await self._restart(generation)
+            return
+        if generation == self._generation:
+            self._idle.put_nowait(slot)
+
     async def _restart(self, generation):
         async with self._restart_lock:
             if generation != self._generation:
                 return  # someone else already restarted it
-            await self.close()
+            await self.close(keep_cgroups=True)
             await self.start()
 
-    async def close(self):
+    async def close(self, *, keep_cgroups=False):
+        if not keep_cgroups:  # a final close (a restart lets reclaims of old slots run out)
+            for task in list(self._reclaims):
+                task.cancel()
         for transport in self._transports:
             transport.close()
         self._transports = []
@@ -170,3 +220,6 @@ class ZygotePool:
                 self.proc.wait()
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
+        if self._cgroups is not None and not keep_cgroups:
+            await asyncio.to_thread(self._cgroups.remove)
+            self._cgroups = None

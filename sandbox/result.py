@@ -43,18 +43,33 @@ class ExecResult:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-call resource limits (enforced by the kernel: rlimits, tmpfs size, pipes)."""
-    memory_bytes: int = 1 << 30          # address space on top of the zygote's own
+    """Per-call resource limits, enforced by the kernel.
+
+    With per-call cgroups (see sandbox.cgroups) memory, processes and CPU are budgets of the
+    whole call (all its processes, shared memory included); without them they fall back to
+    per-process rlimits (memory as address space on top of the zygote's own).
+    """
+    memory_bytes: int = 1 << 30          # the call's memory (cgroup) / address space (fallback)
     file_size_bytes: int = 16 << 20      # largest file the code may write
     open_files: int = 64
-    processes: int = 32                  # processes + threads of one call (RLIMIT_NPROC, per uid)
+    processes: int = 32                  # processes + threads of one call (cgroup pids / RLIMIT_NPROC)
+    cpus: float = 1.0                    # CPU share of one call (cgroup quota); CPU seconds <= cpus x timeout
     stdout_bytes: int = 64 << 10         # output past this stops the call: status output_limit
     stderr_bytes: int = 64 << 10
-    tmpfs_bytes: int = 512 << 20         # all work dirs of one zygote together
+    tmpfs_bytes: int = 256 << 20         # the call's own /tmp (and again /dev/shm); counted in its memory
     max_timeout_s: float = 300.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_encodable(name: str, text: str):
+    """JSON can carry lone surrogates ("\\ud800"); they are not text and cannot become UTF-8 bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: lone surrogate {text[e.start]!r} at "
+                         f"index {e.start}") from None
 
 
 def validate_request(code: Any, stdin: Any, timeout: Any, *, default_timeout: float,
@@ -67,6 +82,8 @@ def validate_request(code: Any, stdin: Any, timeout: Any, *, default_timeout: fl
         raise ValueError(f"code must be a string, got {type(code).__name__}")
     if not isinstance(stdin, str):
         raise ValueError(f"stdin must be a string, got {type(stdin).__name__}")
+    for name, text in (("code", code), ("stdin", stdin)):
+        _check_encodable(name, text)
     timeout = default_timeout if timeout is None else timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")

@@ -1,72 +1,61 @@
 """The zygote: a warm Python process that forks one isolated process per code execution.
 
-Standard library only, run as a script (`python -I zygote.py ...`) with an empty environment by
-`sandbox.pool.ZygotePool`; it imports nothing of the rest of the package, so nothing of the
-service is inside the processes that run untrusted code.
+Standard library (plus pyseccomp), run as a script (`python -I zygote.py ...`) with an empty
+environment by `sandbox.pool.ZygotePool`; it imports nothing of the rest of the package, so
+nothing of the service is inside the processes that run untrusted code.
 
 Process tree (strict isolation):
 
-    service (asyncio)  --pipes-->  master zygote  (imports numpy, sympy, ...; own network, mount and
-                                    |               IPC namespaces: no interfaces up, private /tmp,
-                                    |               read-only /dev/shm and /var/tmp, /proc with hidepid)
-                                    +-- worker i   (one per slot; reads a job, supervises one call at a time)
-                                          +-- call (clone(CLONE_NEWPID): PID 1 of a fresh PID namespace,
-                                                    uid `uid_base + i`, rlimits, empty env, private workdir)
+    service (asyncio)  --pipes-->  master zygote  (imports numpy, sympy, ...; then its own mount,
+                                    |               network and IPC namespaces, pivot_root into a
+                                    |               minimal read-only root: /usr, the interpreter,
+                                    |               /dev/{null,zero,full,random,urandom}; nothing else)
+                                    +-- worker i   (one per slot, own network namespace; reads a job,
+                                          |          supervises one call at a time)
+                                          +-- call (clone(NEWPID|NEWIPC|NEWNS): PID 1 of a fresh PID
+                                                    namespace with its own SysV IPC / mqueues, its own
+                                                    /tmp, /dev/shm and /proc; in the slot's cgroup;
+                                                    uid `uid_base + i`; rlimits; seccomp; empty env)
 
 Why this shape:
 - Forking from the warm worker costs a few ms; a fresh interpreter with sympy costs 300+ ms.
-- The call is PID 1 of its own PID namespace, so when it ends the kernel kills every process
-  in that namespace, including setsid daemons and double forks; it cannot see or signal anything
-  outside.
-- One uid per worker slot: concurrent calls cannot read each other's files, and RLIMIT_NPROC
-  caps each call's processes and threads separately.
-- The result (status, exit code, timing) is decided here, from the kernel's exit status and the
-  raw pipes; nothing the code prints can forge it.
+- Nothing survives a call: when PID 1 of the call's namespace exits the kernel kills every
+  process in it (setsid daemons, double forks), and the call's tmpfs, IPC objects and mount
+  namespace go with the last of them. There is nothing to clean up, so cleanup cannot fail.
+- One uid and one network namespace per worker slot: concurrent calls cannot reach each other's
+  files, processes or abstract unix sockets.
+- The result (status, exit code, timing) is decided here from what the kernel reports (exit
+  status, rusage, the cgroup's OOM counter) and a setup pipe closed before user code starts;
+  nothing the code prints or exits with can forge a status.
 
-Wire format on every pipe: 4-byte big-endian length + UTF-8 JSON.
+Wire format on every pipe: 4-byte big-endian length + UTF-8 JSON. Messages to a worker: a job
+{"id", "code", "stdin", "timeout"}, or {"cancel": id} (stop that job if it is still running).
 """
 
 import ast
 import builtins
-import ctypes
-import errno
 import io
 import json
 import linecache
 import os
 import resource
 import select
-import shutil
 import signal
 import struct
 import sys
 import time
 import traceback
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-MS_RDONLY = 1
-MS_NOSUID = 2
-MS_NODEV = 4
-MS_NOEXEC = 8
-MS_BIND = 0x1000
-MS_REC = 0x4000
-MNT_DETACH = 2
-MS_PRIVATE = 1 << 18
-PR_SET_PDEATHSIG = 1
-PR_SET_NO_NEW_PRIVS = 38
-SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves out the script's dir
+import cgroups  # noqa: E402 - siblings, imported as top-level modules (no package inside the zygote)
+import confine  # noqa: E402
+sys.path.pop(0)
+from confine import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG
 
 USER_FILE = "<code>"
-EXIT_MEMORY = 251  # the call ran out of memory (MemoryError)
-EXIT_SETUP = 252   # isolation setup inside the call failed (never user code)
 EOF_GRACE_S = 2.0  # after the call exits, how long to wait for its pipes to close
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = ctypes.PyDLL(None).syscall  # PyDLL: keeps the GIL across clone, as os.fork does
-_syscall.restype = ctypes.c_long
+SETUP_FD = 3       # inside the call: written once ("R") when confinement is complete, then closed
+OOM_SCORE_ADJ = 1000  # the sandbox's processes are the kernel OOM killer's first choice
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,57 +92,6 @@ def write_msg(fd, obj):
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-# ------------------------------------------------------------------------------------------------
-# kernel calls
-
-def _check(ret, what):
-    if ret < 0 or ret == -1:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
-
-
-def unshare(flags):
-    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
-
-
-def mount(source, target, fstype, flags=0, data=None):
-    _check(_libc.mount(source.encode() if source else None, target.encode(),
-                       fstype.encode() if fstype else None, ctypes.c_ulong(flags),
-                       data.encode() if data else None), f"mount {target}")
-
-
-def umount(target):
-    _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
-
-
-def prctl(option, arg):
-    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0),
-                       ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
-
-
-def clone(flags):
-    """fork() that also takes CLONE_* flags (CLONE_NEWPID: the child is PID 1 of a new namespace).
-
-    Python cannot unshare(CLONE_NEWPID) twice in one process, and a fork per call plus a fork
-    inside it doubles the cost; the raw clone syscall with the interpreter's own before/after-fork
-    hooks (what os.fork runs) gives one fork per call.
-    """
-    if SYS_CLONE is None:
-        raise OSError(errno.ENOSYS, f"clone: unsupported machine {os.uname().machine}")
-    ctypes.pythonapi.PyOS_BeforeFork()
-    pid = _syscall(ctypes.c_long(SYS_CLONE), ctypes.c_ulong(flags | signal.SIGCHLD),
-                   None, None, None, None)
-    if pid == 0:
-        ctypes.pythonapi.PyOS_AfterFork_Child()
-        return 0
-    ctypes.pythonapi.PyOS_AfterFork_Parent()
-    if pid < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"clone: {os.strerror(err)}")
-    return pid
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,9 +144,6 @@ def run_user_code(code):
         else:
             sys.stderr.write(f"{e.code}\n")
             exit_code = 1
-    except MemoryError:
-        sys.stderr.write("MemoryError: the code exceeded its memory limit\n")
-        exit_code = EXIT_MEMORY
     except BaseException as e:  # noqa: BLE001 - the user's exception is the result
         te = _filter_user_frames(traceback.TracebackException.from_exception(e))
         sys.stderr.write("".join(te.format()))
@@ -221,16 +156,29 @@ def run_user_code(code):
     return exit_code
 
 
-def _enter_call(job, cfg, slot, workdir, stdin_fd, out_w, err_w):
-    """In the cloned child, as root: confine, drop privileges, run the code. Never returns."""
-    code = EXIT_SETUP
+def _enter_call(job, cfg, slot, stdin_fd, out_w, err_w, setup_w):
+    """In the cloned child, as root: confine, drop privileges, run the code. Never returns.
+
+    Any failure before user code starts exits without having written to the setup pipe: the
+    supervisor reports it as "internal". Once the pipe is closed, nothing the code does can.
+    """
     try:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        strict = cfg["isolation"] == "strict"
+        uid = cfg["uid_base"] + slot
+        if cfg["cgroup_fds"]:
+            cgroups.join(cfg["cgroup_fds"])
+        if strict:
+            confine.mount_call_filesystems(uid, cfg["limits"]["tmpfs_bytes"])
+            workdir = "/tmp"
+        else:
+            workdir = cfg["workdir"]
         os.setsid()  # own session and process group: kill(0, ...) reaches only this call
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, 1 << 16)
+        os.dup2(setup_w, SETUP_FD)
+        os.closerange(SETUP_FD + 1, 1 << 16)
         os.chdir(workdir)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         limits = cfg["limits"]
@@ -241,26 +189,31 @@ def _enter_call(job, cfg, slot, workdir, stdin_fd, out_w, err_w):
             (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
             (resource.RLIMIT_CORE, (0, 0)),
         ]
-        address_space = cfg["address_space_base"] + limits["memory_bytes"]
-        rl.append((resource.RLIMIT_AS, (address_space, address_space)))
-        if cfg["isolation"] == "strict":
-            rl.append((resource.RLIMIT_NPROC, (limits["processes"],) * 2))
+        if not cfg["cgroup_fds"]:  # without a cgroup: per-process limits are all there is
+            address_space = cfg["address_space_base"] + limits["memory_bytes"]
+            rl.append((resource.RLIMIT_AS, (address_space, address_space)))
+            if strict:
+                rl.append((resource.RLIMIT_NPROC, (limits["processes"],) * 2))
         for which, value in rl:
             resource.setrlimit(which, value)
-        if cfg["isolation"] == "strict":
-            uid = cfg["uid_base"] + slot
+        if strict:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if cfg["seccomp"] is not None:
+            confine.load_seccomp(cfg["seccomp"])
         os.environ.clear()
-        code = run_user_code(job["code"])
+        code = job["code"]
+        cfg = job = None  # the supervisor's data is not the code's business
+        os.write(SETUP_FD, b"R")
+        os.close(SETUP_FD)
     except BaseException as e:  # noqa: BLE001
         try:
             os.write(2, f"sandbox setup failed: {e!r}\n".encode())
-        except OSError:
-            pass
-    os._exit(code)
+        finally:
+            os._exit(1)
+    os._exit(run_user_code(code))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,40 +226,63 @@ def _signal_name(sig):
         return f"signal {sig}"
 
 
-def execute(job, cfg, slot, counter):
+def execute(job, cfg, slot, counter, job_fd):
+    """Run one job; every fd and directory it makes is released whatever happens."""
+    fds = []
+    workdir = None
+    try:
+        if cfg["isolation"] != "strict":
+            workdir = cfg["workdir"] = os.path.join(cfg["work_root"], f"w{slot}-{counter}")
+            os.mkdir(workdir, 0o700)
+        stdin_fd = os.memfd_create("stdin", 0)
+        fds.append(stdin_fd)
+        # surrogatepass: a lone surrogate (valid JSON, invalid UTF-8) must not fail the worker
+        os.write(stdin_fd, job["stdin"].encode("utf-8", "surrogatepass"))
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        setup_r, setup_w = os.pipe()
+        fds += [out_r, out_w, err_r, err_w, setup_r, setup_w]
+        return _supervise(job, cfg, slot, job_fd, stdin_fd, (out_r, out_w), (err_r, err_w), (setup_r, setup_w), fds)
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if workdir is not None:
+            remove_tree(workdir)
+
+
+def _supervise(job, cfg, slot, job_fd, stdin_fd, out, err, setup, fds):
     limits = cfg["limits"]
     started = time.monotonic()
-    workdir = os.path.join(cfg["work_root"], f"w{slot}-{counter}")
-    os.mkdir(workdir, 0o700)
-    if cfg["isolation"] == "strict":
-        os.chown(workdir, cfg["uid_base"] + slot, cfg["uid_base"] + slot)
-    stdin_fd = os.memfd_create("stdin", 0)
-    os.write(stdin_fd, job.get("stdin", "").encode("utf-8", "surrogateescape"))
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    flags = CLONE_NEWPID if cfg["isolation"] == "strict" else 0
-    pid = clone(flags)
+    oom_before = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) if cfg["cgroup_fds"] else 0
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS if cfg["isolation"] == "strict" else 0
+    pid = confine.clone(flags)
     if pid == 0:
-        _enter_call(job, cfg, slot, workdir, stdin_fd, out_w, err_w)
-    for fd in (stdin_fd, out_w, err_w):
+        _enter_call(job, cfg, slot, stdin_fd, out[1], err[1], setup[1])
+    for fd in (stdin_fd, out[1], err[1], setup[1]):
         os.close(fd)
-
+        fds.remove(fd)
+    out_r, err_r = out[0], err[0]
     caps = {out_r: limits["stdout_bytes"], err_r: limits["stderr_bytes"]}
     buffers = {out_r: bytearray(), err_r: bytearray()}
     open_fds = {out_r, err_r}
     pidfd = os.pidfd_open(pid)
+    fds.append(pidfd)
     deadline = started + float(job["timeout"])
-    reason = None  # why we killed it: "timeout" | "output_limit"
-    wait_status = None
+    reason = None  # why we killed it: "timeout" | "output_limit" | "cancelled"
+    wait_status = rusage = None
     eof_deadline = None
+    watch_jobs = True
     while True:
         now = time.monotonic()
         if wait_status is None:
             if reason is None and now >= deadline:
                 reason = "timeout"
                 _kill_call(pid, cfg)
-            watch = [pidfd, *open_fds]
+            watch = [pidfd, *open_fds] + ([job_fd] if watch_jobs else [])
             wait_s = max(0.0, deadline - now) if reason is None else 0.1
         else:
             # The call is gone (and with it its PID namespace); collect what is left in the pipes.
@@ -316,8 +292,16 @@ def execute(job, cfg, slot, counter):
         ready, _, _ = select.select(watch, [], [], wait_s)
         for fd in ready:
             if fd == pidfd:
-                _, wait_status = os.waitpid(pid, 0)
+                _, wait_status, rusage = os.wait4(pid, 0)
                 eof_deadline = time.monotonic() + EOF_GRACE_S
+                continue
+            if fd == job_fd:
+                msg = read_msg(job_fd)
+                if msg is None or msg.get("cancel") == job["id"]:
+                    if reason is None:
+                        reason = "cancelled"
+                        _kill_call(pid, cfg)
+                    watch_jobs = msg is not None
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -329,38 +313,48 @@ def execute(job, cfg, slot, counter):
             if len(buffers[fd]) > caps[fd] and reason is None and wait_status is None:
                 reason = "output_limit"
                 _kill_call(pid, cfg)
-    os.close(pidfd)
-    for fd in (out_r, err_r):
-        os.close(fd)
     duration = time.monotonic() - started
-    shutil.rmtree(workdir, ignore_errors=True)
-    return _result(wait_status, reason, job, buffers[out_r], buffers[err_r], caps[out_r], caps[err_r], duration)
+    setup_done = os.read(setup[0], 1) == b"R"
+    oom = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) - oom_before if cfg["cgroup_fds"] else 0
+    cpu_s = rusage.ru_utime + rusage.ru_stime
+    return _result(wait_status, reason, job, buffers[out_r], buffers[err_r], caps[out_r], caps[err_r],
+                   duration, setup_done=setup_done, oom_kills=oom, cpu_s=cpu_s)
 
 
-def _result(wait_status, reason, job, out, err, out_cap, err_cap, duration):
+def _result(wait_status, reason, job, out, err, out_cap, err_cap, duration, *, setup_done, oom_kills, cpu_s):
     truncated = len(out) > out_cap or len(err) > err_cap
     stdout = bytes(out[:out_cap]).decode("utf-8", "replace")
     stderr = bytes(err[:err_cap]).decode("utf-8", "replace")
     notes = []
+    if not setup_done and reason is None:
+        return {"status": "internal", "stdout": "", "stderr": "sandbox internal error: " + stderr,
+                "exit_code": None, "duration_s": duration, "truncated": False}
     if os.WIFEXITED(wait_status):
         exit_code = os.WEXITSTATUS(wait_status)
-        status = {0: "ok", EXIT_MEMORY: "memory", EXIT_SETUP: "internal"}.get(exit_code, "error")
+        status = "ok" if exit_code == 0 else "error"
     else:
         sig = os.WTERMSIG(wait_status)
         exit_code = -sig
-        if sig == signal.SIGXCPU:
+        cpu_limit = int(job["timeout"]) + 1
+        if sig == signal.SIGXCPU and cpu_s >= cpu_limit - 0.05:  # the kernel's CPU limit, not a self-kill
             status = "timeout"
             notes.append("TimeoutError: CPU time limit exceeded")
         else:
             status = "killed"
-            if reason is None:
+            if reason is None and not oom_kills:
                 notes.append(f"killed by {_signal_name(sig)}")
+    if oom_kills and reason is None:
+        status = "memory"
+        notes.append("MemoryError: the code exceeded its memory limit")
     if reason == "timeout":
         status = "timeout"
         notes.append(f"TimeoutError: execution exceeded {job['timeout']} s")
     elif reason == "output_limit":
         status = "output_limit"
         notes.append("OutputLimitError: output exceeded the limit")
+    elif reason == "cancelled":
+        status = "killed"
+        notes.append("cancelled: the client went away")
     for note in notes:
         stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n"
     return {"status": status, "stdout": stdout, "stderr": stderr, "exit_code": exit_code,
@@ -379,24 +373,84 @@ def _kill_call(pid, cfg):
             pass
 
 
+def remove_tree(path):
+    """Delete a directory tree of any depth and any name length; never raises.
+
+    Iterative and relative to directory fds: shutil.rmtree recurses (RecursionError past ~1000
+    levels) and absolute paths stop at PATH_MAX. Used only without strict isolation (strict calls'
+    files live in a tmpfs that vanishes with the call).
+    """
+    try:
+        stack = [(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), None, None)]
+    except OSError:
+        return
+    while stack:
+        fd, parent_fd, name = stack[-1]
+        descended = False
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            child = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                            stack.append((child, fd, entry.name))
+                            descended = True
+                            break
+                        os.unlink(entry.name, dir_fd=fd)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+        if descended:
+            continue
+        stack.pop()
+        os.close(fd)
+        try:
+            if parent_fd is None:
+                os.rmdir(path)
+            else:
+                os.rmdir(name, dir_fd=parent_fd)
+        except OSError:
+            if parent_fd is not None:  # cannot remove it (e.g. not empty after an error): skip it
+                try:
+                    os.rename(name, f".stuck-{name[:16]}-{time.monotonic_ns()}", src_dir_fd=parent_fd,
+                              dst_dir_fd=parent_fd)
+                except OSError:
+                    pass
+
+
 def worker_loop(slot, job_fd, result_fd, cfg):
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    # RLIMIT_AS counts the address space inherited from the zygote (numpy, sympy, ...): the
-    # memory limit is on top of that.
-    cfg["address_space_base"] = _vm_size()
+    confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cfg["isolation"] == "strict":
+        confine.unshare(CLONE_NEWNET)  # abstract unix sockets are per network namespace: one per slot
+    slot_fds = cfg["cgroup_slot_fds"][slot] if cfg["cgroup_slot_fds"] else None
+    for i, fds in enumerate(cfg["cgroup_slot_fds"] or []):
+        if i != slot:
+            for fd in fds.values():
+                os.close(fd)
+    cfg["cgroup_fds"] = slot_fds
     counter = 0
     while True:
         job = read_msg(job_fd)
         if job is None:
             os._exit(0)
+        if "cancel" in job:
+            continue  # for a job that already finished
         counter += 1
-        try:
-            result = execute(job, cfg, slot, counter)
-        except Exception as e:  # noqa: BLE001 - a broken call must not take the worker down
-            result = {"status": "internal", "stdout": "", "stderr": f"sandbox internal error: {e!r}",
-                      "exit_code": None, "duration_s": 0.0, "truncated": False}
-        result["id"] = job.get("id")
-        write_msg(result_fd, result)
+        _serve_one(job, cfg, slot, counter, job_fd, result_fd)
+        job = None  # the next call is forked from this frame: it must not find this job here
+
+
+def _serve_one(job, cfg, slot, counter, job_fd, result_fd):
+    """Run one job and send its result. The result lives only in this frame, which is gone before
+    the next call is forked (its stack frames would otherwise hand it the previous output)."""
+    try:
+        result = execute(job, cfg, slot, counter, job_fd)
+    except Exception as e:  # noqa: BLE001 - a broken call must not take the worker down
+        result = {"status": "internal", "stdout": "", "stderr": f"sandbox internal error: {e!r}",
+                  "exit_code": None, "duration_s": 0.0, "truncated": False}
+    result["id"] = job.get("id")
+    write_msg(result_fd, result)
 
 
 def _vm_size():
@@ -410,81 +464,57 @@ def _vm_size():
 # ------------------------------------------------------------------------------------------------
 # master
 
+def interpreter_dirs():
+    """The interpreter's own directories (prefixes hold the stdlib and site-packages); never the
+    script's directory or other sys.path entries (an editable install points into the repo)."""
+    dirs = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                  sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)))
+                   if p and os.path.isdir(p)})
+    kept = []
+    for d in dirs:
+        if not any(d.startswith(k + "/") for k in kept):
+            kept.append(d)
+    return kept
+
+
 def isolate_master(cfg):
-    """Namespaces shared by all calls of this zygote (created once; per call only a PID namespace)."""
-    unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    # /tmp: a private tmpfs holding the per-call work dirs; only root can create entries in it.
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={cfg['tmpfs_bytes']},nr_inodes=65536,mode=0711")
-    # Other world-writable places: empty and read-only.
-    for path in ("/dev/shm", "/var/tmp", "/run/lock", "/dev/mqueue"):
-        if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0755")
-    expose_paths(cfg["expose"])
-    # A /proc that shows each uid only its own processes: the service, other calls and PID 1's
-    # environment are invisible.
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
-
-
-def _blocked_ancestor(path):
-    """The topmost ancestor of `path` that other users cannot traverse (e.g. /root, mode 0700)."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts)):
-        ancestor = "/" + "/".join(parts[:i])
-        if not os.stat(ancestor).st_mode & 0o001:
-            return ancestor
-    return None
-
-
-def expose_paths(paths):
-    """Make the interpreter's own directories readable by the call's uid.
-
-    Python often lives under a directory other users cannot enter (pyenv under /root, mode
-    0700): imports of modules that were not preloaded would then fail. In the zygote's private
-    mount namespace, such an ancestor is covered by an empty tmpfs (hiding everything else in it,
-    e.g. root's secrets) and only the needed directories are bound back at their own paths.
-    """
-    needed = []
-    for p in sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)}):
-        if not any(p.startswith(q + "/") for q in needed):
-            needed.append(p)
-    plan = [(p, _blocked_ancestor(p)) for p in needed]
-    plan = [(p, a) for p, a in plan if a is not None]
-    if not plan:
-        return
-    staging = "/tmp/.expose"
-    os.mkdir(staging, 0o700)
-    staged = []
-    for i, (p, _) in enumerate(plan):
-        os.mkdir(f"{staging}/{i}")
-        mount(p, f"{staging}/{i}", None, MS_BIND | MS_REC)
-        staged.append((p, f"{staging}/{i}"))
-    for ancestor in sorted({a for _, a in plan}):
-        mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0711")
-    for p, s in staged:
-        os.makedirs(p, 0o755, exist_ok=True)
-        mount(s, p, None, MS_BIND | MS_REC)
-        umount(s)
-    shutil.rmtree(staging)
+    """Namespaces and the minimal root shared by all calls of this zygote (made once)."""
+    confine.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
+    confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
+    root = "/tmp"  # a fresh tmpfs over the host's /tmp (in this mount namespace only)
+    confine.mount("tmpfs", root, "tmpfs", confine.MS_NOSUID | confine.MS_NODEV, "size=1m,mode=0755")
+    confine.build_minimal_root(root, interpreter_dirs())
+    confine.enter_root(root)
 
 
 def main():
     cfg = json.loads(sys.argv[1])
     channels = cfg["channels"]  # [[job_fd, result_fd], ...] inherited from the service
     status_fd = cfg["status_fd"]
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    facts = {}
     try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
         for name in cfg["preload"]:
             __import__(name)
         if cfg.get("warmup"):
             # First calls into sympy import submodules lazily and fill caches: pay that once here.
             exec(compile(cfg["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
-        cfg["expose"] = [p for p in sys.path if p] + [sys.prefix, sys.base_prefix, sys.exec_prefix]
+        program = confine.seccomp_program()
+        cfg["seccomp"] = program
+        facts["seccomp"] = program is not None
+        tree = cfg.get("cgroups")
+        cfg["cgroup_version"] = tree["version"] if tree else None
+        cfg["cgroup_slot_fds"] = [cgroups.open_slot(s) for s in tree["slots"]] if tree else None
+        cfg["address_space_base"] = _vm_size()  # RLIMIT_AS (no cgroup) counts the zygote's own mappings
         if cfg["isolation"] == "strict":
             isolate_master(cfg)
-        os.makedirs(cfg["work_root"], mode=0o711, exist_ok=True)
+            facts["minimal_root"] = True
+        else:
+            os.makedirs(cfg["work_root"], mode=0o700, exist_ok=True)
+            facts["minimal_root"] = False
     except BaseException as e:  # noqa: BLE001
         write_msg(status_fd, {"ready": False, "error": f"{type(e).__name__}: {e}"})
         os._exit(1)
@@ -502,7 +532,7 @@ def main():
         return pid
 
     workers = {spawn(slot): slot for slot in range(len(channels))}
-    write_msg(status_fd, {"ready": True, "pid": os.getpid()})
+    write_msg(status_fd, {"ready": True, "pid": os.getpid(), **facts})
     while True:
         try:
             pid, status = os.wait()

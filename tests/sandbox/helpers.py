@@ -11,8 +11,20 @@ import time
 import sandbox
 
 
+def uid_base_for_this_process() -> int:
+    """Each pytest-xdist worker runs its own sandboxes: give them disjoint uids, so one worker's
+    calls are never taken for another's leftovers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 61000 + 100 * int(worker.removeprefix("gw") or 0)
+
+
 class SyncSandbox:
+    _made = 0
+
     def __init__(self, **kwargs):
+        # Disjoint uids per xdist worker, and per sandbox within it (10 slots each at most here).
+        kwargs.setdefault("uid_base", uid_base_for_this_process() + 10 * SyncSandbox._made)
+        SyncSandbox._made += 1
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -66,6 +78,19 @@ def wait_no_processes(uids, timeout=5.0):
 
 
 def leftover_work_files(sb: SyncSandbox) -> list[str]:
-    """Entries left in the zygote's private /tmp (seen from the host through /proc/PID/root)."""
-    root = f"/proc/{sb.sb.zygote_pid}/root/tmp/sandbox-calls"
-    return sorted(os.listdir(root))
+    """What is left of calls where the zygote's calls could write: its root's /tmp and /dev/shm
+    (seen from the host through /proc/PID/root; each call mounts its own tmpfs over them, which
+    must vanish with the call), and processes still charged to the slots' cgroups."""
+    root = f"/proc/{sb.sb.zygote_pid}/root"
+    left = [f"/tmp/{n}" for n in os.listdir(f"{root}/tmp")] + [f"/dev/shm/{n}" for n in os.listdir(f"{root}/dev/shm")]
+    tree = sb.sb._pool._cgroups
+    if tree is not None:
+        deadline = time.monotonic() + 5
+        for slot in tree.slots:
+            for d in slot.values():
+                procs = open(os.path.join(d, "cgroup.procs")).read().split()
+                while procs and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    procs = open(os.path.join(d, "cgroup.procs")).read().split()
+                left += [f"{d}: pid {p}" for p in procs]
+    return sorted(left)

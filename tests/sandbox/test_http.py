@@ -145,7 +145,10 @@ def test_serve_cli_end_to_end():
     proc = subprocess.Popen([sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--workers", "2"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert "sandbox serving on" in proc.stdout.readline()
+        lines = []
+        while not any("sandbox serving on" in line for line in lines):  # log lines come first
+            lines.append(proc.stdout.readline())
+            assert lines[-1] and len(lines) < 20, lines
         status, out = request(f"http://127.0.0.1:{port}/run", "POST", {"code": "import sympy\nsympy.sqrt(8)"})
         assert status == 200 and out["stdout"] == "2*sqrt(2)\n"
     finally:

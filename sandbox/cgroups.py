@@ -1,0 +1,216 @@
+"""Per-call cgroups: every process of one call shares one memory, pids and CPU budget.
+
+rlimits are per process: a call that forks 32 children gets 32x the memory and CPU seconds, and
+memfd / SysV shm pages escape RLIMIT_AS altogether. A cgroup counts all of it (shmem included).
+
+Layout: one cgroup per worker slot, `<own cgroup>/rstar2-sandbox-<id>/slot<i>`, reused by the
+slot's calls one after another (a call's processes are all dead before the next one starts, so
+the cgroup holds exactly one call at a time; its OOM counter is read before and after).
+
+cgroup v1 (separate memory, pids and cpu hierarchies, as on this project's CI machines) and v2
+(unified; needs the controllers delegated to the service's cgroup) are both handled.
+
+Standard library only: the service creates and removes the tree (sandbox.pool), the zygote joins
+and reads it through directory fds (it imports this file as a top-level module).
+"""
+
+import os
+import time
+
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+PREFIX = "rstar2-sandbox-"
+CPU_PERIOD_US = 100_000
+
+
+def _mountinfo():
+    """[(mount point, root within the hierarchy, fstype, super options)] of cgroup mounts."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.rstrip("\n").split(" - ", 1)
+            fields, rfields = left.split(), right.split()
+            if rfields[0] in ("cgroup", "cgroup2"):
+                found.append((fields[4], fields[3], rfields[0], set(rfields[2].split(","))))
+    return found
+
+
+def _own_paths():
+    """{controller or "": path} of this process, from /proc/self/cgroup ("" is the v2 hierarchy)."""
+    paths = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                paths[c] = path
+    return paths
+
+
+def _join(mount_point, mount_root, own):
+    rel = own[len(mount_root):] if own.startswith(mount_root) else own
+    return os.path.join(mount_point, rel.lstrip("/"))
+
+
+def find_parents():
+    """("v1" | "v2", {controller: directory of our own cgroup}) or (None, why not)."""
+    mounts, own = _mountinfo(), _own_paths()
+    v1 = {}
+    for c in V1_CONTROLLERS:
+        for point, root, fstype, opts in mounts:
+            if fstype == "cgroup" and c in opts and c in own:
+                v1[c] = _join(point, root, own[c])
+                break
+    if len(v1) == len(V1_CONTROLLERS):
+        return "v1", v1
+    for point, root, fstype, _ in mounts:
+        if fstype == "cgroup2" and "" in own:
+            parent = _join(point, root, own[""])
+            try:
+                with open(os.path.join(parent, "cgroup.controllers")) as f:
+                    available = set(f.read().split())
+            except OSError:
+                continue
+            missing = {"memory", "pids", "cpu"} - available
+            if not missing:
+                return "v2", {"": parent}
+    return None, "no writable cgroup hierarchy with the memory, pids and cpu controllers"
+
+
+def _write(directory, name, value):
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(str(value))
+
+
+class CgroupTree:
+    """The sandbox's cgroups: created by the service before the zygote starts, removed after."""
+
+    def __init__(self, version, tops, slots):
+        self.version = version
+        self.tops = tops    # {controller: <parent>/rstar2-sandbox-<id>}
+        self.slots = slots  # [{controller: slot dir}, ...]
+
+    @classmethod
+    def create(cls, n_slots, *, memory_bytes, processes, cpus, name=None):
+        """The tree, or (None, reason) where cgroups cannot be used here (no error: a fallback)."""
+        version, parents = find_parents()
+        if version is None:
+            return None, parents
+        for parent in parents.values():
+            _remove_stale(parent)
+        name = name or f"{PREFIX}{os.getpid()}-{time.monotonic_ns()}"
+        tops = {c: os.path.join(p, name) for c, p in parents.items()}
+        tree = cls(version, tops, [])
+        try:
+            for top in tops.values():
+                os.mkdir(top, 0o755)
+            if version == "v2":
+                # A v2 cgroup passes controllers to its children only if enabled in its
+                # subtree_control; ours has no processes of its own, so this is allowed.
+                _write(tops[""], "cgroup.subtree_control", "+memory +pids +cpu")
+            for i in range(n_slots):
+                slot = {c: os.path.join(top, f"slot{i}") for c, top in tops.items()}
+                for d in slot.values():
+                    os.mkdir(d, 0o755)
+                tree.slots.append(slot)
+                tree._limit(slot, memory_bytes, processes, cpus)
+        except OSError as e:
+            tree.remove()
+            return None, f"cannot set up cgroups under {', '.join(parents.values())}: {e.strerror or e}"
+        return tree, ""
+
+    def _limit(self, slot, memory_bytes, processes, cpus):
+        quota = max(1000, int(cpus * CPU_PERIOD_US))
+        if self.version == "v1":
+            _write(slot["memory"], "memory.limit_in_bytes", memory_bytes)
+            if os.path.exists(os.path.join(slot["memory"], "memory.memsw.limit_in_bytes")):
+                _write(slot["memory"], "memory.memsw.limit_in_bytes", memory_bytes)  # no escape to swap
+            _write(slot["pids"], "pids.max", processes)
+            _write(slot["cpu"], "cpu.cfs_period_us", CPU_PERIOD_US)
+            _write(slot["cpu"], "cpu.cfs_quota_us", quota)
+        else:
+            d = slot[""]
+            _write(d, "memory.max", memory_bytes)
+            if os.path.exists(os.path.join(d, "memory.swap.max")):
+                _write(d, "memory.swap.max", 0)
+            _write(d, "memory.oom.group", 1)  # an OOM kills the whole call, not one of its processes
+            _write(d, "pids.max", processes)
+            _write(d, "cpu.max", f"{quota} {CPU_PERIOD_US}")
+
+    def to_dict(self):
+        return {"version": self.version, "slots": self.slots}
+
+    def remove(self, timeout_s=5.0):
+        """rmdir every slot and the top (empty once the zygote and its calls are gone)."""
+        deadline = time.monotonic() + timeout_s
+        dirs = [d for slot in self.slots for d in slot.values()] + list(self.tops.values())
+        for d in dirs:
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: processes still exiting
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+
+
+def _remove_stale(parent):
+    """Trees left by services that were killed (their pid is gone): remove the empty ones."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            top = os.path.join(parent, name)
+            try:
+                for slot in os.listdir(top):
+                    if os.path.isdir(os.path.join(top, slot)):
+                        os.rmdir(os.path.join(top, slot))
+                os.rmdir(top)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------------------------------------
+# used inside the zygote, through directory fds opened before it leaves the host's file system
+
+def open_slot(slot):
+    """{controller: O_DIRECTORY fd} of one slot's cgroup directories."""
+    return {c: os.open(d, os.O_RDONLY | os.O_DIRECTORY) for c, d in slot.items()}
+
+
+def join(dir_fds):
+    """Move the calling process (and so its future children) into the slot's cgroups."""
+    for fd in dir_fds.values():
+        procs = os.open("cgroup.procs", os.O_WRONLY, dir_fd=fd)
+        try:
+            os.write(procs, b"0")  # "0": the writing process itself (it is PID 1 of its own namespace)
+        finally:
+            os.close(procs)
+
+
+def _read(dir_fd, name):
+    fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+    try:
+        return os.read(fd, 1 << 16).decode()
+    finally:
+        os.close(fd)
+
+
+def parse_counter(text, key):
+    """The value of `key` in a flat-keyed cgroup file ("key value" per line); 0 when absent."""
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key:
+            return int(parts[1])
+    return 0
+
+
+def oom_kills(version, dir_fds):
+    """How many processes the kernel has OOM-killed in this cgroup so far (a monotonic counter)."""
+    if version == "v1":
+        return parse_counter(_read(dir_fds["memory"], "memory.oom_control"), "oom_kill")
+    return parse_counter(_read(dir_fds[""], "memory.events"), "oom_kill")

@@ -1,0 +1,236 @@
+"""Kernel-level confinement for the zygote: raw syscalls, the calls' minimal root, the seccomp filter.
+
+Standard library plus pyseccomp (a ctypes binding of the system's libseccomp). Imported by
+zygote.py as a top-level module (the zygote runs as a script), so it imports nothing of the
+package.
+"""
+
+import ctypes
+import errno
+import os
+import signal
+import socket
+import struct
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+NAMESPACE_FLAGS = (CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER,
+                   CLONE_NEWPID, CLONE_NEWNET)
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP = 22
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = ctypes.PyDLL(None).syscall  # PyDLL: keeps the GIL across clone, as os.fork does
+_syscall.restype = ctypes.c_long
+
+
+def _check(ret, what):
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+def unshare(flags):
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def mount(source, target, fstype, flags=0, data=None):
+    _check(_libc.mount(source.encode() if source else None, target.encode(),
+                       fstype.encode() if fstype else None, ctypes.c_ulong(flags),
+                       data.encode() if data else None), f"mount {target}")
+
+
+def umount(target):
+    _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
+
+
+def prctl(option, arg, arg3=0):
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(arg3),
+                       ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
+
+
+def pivot_root(new_root, put_old):
+    _check(_syscall(ctypes.c_long(SYS_PIVOT_ROOT), new_root.encode(), put_old.encode()), "pivot_root")
+
+
+def clone(flags):
+    """fork() that also takes CLONE_* flags (CLONE_NEWPID: the child is PID 1 of a new namespace).
+
+    Python cannot unshare(CLONE_NEWPID) twice in one process, and a fork per call plus a fork
+    inside it doubles the cost; the raw clone syscall with the interpreter's own before/after-fork
+    hooks (what os.fork runs) gives one fork per call.
+    """
+    if SYS_CLONE is None:
+        raise OSError(errno.ENOSYS, f"clone: unsupported machine {os.uname().machine}")
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _syscall(ctypes.c_long(SYS_CLONE), ctypes.c_ulong(flags | signal.SIGCHLD),
+                   None, None, None, None)
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"clone: {os.strerror(err)}")
+    return pid
+
+
+# ------------------------------------------------------------------------------------------------
+# the calls' root file system
+
+DEVICES = ("null", "zero", "full", "random", "urandom")
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")  # the dynamic loader's cache; the time zone
+
+
+def _bind_read_only(source, target, *, devices=False):
+    mount(source, target, None, MS_BIND | MS_REC)
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if devices else MS_NODEV)
+    mount(None, target, None, flags)
+
+
+def _mirror(host_path, root):
+    """Recreate `host_path` inside `root`: a symlink stays a symlink, a directory is bound read-only."""
+    inside = root + host_path
+    if os.path.islink(host_path):
+        os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
+        if not os.path.lexists(inside):
+            os.symlink(os.readlink(host_path), inside)
+    elif os.path.isdir(host_path):
+        os.makedirs(inside, 0o755, exist_ok=True)
+        _bind_read_only(host_path, inside)
+
+
+def build_minimal_root(root, interpreter_dirs):
+    """Populate the (mounted, empty) tmpfs `root` with what a Python call needs and nothing else.
+
+    Read-only: /usr (system libraries), the merged-/usr links (/bin, /lib, ...), the interpreter's
+    prefix directories at their own paths, and two files of /etc. A minimal /dev (null, zero, full,
+    random, urandom, fd links); empty mount points /tmp, /dev/shm and /proc that each call fills
+    with its own tmpfs and proc. No /sys, /run, /home, /root contents, repo, data or host sockets.
+    """
+    for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.lexists(path):
+            _mirror(path, root)
+    for path in interpreter_dirs:
+        if not any(path == p or path.startswith(p + "/") for p in ("/usr",)):
+            _mirror(path, root)
+    os.makedirs(root + "/etc", 0o755, exist_ok=True)
+    for path in ETC_FILES:
+        if os.path.isfile(path):
+            with open(root + path, "w"):
+                pass
+            _bind_read_only(path, root + path)
+    for d in ("/tmp", "/proc", "/dev", "/dev/shm"):
+        os.makedirs(root + d, 0o755, exist_ok=True)
+    for name in DEVICES:
+        with open(f"{root}/dev/{name}", "w"):
+            pass
+        _bind_read_only(f"/dev/{name}", f"{root}/dev/{name}", devices=True)
+    os.symlink("/proc/self/fd", root + "/dev/fd")
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{i}", f"{root}/dev/{name}")
+
+
+def enter_root(root):
+    """pivot_root into `root`, drop every host mount, make / read-only."""
+    os.mkdir(root + "/.old", 0o700)
+    pivot_root(root, root + "/.old")
+    os.chdir("/")
+    umount("/.old")
+    os.rmdir("/.old")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def mount_call_filesystems(uid, tmpfs_bytes):
+    """In a call's own mount namespace: a fresh /tmp and /dev/shm owned by the call, its own /proc."""
+    opts = f"size={tmpfs_bytes},nr_inodes=16384,mode=0700,uid={uid},gid={uid}"
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+# ------------------------------------------------------------------------------------------------
+# seccomp
+
+# Syscalls math code never needs; each is a way out of the sandbox or into the kernel's attack
+# surface. Denied with EPERM (the code sees an OSError, as for any refused operation).
+DENIED_SYSCALLS = (
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount", "fsconfig",
+    "fspick", "move_mount", "open_tree", "mount_setattr", "ptrace", "process_vm_readv",
+    "process_vm_writev", "pidfd_getfd", "keyctl", "add_key", "request_key", "bpf", "io_uring_setup",
+    "io_uring_enter", "io_uring_register", "perf_event_open", "userfaultfd", "kexec_load",
+    "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
+    "acct", "quotactl", "open_by_handle_at", "name_to_handle_at", "syslog", "sethostname",
+    "setdomainname", "iopl", "ioperm", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
+    "fanotify_init", "lookup_dcookie", "vhangup",
+)
+ALLOWED_SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+
+
+def seccomp_program():
+    """The filter as a raw BPF program (bytes), built once with libseccomp; None without libseccomp.
+
+    Loading a libseccomp context compiles it (~1 ms); a prebuilt program loads in microseconds.
+    """
+    try:
+        import pyseccomp as sc
+    except (ImportError, RuntimeError, OSError):  # the binding, or the system's libseccomp, is missing
+        return None
+    f = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED_SYSCALLS:
+        try:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        except (OSError, ValueError, RuntimeError):
+            pass  # not a syscall on this architecture / libseccomp version
+    # clone3 passes its flags in a struct seccomp cannot read: make it look absent, so libc falls
+    # back to clone, whose flags are checked below.
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for flag in NAMESPACE_FLAGS:
+        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    # socket(): only unix (within the call's own namespaces), IPv4 and IPv6 (no interfaces are up).
+    top = max(ALLOWED_SOCKET_FAMILIES)
+    for family in range(top):
+        if family not in ALLOWED_SOCKET_FAMILIES:
+            f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
+    f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.GT, top))
+    fd = os.memfd_create("seccomp-bpf")
+    try:
+        f.export_bpf(open(fd, "wb", closefd=False))
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def load_seccomp(program):
+    """Install a BPF program from seccomp_program() on this process (needs no_new_privs first)."""
+    n = len(program) // struct.calcsize("HBBI")
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(n, ctypes.cast(buf, ctypes.c_void_p))
+    prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog))
