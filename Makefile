@@ -32,8 +32,14 @@ venv: $(VENV)/.runtime
 venv-dev: $(VENV)/.dev
 venv-vllm: $(VLLM_VENV)/.installed
 
-# redis-server backs the distributed sandbox and its tests: install it when missing (root only).
+# redis-server backs the distributed sandbox and its tests, libseccomp2 the sandbox's syscall
+# filter: install them when missing (root only).
 redis:
+	@ldconfig -p 2>/dev/null | grep -q 'libseccomp.so.2 ' || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libseccomp2 >/dev/null) \
+	      || { echo "could not install libseccomp2 with apt-get"; exit 1; }; \
+	  else echo "libseccomp2 is missing: run 'sudo apt-get install libseccomp2' and retry"; exit 1; fi; }
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
