@@ -50,11 +50,61 @@ def is_loopback(host: str) -> bool:
 
 
 class _Refuse(asyncio.Protocol):
-    """A connection past the limit: one 503, then closed (never reaches aiohttp)."""
+    """A connection past the limit: one 503, then closed (never reaches aiohttp). It reads what
+    the client sent first: closing with unread data would reset the connection and lose the 503."""
 
     def connection_made(self, transport):
+        self.transport = transport
         transport.write(_BUSY)
-        transport.close()
+        self.timer = asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    def data_received(self, data):
+        self.timer.cancel()
+        self.transport.close()
+
+
+class _Deadline(asyncio.Protocol):
+    """aiohttp's protocol with a read deadline: from the first byte a client sends (or from
+    connecting) until its request is read, at most `timeout_s`; otherwise the connection is
+    closed. aiohttp times out idle connections between requests, not slow heads or bodies."""
+
+    def __init__(self, inner, timeout_s, connections):
+        self.inner, self.timeout_s, self.connections = inner, timeout_s, connections
+        self.timer = None
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.connections[transport] = self
+        self.arm()
+        self.inner.connection_made(transport)
+
+    def arm(self):
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.timeout_s, self.transport.abort)
+
+    def request_read(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def data_received(self, data):
+        self.arm()
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc):
+        self.request_read()
+        self.connections.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self):
+        self.inner.pause_writing()
+
+    def resume_writing(self):
+        self.inner.resume_writing()
 
 
 class HTTPError(Exception):
@@ -134,6 +184,7 @@ class SandboxHTTPServer:
         self.metrics = Metrics()
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._deadlines: dict[asyncio.BaseTransport, _Deadline] = {}
 
     async def start(self, host: str = "127.0.0.1", port: int = 8088) -> int:
         if not is_loopback(host) and not self.token:
@@ -148,10 +199,10 @@ class SandboxHTTPServer:
         protocol = self._runner.server
 
         def factory():
-            if len(protocol.connections) >= self.max_connections:
+            if len(self._deadlines) >= self.max_connections:
                 self.metrics.refused_connections += 1
                 return _Refuse()
-            return protocol()
+            return _Deadline(protocol(), self.read_timeout_s, self._deadlines)
 
         self._server = await asyncio.get_running_loop().create_server(factory, host, port, backlog=1024)
         return self._server.sockets[0].getsockname()[1]
@@ -182,6 +233,7 @@ class SandboxHTTPServer:
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
                     raise HTTPError(400, f"invalid JSON body: {where}") from None
+            self._request_read(request)
             status, kind, payload = await self._route(request.method, request.path, body)
         except HTTPError as e:
             self.metrics.bad_requests += 1
@@ -189,6 +241,11 @@ class SandboxHTTPServer:
         if kind == "json":
             return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json")
         return web.Response(status=status, text=payload, content_type="text/plain")
+
+    def _request_read(self, request):
+        deadline = self._deadlines.get(request.transport)
+        if deadline is not None:
+            deadline.request_read()
 
     async def _run(self, code, stdin, timeout) -> ExecResult:
         self.metrics.in_flight += 1

@@ -79,6 +79,7 @@ class ZygotePool:
         self._ids = itertools.count()
         self._transports = []
         self._cgroups: CgroupTree | None = None
+        self.work_root = f"/tmp/rstar2-sandbox-{os.getpid()}-{id(self):x}"  # basic isolation's work dirs
         self._reclaims: set[asyncio.Task] = set()
         # What the running zygote reports it enforces (also in /health).
         self.protections: dict = {}
@@ -105,7 +106,7 @@ class ZygotePool:
             self._cgroups, cgroup_note = self._make_cgroups()
         cfg = dict(channels=channels, status_fd=status_w, preload=list(self.preload),
                    isolation=self.isolation, uid_base=self.uid_base,
-                   work_root=f"/tmp/rstar2-sandbox-{os.getpid()}", warmup=self.warmup,
+                   work_root=self.work_root, warmup=self.warmup,
                    limits=self.limits.to_dict(), cgroups=self._cgroups.to_dict() if self._cgroups else None)
         self.proc = subprocess.Popen([sys.executable, "-I", ZYGOTE_SCRIPT, json.dumps(cfg)],
                                      pass_fds=child_fds + [status_w], env={}, stdin=subprocess.DEVNULL,
@@ -220,6 +221,11 @@ class ZygotePool:
                 self.proc.wait()
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
+        if not keep_cgroups and os.path.isdir(self.work_root):
+            try:
+                os.rmdir(self.work_root)
+            except OSError:
+                log.warning("sandbox: %s is not empty after close", self.work_root)
         if self._cgroups is not None and not keep_cgroups:
             await asyncio.to_thread(self._cgroups.remove)
             self._cgroups = None

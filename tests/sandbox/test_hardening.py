@@ -1,0 +1,472 @@
+"""Sandbox hardening, one section per class of weakness (issue: sandbox second pass).
+
+Each hostile case runs beside benign calls (run_beside_benign) where it can; each was written to
+fail on the first-pass sandbox (per-process rlimits, one IPC namespace and /tmp per zygote, the
+host's file system, exit codes with supervisor meanings, a hand-written HTTP parser).
+"""
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+import sandbox
+from sandbox import cgroups
+from tests.sandbox.helpers import SyncSandbox, leftover_work_files
+from tests.sandbox.test_hostile import run_beside_benign
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LIBC = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+
+@pytest.fixture(scope="module")
+def one_slot():
+    """One worker: consecutive calls are guaranteed to share a slot (its uid, its namespaces)."""
+    box = SyncSandbox(workers=1, default_timeout=5.0)
+    yield box
+    box.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. limits per call, not per process
+
+def test_per_call_cgroups_are_active_on_this_machine(sb):
+    # This project's machines have writable cgroups; a silent fallback would hide every test below.
+    assert sb.sb.protections["cgroups"] in ("v1", "v2"), sb.sb.protections
+    assert sb.sb.protections["seccomp"] and sb.sb.protections["minimal_root"]
+
+
+def test_forked_children_share_one_memory_budget(sb):
+    # 4 x 400 MB: each child is under the 1 GiB limit, the call is not.
+    code = ("import os, time\npids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = bytearray(400 * 2**20)\n        time.sleep(1.5)\n        os._exit(0)\n"
+            "    pids.append(pid)\nprint([os.waitpid(p, 0)[1] for p in pids])")
+    r = run_beside_benign(sb, code, timeout=10.0)
+    assert r.status == "memory" and "MemoryError" in r.stderr
+
+
+def test_sysv_shared_memory_counts_and_does_not_outlive_the_call(sb):
+    # Three 500 MB segments attached one at a time (never over the address-space limit at once),
+    # touched, detached and left behind: 1.5 GB of shared memory held by one call.
+    code = (LIBC + "libc.shmat.restype = ctypes.c_void_p\nfor i in range(3):\n"
+            "    shm = libc.shmget(0, 500 << 20, 0o1600)\n    addr = libc.shmat(shm, None, 0)\n"
+            "    ctypes.memset(addr, 1, 500 << 20)\n    libc.shmdt(ctypes.c_void_p(addr))\n    print('segment', i)")
+    r = run_beside_benign(sb, code, timeout=10.0)
+    assert r.status == "memory"
+
+
+def test_cpu_is_a_budget_of_the_call(sb):
+    # Two children spin for 1.5 s: with the call's CPU quota (1 CPU) they share one core.
+    code = ("import os, time\nstart = time.time()\nfor _ in range(2):\n    if os.fork() == 0:\n"
+            "        while time.time() - start < 1.5:\n            pass\n        os._exit(0)\nos.wait(); os.wait()\n"
+            "t = os.times()\nprint(t.children_user + t.children_system, time.time() - start)")
+    r = sb.run(code, timeout=10.0)
+    cpu_s, wall_s = map(float, r.stdout.split())
+    assert r.status == "ok" and cpu_s <= 1.25 * wall_s, (cpu_s, wall_s)
+
+
+def test_sandbox_processes_are_the_oom_killers_first_choice(sb):
+    r = sb.run("print(open('/proc/self/oom_score_adj').read().strip())")
+    assert r.stdout == "1000\n"
+    assert open(f"/proc/{sb.sb.zygote_pid}/oom_score_adj").read().strip() == "1000"
+    assert open("/proc/self/oom_score_adj").read().strip() == "0"  # the service (the trainer) is not
+
+
+def test_without_cgroups_it_falls_back_to_rlimits_and_warns(monkeypatch, caplog):
+    # Stands in for a machine without writable cgroups (the real hierarchy is used everywhere else).
+    monkeypatch.setattr(cgroups, "find_parents", lambda: (None, "no cgroup hierarchy (test)"))
+
+    async def scenario():
+        async with sandbox.LocalSandbox(workers=1, preload=("math",)) as sb:
+            return sb.protections, await sb.run("x = bytearray(8 * 2**30)"), await sb.run("print(1)")
+
+    with caplog.at_level(logging.WARNING, logger="sandbox"):
+        protections, big, ok = asyncio.run(scenario())
+    assert protections["cgroups"] is None and protections["minimal_root"]
+    assert "per-call cgroups are NOT active (no cgroup hierarchy (test))" in caplog.text
+    assert big.status == "error" and "MemoryError" in big.stderr and ok.stdout == "1\n"
+
+
+def test_cgroup_trees_are_removed_on_close():
+    async def scenario():
+        sb = await sandbox.LocalSandbox(workers=2, preload=("math",)).start()
+        tops = dict(sb._pool._cgroups.tops)
+        await sb.run("print(1)")
+        await sb.close()
+        return tops
+
+    tops = asyncio.run(scenario())
+    assert tops and not any(os.path.exists(d) for d in tops.values())
+
+
+def test_parse_counter_reads_flat_keyed_files():
+    text = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"
+    assert cgroups.parse_counter(text, "oom_kill") == 3
+    assert cgroups.parse_counter("low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\n", "oom_kill") == 1
+    assert cgroups.parse_counter("", "oom_kill") == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. nothing survives a call, nothing crosses between concurrent calls
+
+def test_sysv_ipc_and_posix_mqueues_do_not_survive(one_slot):
+    make = (LIBC + "print(libc.shmget(4242, 4096, 0o1666), libc.msgget(4243, 0o1666))\n"
+            "libc.mq_open.restype = ctypes.c_int\n"
+            "print(libc.mq_open(b'/rstar2-q', os.O_CREAT | os.O_RDWR, 0o666, None) >= 0)")
+    made = one_slot.run("import os\n" + make)
+    assert made.stdout.split()[-1] == "True", made
+    look = (LIBC + "import os\nprint(libc.shmget(4242, 0, 0), libc.msgget(4243, 0), "
+            "libc.mq_open(b'/rstar2-q', os.O_RDWR) >= 0)")
+    assert one_slot.run(look).stdout == "-1 -1 False\n"
+
+
+def test_keyrings_are_refused(one_slot):
+    add = (LIBC + "n = libc.syscall(248, b'user', b'rstar2', b'secret', 6, -4)\n"  # add_key, user keyring
+           "print(n, ctypes.get_errno())")
+    r = one_slot.run(add)
+    assert r.stdout.split() == ["-1", "1"]  # EPERM (seccomp)
+
+
+def test_abstract_unix_socket_does_not_reach_a_concurrent_call(sb):
+    server = ("import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('\\0rstar2-abstract')\ns.listen(1)\n"
+              "s.settimeout(2)\ntry:\n    c, _ = s.accept()\n    print('contacted', c.recv(10))\nexcept OSError:\n"
+              "    print('alone')")
+    client = ("import socket, time\ntime.sleep(0.3)\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
+              "    s.connect('\\0rstar2-abstract'); s.sendall(b'hi'); print('connected')\n"
+              "except OSError as e:\n    print(type(e).__name__)")
+    a, b = sb.run_many([{"code": server, "timeout": 5}, {"code": client, "timeout": 5}])
+    assert a.stdout == "alone\n" and b.stdout == "ConnectionRefusedError\n", (a, b)
+
+
+def test_files_in_tmp_and_shm_do_not_survive(one_slot):
+    one_slot.run("import os\nos.makedirs('/tmp/a/b')\nopen('/tmp/a/b/f', 'w').write('x')\n"
+                 "open('/dev/shm/sem.x', 'w').write('x')")
+    assert one_slot.run("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))").stdout == "[] []\n"
+    assert leftover_work_files(one_slot) == []
+
+
+def test_previous_call_is_not_reachable_from_the_calls_own_memory(one_slot):
+    secret = "PREVIOUS-CALL-OUTPUT-7f3a"
+    assert one_slot.run(f"print({secret!r})").stdout == secret + "\n"
+    # The child is forked from the worker: walk every frame above it, and every object the
+    # garbage collector tracks, for the previous call's result.
+    probe = ("import gc, sys\nseen = []\nf = sys._getframe()\nwhile f is not None:\n"
+             "    seen.append(repr(f.f_locals)); f = f.f_back\n"
+             "for o in gc.get_objects():\n    if isinstance(o, (dict, list, tuple)):\n"
+             "        try:\n            seen.append(repr(o)[:100000])\n        except Exception:\n            pass\n"
+             f"print(any({secret[:14]!r} + '-OUTPUT' in s for s in seen))")
+    assert one_slot.run(probe, timeout=20).stdout == "False\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. no view of the host
+
+def test_host_files_repo_and_data_are_invisible(sb, tmp_path):
+    data = tmp_path / "gold_answers.jsonl"
+    data.write_text('{"answer": "42"}\n')
+    os.chmod(tmp_path, 0o755)
+    os.chmod(data, 0o644)
+    targets = [str(data), os.path.join(ROOT, "README.md"), os.path.join(ROOT, "sandbox", "zygote.py"),
+               "/etc/passwd", "/etc/hostname", "/root/.bashrc", "/var/log", "/sys/class", "/run"]
+    code = ("import os\nfor p in %r:\n    print(os.path.exists(p))\n"
+            "print(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/dev')))") % targets
+    r = run_beside_benign(sb, code)
+    lines = r.stdout.splitlines()
+    assert lines[:len(targets)] == ["False"] * len(targets), list(zip(targets, lines))
+    top = set(eval(lines[-2]))
+    assert top <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root", "sbin", "tmp",
+                   "usr", "work", "opt", "home"}, top
+    assert set(eval(lines[-1])) == {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout",
+                                    "stderr", "shm"}
+
+
+def test_the_interpreter_is_read_only(sb):
+    import numpy
+    target = os.path.join(os.path.dirname(numpy.__file__), "rstar2_planted.py")
+    r = run_beside_benign(sb, f"open({target!r}, 'w').write('x')")
+    assert r.status == "error" and "Read-only file system" in r.stderr
+    assert not os.path.exists(target)
+
+
+def test_host_unix_socket_is_unreachable_by_path(sb):
+    directory = tempfile.mkdtemp(dir=ROOT, prefix=".sock-test-")  # outside /tmp, world-traversable
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "service.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen(1)
+    server.settimeout(0.5)
+    accepted = []
+    t = threading.Thread(target=lambda: accepted.append(_accept(server)))
+    t.start()
+    try:
+        r = run_beside_benign(sb, f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})")
+    finally:
+        t.join()
+        server.close()
+        os.unlink(path)
+        os.rmdir(directory)
+    assert r.status == "error" and "FileNotFoundError" in r.stderr
+    assert accepted == [None]
+
+
+def _accept(server):
+    try:
+        return server.accept()
+    except OSError:
+        return None
+
+
+def test_no_ptys_or_device_nodes(sb):
+    r = run_beside_benign(sb, "import os\ntry:\n    os.openpty()\n    print('pty')\nexcept OSError as e:\n"
+                              "    print(type(e).__name__)\nprint(os.path.exists('/dev/pts'), os.path.exists('/dev/nvidia0'))")
+    assert r.stdout == "FileNotFoundError\nFalse False\n"
+
+
+SECCOMP_PROBES = {
+    # name: (syscall number on x86_64, args)
+    "unshare(CLONE_NEWUSER)": (272, (0x10000000,)),
+    "mount": (165, (0, 0, 0, 0, 0)),
+    "keyctl": (250, (0, 0)),
+    "bpf": (321, (0, 0, 0)),
+    "io_uring_setup": (425, (8, 0)),
+    "perf_event_open": (298, (0, 0, -1, -1, 0)),
+    "ptrace(PTRACE_TRACEME)": (101, (0, 0, 0, 0)),
+    "userfaultfd": (323, (0,)),
+}
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="syscall numbers below are x86_64's")
+def test_seccomp_denies_what_math_code_never_needs(sb):
+    probes = "".join(f"r = libc.syscall({nr}, {', '.join(map(str, args))})\nprint({name!r}, r, ctypes.get_errno())\n"
+                     for name, (nr, args) in SECCOMP_PROBES.items())
+    sockets = ("import socket\nfor fam in (socket.AF_NETLINK, socket.AF_PACKET, 40, socket.AF_ALG):\n    try:\n"
+               "        socket.socket(fam, socket.SOCK_RAW if fam != 40 else socket.SOCK_STREAM)\n        print(fam, 'open')\n"
+               "    except OSError as e:\n        print(fam, e.errno)\n"
+               "a, b = socket.socketpair()\nsocket.socket(socket.AF_INET6).close()\nprint('benign sockets fine')")
+    r = run_beside_benign(sb, LIBC + probes + sockets)
+    lines = r.stdout.splitlines()
+    for name, line in zip(SECCOMP_PROBES, lines):
+        assert line == f"{name} -1 1", line  # EPERM
+    assert lines[len(SECCOMP_PROBES):] == [f"{fam} 97" for fam in (16, 17, 40, 38)] + ["benign sockets fine"]
+
+
+def test_threads_subprocesses_and_multiprocessing_still_work(sb):
+    code = ("import subprocess, threading, multiprocessing as mp\nt = threading.Thread(target=print, args=('thread',))\n"
+            "t.start(); t.join()\nprint(subprocess.run(['/bin/echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
+            "with mp.Pool(2) as pool:\n    print(pool.map(abs, [-1, -2]))")
+    r = run_beside_benign(sb, code, timeout=20)
+    assert r.stdout == "thread\nchild\n[1, 2]\n", r
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. a supervisor no input can break
+
+def _worker_pids(box):
+    with open(f"/proc/{box.sb.zygote_pid}/task/{box.sb.zygote_pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _fd_count(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_lone_surrogate_stdin_leaks_nothing(one_slot):
+    (worker,) = _worker_pids(one_slot)
+    before = _fd_count(worker)
+    # Straight to the pool (the API layers refuse it with a 400): the worker must stay whole.
+    for _ in range(60):
+        r = one_slot.call(one_slot.sb._pool.run("import sys\nprint(len(sys.stdin.read()))", "a\ud800b", 5))
+        assert r.status == "ok", r
+    assert _fd_count(worker) <= before and _worker_pids(one_slot) == [worker]
+    with pytest.raises(ValueError, match=r"stdin is not valid Unicode text: lone surrogate '\\ud800' at index 1"):
+        one_slot.run("print(1)", stdin="a\ud800b")
+    with pytest.raises(ValueError, match="code is not valid Unicode text"):
+        one_slot.run("print('\udcff')")
+
+
+def test_deep_directory_tree_loses_no_output_and_leaves_nothing(one_slot):
+    code = ("import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('made', len(os.getcwd()))")
+    r = one_slot.run(code, timeout=20)
+    assert r.status == "ok" and r.stdout.startswith("made"), r
+    assert one_slot.run("import os\nprint(os.listdir('/tmp'))").stdout == "[]\n"
+    assert leftover_work_files(one_slot) == []
+
+
+def test_remove_tree_handles_depth_past_path_max_and_recursion_limit(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("zygote_for_test", os.path.join(ROOT, "sandbox", "zygote.py"))
+    zygote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zygote)
+    top = tmp_path / "tree"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY)
+    for i in range(2500):  # 2500 x 4 bytes: deeper than PATH_MAX, deeper than the recursion limit
+        os.mkdir("ddd", dir_fd=fd)
+        open(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd), "w").close()
+        nxt = os.open("ddd", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+    zygote.remove_tree(str(top))
+    assert not top.exists()
+
+
+def test_basic_isolation_removes_deep_trees_too():
+    async def scenario():
+        async with sandbox.LocalSandbox(workers=1, isolation="basic", preload=()) as sb:
+            r = await sb.run("import os\nfor _ in range(1500):\n    os.mkdir('d'); os.chdir('d')\nprint('ok')",
+                             timeout=20)
+            return r, os.listdir(sb._pool.work_root)
+
+    with pytest.warns(RuntimeWarning):
+        r, left = asyncio.run(scenario())
+    assert r.stdout == "ok\n" and left == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. statuses cannot be forged
+
+def test_no_exit_code_maps_to_a_supervisor_status(sb):
+    results = sb.run_many([{"code": f"import os\nos._exit({code})"} for code in range(1, 256)])
+    assert {r.status for r in results} == {"error"}
+    assert [r.exit_code for r in results] == list(range(1, 256))
+
+
+@pytest.mark.parametrize("code,status", [
+    ("raise MemoryError", "error"),
+    ("import os\nos.write(3, b'R')", "error"),                       # the setup pipe is closed
+    ("import signal\nsignal.raise_signal(signal.SIGXCPU)\nprint('alive')", "ok"),  # PID 1 ignores it
+])
+def test_forging_attempts(sb, code, status):
+    r = sb.run(code)
+    assert r.status == status, r
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. HTTP on aiohttp
+
+@pytest.fixture(scope="module")
+def strict_api(sb):
+    from sandbox.http_api import SandboxHTTPServer
+    server = SandboxHTTPServer(sb.sb, default_timeout=5.0, workers=sb.sb.workers, max_connections=4,
+                               read_timeout_s=1.0, idle_timeout_s=1.0, max_batch=8)
+    port = sb.call(server.start("127.0.0.1", 0))
+    yield port, server
+    sb.call(server.close())
+
+
+def _raw(port, data, *, wait_s=5.0):
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except socket.timeout:
+            pass
+    return out
+
+
+def _post(path, body, extra=b""):
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n".encode()
+            + extra + b"\r\n" + data)
+
+
+def test_unread_get_body_does_not_desync_the_connection(strict_api):
+    port, _ = strict_api
+    out = _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 27\r\n\r\nGET /nope HTTP/1.1\r\n\r\n12345"
+               + _post("/run", {"code": "print(5)"}, b"Connection: close\r\n"))
+    assert out.count(b"HTTP/1.1 200 OK") == 2 and b"404" not in out and b'"stdout": "5\\n"' in out
+
+
+def test_negative_content_length_is_a_400(strict_api):
+    port, _ = strict_api
+    out = _raw(port, b"POST /run HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    assert out.split(b"\r\n")[0].endswith(b" 400 Bad Request") and b"Content-Length" in out
+
+
+def test_connections_past_the_limit_get_a_503(strict_api):
+    port, server = strict_api
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        out = _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n", wait_s=2)
+        assert out.startswith(b"HTTP/1.1 503") and b"too many connections" in out
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    assert _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
+def test_slow_clients_are_cut_off(strict_api):
+    port, _ = strict_api
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # headers never finish
+        s.sendall(b"POST /run HTTP/1.1\r\nHost: x\r\n")
+        assert s.recv(100) == b""
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    out = _raw(port, b"POST /run HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"code\"", wait_s=10)
+    # cut off either by the connection's read deadline or by the handler's (a 408): whichever is first
+    assert time.monotonic() - start < 5 and (out == b"" or out.startswith(b"HTTP/1.1 408")), out
+
+
+def test_batch_size_limit(strict_api):
+    port, _ = strict_api
+    out = _raw(port, _post("/run/batch", {"requests": [{"code": "1"}] * 9}, b"Connection: close\r\n"))
+    assert out.startswith(b"HTTP/1.1 400") and b"at most 8" in out
+
+
+def test_a_client_that_goes_away_has_its_batch_cancelled(sb, strict_api):
+    port, server = strict_api
+    before = server.metrics.cancelled
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(_post("/run/batch", {"requests": [{"code": "import time\ntime.sleep(4)\nprint('ran')", "timeout": 5}] * 8}))
+    time.sleep(0.5)
+    s.close()
+    deadline = time.monotonic() + 3
+    while server.metrics.cancelled < before + 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metrics.cancelled == before + 8
+    start = time.monotonic()
+    assert sb.run("print(1)").stdout == "1\n"  # the slots were freed, not held for 4 s x 8 / 3
+    assert time.monotonic() - start < 2
+    assert leftover_work_files(sb) == []
+
+
+def test_bearer_token_and_refusal_to_listen_openly_without_one(sb):
+    from sandbox.http_api import SandboxHTTPServer
+    with pytest.raises(ValueError, match="non-loopback address '0.0.0.0' without a bearer token"):
+        sb.call(SandboxHTTPServer(sb.sb).start("0.0.0.0", 0))
+    server = SandboxHTTPServer(sb.sb, token="s3cret")
+    port = sb.call(server.start("127.0.0.1", 0))
+    try:
+        body = {"code": "print(2)"}
+        assert _raw(port, _post("/run", body, b"Connection: close\r\n")).startswith(b"HTTP/1.1 401")
+        assert _raw(port, _post("/run", body, b"Authorization: Bearer wrong\r\nConnection: close\r\n")).startswith(b"HTTP/1.1 401")
+        ok = _raw(port, _post("/run", body, b"Authorization: Bearer s3cret\r\nConnection: close\r\n"))
+        assert ok.startswith(b"HTTP/1.1 200") and b'"stdout": "2\\n"' in ok
+        assert _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
+    finally:
+        sb.call(server.close())
+    open_server = SandboxHTTPServer(sb.sb, token="s3cret")
+    sb.call(open_server.start("0.0.0.0", 0))
+    sb.call(open_server.close())
+
+
+def test_health_reports_the_protections(sb, strict_api):
+    port, _ = strict_api
+    out = _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    health = json.loads(out.split(b"\r\n\r\n", 1)[1])
+    assert health["protections"] == {"isolation": "strict", "cgroups": sb.sb.protections["cgroups"],
+                                     "seccomp": True, "minimal_root": True}
