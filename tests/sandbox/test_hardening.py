@@ -160,7 +160,7 @@ def test_previous_call_is_not_reachable_from_the_calls_own_memory(one_slot):
              "    seen.append(repr(f.f_locals)); f = f.f_back\n"
              "for o in gc.get_objects():\n    if isinstance(o, (dict, list, tuple)):\n"
              "        try:\n            seen.append(repr(o)[:100000])\n        except Exception:\n            pass\n"
-             f"print(any({secret[:14]!r} + '-OUTPUT' in s for s in seen))")
+             f"print(any({secret[:13]!r} + '-OUTPUT' in s for s in seen))")
     assert one_slot.run(probe, timeout=20).stdout == "False\n"
 
 
