@@ -55,6 +55,7 @@ def get_config():
     c.sandbox = ml_collections.ConfigDict()
     c.sandbox.workers = 2
     c.sandbox.isolation = "strict"
+    c.sandbox.tool_state = "stateless"  # or "session": a live interpreter per trajectory (beyond the release)
 
     c.rl = ml_collections.ConfigDict()
     c.rl.steps = 12

@@ -5,8 +5,8 @@
         res = await sb.run("print(1 + 1)", stdin="", timeout=5.0)  # -> ExecResult
 """
 
-from sandbox.local import ISOLATION_MODES, LocalSandbox
+from sandbox.local import ISOLATION_MODES, LocalSandbox, Session
 from sandbox.pool import SandboxStartError
 from sandbox.result import STATUSES, ExecResult, Limits
 
-__all__ = ["ExecResult", "ISOLATION_MODES", "Limits", "LocalSandbox", "STATUSES", "SandboxStartError"]
+__all__ = ["ExecResult", "ISOLATION_MODES", "Limits", "LocalSandbox", "STATUSES", "SandboxStartError", "Session"]

@@ -75,6 +75,23 @@ def find_parents():
     return None, "no writable cgroup hierarchy with the memory, pids and cpu controllers"
 
 
+def limit_writes(version, memory_bytes, processes, cpus):
+    """[(controller, file, value)] that set one call's limits, in order (files a kernel lacks,
+    e.g. swap accounting, are skipped by the writer)."""
+    quota = max(1000, int(cpus * CPU_PERIOD_US))
+    if version == "v1":
+        return [("memory", "memory.limit_in_bytes", memory_bytes),
+                ("memory", "memory.memsw.limit_in_bytes", memory_bytes),  # no escape to swap
+                ("pids", "pids.max", processes),
+                ("cpu", "cpu.cfs_period_us", CPU_PERIOD_US),
+                ("cpu", "cpu.cfs_quota_us", quota)]
+    return [("", "memory.max", memory_bytes),
+            ("", "memory.swap.max", 0),
+            ("", "memory.oom.group", 1),  # an OOM kills the whole call, not one of its processes
+            ("", "pids.max", processes),
+            ("", "cpu.max", f"{quota} {CPU_PERIOD_US}")]
+
+
 def _write(directory, name, value):
     with open(os.path.join(directory, name), "w") as f:
         f.write(str(value))
@@ -118,25 +135,12 @@ class CgroupTree:
         return tree, ""
 
     def _limit(self, slot, memory_bytes, processes, cpus):
-        quota = max(1000, int(cpus * CPU_PERIOD_US))
-        if self.version == "v1":
-            _write(slot["memory"], "memory.limit_in_bytes", memory_bytes)
-            if os.path.exists(os.path.join(slot["memory"], "memory.memsw.limit_in_bytes")):
-                _write(slot["memory"], "memory.memsw.limit_in_bytes", memory_bytes)  # no escape to swap
-            _write(slot["pids"], "pids.max", processes)
-            _write(slot["cpu"], "cpu.cfs_period_us", CPU_PERIOD_US)
-            _write(slot["cpu"], "cpu.cfs_quota_us", quota)
-        else:
-            d = slot[""]
-            _write(d, "memory.max", memory_bytes)
-            if os.path.exists(os.path.join(d, "memory.swap.max")):
-                _write(d, "memory.swap.max", 0)
-            _write(d, "memory.oom.group", 1)  # an OOM kills the whole call, not one of its processes
-            _write(d, "pids.max", processes)
-            _write(d, "cpu.max", f"{quota} {CPU_PERIOD_US}")
+        for controller, name, value in limit_writes(self.version, memory_bytes, processes, cpus):
+            if os.path.exists(os.path.join(slot[controller], name)):
+                _write(slot[controller], name, value)
 
     def to_dict(self):
-        return {"version": self.version, "slots": self.slots}
+        return {"version": self.version, "slots": self.slots, "tops": self.tops}
 
     def remove(self, timeout_s=5.0):
         """rmdir every slot and the top (empty once the zygote and its calls are gone)."""
@@ -180,6 +184,41 @@ def _remove_stale(parent):
 def open_slot(slot):
     """{controller: O_DIRECTORY fd} of one slot's cgroup directories."""
     return {c: os.open(d, os.O_RDONLY | os.O_DIRECTORY) for c, d in slot.items()}
+
+
+def make_child(version, top_fds, name, limits):
+    """A cgroup `name` under each top (a session's own), with a call's limits; its dir fds."""
+    fds = {}
+    for c, top in top_fds.items():
+        os.mkdir(name, 0o755, dir_fd=top)
+        fds[c] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+    for controller, file, value in limit_writes(version, limits["memory_bytes"], limits["processes"], limits["cpus"]):
+        try:
+            fd = os.open(file, os.O_WRONLY, dir_fd=fds[controller])
+        except FileNotFoundError:
+            continue
+        try:
+            os.write(fd, str(value).encode())
+        finally:
+            os.close(fd)
+    return fds
+
+
+def remove_child(top_fds, name, child_fds, timeout_s=2.0):
+    for fd in child_fds.values():
+        os.close(fd)
+    deadline = time.monotonic() + timeout_s
+    for top in top_fds.values():
+        while True:
+            try:
+                os.rmdir(name, dir_fd=top)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # EBUSY: its processes are still exiting
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
 
 
 def join(dir_fds):

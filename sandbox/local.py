@@ -11,12 +11,15 @@ start without it; isolation="basic" runs with rlimits only and warns.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import os
+import time
 import warnings
 from typing import Any, Iterable, Sequence
 
-from sandbox.pool import DEFAULT_PRELOAD, DEFAULT_UID_BASE, SandboxStartError, ZygotePool
+from sandbox.pool import DEFAULT_PRELOAD, DEFAULT_UID_BASE, SandboxStartError, SessionLost, ZygotePool
 from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox")
@@ -38,7 +41,8 @@ ISOLATION_MODES = ("strict", "basic")
 class LocalSandbox:
     def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits = Limits(),
                  preload: Sequence[str] = DEFAULT_PRELOAD, default_timeout: float = 5.0,
-                 max_pending: int = 4096, uid_base: int = DEFAULT_UID_BASE):
+                 max_pending: int = 4096, uid_base: int = DEFAULT_UID_BASE, max_sessions: int = 256,
+                 session_idle_timeout_s: float = 600.0):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if isolation not in ISOLATION_MODES:
@@ -51,6 +55,13 @@ class LocalSandbox:
         self._pending = asyncio.Semaphore(max_pending)  # backpressure: callers past this wait
         self.in_flight = 0
         self._started = False
+        # Sessions: each gets its own uid (after the slots' uids), returned when it closes.
+        self.max_sessions = max_sessions
+        self.session_idle_timeout_s = session_idle_timeout_s
+        self._session_uids: asyncio.Queue[int] | None = None
+        self._sessions: dict[int, "Session"] = {}
+        self._session_ids = itertools.count()
+        self._reaper: asyncio.Task | None = None
 
     async def start(self) -> "LocalSandbox":
         if self.isolation == "strict":
@@ -61,8 +72,34 @@ class LocalSandbox:
             warnings.warn("sandbox isolation='basic': rlimits only; code can reach the network, "
                           "see other processes and read the filesystem", RuntimeWarning, stacklevel=2)
         await self._pool.start()
+        self._session_uids = asyncio.Queue()
+        for k in range(self.max_sessions):
+            self._session_uids.put_nowait(self._pool.uid_base + self.workers + k)
+        self._reaper = asyncio.create_task(self._close_idle_sessions())
         self._started = True
         return self
+
+    async def session(self) -> "Session":
+        """A stateful interpreter for one trajectory (see Session); waits if max_sessions are open."""
+        if not self._started:
+            raise RuntimeError("LocalSandbox is not started: use `async with LocalSandbox(...) as sb`")
+        uid = await self._session_uids.get()
+        session = Session(self, uid, next(self._session_ids))
+        self._sessions[session.id] = session
+        return session
+
+    def _release_session(self, session: "Session"):
+        if self._sessions.pop(session.id, None) is not None:
+            self._session_uids.put_nowait(session.uid)
+
+    async def _close_idle_sessions(self):
+        while True:
+            await asyncio.sleep(min(5.0, self.session_idle_timeout_s / 4))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                if now - session.last_used > self.session_idle_timeout_s and not session._lock.locked():
+                    log.info("sandbox: closing session %d after %.0f s idle", session.id, now - session.last_used)
+                    await session.close()
 
     async def __aenter__(self) -> "LocalSandbox":
         return await self.start()
@@ -73,6 +110,11 @@ class LocalSandbox:
     async def close(self):
         if self._started:
             self._started = False
+            if self._reaper is not None:
+                self._reaper.cancel()
+            for session in list(self._sessions.values()):
+                session.closed = True  # their processes end with the zygote
+                self._release_session(session)
             await self._pool.close()
 
     @property
@@ -105,3 +147,80 @@ class LocalSandbox:
         """Run requests ({"code", "stdin"?, "timeout"?}) concurrently; results in request order."""
         return list(await asyncio.gather(*(self.run(r["code"], r.get("stdin", ""), r.get("timeout"))
                                            for r in requests)))
+
+
+class Session:
+    """A live, isolated interpreter for one trajectory: variables persist from call to call.
+
+        async with sb.session() as s:
+            await s.run("x = 21")
+            (await s.run("x * 2")).stdout   # '42\n'
+
+    Each call is confined and limited exactly like a stateless one (its own PID, IPC, mount and
+    network namespaces, cgroup, uid, seccomp); between calls every process but the interpreter is
+    killed. A timeout, memory kill or output flood ends the interpreter: that result says so, and
+    the next call starts a fresh one. Closed at the end of the `async with`, or after
+    `idle_timeout_s` without calls.
+    """
+
+    def __init__(self, sb: "LocalSandbox", uid: int, session_id: int):
+        self._sb, self.uid, self.id = sb, uid, session_id
+        self._slot: int | None = None
+        self._generation: int | None = None
+        self._lock = asyncio.Lock()
+        self.last_used = time.monotonic()
+        self.closed = False
+        self.restarts = 0  # interpreters started after the first (state lost each time)
+
+    async def __aenter__(self) -> "Session":
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        timeout = self._sb.validate(code, stdin, timeout)
+        if self.closed:
+            raise RuntimeError("the session is closed")
+        async with self._lock, self._sb._pending:
+            self.last_used = time.monotonic()
+            note = ""
+            for _ in range(2):
+                if self._slot is None:
+                    if self._generation is not None:
+                        self.restarts += 1
+                    await self._open()
+                try:
+                    msg, _, _ = await self._sb._pool.session_op("session_run", self._slot, self._generation,
+                                                                session=self.id, code=code, stdin=stdin, timeout=timeout)
+                except SessionLost:
+                    self._slot = None
+                    note = "[the sandbox restarted: this session's earlier variables are gone]\n"
+                    continue
+                if msg.get("session_ended"):
+                    self._slot = None
+                result = ExecResult.from_dict(msg)
+                if note:
+                    result = dataclasses.replace(result, stderr=note + result.stderr)
+                self.last_used = time.monotonic()
+                return result
+            return ExecResult.internal("the sandbox restarted twice while running this session's call")
+
+    async def _open(self):
+        msg, slot, generation = await self._sb._pool.session_op("session_open", None, None, session=self.id, uid=self.uid)
+        if msg["status"] != "ok":
+            raise SandboxStartError(msg["stderr"])
+        self._slot, self._generation = slot, generation
+
+    async def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        async with self._lock:
+            if self._slot is not None:
+                try:
+                    await self._sb._pool.session_op("session_close", self._slot, self._generation, session=self.id)
+                except SessionLost:
+                    pass
+                self._slot = None
+        self._sb._release_session(self)

@@ -12,6 +12,7 @@ slot is handed on only once the worker has answered, so slots never fall out of 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -60,6 +61,46 @@ class _Slot:
         self.index, self.reader, self.writer = index, reader, writer
 
 
+class _FreeSlots:
+    """Idle worker slots. take() hands out any; take(i) waits for slot i (a session lives there).
+    A slot coming free goes to someone waiting for it specifically before anyone else."""
+
+    def __init__(self):
+        self.free: dict[int, _Slot] = {}
+        self._any: collections.deque[asyncio.Future] = collections.deque()
+        self._one: dict[int, collections.deque[asyncio.Future]] = collections.defaultdict(collections.deque)
+
+    def clear(self):
+        self.free.clear()
+
+    def put(self, slot: _Slot):
+        for waiters in (self._one.get(slot.index), self._any):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(slot)
+                    return
+        self.free[slot.index] = slot
+
+    async def take(self, index: int | None = None) -> _Slot:
+        if index is None and self.free:
+            return self.free.pop(next(iter(self.free)))
+        if index is not None and index in self.free:
+            return self.free.pop(index)
+        fut = asyncio.get_running_loop().create_future()
+        (self._any if index is None else self._one[index]).append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.put(fut.result())  # it was handed to us just as we were cancelled
+            raise
+
+
+class SessionLost(RuntimeError):
+    """The session's worker (or the whole zygote) restarted: its interpreter state is gone."""
+
+
 class ZygotePool:
     def __init__(self, workers: int, *, isolation: str, preload: Sequence[str], limits: Limits,
                  uid_base: int = DEFAULT_UID_BASE, warmup: str = DEFAULT_WARMUP,
@@ -73,7 +114,7 @@ class ZygotePool:
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.zygote_pid: int | None = None
-        self._idle: asyncio.Queue[_Slot] | None = None
+        self._idle = _FreeSlots()
         self._generation = 0
         self._restart_lock = asyncio.Lock()
         self._ids = itertools.count()
@@ -137,16 +178,13 @@ class ZygotePool:
         if not self.protections["seccomp"]:
             log.warning("sandbox: no seccomp filter (pyseccomp or the system's libseccomp is missing)")
         log.info("sandbox zygote %d ready: %s", self.zygote_pid, self.protections)
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-        while not self._idle.empty():  # slots of a dead zygote: callers waiting keep this queue
-            self._idle.get_nowait()
+        self._idle.clear()  # slots of a dead zygote (callers waiting keep waiting for new ones)
         self._generation += 1
         for index, (job_w, res_r) in enumerate(parent_fds):
             reader = await self._reader(loop, res_r)
             transport, protocol = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(job_w, "wb", 0))
             self._transports.append(transport)
-            self._idle.put_nowait(_Slot(index, reader, transport))
+            self._idle.put(_Slot(index, reader, transport))
 
     async def _reader(self, loop, fd) -> asyncio.StreamReader:
         reader = asyncio.StreamReader(limit=1 << 26)
@@ -158,10 +196,10 @@ class ZygotePool:
     async def run(self, code: str, stdin: str, timeout: float) -> ExecResult:
         for attempt in range(2):
             generation = self._generation
-            slot = await self._idle.get()
+            slot = await self._idle.take()
             job_id = next(self._ids)
             try:
-                result = await self._run_on(slot, job_id, code, stdin, timeout)
+                result = ExecResult.from_dict(await self._run_on(slot, job_id, code, stdin, timeout))
             except _ZygoteDied:
                 await self._restart(generation)
                 if attempt == 0:
@@ -173,19 +211,46 @@ class ZygotePool:
                 self._reclaims.add(task)
                 task.add_done_callback(self._reclaims.discard)
                 raise
-            self._idle.put_nowait(slot)
+            self._idle.put(slot)
             return result
         raise AssertionError("unreachable")
 
-    async def _run_on(self, slot: _Slot, job_id, code, stdin, timeout) -> ExecResult:
+    async def session_op(self, op: str, slot_index: int | None, generation: int | None, **fields) -> tuple[dict, int, int]:
+        """One session job on the slot that owns the session (any slot to open one).
+
+        Returns (the worker's result message, slot index, generation). Raises SessionLost if the zygote restarted since
+        `generation` (the session's process died with it).
+        """
+        if generation is not None and generation != self._generation:
+            raise SessionLost("the sandbox restarted; the session's state is gone")
+        generation = self._generation
+        slot = await self._idle.take(slot_index)
+        if generation != self._generation:
+            self._idle.put(slot)
+            raise SessionLost("the sandbox restarted; the session's state is gone")
+        job_id = next(self._ids)
         try:
-            slot.writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout}))
+            result = await self._run_on(slot, job_id, op=op, **fields)
+        except _ZygoteDied:
+            await self._restart(generation)
+            raise SessionLost("the sandbox zygote died; the session's state is gone") from None
+        except asyncio.CancelledError:
+            task = asyncio.create_task(self._reclaim(slot, job_id, generation))
+            self._reclaims.add(task)
+            task.add_done_callback(self._reclaims.discard)
+            raise
+        self._idle.put(slot)
+        return result, slot.index, generation
+
+    async def _run_on(self, slot: _Slot, job_id, code=None, stdin=None, timeout=None, **extra) -> dict:
+        try:
+            slot.writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout, **extra}))
             msg = await _read_msg(slot.reader)
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError) as e:
             raise _ZygoteDied() from e
         if msg.get("id") != job_id:
             raise _ZygoteDied()
-        return ExecResult.from_dict(msg)
+        return msg
 
     async def _reclaim(self, slot: _Slot, job_id, generation):
         """The caller of `job_id` gave up: stop the call, wait for its (discarded) result, free the slot."""
@@ -197,7 +262,7 @@ class ZygotePool:
             await self._restart(generation)
             return
         if generation == self._generation:
-            self._idle.put_nowait(slot)
+            self._idle.put(slot)
 
     async def _restart(self, generation):
         async with self._restart_lock:

@@ -34,6 +34,7 @@ Wire format on every pipe: 4-byte big-endian length + UTF-8 JSON. Messages to a 
 
 import ast
 import builtins
+import fcntl
 import io
 import json
 import linecache
@@ -55,6 +56,8 @@ from confine import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, PR_SE
 USER_FILE = "<code>"
 EOF_GRACE_S = 2.0  # after the call exits, how long to wait for its pipes to close
 SETUP_FD = 3       # inside the call: written once ("R") when confinement is complete, then closed
+CELL_FD = 4        # inside a session: cells to run
+DONE_FD = 5        # inside a session: one byte per finished cell
 OOM_SCORE_ADJ = 1000  # the sandbox's processes are the kernel OOM killer's first choice
 
 
@@ -115,8 +118,10 @@ class _TrackingFileIO(io.FileIO):
         return super().write(b)
 
 
-def run_user_code(code):
-    """Run `code` as a script; repr of a last expression when nothing was printed. Returns exit code."""
+def run_user_code(code, namespace=None):
+    """Run `code` as a script; repr of a last expression when nothing was printed. Returns exit code.
+
+    namespace: a session's globals, kept from cell to cell (None: a fresh script)."""
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
     raw_stdout = _TrackingFileIO(1, "w", closefd=False)
     sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw_stdout, 16384), encoding="utf-8",
@@ -125,7 +130,8 @@ def run_user_code(code):
                                   errors="backslashreplace", write_through=True)
     sys.argv = [USER_FILE]
     linecache.cache[USER_FILE] = (len(code), None, code.splitlines(True), USER_FILE)
-    namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": USER_FILE}
+    if namespace is None:
+        namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": USER_FILE}
     exit_code = 0
     try:
         tree = ast.parse(code, USER_FILE)
@@ -163,48 +169,9 @@ def _enter_call(job, cfg, slot, stdin_fd, out_w, err_w, setup_w):
     supervisor reports it as "internal". Once the pipe is closed, nothing the code does can.
     """
     try:
-        confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        strict = cfg["isolation"] == "strict"
-        uid = cfg["uid_base"] + slot
-        if cfg["cgroup_fds"]:
-            cgroups.join(cfg["cgroup_fds"])
-        if strict:
-            confine.mount_call_filesystems(uid, cfg["limits"]["tmpfs_bytes"])
-            workdir = "/tmp"
-        else:
-            workdir = cfg["workdir"]
-        os.setsid()  # own session and process group: kill(0, ...) reaches only this call
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.dup2(setup_w, SETUP_FD)
-        os.closerange(SETUP_FD + 1, 1 << 16)
-        os.chdir(workdir)
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        limits = cfg["limits"]
-        cpu = int(job["timeout"]) + 1
-        rl = [
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-            (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
-            (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
-            (resource.RLIMIT_CORE, (0, 0)),
-        ]
-        if not cfg["cgroup_fds"]:  # without a cgroup: per-process limits are all there is
-            address_space = cfg["address_space_base"] + limits["memory_bytes"]
-            rl.append((resource.RLIMIT_AS, (address_space, address_space)))
-            if strict:
-                rl.append((resource.RLIMIT_NPROC, (limits["processes"],) * 2))
-        for which, value in rl:
-            resource.setrlimit(which, value)
-        if strict:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
-        if cfg["seccomp"] is not None:
-            confine.load_seccomp(cfg["seccomp"])
-        os.environ.clear()
         code = job["code"]
+        _confine(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=int(job["timeout"]) + 1,
+                 fds=(stdin_fd, out_w, err_w, setup_w))
         cfg = job = None  # the supervisor's data is not the code's business
         os.write(SETUP_FD, b"R")
         os.close(SETUP_FD)
@@ -214,6 +181,99 @@ def _enter_call(job, cfg, slot, stdin_fd, out_w, err_w, setup_w):
         finally:
             os._exit(1)
     os._exit(run_user_code(code))
+
+
+def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
+    """A session's process: confined like a call, then a loop running the cells it is sent.
+
+    Cells arrive on CELL_FD ({"code", "stdin"}); after each, every other process of the session
+    is killed (nothing but the interpreter's state outlives a cell) and one byte goes to DONE_FD:
+    b"0" (ran) or b"1" (raised). Both fds are the code's to misuse, which can only confuse its
+    own session; statuses other than ok/error still come from the kernel.
+    """
+    try:
+        stdin_fd = os.open("/dev/null", os.O_RDONLY)
+        _confine(cfg, uid=uid, cgroup_fds=cgroup_fds, cpu_seconds=None,
+                 fds=(stdin_fd, out_w, err_w, setup_w, cell_r, done_w))
+        cfg = None
+        os.write(SETUP_FD, b"R")
+        os.close(SETUP_FD)
+    except BaseException as e:  # noqa: BLE001
+        try:
+            os.write(2, f"sandbox setup failed: {e!r}\n".encode())
+        finally:
+            os._exit(1)
+    namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": USER_FILE}
+    while True:
+        cell = read_msg(CELL_FD)
+        if cell is None:
+            os._exit(0)
+        stdin = os.memfd_create("stdin", 0)
+        os.write(stdin, cell["stdin"].encode("utf-8", "surrogatepass"))
+        os.lseek(stdin, 0, os.SEEK_SET)
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        exit_code = run_user_code(cell["code"], namespace)
+        cell = None
+        try:
+            os.kill(-1, signal.SIGKILL)  # PID 1 of the namespace: every other process of the session
+        except OSError:
+            pass
+        while True:  # reap them (orphans are ours too, as PID 1): no zombie outlives the call either
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+        os.write(DONE_FD, b"0" if exit_code == 0 else b"1")
+
+
+def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
+    """The confinement of a call or session process (runs as root in the fresh child).
+
+    fds: (stdin, stdout, stderr, setup pipe, extra...) placed at 0, 1, 2, SETUP_FD, SETUP_FD + 1, ...
+    """
+    confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    strict = cfg["isolation"] == "strict"
+    if cgroup_fds:
+        cgroups.join(cgroup_fds)
+    if strict:
+        confine.mount_call_filesystems(uid, cfg["limits"]["tmpfs_bytes"])
+        workdir = "/tmp"
+    else:
+        workdir = cfg["workdir"]
+    os.setsid()  # own session and process group: kill(0, ...) reaches only this call
+    # Move the fds up first: a source may already sit on a target number (e.g. a pipe on fd 4).
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
+    for target, fd in enumerate(high):
+        os.dup2(fd, target)
+    os.closerange(len(fds), 1 << 16)
+    os.chdir(workdir)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    limits = cfg["limits"]
+    rl = [
+        (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
+        (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    if cpu_seconds is not None:
+        rl.append((resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1)))
+    if not cgroup_fds:  # without a cgroup: per-process limits are all there is
+        address_space = cfg["address_space_base"] + limits["memory_bytes"]
+        rl.append((resource.RLIMIT_AS, (address_space, address_space)))
+        if strict:
+            rl.append((resource.RLIMIT_NPROC, (limits["processes"],) * 2))
+    for which, value in rl:
+        resource.setrlimit(which, value)
+    if strict:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if cfg["seccomp"] is not None:
+        confine.load_seccomp(cfg["seccomp"])
+    os.environ.clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -419,6 +479,191 @@ def remove_tree(path):
                     pass
 
 
+# ------------------------------------------------------------------------------------------------
+# sessions: a live interpreter per trajectory, owned by the worker that opened it
+
+class _Session:
+    def __init__(self, pid, pidfd, cell_w, done_r, out_r, err_r, cgroup_name, cgroup_fds):
+        self.pid, self.pidfd, self.cell_w, self.done_r = pid, pidfd, cell_w, done_r
+        self.out_r, self.err_r = out_r, err_r
+        self.cgroup_name, self.cgroup_fds = cgroup_name, cgroup_fds
+
+    def fds(self):
+        return (self.pidfd, self.cell_w, self.done_r, self.out_r, self.err_r)
+
+
+def _fail(message, started=None):
+    return {"status": "internal", "stdout": "", "stderr": f"sandbox internal error: {message}", "exit_code": None,
+            "duration_s": 0.0 if started is None else time.monotonic() - started, "truncated": False}
+
+
+def open_session(job, cfg, slot, sessions):
+    """Start a session's process (confined like a call, plus its own network namespace and cgroup)."""
+    started = time.monotonic()
+    uid = job["uid"]
+    name = f"session-{uid}"
+    cgroup_fds = None
+    if cfg["cgroup_top_fds"]:
+        cgroups.remove_child(cfg["cgroup_top_fds"], name, {})  # a leftover of a killed worker, if any
+        cgroup_fds = cgroups.make_child(cfg["cgroup_version"], cfg["cgroup_top_fds"], name, cfg["limits"])
+    mine, theirs = [], []
+    for _ in range(4):  # out, err, setup, cell (ours: read, read, read, write)
+        r, w = os.pipe()
+        mine.append(r if len(mine) != 3 else w)
+        theirs.append(w if len(theirs) != 3 else r)
+    done_r, done_w = os.pipe()
+    out_r, err_r, setup_r, cell_w = mine
+    out_w, err_w, setup_w, cell_r = theirs
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS | CLONE_NEWNET if cfg["isolation"] == "strict" else 0
+    if cfg["isolation"] != "strict":
+        cfg["workdir"] = os.path.join(cfg["work_root"], name)
+        os.makedirs(cfg["workdir"], 0o700, exist_ok=True)
+    pid = confine.clone(flags)
+    if pid == 0:
+        _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w)
+    for fd in (out_w, err_w, setup_w, cell_r, done_w):
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([setup_r], [], [], 30.0)
+    ok = bool(ready) and os.read(setup_r, 1) == b"R"
+    os.close(setup_r)
+    session = _Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
+    if not ok:
+        err = _read_available(err_r)
+        _close_session(session, cfg)
+        return _fail(f"the session did not start: {err.decode(errors='replace')}", started)
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
+    sessions[job["session"]] = session
+    return {"status": "ok", "stdout": "", "stderr": "", "exit_code": 0,
+            "duration_s": time.monotonic() - started, "truncated": False}
+
+
+def _read_available(fd, cap=1 << 20):
+    data = bytearray()
+    os.set_blocking(fd, False)
+    try:
+        while len(data) < cap:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:
+        pass
+    return bytes(data)
+
+
+def _close_session(session, cfg):
+    try:
+        os.kill(session.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(session.pid, 0)
+    except ChildProcessError:
+        pass
+    _close_session_fds(session, cfg)
+
+
+def run_cell(job, cfg, sessions, job_fd):
+    """One cell in a live session. A timeout, output flood, OOM or cancellation ends the session
+    (its state is gone: the result says so); the next cell on it gets a fresh one from the service."""
+    session = sessions.get(job["session"])
+    if session is None:
+        return _fail("no such session (it was closed or its worker restarted)")
+    limits = cfg["limits"]
+    started = time.monotonic()
+    oom_before = cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) if session.cgroup_fds else 0
+    caps = {session.out_r: limits["stdout_bytes"], session.err_r: limits["stderr_bytes"]}
+    buffers = {session.out_r: bytearray(), session.err_r: bytearray()}
+    reason = wait_status = done = None
+    try:
+        write_msg(session.cell_w, {"code": job["code"], "stdin": job["stdin"]})
+    except OSError:
+        reason = "ended"
+    deadline = started + float(job["timeout"])
+    watch_jobs = True
+
+    def take(fd):
+        chunk = _read_available(fd, caps[fd] + 1)
+        room = caps[fd] + 1 - len(buffers[fd])
+        if room > 0:
+            buffers[fd] += chunk[:room]
+        return len(buffers[fd]) > caps[fd]
+
+    while reason is None and done is None:
+        now = time.monotonic()
+        if now >= deadline:
+            reason = "timeout"
+            break
+        watch = [session.pidfd, session.done_r, session.out_r, session.err_r] + ([job_fd] if watch_jobs else [])
+        ready, _, _ = select.select(watch, [], [], deadline - now)
+        for fd in ready:
+            if fd == session.pidfd:
+                reason = "ended"
+            elif fd == session.done_r:
+                done = os.read(session.done_r, 1)
+                if not done:  # EOF: the interpreter is gone
+                    reason = "ended"
+            elif fd == job_fd:
+                msg = read_msg(job_fd)
+                if msg is None or msg.get("cancel") == job["id"]:
+                    reason = "cancelled"
+                watch_jobs = msg is not None
+            elif take(fd):
+                reason = "output_limit"
+    for fd in (session.out_r, session.err_r):
+        take(fd)  # what was written before the cell finished (or the session died)
+    duration = time.monotonic() - started
+    if done in (b"0", b"1") and reason is None:
+        code = 0 if done == b"0" else 1
+        return {"status": "ok" if code == 0 else "error", "stdout": _text(buffers[session.out_r], caps[session.out_r]),
+                "stderr": _text(buffers[session.err_r], caps[session.err_r]), "exit_code": code,
+                "duration_s": duration, "truncated": False}
+    # The session is over: kill it (if still alive), collect how it ended, free it.
+    try:
+        os.kill(session.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _, wait_status, rusage = os.wait4(session.pid, 0)
+    oom = (cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) - oom_before) if session.cgroup_fds else 0
+    session_reason = {"ended": None, "timeout": "timeout", "output_limit": "output_limit",
+                      "cancelled": "cancelled"}.get(reason)
+    result = _result(wait_status, session_reason, job, buffers[session.out_r], buffers[session.err_r],
+                     caps[session.out_r], caps[session.err_r], duration, setup_done=True, oom_kills=oom,
+                     cpu_s=0.0)
+    if reason == "ended" and os.WIFEXITED(wait_status):
+        result["status"] = "error"  # the code ended its own interpreter (exit(), os._exit)
+    result["stderr"] += "[the session's interpreter has ended: earlier variables are gone]\n"
+    result["session_ended"] = True
+    sessions.pop(job["session"])
+    _close_session_fds(session, cfg)
+    return result
+
+
+def _text(buf, cap):
+    return bytes(buf[:cap]).decode("utf-8", "replace")
+
+
+def _close_session_fds(session, cfg):
+    for fd in session.fds():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if session.cgroup_fds is not None:
+        cgroups.remove_child(cfg["cgroup_top_fds"], session.cgroup_name, session.cgroup_fds)
+    if cfg["isolation"] != "strict":
+        remove_tree(os.path.join(cfg["work_root"], session.cgroup_name))
+
+
+def close_session(job, cfg, sessions):
+    session = sessions.pop(job["session"], None)
+    if session is not None:
+        _close_session(session, cfg)
+    return {"status": "ok", "stdout": "", "stderr": "", "exit_code": 0, "duration_s": 0.0, "truncated": False}
+
+
 def worker_loop(slot, job_fd, result_fd, cfg):
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if cfg["isolation"] == "strict":
@@ -430,25 +675,37 @@ def worker_loop(slot, job_fd, result_fd, cfg):
                 os.close(fd)
     cfg["cgroup_fds"] = slot_fds
     counter = 0
+    sessions = {}
     while True:
         job = read_msg(job_fd)
         if job is None:
+            for session in list(sessions.values()):
+                _close_session(session, cfg)
             os._exit(0)
         if "cancel" in job:
             continue  # for a job that already finished
         counter += 1
-        _serve_one(job, cfg, slot, counter, job_fd, result_fd)
+        _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions)
         job = None  # the next call is forked from this frame: it must not find this job here
 
 
-def _serve_one(job, cfg, slot, counter, job_fd, result_fd):
+def _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions):
     """Run one job and send its result. The result lives only in this frame, which is gone before
     the next call is forked (its stack frames would otherwise hand it the previous output)."""
+    op = job.get("op", "run")
     try:
-        result = execute(job, cfg, slot, counter, job_fd)
+        if op == "run":
+            result = execute(job, cfg, slot, counter, job_fd)
+        elif op == "session_open":
+            result = open_session(job, cfg, slot, sessions)
+        elif op == "session_run":
+            result = run_cell(job, cfg, sessions, job_fd)
+        elif op == "session_close":
+            result = close_session(job, cfg, sessions)
+        else:
+            result = _fail(f"unknown op {op!r}")
     except Exception as e:  # noqa: BLE001 - a broken call must not take the worker down
-        result = {"status": "internal", "stdout": "", "stderr": f"sandbox internal error: {e!r}",
-                  "exit_code": None, "duration_s": 0.0, "truncated": False}
+        result = _fail(repr(e))
     result["id"] = job.get("id")
     write_msg(result_fd, result)
 
@@ -508,6 +765,7 @@ def main():
         tree = cfg.get("cgroups")
         cfg["cgroup_version"] = tree["version"] if tree else None
         cfg["cgroup_slot_fds"] = [cgroups.open_slot(s) for s in tree["slots"]] if tree else None
+        cfg["cgroup_top_fds"] = cgroups.open_slot(tree["tops"]) if tree else None
         cfg["address_space_base"] = _vm_size()  # RLIMIT_AS (no cgroup) counts the zygote's own mappings
         if cfg["isolation"] == "strict":
             isolate_master(cfg)

@@ -42,6 +42,7 @@ from rstar2_jax.rl.evaluation import Scored, rollout_problems, stable_seed, summ
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rl.prefilter import prefilter_solved
 from rstar2_jax.rollout import FORMATS, AgentConfig, PromptFormat, make_format
+from rstar2_jax.rollout.agent_loop import TOOL_STATES
 from rstar2_jax.rollout.engines import ENGINE_KINDS, Engine, make_engine
 from rstar2_jax.rollout.scheduler import POLICIES
 from rstar2_jax.timeline import Timeline, exclusive_length
@@ -82,6 +83,7 @@ def validate(cfg: ml_collections.ConfigDict):
     one_of(r.scheduler, POLICIES, "rollout.scheduler")
     need(r.vllm_export_dtype in ("", *DTYPES), f"rollout.vllm_export_dtype must be '' or one of {sorted(DTYPES)}")
     one_of(cfg.sandbox.isolation, sandbox_lib.ISOLATION_MODES, "sandbox.isolation")
+    one_of(cfg.sandbox.tool_state, TOOL_STATES, "sandbox.tool_state")
     one_of(rl.roc.mode, SELECTION_MODES, "rl.roc.mode")
     one_of(rl.advantage, ADVANTAGES, "rl.advantage")
     one_of(rl.loss.name, LOSSES, "rl.loss.name")
@@ -201,7 +203,8 @@ class RLRun:
         stage = self.cfg.stages[stage_index(self.cfg, step)]
         r = self.cfg.rollout
         return AgentConfig(format=self.fmt, max_turns=stage["max_turns"], max_response_tokens=stage["max_response_tokens"],
-                           temperature=r.temperature if temperature is None else temperature, tool_timeout_s=r.tool_timeout_s)
+                           temperature=r.temperature if temperature is None else temperature, tool_timeout_s=r.tool_timeout_s,
+                           tool_state=self.cfg.sandbox.tool_state)
 
     def make_engine(self, engine_model) -> Engine:
         r = self.cfg.rollout

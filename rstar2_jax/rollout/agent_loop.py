@@ -27,6 +27,7 @@ from rstar2_jax.timeline import span
 
 
 _SESSIONS = itertools.count()
+TOOL_STATES = ("stateless", "session")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +40,16 @@ class AgentConfig:
     top_k: int = 0
     tool_timeout_s: float = 5.0
     max_tool_calls_per_turn: int = 4
+    # "stateless": every tool call is a fresh script (the release; it replays earlier cells in
+    # the code when it wants state). "session": one live interpreter per trajectory, variables
+    # kept across turns (sandbox.Session); a turn's calls then run in order.
+    tool_state: str = "stateless"
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_response_tokens < 1:
             raise ValueError("max_turns and max_response_tokens must be >= 1")
+        if self.tool_state not in TOOL_STATES:
+            raise ValueError(f"tool_state must be one of {TOOL_STATES}, got {self.tool_state!r}")
 
 
 async def _run_tool(sandbox, call: ToolCall, timeout: float) -> ToolRecord:
@@ -62,6 +69,13 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
                     on_turn: Callable[[Turn], None] | None = None, seed: int | None = None) -> Trajectory:
     """seed: makes the trajectory reproducible (each turn samples from its own key) regardless of
     what else the engine is batching; None draws from the engine's stream."""
+    if cfg.tool_state == "session":
+        async with await sandbox.session() as session:
+            return await _run_agent(engine, session, tokenizer, problem, cfg, on_turn=on_turn, seed=seed)
+    return await _run_agent(engine, sandbox, tokenizer, problem, cfg, on_turn=on_turn, seed=seed)
+
+
+async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed) -> Trajectory:
     fmt = cfg.format
     session = next(_SESSIONS)  # names this trajectory to the engine: its turns share one prefix
     prompt_ids = tokenizer.encode(fmt.prompt(problem))
@@ -98,8 +112,11 @@ async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig =
             break
 
         start = time.monotonic()
-        turn.tools = list(await asyncio.gather(*(_run_tool(sandbox, c, cfg.tool_timeout_s)
-                                                 for c in calls[:cfg.max_tool_calls_per_turn])))
+        calls = calls[:cfg.max_tool_calls_per_turn]
+        if cfg.tool_state == "session":  # one interpreter: the calls see each other's variables, in order
+            turn.tools = [await _run_tool(sandbox, c, cfg.tool_timeout_s) for c in calls]
+        else:
+            turn.tools = list(await asyncio.gather(*(_run_tool(sandbox, c, cfg.tool_timeout_s) for c in calls)))
         traj.tool_s += time.monotonic() - start
         if on_turn:
             on_turn(turn)

@@ -166,3 +166,20 @@ def test_release_format_turns_end_with_the_model_s_own_eos_and_it_is_trained(tok
     tool_turn = "<|im_start|>user\n<tool_response>\n42\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>"
     assert traj.response_text == turns[0] + tool_turn + turns[1]
     assert engine.prompts[1] == traj.token_ids[:start + len(first) + len(tokenizer.encode(tool_turn))]
+
+
+def test_session_tool_state_keeps_variables_across_turns(tokenizer):
+    turns = ["First " + call("x = 6 * 7\nprint('set')"),
+             "Then " + call("print(x + 1)"),
+             "So <answer>\\boxed{43}</answer><|im_end|>"]
+
+    def agent(state):
+        engine = ScriptedEngine(tokenizer, turns)
+        return run(lambda sb: run_agent(engine, sb, tokenizer, "q", AgentConfig(format=FMT, tool_state=state)))
+
+    session, stateless = agent("session"), agent("stateless")
+    assert [t.tools[0].output for t in session.turns[:2]] == ["set\n", "43\n"]
+    second = stateless.turns[1].tools[0]
+    assert second.status == "error" and "NameError: name 'x' is not defined" in second.output
+    with pytest.raises(ValueError, match="tool_state must be one of"):
+        AgentConfig(tool_state="jupyter")

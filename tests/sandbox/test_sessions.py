@@ -1,0 +1,111 @@
+"""Stateful sessions (sandbox.Session): a live, isolated interpreter per trajectory."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import sandbox
+from tests.sandbox.helpers import processes_of
+
+
+def scenario(fn, **kwargs):
+    async def go():
+        kwargs.setdefault("preload", ("math",))
+        async with sandbox.LocalSandbox(workers=2, **kwargs) as sb:
+            return await fn(sb)
+    return asyncio.run(go())
+
+
+def test_variables_persist_and_each_call_has_its_own_stdin_and_repr():
+    async def fn(sb):
+        async with await sb.session() as s:
+            return [await s.run("x = 20"), await s.run("x += 1\nx * 2"), await s.run("print(input() * x)", stdin="ab"),
+                    await s.run("def f(n):\n    return n + x\nf(1)"), await s.run("1/0"), await s.run("f(2)")]
+
+    rs = scenario(fn)
+    assert [r.stdout for r in rs] == ["", "42\n", "ab" * 21 + "\n", "22\n", "", "23\n"]
+    assert [r.status for r in rs] == ["ok", "ok", "ok", "ok", "error", "ok"]
+    assert "ZeroDivisionError" in rs[4].stderr
+
+
+def test_sessions_and_stateless_calls_do_not_see_each_other():
+    async def fn(sb):
+        a, b = await sb.session(), await sb.session()
+        await a.run("secret = 'from-a'\nopen('/tmp/a.txt', 'w').write('a')")
+        seen = await asyncio.gather(
+            b.run("import os\nprint('secret' in globals(), os.listdir('/tmp'))"),
+            sb.run("import os\nprint(os.listdir('/tmp'))"),
+            a.run("import os\nprint(secret, os.listdir('/tmp'))"))
+        uids = await asyncio.gather(a.run("import os; os.getuid()"), b.run("import os; os.getuid()"))
+        await a.close()
+        await b.close()
+        return seen, uids
+
+    (b_view, stateless_view, a_view), uids = scenario(fn)
+    assert b_view.stdout == "False []\n" and stateless_view.stdout == "[]\n"
+    assert a_view.stdout == "from-a ['a.txt']\n"
+    assert uids[0].stdout != uids[1].stdout
+
+
+def test_background_processes_do_not_outlive_the_call():
+    async def fn(sb):
+        async with await sb.session() as s:
+            await s.run("import os, time\nif os.fork() == 0:\n    time.sleep(0.5)\n    open('/tmp/late', 'w').write('x')\n"
+                        "    os._exit(0)\nprint('parent')")
+            await asyncio.sleep(1.0)
+            return await s.run("import os\nprint(os.listdir('/tmp'), len(os.listdir('/proc')) - len([p for p in os.listdir('/proc') if not p.isdigit()]))")
+
+    assert scenario(fn).stdout == "[] 1\n"  # no file from the child, and only the interpreter is left
+
+
+@pytest.mark.parametrize("code,status", [("while True:\n    pass", "timeout"),
+                                         ("x = bytearray(4 * 2**30)", "memory"),
+                                         ("import os\nos._exit(0)", "error")])
+def test_a_call_that_ends_the_interpreter_says_so_and_the_next_starts_fresh(code, status):
+    async def fn(sb):
+        async with await sb.session() as s:
+            await s.run("kept = 1")
+            ended = await s.run(code, timeout=1.0)
+            after = await s.run("print('kept' in globals())")
+            return ended, after, s.restarts
+
+    ended, after, restarts = scenario(fn)
+    assert ended.status == status and "earlier variables are gone" in ended.stderr
+    assert after.stdout == "False\n" and restarts == 1
+
+
+def test_close_and_idle_timeout_leave_no_process_or_cgroup():
+    async def fn(sb):
+        s = await sb.session()
+        await s.run("x = 1")
+        idle = await sb.session()
+        await idle.run("y = 2")
+        tops = dict(sb._pool._cgroups.tops)
+        await s.close()
+        deadline = time.monotonic() + 5
+        while idle.id in sb._sessions and time.monotonic() < deadline:  # released once fully closed
+            await asyncio.sleep(0.1)
+        names = sorted(n for top in tops.values() for n in os.listdir(top) if os.path.isdir(os.path.join(top, n)))
+        return idle.closed, names, {s.uid, idle.uid}
+
+    closed, names, uids = scenario(fn, session_idle_timeout_s=0.5)
+    assert closed and set(names) == {"slot0", "slot1"}  # the sessions' own cgroups are gone
+    assert processes_of(uids) == []
+
+
+def test_turn_20_costs_what_turn_1_costs():
+    # The release replays every earlier cell on each call; a session runs only the new one.
+    cell = "acc = acc + sum(i * i for i in range(20000)) if 'acc' in globals() else 0"
+
+    async def fn(sb):
+        async with await sb.session() as s:
+            times = []
+            for _ in range(20):
+                r = await s.run(cell)
+                times.append(r.duration_s)
+            return times
+
+    times = scenario(fn)
+    assert max(times[-5:]) < 5 * max(min(times[:5]), 0.002)
