@@ -271,7 +271,7 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
         os.setgid(uid)
         os.setuid(uid)
     confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
-    if cfg["seccomp"] is not None:
+    if cfg["seccomp"] is not None and not strict:  # strict: the worker's filter, inherited (see confine)
         confine.load_seccomp(cfg["seccomp"])
     os.environ.clear()
 
@@ -668,6 +668,9 @@ def worker_loop(slot, job_fd, result_fd, cfg):
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if cfg["isolation"] == "strict":
         confine.unshare(CLONE_NEWNET)  # abstract unix sockets are per network namespace: one per slot
+        if cfg["worker_seccomp"] is not None:
+            confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
+            confine.load_seccomp(cfg["worker_seccomp"])
     slot_fds = cfg["cgroup_slot_fds"][slot] if cfg["cgroup_slot_fds"] else None
     for i, fds in enumerate(cfg["cgroup_slot_fds"] or []):
         if i != slot:
@@ -761,6 +764,7 @@ def main():
             exec(compile(cfg["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
         program = confine.seccomp_program()
         cfg["seccomp"] = program
+        cfg["worker_seccomp"] = confine.seccomp_program(for_worker=True)
         facts["seccomp"] = program is not None
         tree = cfg.get("cgroups")
         cfg["cgroup_version"] = tree["version"] if tree else None
