@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -56,9 +57,29 @@ def _encode(obj) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
+HEAVY_MODULES = ("numpy", "sympy")
+# A call goes to the slot's heavy worker (numpy and sympy loaded) when its code names one of these;
+# otherwise to the light one (standard library only), which forks ~2 ms faster. A miss costs time,
+# never correctness: a light call that imports sympy after all just imports it.
+_HEAVY_NAMES = re.compile(r"\b(numpy|sympy|np|sp|mpmath|scipy|sym)\b")
+
+
+def needs_heavy(code: str) -> bool:
+    return _HEAVY_NAMES.search(code) is not None
+
+
 class _Slot:
-    def __init__(self, index, reader, writer):
-        self.index, self.reader, self.writer = index, reader, writer
+    """One execution slot: a light and (if numpy/sympy are preloaded) a heavy worker; one call at a time."""
+
+    def __init__(self, index, channels):
+        self.index = index
+        self.channels = channels  # {kind: (reader, writer)}
+        self.busy_kind = None     # the worker the slot's current job went to
+
+    def pick(self, code, op) -> str:
+        if "heavy" in self.channels and (op != "run" or needs_heavy(code or "")):
+            return "heavy"
+        return "light"
 
 
 class _FreeSlots:
@@ -134,18 +155,25 @@ class ZygotePool:
 
     async def start(self):
         loop = asyncio.get_running_loop()
+        heavy = [m for m in self.preload if m in HEAVY_MODULES]
+        light = [m for m in self.preload if m not in HEAVY_MODULES]
+        kinds = ["light", "heavy"] if heavy else ["light"]
         parent_fds, child_fds, channels = [], [], []
         for _ in range(self.workers):
-            job_r, job_w = os.pipe()
-            res_r, res_w = os.pipe()
-            channels.append([job_r, res_w])
-            child_fds += [job_r, res_w]
-            parent_fds.append((job_w, res_r))
+            slot_channels, slot_parent = {}, {}
+            for kind in kinds:
+                job_r, job_w = os.pipe()
+                res_r, res_w = os.pipe()
+                slot_channels[kind] = [job_r, res_w]
+                child_fds += [job_r, res_w]
+                slot_parent[kind] = (job_w, res_r)
+            channels.append(slot_channels)
+            parent_fds.append(slot_parent)
         status_r, status_w = os.pipe()
         cgroup_note = ""
         if self._cgroups is None:
             self._cgroups, cgroup_note = self._make_cgroups()
-        cfg = dict(channels=channels, status_fd=status_w, preload=list(self.preload),
+        cfg = dict(channels=channels, status_fd=status_w, light_preload=light, heavy_preload=heavy,
                    isolation=self.isolation, uid_base=self.uid_base,
                    work_root=self.work_root, warmup=self.warmup,
                    limits=self.limits.to_dict(), cgroups=self._cgroups.to_dict() if self._cgroups else None)
@@ -180,11 +208,14 @@ class ZygotePool:
         log.info("sandbox zygote %d ready: %s", self.zygote_pid, self.protections)
         self._idle.clear()  # slots of a dead zygote (callers waiting keep waiting for new ones)
         self._generation += 1
-        for index, (job_w, res_r) in enumerate(parent_fds):
-            reader = await self._reader(loop, res_r)
-            transport, protocol = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(job_w, "wb", 0))
-            self._transports.append(transport)
-            self._idle.put(_Slot(index, reader, transport))
+        for index, pairs in enumerate(parent_fds):
+            slot_channels = {}
+            for kind, (job_w, res_r) in pairs.items():
+                reader = await self._reader(loop, res_r)
+                transport, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(job_w, "wb", 0))
+                self._transports.append(transport)
+                slot_channels[kind] = (reader, transport)
+            self._idle.put(_Slot(index, slot_channels))
 
     async def _reader(self, loop, fd) -> asyncio.StreamReader:
         reader = asyncio.StreamReader(limit=1 << 26)
@@ -243,9 +274,11 @@ class ZygotePool:
         return result, slot.index, generation
 
     async def _run_on(self, slot: _Slot, job_id, code=None, stdin=None, timeout=None, **extra) -> dict:
+        slot.busy_kind = kind = slot.pick(code, extra.get("op", "run"))  # sessions: always heavy
+        reader, writer = slot.channels[kind]
         try:
-            slot.writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout, **extra}))
-            msg = await _read_msg(slot.reader)
+            writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout, **extra}))
+            msg = await _read_msg(reader)
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError) as e:
             raise _ZygoteDied() from e
         if msg.get("id") != job_id:
@@ -254,9 +287,10 @@ class ZygotePool:
 
     async def _reclaim(self, slot: _Slot, job_id, generation):
         """The caller of `job_id` gave up: stop the call, wait for its (discarded) result, free the slot."""
+        reader, writer = slot.channels[slot.busy_kind]
         try:
-            slot.writer.write(_encode({"cancel": job_id}))
-            while (await _read_msg(slot.reader)).get("id") != job_id:
+            writer.write(_encode({"cancel": job_id}))
+            while (await _read_msg(reader)).get("id") != job_id:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError):
             await self._restart(generation)

@@ -60,14 +60,14 @@ def test_background_processes_do_not_outlive_the_call():
     assert scenario(fn).stdout == "[] 1\n"  # no file from the child, and only the interpreter is left
 
 
-@pytest.mark.parametrize("code,status", [("while True:\n    pass", "timeout"),
-                                         ("x = bytearray(4 * 2**30)", "memory"),
-                                         ("import os\nos._exit(0)", "error")])
-def test_a_call_that_ends_the_interpreter_says_so_and_the_next_starts_fresh(code, status):
+@pytest.mark.parametrize("code,status,timeout", [("while True:\n    pass", "timeout", 1.0),
+                                                 ("x = bytearray(4 * 2**30)", "memory", 10.0),
+                                                 ("import os\nos._exit(0)", "error", 1.0)])
+def test_a_call_that_ends_the_interpreter_says_so_and_the_next_starts_fresh(code, status, timeout):
     async def fn(sb):
         async with await sb.session() as s:
             await s.run("kept = 1")
-            ended = await s.run(code, timeout=1.0)
+            ended = await s.run(code, timeout=timeout)
             after = await s.run("print('kept' in globals())")
             return ended, after, s.restarts
 
