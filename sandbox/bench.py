@@ -127,9 +127,15 @@ async def run_bench(args) -> dict:
     return report
 
 
+def write_json(path: str | None, report: dict):
+    """Save a benchmark's report (nothing without a path), creating its directory."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def main(args):
     report = asyncio.run(run_bench(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return report

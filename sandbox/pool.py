@@ -238,9 +238,7 @@ class ZygotePool:
                     continue
                 return ExecResult.internal("the sandbox zygote died twice while running this code")
             except asyncio.CancelledError:
-                task = asyncio.create_task(self._reclaim(slot, job_id, generation))
-                self._reclaims.add(task)
-                task.add_done_callback(self._reclaims.discard)
+                self._reclaim_later(slot, job_id, generation)
                 raise
             self._idle.put(slot)
             return result
@@ -266,9 +264,7 @@ class ZygotePool:
             await self._restart(generation)
             raise SessionLost("the sandbox zygote died; the session's state is gone") from None
         except asyncio.CancelledError:
-            task = asyncio.create_task(self._reclaim(slot, job_id, generation))
-            self._reclaims.add(task)
-            task.add_done_callback(self._reclaims.discard)
+            self._reclaim_later(slot, job_id, generation)
             raise
         self._idle.put(slot)
         return result, slot.index, generation
@@ -284,6 +280,11 @@ class ZygotePool:
         if msg.get("id") != job_id:
             raise _ZygoteDied()
         return msg
+
+    def _reclaim_later(self, slot: _Slot, job_id, generation):
+        task = asyncio.create_task(self._reclaim(slot, job_id, generation))
+        self._reclaims.add(task)  # held here: a task nobody references may be collected mid-way
+        task.add_done_callback(self._reclaims.discard)
 
     async def _reclaim(self, slot: _Slot, job_id, generation):
         """The caller of `job_id` gave up: stop the call, wait for its (discarded) result, free the slot."""

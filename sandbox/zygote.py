@@ -168,18 +168,10 @@ def _enter_call(job, cfg, slot, stdin_fd, out_w, err_w, setup_w):
     Any failure before user code starts exits without having written to the setup pipe: the
     supervisor reports it as "internal". Once the pipe is closed, nothing the code does can.
     """
-    try:
-        code = job["code"]
-        _confine(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=int(job["timeout"]) + 1,
-                 fds=(stdin_fd, out_w, err_w, setup_w))
-        cfg = job = None  # the supervisor's data is not the code's business
-        os.write(SETUP_FD, b"R")
-        os.close(SETUP_FD)
-    except BaseException as e:  # noqa: BLE001
-        try:
-            os.write(2, f"sandbox setup failed: {e!r}\n".encode())
-        finally:
-            os._exit(1)
+    code = job["code"]
+    _confine_or_exit(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=int(job["timeout"]) + 1,
+                     fds=(stdin_fd, out_w, err_w, setup_w))
+    cfg = job = None  # the supervisor's data is not the code's business
     os._exit(run_user_code(code))
 
 
@@ -191,18 +183,9 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
     b"0" (ran) or b"1" (raised). Both fds are the code's to misuse, which can only confuse its
     own session; statuses other than ok/error still come from the kernel.
     """
-    try:
-        stdin_fd = os.open("/dev/null", os.O_RDONLY)
-        _confine(cfg, uid=uid, cgroup_fds=cgroup_fds, cpu_seconds=None,
-                 fds=(stdin_fd, out_w, err_w, setup_w, cell_r, done_w))
-        cfg = None
-        os.write(SETUP_FD, b"R")
-        os.close(SETUP_FD)
-    except BaseException as e:  # noqa: BLE001
-        try:
-            os.write(2, f"sandbox setup failed: {e!r}\n".encode())
-        finally:
-            os._exit(1)
+    _confine_or_exit(cfg, uid=uid, cgroup_fds=cgroup_fds, cpu_seconds=None,
+                     fds=(os.open("/dev/null", os.O_RDONLY), out_w, err_w, setup_w, cell_r, done_w))
+    cfg = None
     namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": USER_FILE}
     while True:
         cell = read_msg(CELL_FD)
@@ -227,6 +210,19 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
             except InterruptedError:
                 continue
         os.write(DONE_FD, b"0" if exit_code == 0 else b"1")
+
+
+def _confine_or_exit(cfg, **kwargs):
+    """_confine, then report "R" on the setup pipe and close it; on any failure exit without it."""
+    try:
+        _confine(cfg, **kwargs)
+        os.write(SETUP_FD, b"R")
+        os.close(SETUP_FD)
+    except BaseException as e:  # noqa: BLE001
+        try:
+            os.write(2, f"sandbox setup failed: {e!r}\n".encode())
+        finally:
+            os._exit(1)
 
 
 def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):

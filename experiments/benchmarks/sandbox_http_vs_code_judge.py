@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -29,7 +28,7 @@ import time
 
 import aiohttp
 
-from sandbox.bench import WORKLOADS
+from sandbox.bench import WORKLOADS, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_WORKLOADS = {
@@ -165,10 +164,7 @@ def main(argv=None):
         report = asyncio.run(run(args, servers))
     finally:
         servers.close()
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
 
 import sandbox
+from sandbox.bench import write_json
 
 CELLS = [
     "import sympy as sp\nx = sp.Symbol('x')\nroots = sp.solve(x**2 - 5*x + 6, x)\nprint(roots)",
@@ -68,10 +68,7 @@ def main(argv=None):
     p.add_argument("--json")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

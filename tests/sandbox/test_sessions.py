@@ -7,12 +7,13 @@ import time
 import pytest
 
 import sandbox
-from tests.sandbox.helpers import processes_of
+from tests.sandbox.helpers import processes_of, uid_base_for_this_process
 
 
 def scenario(fn, **kwargs):
     async def go():
         kwargs.setdefault("preload", ("math",))
+        kwargs.setdefault("uid_base", uid_base_for_this_process() + 50)  # clear of the shared `sb` fixture's uids
         async with sandbox.LocalSandbox(workers=2, **kwargs) as sb:
             return await fn(sb)
     return asyncio.run(go())
