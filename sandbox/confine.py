@@ -119,6 +119,22 @@ def _mirror(host_path, root):
         _bind_read_only(host_path, inside)
 
 
+ROOT_MOUNT_CANDIDATES = ("/mnt", "/media", "/srv", "/tmp", "/var/tmp")
+
+
+def root_mount_point(needed):
+    """An existing directory to build the root on (a tmpfs over it) that hides nothing the root
+    needs: not an ancestor of the interpreter's directories (a venv under /tmp, e.g. a clone in
+    /tmp, would otherwise be covered before it is bound) nor of the system's."""
+    needed = list(needed) + ["/usr", "/dev", "/etc", "/bin", "/lib", "/lib64", "/sbin"]
+    for candidate in ROOT_MOUNT_CANDIDATES:
+        if os.path.isdir(candidate) and not os.path.islink(candidate) and not any(
+                n == candidate or n.startswith(candidate + "/") for n in needed):
+            return candidate
+    raise OSError(errno.ENOENT, f"no directory to build the sandbox root on among {ROOT_MOUNT_CANDIDATES} "
+                                f"that does not contain {needed}")
+
+
 def build_minimal_root(root, interpreter_dirs):
     """Populate the (mounted, empty) tmpfs `root` with what a Python call needs and nothing else.
 

@@ -737,9 +737,11 @@ def isolate_master(cfg):
     """Namespaces and the minimal root shared by all calls of this zygote (made once)."""
     confine.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
-    root = "/tmp"  # a fresh tmpfs over the host's /tmp (in this mount namespace only)
+    needed = interpreter_dirs()
+    root = confine.root_mount_point(needed)
+    # a fresh tmpfs over an existing directory (in this mount namespace only)
     confine.mount("tmpfs", root, "tmpfs", confine.MS_NOSUID | confine.MS_NODEV, "size=1m,mode=0755")
-    confine.build_minimal_root(root, interpreter_dirs())
+    confine.build_minimal_root(root, needed)
     confine.enter_root(root)
 
 

@@ -473,3 +473,12 @@ def test_health_reports_the_protections(sb, strict_api):
     health = json.loads(out.split(b"\r\n\r\n", 1)[1])
     assert health["protections"] == {"isolation": "strict", "cgroups": sb.sb.protections["cgroups"],
                                      "seccomp": True, "minimal_root": True}
+
+
+def test_the_root_is_built_where_it_hides_nothing_it_needs():
+    from sandbox import confine
+    # A clone under /tmp (its venv in /tmp/...) must not be covered by the root's own tmpfs.
+    assert confine.root_mount_point(["/tmp/ci/repo/.venv", "/root/.pyenv/versions/3.11.7"]) == "/mnt"
+    assert confine.root_mount_point(["/mnt/work/.venv"]) != "/mnt"
+    with pytest.raises(OSError, match="no directory to build the sandbox root on"):
+        confine.root_mount_point(list(confine.ROOT_MOUNT_CANDIDATES))
