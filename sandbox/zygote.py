@@ -198,11 +198,12 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
         os.close(stdin)
         exit_code = run_user_code(cell["code"], namespace)
         cell = None
-        try:
-            os.kill(-1, signal.SIGKILL)  # PID 1 of the namespace: every other process of the session
-        except OSError:
-            pass
-        while True:  # reap them (orphans are ours too, as PID 1): no zombie outlives the call either
+        if os.getpid() == 1:  # strict: kill(-1) is every other process of the session's own namespace
+            try:  # (never without that namespace: there kill(-1) would reach every process of the uid)
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+        while os.getpid() == 1:  # reap them (orphans are ours too, as PID 1): no zombie outlives the call either
             try:
                 os.waitpid(-1, 0)
             except ChildProcessError:

@@ -110,3 +110,16 @@ def test_turn_20_costs_what_turn_1_costs():
 
     times = scenario(fn)
     assert max(times[-5:]) < 5 * max(min(times[:5]), 0.002)
+
+
+def test_basic_isolation_sessions_keep_state_and_never_kill_outside_themselves():
+    # Without its own PID namespace a session is not PID 1: killing "every other process" (-1)
+    # would reach every process of the uid (root's: the machine), so it must not be done there.
+    async def fn(sb):
+        async with await sb.session() as s:
+            return [await s.run("x = 3"), await s.run("x * 3")]
+
+    with pytest.warns(RuntimeWarning):
+        first, second = scenario(fn, isolation="basic")
+    assert first.ok and second.stdout == "9\n"
+    assert os.getppid() > 1 and os.path.exists(f"/proc/{os.getppid()}")  # we (and our parent) are alive
