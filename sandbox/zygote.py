@@ -371,7 +371,11 @@ def _supervise(job, cfg, slot, job_fd, stdin_fd, out, err, setup, fds):
                 reason = "output_limit"
                 _kill_call(pid, cfg)
     duration = time.monotonic() - started
-    setup_done = os.read(setup[0], 1) == b"R"
+    os.set_blocking(setup[0], False)  # never wait here, whoever might still hold the write end
+    try:
+        setup_done = os.read(setup[0], 1) == b"R"
+    except BlockingIOError:
+        setup_done = False
     oom = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) - oom_before if cfg["cgroup_fds"] else 0
     cpu_s = rusage.ru_utime + rusage.ru_stime
     return _result(wait_status, reason, job, buffers[out_r], buffers[err_r], caps[out_r], caps[err_r],
