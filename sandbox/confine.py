@@ -176,12 +176,26 @@ def enter_root(root):
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def mount_call_filesystems(uid, tmpfs_bytes):
+CALL_MOUNT_POINTS = ("/tmp", "/dev/shm")
+
+
+def covered_by_call_mounts(dirs):
+    """The interpreter directories a call's own /tmp or /dev/shm would hide (a venv in a clone
+    under /tmp): each call binds them back (read-only) into its fresh tmpfs."""
+    return [d for d in dirs if any(d.startswith(m + "/") for m in CALL_MOUNT_POINTS)]
+
+
+def mount_call_filesystems(uid, tmpfs_bytes, rebind=()):
     """In a call's own mount namespace: a fresh /tmp and /dev/shm owned by the call, its own /proc."""
+    keep = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in rebind]  # before they are covered
     opts = f"size={tmpfs_bytes},nr_inodes=16384,mode=0700,uid={uid},gid={uid}"
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
     mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for d, fd in zip(rebind, keep):
+        os.makedirs(d, 0o755, exist_ok=True)
+        _bind_read_only(f"/proc/self/fd/{fd}", d)
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
     if cgroup_fds:
         cgroups.join(cgroup_fds)
     if strict:
-        confine.mount_call_filesystems(uid, cfg["limits"]["tmpfs_bytes"])
+        confine.mount_call_filesystems(uid, cfg["limits"]["tmpfs_bytes"], cfg["rebind"])
         workdir = "/tmp"
     else:
         workdir = cfg["workdir"]
@@ -743,6 +743,7 @@ def isolate_master(cfg):
     confine.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
     needed = interpreter_dirs()
+    cfg["rebind"] = confine.covered_by_call_mounts(needed)
     root = confine.root_mount_point(needed)
     # a fresh tmpfs over an existing directory (in this mount namespace only)
     confine.mount("tmpfs", root, "tmpfs", confine.MS_NOSUID | confine.MS_NODEV, "size=1m,mode=0755")

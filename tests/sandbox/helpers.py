@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 
@@ -77,12 +78,32 @@ def wait_no_processes(uids, timeout=5.0):
         time.sleep(0.05)
 
 
+def _interpreter_entries() -> set[str]:
+    """Top-level names under /tmp or /dev/shm that the interpreter itself occupies (a clone
+    under /tmp, as in CI): the sandbox binds those read-only into every call's /tmp."""
+    names = set()
+    for p in {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}:
+        for mount_point in ("/tmp/", "/dev/shm/"):
+            if p.startswith(mount_point):
+                names.add(p[len(mount_point):].split("/", 1)[0])
+    return names
+
+
+INTERPRETER_ENTRIES = _interpreter_entries()
+
+
+def ls(path: str) -> str:
+    """Code for a call: the sorted entries of `path`, without the interpreter's own (see above)."""
+    return f"sorted(set(__import__('os').listdir({path!r})) - {INTERPRETER_ENTRIES!r})"
+
+
 def leftover_work_files(sb: SyncSandbox) -> list[str]:
     """What is left of calls where the zygote's calls could write: its root's /tmp and /dev/shm
     (seen from the host through /proc/PID/root; each call mounts its own tmpfs over them, which
     must vanish with the call), and processes still charged to the slots' cgroups."""
     root = f"/proc/{sb.sb.zygote_pid}/root"
-    left = [f"/tmp/{n}" for n in os.listdir(f"{root}/tmp")] + [f"/dev/shm/{n}" for n in os.listdir(f"{root}/dev/shm")]
+    left = [f"/tmp/{n}" for n in os.listdir(f"{root}/tmp") if n not in INTERPRETER_ENTRIES]
+    left += [f"/dev/shm/{n}" for n in os.listdir(f"{root}/dev/shm") if n not in INTERPRETER_ENTRIES]
     tree = sb.sb._pool._cgroups
     if tree is not None:
         deadline = time.monotonic() + 5

@@ -18,7 +18,7 @@ import pytest
 
 import sandbox
 from sandbox import cgroups
-from tests.sandbox.helpers import SyncSandbox, leftover_work_files, uid_base_for_this_process
+from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls, uid_base_for_this_process
 from tests.sandbox.test_hostile import run_beside_benign
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,7 +147,7 @@ def test_abstract_unix_socket_does_not_reach_a_concurrent_call(sb):
 def test_files_in_tmp_and_shm_do_not_survive(one_slot):
     one_slot.run("import os\nos.makedirs('/tmp/a/b')\nopen('/tmp/a/b/f', 'w').write('x')\n"
                  "open('/dev/shm/sem.x', 'w').write('x')")
-    assert one_slot.run("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))").stdout == "[] []\n"
+    assert one_slot.run(f"print({ls('/tmp')}, {ls('/dev/shm')})").stdout == "[] []\n"
     assert leftover_work_files(one_slot) == []
 
 
@@ -299,7 +299,7 @@ def test_deep_directory_tree_loses_no_output_and_leaves_nothing(one_slot):
     code = ("import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('made', len(os.getcwd()))")
     r = one_slot.run(code, timeout=20)
     assert r.status == "ok" and r.stdout.startswith("made"), r
-    assert one_slot.run("import os\nprint(os.listdir('/tmp'))").stdout == "[]\n"
+    assert one_slot.run(f"print({ls('/tmp')})").stdout == "[]\n"
     assert leftover_work_files(one_slot) == []
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.sandbox.helpers import leftover_work_files, wait_no_processes
+from tests.sandbox.helpers import leftover_work_files, ls, wait_no_processes
 
 BENIGN = {"code": "import sympy\nprint(sum(range(10)), sympy.Integer(2) ** 10)", "timeout": 20}
 BENIGN_OUT = "45 1024\n"
@@ -190,7 +190,7 @@ def test_cannot_raise_its_own_limits(sb):
 def test_no_files_survive_into_the_next_call(sb):
     writers = sb.run_many([{"code": "open('left_behind', 'w').write('x')\nimport os\nprint(os.getcwd())"}] * 6)
     assert all(r.ok for r in writers)
-    readers = sb.run_many([{"code": "import os\nprint(os.listdir('.'), os.listdir('/dev/shm'))"}] * 6)
+    readers = sb.run_many([{"code": f"print({ls('.')}, {ls('/dev/shm')})"}] * 6)
     for r in readers:
         assert r.stdout == "[] []\n", r.stdout  # own dirs empty
     assert leftover_work_files(sb) == []

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import sandbox
-from tests.sandbox.helpers import processes_of, uid_base_for_this_process
+from tests.sandbox.helpers import ls, processes_of, uid_base_for_this_process
 
 
 def scenario(fn, **kwargs):
@@ -36,9 +36,9 @@ def test_sessions_and_stateless_calls_do_not_see_each_other():
         a, b = await sb.session(), await sb.session()
         await a.run("secret = 'from-a'\nopen('/tmp/a.txt', 'w').write('a')")
         seen = await asyncio.gather(
-            b.run("import os\nprint('secret' in globals(), os.listdir('/tmp'))"),
-            sb.run("import os\nprint(os.listdir('/tmp'))"),
-            a.run("import os\nprint(secret, os.listdir('/tmp'))"))
+            b.run(f"print('secret' in globals(), {ls('/tmp')})"),
+            sb.run(f"print({ls('/tmp')})"),
+            a.run(f"print(secret, {ls('/tmp')})"))
         uids = await asyncio.gather(a.run("import os; os.getuid()"), b.run("import os; os.getuid()"))
         await a.close()
         await b.close()
@@ -56,7 +56,7 @@ def test_background_processes_do_not_outlive_the_call():
             await s.run("import os, time\nif os.fork() == 0:\n    time.sleep(0.5)\n    open('/tmp/late', 'w').write('x')\n"
                         "    os._exit(0)\nprint('parent')")
             await asyncio.sleep(1.0)
-            return await s.run("import os\nprint(os.listdir('/tmp'), len(os.listdir('/proc')) - len([p for p in os.listdir('/proc') if not p.isdigit()]))")
+            return await s.run(f"import os\nprint({ls('/tmp')}, len([p for p in os.listdir('/proc') if p.isdigit()]))")
 
     assert scenario(fn).stdout == "[] 1\n"  # no file from the child, and only the interpreter is left
 
