@@ -145,18 +145,22 @@ class CgroupTree:
     def remove(self, timeout_s=5.0):
         """rmdir every slot and the top (empty once the zygote and its calls are gone)."""
         deadline = time.monotonic() + timeout_s
-        dirs = [d for slot in self.slots for d in slot.values()] + list(self.tops.values())
-        for d in dirs:
-            while True:
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # EBUSY: processes still exiting
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.02)
+        for d in [d for slot in self.slots for d in slot.values()] + list(self.tops.values()):
+            _rmdir_when_empty(d, None, deadline)
+
+
+def _rmdir_when_empty(path, dir_fd, deadline):
+    """rmdir a cgroup, retrying while it is busy (its processes still exiting) until `deadline`."""
+    while True:
+        try:
+            os.rmdir(path, dir_fd=dir_fd)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
 
 
 def _remove_stale(parent):
@@ -181,9 +185,9 @@ def _remove_stale(parent):
 # ------------------------------------------------------------------------------------------------
 # used inside the zygote, through directory fds opened before it leaves the host's file system
 
-def open_slot(slot):
-    """{controller: O_DIRECTORY fd} of one slot's cgroup directories."""
-    return {c: os.open(d, os.O_RDONLY | os.O_DIRECTORY) for c, d in slot.items()}
+def open_dirs(dirs):
+    """{controller: O_DIRECTORY fd} of {controller: cgroup directory} (a slot's, or the tops)."""
+    return {c: os.open(d, os.O_RDONLY | os.O_DIRECTORY) for c, d in dirs.items()}
 
 
 def make_child(version, top_fds, name, limits):
@@ -209,16 +213,7 @@ def remove_child(top_fds, name, child_fds, timeout_s=2.0):
         os.close(fd)
     deadline = time.monotonic() + timeout_s
     for top in top_fds.values():
-        while True:
-            try:
-                os.rmdir(name, dir_fd=top)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:  # EBUSY: its processes are still exiting
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
+        _rmdir_when_empty(name, top, deadline)
 
 
 def join(dir_fds):

@@ -147,7 +147,7 @@ def build_minimal_root(root, interpreter_dirs):
         if os.path.lexists(path):
             _mirror(path, root)
     for path in interpreter_dirs:
-        if not any(path == p or path.startswith(p + "/") for p in ("/usr",)):
+        if path != "/usr" and not path.startswith("/usr/"):  # /usr is bound whole above
             _mirror(path, root)
     os.makedirs(root + "/etc", 0o755, exist_ok=True)
     for path in ETC_FILES:

@@ -149,9 +149,8 @@ class ZygotePool:
     def _make_cgroups(self):
         if self.isolation != "strict":
             return None, "cgroups are used with strict isolation only"
-        tree, why = CgroupTree.create(self.workers, memory_bytes=self.limits.memory_bytes,
-                                      processes=self.limits.processes, cpus=self.limits.cpus)
-        return tree, why
+        return CgroupTree.create(self.workers, memory_bytes=self.limits.memory_bytes,
+                                 processes=self.limits.processes, cpus=self.limits.cpus)
 
     async def start(self):
         loop = asyncio.get_running_loop()
@@ -303,11 +302,13 @@ class ZygotePool:
         async with self._restart_lock:
             if generation != self._generation:
                 return  # someone else already restarted it
-            await self.close(keep_cgroups=True)
+            await self.close(restarting=True)
             await self.start()
 
-    async def close(self, *, keep_cgroups=False):
-        if not keep_cgroups:  # a final close (a restart lets reclaims of old slots run out)
+    async def close(self, *, restarting=False):
+        """Stop the zygote. A final close also ends reclaims and frees the cgroups and work root;
+        a restart keeps them for the next zygote (and lets reclaims of old slots run out)."""
+        if not restarting:
             for task in list(self._reclaims):
                 task.cancel()
         for transport in self._transports:
@@ -321,11 +322,13 @@ class ZygotePool:
                 self.proc.wait()
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
-        if not keep_cgroups and os.path.isdir(self.work_root):
+        if restarting:
+            return
+        if os.path.isdir(self.work_root):
             try:
                 os.rmdir(self.work_root)
             except OSError:
                 log.warning("sandbox: %s is not empty after close", self.work_root)
-        if self._cgroups is not None and not keep_cgroups:
+        if self._cgroups is not None:
             await asyncio.to_thread(self._cgroups.remove)
             self._cgroups = None

@@ -6,12 +6,13 @@ nothing of the service is inside the processes that run untrusted code.
 
 Process tree (strict isolation):
 
-    service (asyncio)  --pipes-->  master zygote  (imports numpy, sympy, ...; then its own mount,
-                                    |               network and IPC namespaces, pivot_root into a
-                                    |               minimal read-only root: /usr, the interpreter,
-                                    |               /dev/{null,zero,full,random,urandom}; nothing else)
-                                    +-- worker i   (one per slot, own network namespace; reads a job,
-                                          |          supervises one call at a time)
+    service (asyncio)  --pipes-->  master zygote  (own mount, network and IPC namespaces; pivot_root
+                                    |               into a minimal read-only root: /usr, the
+                                    |               interpreter, /dev/{null,zero,full,random,urandom})
+                                    +-- worker i, light  (one per slot, standard library only) and
+                                    +-- worker i, heavy  (numpy, sympy, ... imported): each in its own
+                                          |          network namespace, reads a job, supervises one
+                                          |          call at a time; the slot runs one call at a time
                                           +-- call (clone(NEWPID|NEWIPC|NEWNS): PID 1 of a fresh PID
                                                     namespace with its own SysV IPC / mqueues, its own
                                                     /tmp, /dev/shm and /proc; in the slot's cgroup;
@@ -169,7 +170,7 @@ def _enter_call(job, cfg, slot, stdin_fd, out_w, err_w, setup_w):
     supervisor reports it as "internal". Once the pipe is closed, nothing the code does can.
     """
     code = job["code"]
-    _confine_or_exit(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=int(job["timeout"]) + 1,
+    _confine_or_exit(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=_cpu_seconds(job),
                      fds=(stdin_fd, out_w, err_w, setup_w))
     cfg = job = None  # the supervisor's data is not the code's business
     os._exit(run_user_code(code))
@@ -276,6 +277,19 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
 # ------------------------------------------------------------------------------------------------
 # worker: one call at a time
 
+def _append_capped(buffer, chunk, cap):
+    """Keep at most cap + 1 bytes (one past the cap: proof of overflow); True once over the cap."""
+    room = cap + 1 - len(buffer)
+    if room > 0:
+        buffer += chunk[:room]
+    return len(buffer) > cap
+
+
+def _cpu_seconds(job):
+    """A call's RLIMIT_CPU (soft): its wall-clock timeout plus one second."""
+    return int(job["timeout"]) + 1
+
+
 def _signal_name(sig):
     try:
         return signal.Signals(sig).name
@@ -364,10 +378,7 @@ def _supervise(job, cfg, slot, job_fd, stdin_fd, out, err, setup, fds):
             if not chunk:
                 open_fds.discard(fd)
                 continue
-            room = caps[fd] + 1 - len(buffers[fd])  # keep one byte past the cap: proof of overflow
-            if room > 0:
-                buffers[fd] += chunk[:room]
-            if len(buffers[fd]) > caps[fd] and reason is None and wait_status is None:
+            if _append_capped(buffers[fd], chunk, caps[fd]) and reason is None and wait_status is None:
                 reason = "output_limit"
                 _kill_call(pid, cfg)
     duration = time.monotonic() - started
@@ -388,16 +399,14 @@ def _result(wait_status, reason, job, out, err, out_cap, err_cap, duration, *, s
     stderr = bytes(err[:err_cap]).decode("utf-8", "replace")
     notes = []
     if not setup_done and reason is None:
-        return {"status": "internal", "stdout": "", "stderr": "sandbox internal error: " + stderr,
-                "exit_code": None, "duration_s": duration, "truncated": False}
+        return _fail(stderr, duration)
     if os.WIFEXITED(wait_status):
         exit_code = os.WEXITSTATUS(wait_status)
         status = "ok" if exit_code == 0 else "error"
     else:
         sig = os.WTERMSIG(wait_status)
         exit_code = -sig
-        cpu_limit = int(job["timeout"]) + 1
-        if sig == signal.SIGXCPU and cpu_s >= cpu_limit - 0.05:  # the kernel's CPU limit, not a self-kill
+        if sig == signal.SIGXCPU and cpu_s >= _cpu_seconds(job) - 0.05:  # the kernel's CPU limit, not a self-kill
             status = "timeout"
             notes.append("TimeoutError: CPU time limit exceeded")
         else:
@@ -493,9 +502,10 @@ class _Session:
         return (self.pidfd, self.cell_w, self.done_r, self.out_r, self.err_r)
 
 
-def _fail(message, started=None):
+def _fail(message, duration=0.0):
+    """The result of a job the sandbox (not the code) failed."""
     return {"status": "internal", "stdout": "", "stderr": f"sandbox internal error: {message}", "exit_code": None,
-            "duration_s": 0.0 if started is None else time.monotonic() - started, "truncated": False}
+            "duration_s": duration, "truncated": False}
 
 
 def open_session(job, cfg, slot, sessions):
@@ -529,20 +539,20 @@ def open_session(job, cfg, slot, sessions):
     ok = bool(ready) and os.read(setup_r, 1) == b"R"
     os.close(setup_r)
     session = _Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
     if not ok:
         err = _read_available(err_r)
         _close_session(session, cfg)
-        return _fail(f"the session did not start: {err.decode(errors='replace')}", started)
-    for fd in (out_r, err_r):
-        os.set_blocking(fd, False)
+        return _fail(f"the session did not start: {err.decode(errors='replace')}", time.monotonic() - started)
     sessions[job["session"]] = session
     return {"status": "ok", "stdout": "", "stderr": "", "exit_code": 0,
             "duration_s": time.monotonic() - started, "truncated": False}
 
 
 def _read_available(fd, cap=1 << 20):
+    """What a non-blocking fd has now, up to `cap` bytes."""
     data = bytearray()
-    os.set_blocking(fd, False)
     try:
         while len(data) < cap:
             chunk = os.read(fd, 65536)
@@ -586,11 +596,7 @@ def run_cell(job, cfg, sessions, job_fd):
     watch_jobs = True
 
     def take(fd):
-        chunk = _read_available(fd, caps[fd] + 1)
-        room = caps[fd] + 1 - len(buffers[fd])
-        if room > 0:
-            buffers[fd] += chunk[:room]
-        return len(buffers[fd]) > caps[fd]
+        return _append_capped(buffers[fd], _read_available(fd, caps[fd] + 1), caps[fd])
 
     while reason is None and done is None:
         now = time.monotonic()
@@ -628,9 +634,7 @@ def run_cell(job, cfg, sessions, job_fd):
         pass
     _, wait_status, rusage = os.wait4(session.pid, 0)
     oom = (cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) - oom_before) if session.cgroup_fds else 0
-    session_reason = {"ended": None, "timeout": "timeout", "output_limit": "output_limit",
-                      "cancelled": "cancelled"}.get(reason)
-    result = _result(wait_status, session_reason, job, buffers[session.out_r], buffers[session.err_r],
+    result = _result(wait_status, None if reason == "ended" else reason, job, buffers[session.out_r], buffers[session.err_r],
                      caps[session.out_r], caps[session.err_r], duration, setup_done=True, oom_kills=oom,
                      cpu_s=0.0)
     if reason == "ended" and os.WIFEXITED(wait_status):
@@ -763,29 +767,7 @@ def main():
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     facts = {}
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write(str(OOM_SCORE_ADJ))
-        own_status = os.open("/proc/self/status", os.O_RDONLY)  # still readable after pivot_root
-        for name in cfg["light_preload"]:
-            __import__(name)
-        program = confine.seccomp_program()
-        cfg["seccomp"] = program
-        cfg["worker_seccomp"] = confine.seccomp_program(for_worker=True)
-        facts["seccomp"] = program is not None
-        tree = cfg.get("cgroups")
-        cfg["cgroup_version"] = tree["version"] if tree else None
-        cfg["cgroup_slot_fds"] = [cgroups.open_slot(s) for s in tree["slots"]] if tree else None
-        cfg["cgroup_top_fds"] = cgroups.open_slot(tree["tops"]) if tree else None
-        if cfg["isolation"] == "strict":
-            isolate_master(cfg)
-            facts["minimal_root"] = True
-        else:
-            os.makedirs(cfg["work_root"], mode=0o700, exist_ok=True)
-            facts["minimal_root"] = False
-    except BaseException as e:  # noqa: BLE001
-        write_msg(status_fd, {"ready": False, "error": f"{type(e).__name__}: {e}"})
-        os._exit(1)
+    workers = {}  # pid -> (slot, kind)
 
     def spawn(slot, kind):
         pid = os.fork()
@@ -801,10 +783,26 @@ def main():
             os._exit(0)
         return pid
 
-    workers = {}
-    kinds = list(channels[0])
     try:
-        for kind in kinds:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
+        own_status = os.open("/proc/self/status", os.O_RDONLY)  # still readable after pivot_root
+        for name in cfg["light_preload"]:
+            __import__(name)
+        program = confine.seccomp_program()
+        cfg["seccomp"] = program
+        cfg["worker_seccomp"] = confine.seccomp_program(for_worker=True)
+        facts["seccomp"] = program is not None
+        tree = cfg.get("cgroups")
+        cfg["cgroup_version"] = tree["version"] if tree else None
+        cfg["cgroup_slot_fds"] = [cgroups.open_dirs(s) for s in tree["slots"]] if tree else None
+        cfg["cgroup_top_fds"] = cgroups.open_dirs(tree["tops"]) if tree else None
+        if cfg["isolation"] == "strict":
+            isolate_master(cfg)
+        else:
+            os.makedirs(cfg["work_root"], mode=0o700, exist_ok=True)
+        facts["minimal_root"] = cfg["isolation"] == "strict"
+        for kind in channels[0]:  # "light" first, then (if any) "heavy"
             if kind == "heavy":
                 for name in cfg["heavy_preload"]:
                     __import__(name)

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import time
 
 import aiohttp
 
+from rstar2_jax.rollout.engines.vllm_server import free_port
 from sandbox.bench import WORKLOADS, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,12 +37,6 @@ BENCH_WORKLOADS = {
     "numpy": ["import numpy as np\nprint(int(np.linalg.matrix_rank(np.arange(16).reshape(4, 4))))"],
     "mixed": WORKLOADS["mixed"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout_s: float = 120.0):
