@@ -69,7 +69,7 @@ def get_config():
     c.rl.micro_batches = 1
     c.rl.advantage = "grpo"
     c.rl.token_entropy = True            # per-token entropies of kept rollouts into the traces (learner pass)
-    c.rl.max_staleness = 0               # policy versions a rollout may lag the learner (0: on-policy)
+    c.rl.max_staleness = 0               # async rollouts: versions a sampled token may lag the learner (0: on-policy, the paper)
     c.rl.tis_cap = 0.0                   # truncated importance sampling sampler -> learner, cap (0: off, the paper)
     c.rl.roc = ml_collections.ConfigDict()
     c.rl.roc.mode = "paper"              # paper | release | off

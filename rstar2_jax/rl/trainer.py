@@ -11,11 +11,22 @@ The trainer is generic: the task (`data.task`, rstar2_jax.data.tasks), the model
 Reproducible: every rollout's sampling seed, every RoC draw and the per-epoch data order derive
 from (config seed, step, problem, sample), so a run resumed from its last checkpoint continues
 exactly as it would have.
+
+Asynchronous rollouts (`rl.max_staleness` = k > 0): a producer generates the steps' rollouts in
+order while the learner trains on earlier ones; step s's rollouts start once the learner has
+finished step s - k, so no trained token was sampled by weights more than k versions behind the
+learner (checked per token at training time). Weights sync to the engine after every update and
+reach rollouts in flight between decode steps (partial rollouts). With k = 0 the producer waits
+for every update: the on-policy loop of the paper, step for step. Async runs depend on timing
+(which tokens a sync reaches), so they resume from their checkpoints with the same data and
+seeds but are not bit-for-bit repeatable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -92,6 +103,7 @@ def validate(cfg: ml_collections.ConfigDict):
     need(rl.batch_problems >= 1 and rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
     need(rl.micro_batches >= 1, "rl.micro_batches must be >= 1")
     need(rl.tis_cap == 0 or rl.tis_cap >= 1, f"rl.tis_cap must be 0 (off) or >= 1, got {rl.tis_cap}")
+    need(rl.max_staleness >= 0, f"rl.max_staleness must be >= 0 (0: on-policy), got {rl.max_staleness}")
     need(cfg.sft.steps == 0 or cfg.data.task not in TASKS or TASKS[cfg.data.task].has_sft_data,
          f"sft.steps must be 0 for data.task={cfg.data.task!r}: it has no SFT data (fine-tune first with "
          "python -m rstar2_jax.sft and set model.path)")
@@ -164,6 +176,12 @@ class StepRollouts:
     timeline: Timeline             # tool, reward, engine spans (and learner, sync once trained)
     stats_before: Any              # engine.stats at the start (engines that keep stats)
     load_before: Any               # engine.load() at the start (prefix-cache counters)
+    data_meta: dict = dataclasses.field(default_factory=dict)  # the data stream's state after this step's draw
+
+
+# What the producer of rollouts owns in the run's metadata (the learner owns the rest); a
+# checkpoint saves them as they were right after its last trained step's draw.
+DATA_META_KEYS = ("data_pos", "solved", "prefiltered_stage")
 
 
 class RLRun:
@@ -255,9 +273,25 @@ class RLRun:
 
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        async with self.session() as (engine, sb, meta):
+            results = dict(meta.get("results", {}))
+            if cfg.eval.before_and_after and "before" not in results:
+                results["before"] = await self.evaluate(engine, sb, meta["rl_step"], "before_rl")
+                meta["results"] = results
+            await self.train_steps(engine, sb, meta)
+            if cfg.eval.before_and_after and "after" not in results:
+                results["after"] = await self.evaluate(engine, sb, cfg.rl.steps, "after_rl")
+        with open(os.path.join(self.workdir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        return results
+
+    @contextlib.asynccontextmanager
+    async def session(self):
+        """The learner (resumed from the last checkpoint, or after SFT), the sandbox and the engine
+        holding the learner's weights; yields (engine, sandbox, run metadata)."""
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
         cfg = self.cfg
         lcfg = self.learner_config()
         latest = self.checkpoints.latest_step()
@@ -273,34 +307,72 @@ class RLRun:
             params = self.sft()
             self.learner = Learner(self.model_with(params), lcfg, mesh=self.mesh)
             self.checkpoints.save(0, self.learner.state, meta)
-        engine_model = self.model_with(self.learner.model_state())
-        async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
-                self.make_engine(engine_model) as engine:
-            engine.update_weights(self.learner.model_state(), self.learner.version)
-            results = dict(meta.get("results", {}))
-            if cfg.eval.before_and_after and "before" not in results:
-                results["before"] = await self.evaluate(engine, sb, meta["rl_step"], "before_rl")
-                meta["results"] = results
-            start = meta["rl_step"]
-            bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps, desc="GRPO-RoC",
-                       dynamic_ncols=True)
+        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
+        engine_model = self.model_with(self.engine_weights())
+        try:
+            async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
+                    self.make_engine(engine_model) as engine:
+                engine.update_weights(self.engine_weights(), self.learner.version)
+                yield engine, sb, meta
+        finally:
+            self._tb.close()
+            self.checkpoints.close()
+
+    async def train_steps(self, engine: Engine, sb, meta: dict[str, Any]):
+        """RL steps from meta["rl_step"] to rl.steps: a producer task generates each step's
+        rollouts (at most rl.max_staleness steps ahead of the learner), this coroutine trains on
+        them in order, logs and checkpoints."""
+        cfg = self.cfg
+        start, lag = meta["rl_step"], cfg.rl.max_staleness
+        ready: asyncio.Queue = asyncio.Queue()
+        trained = asyncio.Condition()
+        done = {"steps": start}  # steps the learner has finished
+
+        async def produce():
+            data_meta = {k: copy.deepcopy(meta[k]) for k in DATA_META_KEYS if k in meta}
+            try:
+                for step in range(start, cfg.rl.steps):
+                    async with trained:
+                        await trained.wait_for(lambda: done["steps"] >= step - lag)
+                    ready.put_nowait(await self.produce(engine, sb, step, data_meta))
+            except BaseException as e:  # the trainer re-raises it; nothing waits forever
+                ready.put_nowait(e)
+                raise
+
+        producer = asyncio.create_task(produce())
+        bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps, desc="GRPO-RoC", dynamic_ncols=True)
+        last_end = time.monotonic()
+        try:
             for step in bar:
-                metrics, meta = await self.rl_step(engine, sb, step, meta)
+                out = await ready.get()
+                if isinstance(out, BaseException):
+                    raise out
+                metrics = await self.consume(engine, step, out, meta)
+                metrics["time/interval_s"] = time.monotonic() - last_end  # wall time per step, overlap included
+                last_end = time.monotonic()
+                self._log(metrics)
                 bar.write(format_breakdown(metrics))
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
+                meta.update(copy.deepcopy(out.data_meta))
                 meta["rl_step"] = step + 1
                 meta["version"] = self.learner.version
-                meta["results"] = results
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.rl.steps:
                     self.checkpoints.save(step + 1, self.learner.state, meta)
-            if cfg.eval.before_and_after and "after" not in results:
-                results["after"] = await self.evaluate(engine, sb, cfg.rl.steps, "after_rl")
-        self._tb.close()
-        self.checkpoints.close()
-        with open(os.path.join(self.workdir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        return results
+                async with trained:
+                    done["steps"] = step + 1
+                    trained.notify_all()
+        finally:
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await producer
+
+    def engine_weights(self):
+        """The learner's parameters for the engine. The learner's update donates its buffers, so
+        an engine that samples while the learner trains (asynchronous rollouts) gets a copy; the
+        on-policy loop shares them (the engine is idle during updates)."""
+        params = self.learner.model_state()
+        return jax.tree.map(jnp.copy, params) if self.cfg.rl.max_staleness > 0 else params
 
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""
@@ -309,30 +381,51 @@ class RLRun:
         return nnx.merge(graphdef, params)
 
     # ------------------------------------------------------------------------------------------
-    # one RL step: rollouts -> selection -> training -> metrics
-    async def rl_step(self, engine: Engine, sb, step: int, meta: dict[str, Any]):
+    # one RL step: rollouts (produce) -> selection -> training -> metrics (consume)
+    async def produce(self, engine: Engine, sb, step: int, data_meta: dict[str, Any]) -> StepRollouts:
+        """Step `step`'s problems and their rollouts; advances the data stream in `data_meta`
+        (position, the stage's solved problems) and keeps a copy of it in the result."""
+        cfg = self.cfg
+        stage_i = stage_index(cfg, step)
+        filter_k, filter_mode = cfg.stages[stage_i]["filter_solved_k"], cfg.stages[stage_i]["filter_mode"]
+        if filter_k and filter_mode == "offline" and data_meta.get("prefiltered_stage") != stage_i:
+            data_meta["solved"] = sorted(await self.prefilter(engine, sb, stage_i, step))
+            data_meta["prefiltered_stage"] = stage_i
+        problems, data_meta["data_pos"] = next_problems(self.train_problems, data_meta.get("data_pos", 0),
+                                                        cfg.rl.batch_problems, cfg.seed,
+                                                        set(data_meta.get("solved", [])) if filter_k else set())
+        out = await self.generate(engine, sb, step, problems)
+        if filter_k and filter_mode == "online":
+            data_meta["solved"] = sorted(set(data_meta.get("solved", [])) |
+                                         solved_ids(out, self.rollouts_per_problem, filter_k))
+        out.data_meta = copy.deepcopy(data_meta)
+        return out
+
+    async def consume(self, engine: Engine, step: int, out: StepRollouts, meta: dict[str, Any]) -> dict[str, Any]:
+        """RoC selection, the update (weights then go to the engine) and the step's traces;
+        returns the step's metrics."""
         cfg = self.cfg
         stage_i = stage_index(cfg, step)
         if stage_i != meta.get("stage", 0):
             if cfg.stages[stage_i]["reset_optimizer"]:
                 self.learner.reset_optimizer()
             meta["stage"] = stage_i
-        filter_k, filter_mode = cfg.stages[stage_i]["filter_solved_k"], cfg.stages[stage_i]["filter_mode"]
-        if filter_k and filter_mode == "offline" and meta.get("prefiltered_stage") != stage_i:
-            meta["solved"] = sorted(await self.prefilter(engine, sb, stage_i, step))
-            meta["prefiltered_stage"] = stage_i
-        problems, meta["data_pos"] = next_problems(self.train_problems, meta["data_pos"], cfg.rl.batch_problems,
-                                                   cfg.seed, set(meta.get("solved", [])) if filter_k else set())
-        out = await self.generate(engine, sb, step, problems)
+        staleness = self.check_staleness(step, out)
         rows, records = self.select(step, out)
-        if filter_k and filter_mode == "online":
-            meta["solved"] = sorted(set(meta.get("solved", [])) | solved_ids(out, self.rollouts_per_problem, filter_k))
-        train_metrics = self.train(engine, rows, records, out.timeline)
+        train_metrics = await self.train(engine, rows, records, out.timeline)
         self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
-        metrics = {"phase": "rl", "step": step, "stage": meta["stage"],
-                   **self.step_metrics(engine, out, len(rows)), **train_metrics}
-        self._log(metrics)
-        return metrics, meta
+        return {"phase": "rl", "step": step, "stage": meta["stage"],
+                **self.step_metrics(engine, out, len(rows)), **staleness, **train_metrics}
+
+    def check_staleness(self, step: int, out: StepRollouts) -> dict[str, float]:
+        """How many versions each sampled token lags the learner about to train on it; raises if
+        one lags more than rl.max_staleness (the pipeline's invariant)."""
+        lags = [self.learner.version - v for s in out.scored for v in s.trajectory.versions if v >= 0]
+        worst = max(lags, default=0)
+        if worst > self.cfg.rl.max_staleness:
+            raise RuntimeError(f"step {step}: a token sampled {worst} versions ago exceeds rl.max_staleness="
+                               f"{self.cfg.rl.max_staleness}")
+        return {"staleness/max": float(worst), "staleness/mean": float(np.mean(lags)) if lags else 0.0}
 
     async def prefilter(self, engine: Engine, sb, stage_i: int, step: int) -> set[str]:
         """The paper's pre-pass before stage `stage_i`: filter_solved_k rollouts of every training
@@ -373,9 +466,6 @@ class RLRun:
             scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
         rollout_s = time.monotonic() - start - timeline.union("reward")
         timeline.extend("engine", engine.take_busy_intervals())
-        stale = [s for s in scored if s.trajectory.min_version < self.learner.version - cfg.rl.max_staleness]
-        if stale:
-            raise RuntimeError(f"step {step}: {len(stale)} rollouts are older than the allowed staleness")
         return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before, load_before)
 
     def select(self, step: int, out: StepRollouts) -> tuple[list[tuple[Any, float, int]], list[dict]]:
@@ -401,21 +491,22 @@ class RLRun:
                     advantage=float(adv_of.get(j, 0.0))))
         return rows, records
 
-    def train(self, engine: Engine, rows, records, timeline: Timeline) -> dict[str, float]:
+    async def train(self, engine: Engine, rows, records, timeline: Timeline) -> dict[str, float]:
         """One learner update on the kept rollouts (none kept: no update), then the weights to
-        the engine; the learner's per-token entropies go into the kept rollouts' records."""
+        the engine; the learner's per-token entropies go into the kept rollouts' records. The
+        update runs on a worker thread: rollouts of later steps go on meanwhile (async mode)."""
         if not rows:
             return {}
         batch = make_batch([t.token_ids for t, _, _ in rows], [t.loss_mask for t, _, _ in rows],
                            [t.logprobs for t, _, _ in rows], [a for _, a, _ in rows], pad_multiple=32,
                            max_len=self.cfg.rollout.max_len)
         with timeline.span("learner"):
-            metrics = self.learner.update(batch)
+            metrics = await asyncio.to_thread(self.learner.update, batch)
         if batch.entropy is not None:
             for i, (t, _, r) in enumerate(rows):
                 records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
         with timeline.span("sync"):
-            engine.update_weights(self.learner.model_state(), self.learner.version)
+            engine.update_weights(self.engine_weights(), self.learner.version)
         return metrics
 
     def step_metrics(self, engine: Engine, out: StepRollouts, kept: int) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """A trajectory: one growing list of token ids, only ever appended to.
 
-Model tokens carry loss mask 1 and the sampler's log-prob; prompt and tool-response tokens carry
-mask 0 and log-prob 0. Text is kept per turn for reading, never re-tokenized for training.
+Model tokens carry loss mask 1, the sampler's log-prob and the weights version that sampled them;
+prompt and tool-response tokens carry mask 0, log-prob 0 and version -1 (nothing sampled them).
+Text is kept per turn for reading, never re-tokenized for training.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Trajectory:
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
+    versions: list[int] = dataclasses.field(default_factory=list)  # per token: weights that sampled it, -1 if none
     turns: list[Turn] = dataclasses.field(default_factory=list)
     finish_reason: str = ""   # eos | length | max_turns
     response_text: str = ""   # decoded text after the prompt (model and tool tokens), for reading
@@ -42,11 +44,12 @@ class Trajectory:
     tool_s: float = 0.0
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # problem id, sample index, ...
 
-    def append(self, ids, mask: int, logprobs=None):
+    def append(self, ids, mask: int, logprobs=None, versions=None):
         ids = list(ids)
         self.token_ids += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += list(versions) if versions is not None else [-1] * len(ids)
 
     @property
     def num_response_tokens(self) -> int:
@@ -58,7 +61,8 @@ class Trajectory:
 
     @property
     def min_version(self) -> int:
-        return min((t.version_start for t in self.turns), default=0)
+        """The oldest weights version that sampled a token of it."""
+        return min((v for v in self.versions if v >= 0), default=min((t.version_start for t in self.turns), default=0))
 
     @property
     def assistant_text(self) -> str:

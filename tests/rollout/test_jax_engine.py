@@ -255,3 +255,30 @@ def test_kv_reuse_never_uses_kv_of_older_weights_and_evicts_least_recently_used(
             return await _turns(eng, tokenizer, range(3), turns=2)
     ref = _run(plain())
     assert [[c.token_ids for c in o] for o in outs] == [[c.token_ids for c in o] for o in ref]
+
+
+def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per_token(tiny_model, tokenizer):
+    """Partial rollouts: a request in flight when the weights change continues with the new ones
+    from the next decode step on, and each token records the version that sampled it."""
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(7))
+    prompt = tokenizer.encode("a long answer")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    async def go(swap_after):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=()) as eng:
+            request = asyncio.ensure_future(eng.generate(prompt, greedy))
+            if swap_after is not None:
+                while eng.steps < swap_after:
+                    await asyncio.sleep(0)
+                eng.update_weights(nnx.state(other), version=1)
+            return await request
+
+    straight = _run(go(None))
+    swapped = _run(go(10))
+    versions = list(swapped.token_versions)
+    first_new = versions.index(1)
+    assert versions == [0] * first_new + [1] * (len(versions) - first_new) and first_new >= 10
+    assert (swapped.version_start, swapped.version_end) == (0, 1)
+    assert swapped.token_ids[:first_new] == straight.token_ids[:first_new]  # old weights up to the swap ...
+    assert swapped.token_ids[first_new:] != straight.token_ids[first_new:]  # ... the new ones after it
+    assert set(straight.token_versions) == {0} and len(straight.token_ids) == 40

@@ -24,6 +24,14 @@ class Completion:
     version_start: int = 0         # weights version when the request started ...
     version_end: int = 0           # ... and when it finished (they differ if a sync came mid-turn)
     stop_string: str | None = None
+    # The weights version that sampled each token. Engines that swap weights between decode steps
+    # (partial rollouts) know it exactly; empty means every token is counted as version_start,
+    # the oldest weights that can have sampled it (a safe bound for the staleness check).
+    token_versions: tuple[int, ...] = ()
+
+    def versions(self) -> list[int]:
+        """Per-token weights versions (see token_versions)."""
+        return list(self.token_versions) if self.token_versions else [self.version_start] * len(self.token_ids)
 
 
 @dataclasses.dataclass(frozen=True)

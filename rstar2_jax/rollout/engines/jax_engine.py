@@ -21,8 +21,10 @@ used one. KV computed by older weights is never reused. Off by default: incremen
 gives the same tokens up to float rounding, not bit for bit.
 
 Device work runs on one worker thread, so the asyncio loop stays free for tool calls while the
-model runs. `update_weights` swaps the parameter state between steps; shapes are unchanged, so
-nothing recompiles.
+model runs. `update_weights` swaps the parameter state between decode steps; shapes are unchanged,
+so nothing recompiles. Requests in flight continue with the new weights (partial rollouts, for
+asynchronous RL): every token records the version that sampled it, and the KV of the tokens
+before the swap is kept, as vLLM's pause(mode="keep") keeps it (AReaL recomputes it instead).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class _Request:
     seed: int = 0                  # token i is sampled with fold_in(key(seed), i)
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # weights that sampled each token
     session: Hashable | None = None
 
 
@@ -288,6 +291,8 @@ class JaxEngine(Engine):
             fn, args = self._prefill, (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens),
                                        jnp.int32(n)) + sampling_args
 
+        version = self.version  # the weights in `args`, whatever a sync does while they run
+
         def run():
             start = time.monotonic()
             cache, token, logp = fn(*args)
@@ -299,7 +304,7 @@ class JaxEngine(Engine):
         self.stats.prefill_tokens += n
         self.stats.reused_tokens += reuse
         self._active[slot] = req
-        self._append(slot, token, logp)
+        self._append(slot, token, logp, version)
 
     def _decode_inputs(self):
         """The decode step's per-slot arrays from the active requests (idle slots: dropped writes)."""
@@ -325,6 +330,7 @@ class JaxEngine(Engine):
     async def _step(self, loop):
         inputs, busy = self._decode_inputs()
         args = (self._state, self._cache) + inputs
+        version = self.version
         kv_len = self._kv_len(max(busy) + 1)
 
         def run():
@@ -339,7 +345,7 @@ class JaxEngine(Engine):
         self.stats.busy_slot_steps += len(busy)
         for slot, req in enumerate(self._active):
             if req is not None:
-                self._append(slot, int(sampled[slot]), float(logps[slot]))
+                self._append(slot, int(sampled[slot]), float(logps[slot]), version)
 
     def _record_busy(self, start: float) -> float:
         """Keep (start, now) as device work; its duration."""
@@ -362,10 +368,11 @@ class JaxEngine(Engine):
             return None
         return min(self.max_len, -(-needed // self.kv_bucket) * self.kv_bucket)
 
-    def _append(self, slot: int, token: int, logp: float):
+    def _append(self, slot: int, token: int, logp: float, version: int):
         req = self._active[slot]
         req.generated.append(token)
         req.logprobs.append(logp)
+        req.versions.append(version)
         finish, stop_string = None, None
         if token in self.eos_ids:
             finish = "eos"
@@ -383,7 +390,7 @@ class JaxEngine(Engine):
                                                  self._admissions)
             if not req.future.done():
                 req.future.set_result(Completion(req.generated, req.logprobs, finish, req.version_start,
-                                                 self.version, stop_string))
+                                                 self.version, stop_string, tuple(req.versions)))
 
     def _matched_stop(self, req: _Request) -> str | None:
         for stop in req.stops:

@@ -16,7 +16,10 @@ KV was computed by the old weights), the weight version is bumped and the server
 a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
 sequence must match the JAX model's within `probe_tolerance`. This catches the tied-embedding
 trap (vLLM's reload updates a tied embedding but keeps the old output layer) and any other
-silently ignored tensor.
+silently ignored tensor. Requests in flight during a sync continue with the new weights (partial
+rollouts, for asynchronous RL). The server does not say which tokens came before the swap, so a
+completion's tokens all count as `version_start`: the oldest weights that can have sampled them,
+which keeps the trainer's staleness bound safe (JaxEngine records the exact version per token).
 
 A dead or restarting server loses nothing: a request that fails on the connection (or with a
 5xx) is sent again once the server answers, after the latest weights are reloaded into it (a
