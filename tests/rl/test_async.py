@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from rstar2_jax.algo.advantages import register_advantage
+from rstar2_jax.algo import ADVANTAGES
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.rl.checkpoints import RunCheckpoints
 from rstar2_jax.rl.trainer import ConfigValueError, RLRun, next_problems, run, validate
@@ -19,12 +19,17 @@ from rstar2_jax.traces import read_traces
 from tests.rl.test_training import small_config
 
 
-@register_advantage("test_alternating_signs")
 def alternating_signs(rewards, eps: float = 1e-6) -> np.ndarray:
     """+1, -1, +1, ... whatever the rewards: the barely trained tiny policy solves nothing, and
     these tests need updates that move the weights (GRPO gives all-zero advantages then)."""
     del eps
     return np.where(np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32)
+
+
+@pytest.fixture
+def moving_advantage(monkeypatch):
+    """Registered for the test only: other tests list the registry in their messages."""
+    monkeypatch.setitem(ADVANTAGES, "test_alternating_signs", alternating_signs)
 
 
 def moving_config(steps: int, max_staleness: int):
@@ -49,7 +54,7 @@ def test_negative_staleness_is_a_config_error():
 
 
 @pytest.mark.slow
-def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loop(tmp_path):
+def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loop(tmp_path, moving_advantage):
     cfg = moving_config(steps=2, max_staleness=0)
     assert cfg.rl.tis_cap == 0
     pipelined = RLRun(cfg, str(tmp_path / "pipelined"))
@@ -77,7 +82,8 @@ def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
-def test_async_rollouts_lag_at_most_k_versions_and_checkpoint_the_trained_data_position(tmp_path, k):
+def test_async_rollouts_lag_at_most_k_versions_and_checkpoint_the_trained_data_position(tmp_path, k,
+                                                                                       moving_advantage):
     cfg = moving_config(steps=4, max_staleness=k)
     run(cfg, str(tmp_path))
     lines = rl_lines(tmp_path)
