@@ -2,6 +2,7 @@
 keeps them busy without preemptions?
 
     python -m experiments.benchmarks.scheduler_sim [--engines 64 --rollouts_per_engine 32 --seeds 3] [--record BENCHMARKS.md]
+    python -m experiments.benchmarks.scheduler_sim --pipeline [--steps 6] [--record BENCHMARKS.md]
 
 The policies are the scheduler's own functions (rstar2_jax.rollout.scheduler.POLICIES); the
 engines are modelled, not run. Each engine behaves like a vLLM server: continuous batching,
@@ -24,6 +25,15 @@ tokens they forced to recompute, prefill tokens (everything not found in an engi
 cache: whole trajectories re-prefilled when a turn moves engines), and the mean number of
 requests an engine ran at once. "+ affinity" variants keep a trajectory on the engine of its
 previous turn when it fits there (the scheduler's pick_with_affinity).
+
+`--pipeline` simulates several RL steps, synchronous (rl.max_staleness = 0: rollouts, then the
+update, then the weight sync) against the trainer's asynchronous pipeline (k = 1, 2: step s's
+rollouts start when step s-1's are done and the learner has finished step s-k-1, while the
+learner trains). The learner runs on its own devices (asynchronous RL needs that); its time per
+step is the step's tokens x 8 x parameters (forward + backward + the old-log-prob pass) at
+`learner_mfu` of `learner_devices` H100s. A weight sync pauses every engine for `sync_s` and
+resets its prefix cache (what VLLMEngine does): requests running keep their KV (partial rollouts),
+trajectories between turns lose their cached prefix and re-prefill it (counted as recomputed).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import heapq
 import itertools
 import math
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -64,6 +75,15 @@ class SimConfig:
     prefill_per_token_s: float = 7e-5    # 2 x 14e9 FLOPs / 400 TFLOP/s
     reserve_new_tokens: int | None = None  # kv_aware: None reserves the whole remaining budget
     affinity: bool = False               # a trajectory's next turn goes back to its engine when it fits
+    # --pipeline: the learner and the weight sync (14B on its own 64 H100s; bf16 peak 989 TFLOP/s)
+    params: float = 14e9
+    learner_devices: int = 64
+    learner_mfu: float = 0.4
+    peak_flops: float = 989e12
+    sync_s: float = 3.0                  # 28 GB broadcast to every engine, pause to resume
+
+    def learner_s(self, tokens: int) -> float:
+        return tokens * 8 * self.params / (self.learner_devices * self.learner_mfu * self.peak_flops)
 
 
 @dataclasses.dataclass
@@ -73,6 +93,7 @@ class Trajectory:
     context: int                         # tokens so far (prompt + everything appended)
     turn: int = 0
     last_engine: int = -1
+    cache_epoch: int = 0                 # the engine's cache epoch when its prefix was stored there
     done_at: float = 0.0
 
 
@@ -104,6 +125,7 @@ class Engine:
         self.seq_steps = 0.0             # sum over steps of running requests (for mean batch)
         self.steps = 0
         self.version = 0                 # bumped on every change: stale wake-ups are ignored
+        self.cache_epoch = 0             # bumped by a weight sync (its prefix cache is reset)
 
     def load(self) -> EngineLoad:
         return EngineLoad(capacity_tokens=self.cfg.kv_capacity_tokens, reserved_tokens=self.reserved,
@@ -176,7 +198,9 @@ def make_workload(cfg: SimConfig, rng: np.random.Generator) -> list[Trajectory]:
     return out
 
 
-def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
+def simulate(cfg: SimConfig, policy: str, seed: int, syncs: Sequence[float] = ()) -> dict[str, float]:
+    """One step's rollouts from time 0; `syncs`: times at which the weights change (every engine
+    pauses cfg.sync_s and resets its prefix cache)."""
     rng = np.random.default_rng(seed)
     trajs = make_workload(cfg, rng)
     engines = [Engine(i, cfg) for i in range(cfg.engines)]
@@ -197,8 +221,9 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
         if i is None:
             return False
         e = engines[i]
-        req.cached = req.traj.last_engine == i
+        req.cached = req.traj.last_engine == i and req.traj.cache_epoch == e.cache_epoch
         req.traj.last_engine = i
+        req.traj.cache_epoch = e.cache_epoch
         e.reserved += req.reserve
         e.waiting.append(req)
         kick(e)
@@ -230,12 +255,28 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
             k = e.plan()
             heapq.heappush(events, (e.t + e.step_time(k), next(seq), "engine", (e.index, e.version)))
 
+    def pause(e: Engine):
+        """A weight sync: finish the step in flight, stop for sync_s, forget the prefix cache."""
+        kick(e)
+        e.t = max(e.t, now) + cfg.sync_s
+        e.cache_epoch += 1
+        e.version += 1
+        if e.running:
+            heapq.heappush(events, (e.t + e.step_time(e.plan()), next(seq), "engine", (e.index, e.version)))
+
     for t in trajs:
         submit(t)
+    for at in syncs:
+        heapq.heappush(events, (at, next(seq), "sync", None))
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "tool":
             submit(payload)
+            continue
+        if kind == "sync":
+            if any(t.done_at == 0.0 for t in trajs):  # rollouts still running
+                for e in engines:
+                    pause(e)
             continue
         index, version = payload
         e = engines[index]
@@ -270,7 +311,30 @@ def simulate(cfg: SimConfig, policy: str, seed: int) -> dict[str, float]:
             "recomputed_tokens": sum(e.recomputed_tokens for e in engines),
             "prefill_tokens": sum(e.prefill_tokens for e in engines),
             "mean_batch": sum(e.seq_steps for e in engines) / max(1, steps),
-            "tool_calls": sum(len(t.tool_s) for t in trajs)}
+            "tool_calls": sum(len(t.tool_s) for t in trajs),
+            "trained_tokens": sum(t.context for t in trajs)}
+
+
+def simulate_pipeline(cfg: SimConfig, policy: str, seed: int, steps: int, max_staleness: int) -> dict[str, float]:
+    """`steps` RL steps, as the trainer runs them (module docstring): step s's rollouts start when
+    step s-1's are done and the learner has finished step s - 1 - max_staleness (with 0, also
+    step s-1's sync); the learner trains step s when its rollouts are done and it is free."""
+    rollouts_done, learner_done, out = 0.0, [], []  # learner_done[s]: update and sync of step s finished
+    for s in range(steps):
+        gate = s - 1 - max_staleness
+        start = max(rollouts_done, learner_done[gate] if gate >= 0 else 0.0)
+        syncs = [t - cfg.sync_s - start for t in learner_done if t - cfg.sync_s > start]  # syncs during the rollouts
+        r = simulate(cfg, policy, seed * 1000 + s, syncs)
+        rollouts_done = start + r["makespan_s"]
+        begin = max(rollouts_done, learner_done[-1] if learner_done else 0.0)
+        learner_done.append(begin + cfg.learner_s(r["trained_tokens"]) + cfg.sync_s)
+        out.append(r)
+    total = learner_done[-1]
+    return {"step_s": total / steps, "rollout_s": float(np.mean([r["makespan_s"] for r in out])),
+            "learner_s": float(np.mean([cfg.learner_s(r["trained_tokens"]) for r in out])),
+            "prefill_tokens": float(np.mean([r["prefill_tokens"] for r in out])),
+            "recomputed_tokens": float(np.mean([r["recomputed_tokens"] for r in out])),
+            "idle_share": float(np.mean([r["idle_share"] for r in out]))}
 
 
 def main(argv=None):
@@ -282,8 +346,12 @@ def main(argv=None):
                    help="extra kv_aware variants that reserve this many new tokens per turn (not the whole budget)")
     p.add_argument("--kv_capacity", type=int, nargs="*", default=[240_000, 60_000],
                    help="KV cache tokens per engine, one scenario each (240K: 14B on an H100; less: memory pressure)")
+    p.add_argument("--pipeline", action="store_true", help="several RL steps: synchronous vs asynchronous (k = 1, 2)")
+    p.add_argument("--steps", type=int, default=6, help="--pipeline: RL steps per run")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
+    if args.pipeline:
+        return run_pipeline(args, argv)
     for capacity in args.kv_capacity:
         run_scenario(args, SimConfig(engines=args.engines, rollouts_per_engine=args.rollouts_per_engine,
                                      kv_capacity_tokens=capacity), argv)
@@ -313,6 +381,32 @@ def run_scenario(args, base: SimConfig, argv):
               f"{base.kv_capacity_tokens:,} KV tokens per engine, {base.budget_tokens}-token budget (module docstring)")
     command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(argv or [])
     common.record(args.record, "Rollout scheduler simulation (discrete-event)", command.strip(), config,
+                  common.markdown_table(header, rows))
+
+
+def run_pipeline(args, argv):
+    base = SimConfig(engines=args.engines, rollouts_per_engine=args.rollouts_per_engine, reserve_new_tokens=1024)
+    header = ["schedule", "wall s per step", "vs sync", "rollout s", "learner s", "prefill tokens per step",
+              "preemption-recomputed tokens", "idle engine share"]
+    rows, sync_step = [], None
+    for affinity in (False, True):
+        cfg = dataclasses.replace(base, affinity=affinity)
+        for k in (0, 1, 2):
+            runs = [simulate_pipeline(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
+            mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
+            spread = float(np.std([r["step_s"] for r in runs]))
+            if k == 0:
+                sync_step = mean["step_s"]
+            name = ("sync (k=0)" if k == 0 else f"async k={k}") + (" + affinity" if affinity else "")
+            rows.append((name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{sync_step / mean['step_s']:.2f}x",
+                         f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['prefill_tokens']:,.0f}",
+                         f"{mean['recomputed_tokens']:,.0f}", f"{mean['idle_share']:.1%}"))
+    config = (f"{args.steps} RL steps x {args.engines} engines x {args.rollouts_per_engine} rollouts, {args.seeds} seeds "
+              f"(mean ± std), kv_aware (reserve 1024); engines: 14B bf16 on one H100 each, "
+              f"{base.kv_capacity_tokens:,} KV tokens; learner: {base.learner_devices} more H100s at "
+              f"{base.learner_mfu:.0%} MFU; weight sync {base.sync_s:.0f} s (pause + prefix-cache reset)")
+    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(argv or [])
+    common.record(args.record, "RL pipeline simulation: synchronous vs asynchronous steps", command.strip(), config,
                   common.markdown_table(header, rows))
 
 

@@ -328,13 +328,20 @@ class RLRun:
         trained = asyncio.Condition()
         done = {"steps": start}  # steps the learner has finished
 
+        launched: list[asyncio.Task] = []
+
         async def produce():
+            # Each step's rollouts start as soon as the staleness bound allows, even while an
+            # earlier step's stragglers still run: engines fill with the next step's work
+            # instead of idling on the slowest trajectory. Steps still draw their problems in order.
             data_meta = {k: copy.deepcopy(meta[k]) for k in DATA_META_KEYS if k in meta}
             try:
                 for step in range(start, cfg.rl.steps):
                     async with trained:
                         await trained.wait_for(lambda: done["steps"] >= step - lag)
-                    ready.put_nowait(await self.produce(engine, sb, step, data_meta))
+                    problems, drawn = await self.draw(engine, sb, step, data_meta)
+                    launched.append(asyncio.create_task(self.roll_out(engine, sb, step, problems, drawn, data_meta)))
+                    ready.put_nowait(launched[-1])
             except BaseException as e:  # the trainer re-raises it; nothing waits forever
                 ready.put_nowait(e)
                 raise
@@ -347,6 +354,7 @@ class RLRun:
                 out = await ready.get()
                 if isinstance(out, BaseException):
                     raise out
+                out = await out
                 metrics = await self.consume(engine, step, out, meta)
                 metrics["time/interval_s"] = time.monotonic() - last_end  # wall time per step, overlap included
                 last_end = time.monotonic()
@@ -363,9 +371,11 @@ class RLRun:
                     done["steps"] = step + 1
                     trained.notify_all()
         finally:
-            producer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await producer
+            for task in (producer, *launched):
+                task.cancel()
+            for task in (producer, *launched):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     def engine_weights(self):
         """The learner's parameters for the engine. The learner's update donates its buffers, so
@@ -385,6 +395,12 @@ class RLRun:
     async def produce(self, engine: Engine, sb, step: int, data_meta: dict[str, Any]) -> StepRollouts:
         """Step `step`'s problems and their rollouts; advances the data stream in `data_meta`
         (position, the stage's solved problems) and keeps a copy of it in the result."""
+        problems, drawn = await self.draw(engine, sb, step, data_meta)
+        return await self.roll_out(engine, sb, step, problems, drawn, data_meta)
+
+    async def draw(self, engine: Engine, sb, step: int, data_meta: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+        """Step `step`'s problems (after the stage's pre-filter, when it begins); advances
+        `data_meta` and returns a copy of it as of this draw (what a checkpoint after this step saves)."""
         cfg = self.cfg
         stage_i = stage_index(cfg, step)
         filter_k, filter_mode = cfg.stages[stage_i]["filter_solved_k"], cfg.stages[stage_i]["filter_mode"]
@@ -394,11 +410,19 @@ class RLRun:
         problems, data_meta["data_pos"] = next_problems(self.train_problems, data_meta.get("data_pos", 0),
                                                         cfg.rl.batch_problems, cfg.seed,
                                                         set(data_meta.get("solved", [])) if filter_k else set())
+        return problems, copy.deepcopy(data_meta)
+
+    async def roll_out(self, engine: Engine, sb, step: int, problems, drawn: dict[str, Any],
+                       data_meta: dict[str, Any]) -> StepRollouts:
+        """The step's rollouts; the online filter adds the problems they solved k/k to `data_meta`
+        (in async runs, steps drawn meanwhile did not see them)."""
+        stage = self.cfg.stages[stage_index(self.cfg, step)]
         out = await self.generate(engine, sb, step, problems)
-        if filter_k and filter_mode == "online":
+        if stage["filter_solved_k"] and stage["filter_mode"] == "online":
             data_meta["solved"] = sorted(set(data_meta.get("solved", [])) |
-                                         solved_ids(out, self.rollouts_per_problem, filter_k))
-        out.data_meta = copy.deepcopy(data_meta)
+                                         solved_ids(out, self.rollouts_per_problem, stage["filter_solved_k"]))
+            drawn["solved"] = data_meta["solved"]
+        out.data_meta = drawn
         return out
 
     async def consume(self, engine: Engine, step: int, out: StepRollouts, meta: dict[str, Any]) -> dict[str, Any]:
