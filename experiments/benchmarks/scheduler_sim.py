@@ -44,8 +44,8 @@ import dataclasses
 import heapq
 import itertools
 import math
+import sys
 import time
-from typing import Sequence
 
 import numpy as np
 
@@ -198,11 +198,21 @@ def make_workload(cfg: SimConfig, rng: np.random.Generator) -> list[Trajectory]:
     return out
 
 
-def simulate(cfg: SimConfig, policy: str, seed: int, syncs: Sequence[float] = ()) -> dict[str, float]:
-    """One step's rollouts from time 0; `syncs`: times at which the weights change (every engine
-    pauses cfg.sync_s and resets its prefix cache)."""
+def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_staleness: int | None = None
+             ) -> dict[str, float]:
+    """One step's rollouts (max_staleness None), or `steps` RL steps with the learner: step j's
+    rollouts are released when the learner has finished (and synced) step j - 1 - max_staleness,
+    as the trainer's producer does; step s trains when its rollouts are done and the learner is
+    free; its sync pauses every engine for cfg.sync_s and resets their prefix caches."""
     rng = np.random.default_rng(seed)
-    trajs = make_workload(cfg, rng)
+    by_step = [make_workload(cfg, rng) for _ in range(steps)]
+    trajs = [t for step in by_step for t in step]
+    step_of = {id(t): s for s, step in enumerate(by_step) for t in step}
+    remaining = [len(step) for step in by_step]
+    released = [0.0] * steps
+    rollouts_done = [0.0] * steps
+    learned = []                         # when each step's update and sync were done
+    learner_free = 0.0
     engines = [Engine(i, cfg) for i in range(cfg.engines)]
     pick = POLICIES[policy]
     events: list = []                    # (time, seq, kind, payload)
@@ -264,19 +274,38 @@ def simulate(cfg: SimConfig, policy: str, seed: int, syncs: Sequence[float] = ()
         if e.running:
             heapq.heappush(events, (e.t + e.step_time(e.plan()), next(seq), "engine", (e.index, e.version)))
 
-    for t in trajs:
-        submit(t)
-    for at in syncs:
-        heapq.heappush(events, (at, next(seq), "sync", None))
+    def release(j: int):
+        released[j] = now
+        for t in by_step[j]:
+            submit(t)
+
+    def step_done(s: int):
+        """Step s's rollouts are all in: the learner takes it when free, then syncs."""
+        nonlocal learner_free
+        rollouts_done[s] = now
+        if max_staleness is None:
+            return
+        learner_free = max(now, learner_free) + cfg.learner_s(sum(t.context for t in by_step[s]))
+        heapq.heappush(events, (learner_free, next(seq), "sync", s))
+
+    first = 1 if max_staleness is None else min(steps, 1 + max_staleness)
+    for j in range(first):
+        release(j)
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "tool":
             submit(payload)
             continue
-        if kind == "sync":
-            if any(t.done_at == 0.0 for t in trajs):  # rollouts still running
-                for e in engines:
-                    pause(e)
+        if kind == "sync":  # step `payload` trained: new weights go to every engine
+            for e in engines:
+                pause(e)
+            heapq.heappush(events, (now + cfg.sync_s, next(seq), "synced", payload))
+            continue
+        if kind == "synced":
+            learned.append(now)
+            j = payload + 1 + max_staleness
+            if j < steps:
+                release(j)
             continue
         index, version = payload
         e = engines[index]
@@ -296,6 +325,10 @@ def simulate(cfg: SimConfig, policy: str, seed: int, syncs: Sequence[float] = ()
                 heapq.heappush(events, (e.t + t.tool_s[t.turn - 1], next(seq), "tool", t))
             else:
                 t.done_at = e.t
+                remaining[step_of[id(t)]] -= 1
+                if not remaining[step_of[id(t)]]:
+                    now = e.t
+                    step_done(step_of[id(t)])
         if not finished and e.running and e.plan() == 0:
             e.preempt_newest()
         now = e.t
@@ -304,37 +337,18 @@ def simulate(cfg: SimConfig, policy: str, seed: int, syncs: Sequence[float] = ()
             while held and dispatch(held[0]):
                 held.popleft()
     makespan = max(t.done_at for t in trajs)
-    busy = sum(min(e.busy_s, makespan) for e in engines)
-    steps = sum(e.steps for e in engines)
-    return {"makespan_s": makespan, "idle_share": 1 - busy / (len(engines) * makespan),
-            "preemptions": sum(e.preemptions for e in engines),
-            "recomputed_tokens": sum(e.recomputed_tokens for e in engines),
-            "prefill_tokens": sum(e.prefill_tokens for e in engines),
-            "mean_batch": sum(e.seq_steps for e in engines) / max(1, steps),
-            "tool_calls": sum(len(t.tool_s) for t in trajs),
-            "trained_tokens": sum(t.context for t in trajs)}
-
-
-def simulate_pipeline(cfg: SimConfig, policy: str, seed: int, steps: int, max_staleness: int) -> dict[str, float]:
-    """`steps` RL steps, as the trainer runs them (module docstring): step s's rollouts start when
-    step s-1's are done and the learner has finished step s - 1 - max_staleness (with 0, also
-    step s-1's sync); the learner trains step s when its rollouts are done and it is free."""
-    rollouts_done, learner_done, out = 0.0, [], []  # learner_done[s]: update and sync of step s finished
-    for s in range(steps):
-        gate = s - 1 - max_staleness
-        start = max(rollouts_done, learner_done[gate] if gate >= 0 else 0.0)
-        syncs = [t - cfg.sync_s - start for t in learner_done if t - cfg.sync_s > start]  # syncs during the rollouts
-        r = simulate(cfg, policy, seed * 1000 + s, syncs)
-        rollouts_done = start + r["makespan_s"]
-        begin = max(rollouts_done, learner_done[-1] if learner_done else 0.0)
-        learner_done.append(begin + cfg.learner_s(r["trained_tokens"]) + cfg.sync_s)
-        out.append(r)
-    total = learner_done[-1]
-    return {"step_s": total / steps, "rollout_s": float(np.mean([r["makespan_s"] for r in out])),
-            "learner_s": float(np.mean([cfg.learner_s(r["trained_tokens"]) for r in out])),
-            "prefill_tokens": float(np.mean([r["prefill_tokens"] for r in out])),
-            "recomputed_tokens": float(np.mean([r["recomputed_tokens"] for r in out])),
-            "idle_share": float(np.mean([r["idle_share"] for r in out]))}
+    end = learned[-1] if learned else makespan
+    busy = sum(min(e.busy_s, end) for e in engines)
+    decode_steps = sum(e.steps for e in engines)
+    return {"makespan_s": makespan, "idle_share": 1 - busy / (len(engines) * end),
+            "preemptions": sum(e.preemptions for e in engines) / steps,
+            "recomputed_tokens": sum(e.recomputed_tokens for e in engines) / steps,
+            "prefill_tokens": sum(e.prefill_tokens for e in engines) / steps,
+            "mean_batch": sum(e.seq_steps for e in engines) / max(1, decode_steps),
+            "tool_calls": sum(len(t.tool_s) for t in trajs) // steps,
+            "step_s": end / steps,
+            "rollout_s": float(np.mean([d - r for d, r in zip(rollouts_done, released)])),
+            "learner_s": float(np.mean([cfg.learner_s(sum(t.context for t in step)) for step in by_step]))}
 
 
 def main(argv=None):
@@ -379,7 +393,7 @@ def run_scenario(args, base: SimConfig, argv):
     config = (f"{args.engines} engines x {args.rollouts_per_engine} rollouts, {args.seeds} seeds (mean ± std), "
               f"~{runs[0]['tool_calls']} tool calls per step; engine model: 14B bf16 on one H100, "
               f"{base.kv_capacity_tokens:,} KV tokens per engine, {base.budget_tokens}-token budget (module docstring)")
-    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(argv or [])
+    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(sys.argv[1:] if argv is None else argv)
     common.record(args.record, "Rollout scheduler simulation (discrete-event)", command.strip(), config,
                   common.markdown_table(header, rows))
 
@@ -392,7 +406,7 @@ def run_pipeline(args, argv):
     for affinity in (False, True):
         cfg = dataclasses.replace(base, affinity=affinity)
         for k in (0, 1, 2):
-            runs = [simulate_pipeline(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
+            runs = [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
             mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
             spread = float(np.std([r["step_s"] for r in runs]))
             if k == 0:
@@ -405,7 +419,7 @@ def run_pipeline(args, argv):
               f"(mean ± std), kv_aware (reserve 1024); engines: 14B bf16 on one H100 each, "
               f"{base.kv_capacity_tokens:,} KV tokens; learner: {base.learner_devices} more H100s at "
               f"{base.learner_mfu:.0%} MFU; weight sync {base.sync_s:.0f} s (pause + prefix-cache reset)")
-    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(argv or [])
+    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(sys.argv[1:] if argv is None else argv)
     common.record(args.record, "RL pipeline simulation: synchronous vs asynchronous steps", command.strip(), config,
                   common.markdown_table(header, rows))
 
