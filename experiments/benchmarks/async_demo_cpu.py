@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
 from experiments import tiny_arith
@@ -71,7 +70,7 @@ def main(argv=None):
     header = ["schedule", "median s per step", "vs sync", "median learner s", "max token staleness"]
     config = (f"experiments/tiny_arith.py with sft.steps=60, rl.batch_problems=8 (64 rollouts per step), {args.steps} "
               f"steps per run (first excluded), {args.rounds} alternating rounds; JaxEngine 32 slots, strict sandbox, 2 workers")
-    command = "python -m experiments.benchmarks.async_demo_cpu " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = common.command_line("experiments.benchmarks.async_demo_cpu", argv)
     common.record(args.record, "CPU demo: synchronous vs asynchronous RL steps", command.strip(), config,
                   common.markdown_table(header, rows))
 

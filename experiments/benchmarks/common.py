@@ -10,6 +10,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -86,6 +87,12 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def command_line(module: str, argv) -> str:
+    """How a benchmark was invoked, for its record: `python -m MODULE ARGS`."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python -m", module, *args])
 
 
 def record(path: str | None, title: str, command: str, config: str, table: str, notes: str = ""):

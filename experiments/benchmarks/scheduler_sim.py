@@ -44,7 +44,6 @@ import dataclasses
 import heapq
 import itertools
 import math
-import sys
 import time
 
 import numpy as np
@@ -393,7 +392,7 @@ def run_scenario(args, base: SimConfig, argv):
     config = (f"{args.engines} engines x {args.rollouts_per_engine} rollouts, {args.seeds} seeds (mean ± std), "
               f"~{runs[0]['tool_calls']} tool calls per step; engine model: 14B bf16 on one H100, "
               f"{base.kv_capacity_tokens:,} KV tokens per engine, {base.budget_tokens}-token budget (module docstring)")
-    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     common.record(args.record, "Rollout scheduler simulation (discrete-event)", command.strip(), config,
                   common.markdown_table(header, rows))
 
@@ -419,7 +418,7 @@ def run_pipeline(args, argv):
               f"(mean ± std), kv_aware (reserve 1024); engines: 14B bf16 on one H100 each, "
               f"{base.kv_capacity_tokens:,} KV tokens; learner: {base.learner_devices} more H100s at "
               f"{base.learner_mfu:.0%} MFU; weight sync {base.sync_s:.0f} s (pause + prefix-cache reset)")
-    command = "python -m experiments.benchmarks.scheduler_sim " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     common.record(args.record, "RL pipeline simulation: synchronous vs asynchronous steps", command.strip(), config,
                   common.markdown_table(header, rows))
 
