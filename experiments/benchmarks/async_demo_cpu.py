@@ -4,7 +4,8 @@
     python -m experiments.benchmarks.async_demo_cpu [--steps 6 --rounds 2] [--record BENCHMARKS.md]
 
 Each run is the demo (experiments/tiny_arith.py) shortened: a brief SFT warm start, then
-`--steps` GRPO-RoC steps on the real sandbox with the JaxEngine. The figure is the median of the
+`--steps` GRPO-RoC steps on the real sandbox with the JaxEngine, every step updating (groups of
+equal rewards are kept: a timing run, not a learning one). The figure is the median of the
 trainer's `time/interval_s` (wall time from one step's end to the next, overlap included) over
 the steps after the first (which compiles). Schedules alternate `--rounds` times in one run
 (a shared machine drifts). On a CPU the engine, the learner and the sandbox share the same cores,
@@ -32,6 +33,9 @@ def demo_config(steps: int, max_staleness: int):
     c.rl.steps = steps
     c.rl.batch_problems = 8
     c.rl.max_staleness = max_staleness
+    # a short warm start solves little; keeping equal-reward groups makes every step run the
+    # update (zero advantages, full cost), which is what this timing needs
+    c.rl.roc.reject_uniform_groups = False
     c.checkpoint.every = steps
     return c
 
@@ -68,7 +72,7 @@ def main(argv=None):
                      f"{statistics.median(r['learner_s'] for r in runs):.2f}",
                      f"{max(r['staleness_max'] for r in runs):.0f}"))
     header = ["schedule", "median s per step", "vs sync", "median learner s", "max token staleness"]
-    config = (f"experiments/tiny_arith.py with sft.steps=60, rl.batch_problems=8 (64 rollouts per step), {args.steps} "
+    config = (f"experiments/tiny_arith.py with sft.steps=60, rl.batch_problems=8 (64 rollouts per step), rl.roc.reject_uniform_groups=False, {args.steps} "
               f"steps per run (first excluded), {args.rounds} alternating rounds; JaxEngine 32 slots, strict sandbox, 2 workers")
     command = common.command_line("experiments.benchmarks.async_demo_cpu", argv)
     common.record(args.record, "CPU demo: synchronous vs asynchronous RL steps", command.strip(), config,
