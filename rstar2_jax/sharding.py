@@ -112,3 +112,11 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules=DEFAULT_RULES) -> 
     if mesh is None or mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh, rules))
+
+
+def gathered(x: jax.Array) -> jax.Array:
+    """`x` whole on every device of its mesh. An array sharded over several processes cannot be
+    read by any one of them (np.asarray fails); its replicated copy can."""
+    if x.is_fully_addressable:
+        return x
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)

@@ -14,6 +14,10 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (a .py file with get_config())")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, traces, metrics", required=True)
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "with --config.distributed: HOST:PORT of process 0 "
+                                   "(unset: detected from the cluster environment, e.g. SLURM)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many processes")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this process's index")
 
 
 def main(argv):
@@ -26,7 +30,8 @@ def main(argv):
         raise app.UsageError("--config is required, e.g. --config=experiments/tiny_arith.py")
     if cfg.distributed:
         import jax
-        jax.distributed.initialize()  # coordinator / process ids from the cluster environment
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; before any backend starts
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:
         results = run(cfg, _WORKDIR.value)
     except ConfigValueError as e:

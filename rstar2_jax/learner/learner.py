@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
@@ -54,8 +54,8 @@ class Learner:
         params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
         self.tx = make_optimizer(cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.b1, cfg.b2, grad_clip=cfg.grad_clip)
         if mesh is not None:
-            params = jax.device_put(params, sharding_lib.param_shardings(params, mesh))
-        self.state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+            params = jax.device_put(_host_if_multiprocess(params), sharding_lib.param_shardings(params, mesh))
+        self.state = self._placed(TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)))
         self.version = 0
         self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.loss), donate_argnums=(0,))
         self._logprobs = jax.jit(partial(compute_logprobs, self.graphdef, cfg=cfg.loss), static_argnames="with_entropy")
@@ -66,6 +66,15 @@ class Learner:
         """Batch rows must be a multiple of this: micro-batches x the devices the batch is split over."""
         width = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         return self.cfg.loss.micro_batches * width
+
+    def _placed(self, state: TrainState) -> TrainState:
+        """Leaves made on one device (the step, optimizer counters) replicated over the mesh: a
+        checkpoint of a state spread over processes holds only global arrays."""
+        if self.mesh is None:
+            return state
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: x if getattr(x.sharding, "mesh", None) == self.mesh
+                            else jax.device_put(_host_if_multiprocess(x), replicated), state)
 
     def _put(self, x: np.ndarray):
         if self.mesh is None:
@@ -81,7 +90,8 @@ class Learner:
         (log-probs, entropy), both computed in the same vocabulary chunks."""
         with self._ctx():
             out = self._logprobs(self.state.params, self._put(tokens), with_entropy=with_entropy)
-            return tuple(map(np.asarray, out)) if with_entropy else np.asarray(out)
+            host = lambda x: np.asarray(sharding_lib.gathered(x))  # noqa: E731 - sharded over processes too
+            return tuple(map(host, out)) if with_entropy else host(out)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on `batch` (old log-probs, and with cfg.token_entropy the token
@@ -109,7 +119,7 @@ class Learner:
 
     def reset_optimizer(self):
         """Fresh optimizer moments (the paper resets at the start of stage 3)."""
-        self.state = self.state.replace(opt_state=self.tx.init(self.state.params))
+        self.state = self._placed(self.state.replace(opt_state=self.tx.init(self.state.params)))
 
     def model_state(self):
         """The parameters as an nnx.State, for engines and checkpoints."""
@@ -117,6 +127,13 @@ class Learner:
 
     def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state.params)
+
+
+def _host_if_multiprocess(tree):
+    """With several processes, device arrays go through the host before a global device_put:
+    jax 0.10 builds a broken array when a process-local device array is put on a sharding that
+    replicates over processes (its shards then fail in orbax). One process: unchanged."""
+    return jax.tree.map(np.asarray, tree) if jax.process_count() > 1 else tree
 
 
 def sampler_mismatch(batch: TrainBatch) -> dict[str, float]:

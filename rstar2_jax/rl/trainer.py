@@ -52,6 +52,7 @@ from rstar2_jax.rl.checkpoints import RunCheckpoints
 from rstar2_jax.rl.evaluation import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rl.prefilter import prefilter_solved
+from rstar2_jax.rl import processes
 from rstar2_jax.rollout import FORMATS, AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.agent_loop import TOOL_STATES
 from rstar2_jax.rollout.engines import ENGINE_KINDS, Engine, make_engine
@@ -104,6 +105,9 @@ def validate(cfg: ml_collections.ConfigDict):
     need(rl.micro_batches >= 1, "rl.micro_batches must be >= 1")
     need(rl.tis_cap == 0 or rl.tis_cap >= 1, f"rl.tis_cap must be 0 (off) or >= 1, got {rl.tis_cap}")
     need(rl.max_staleness >= 0, f"rl.max_staleness must be >= 0 (0: on-policy), got {rl.max_staleness}")
+    need(rl.max_staleness == 0 or jax.process_count() == 1,
+         "rl.max_staleness > 0 runs in one process only (the rollouts' gather and the update are collectives "
+         "that must not interleave)")
     need(cfg.sft.steps == 0 or cfg.data.task not in TASKS or TASKS[cfg.data.task].has_sft_data,
          f"sft.steps must be 0 for data.task={cfg.data.task!r}: it has no SFT data (fine-tune first with "
          "python -m rstar2_jax.sft and set model.path)")
@@ -190,12 +194,16 @@ class RLRun:
         self.cfg, self.workdir = cfg, os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.fmt = make_format(cfg.format)
-        self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
-        with open(os.path.join(self.workdir, "run.json"), "w") as f:  # what evaluate --checkpoint loads
-            json.dump({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
-                       "format": cfg.format}, f, indent=2)
-        with open(os.path.join(self.workdir, "config.json"), "w") as f:  # what the notebooks show
-            f.write(cfg.to_json_best_effort(indent=2))
+        if processes.is_primary():  # the others read what it wrote (one run directory)
+            self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
+            with open(os.path.join(self.workdir, "run.json"), "w") as f:  # what evaluate --checkpoint loads
+                json.dump({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
+                           "format": cfg.format}, f, indent=2)
+            with open(os.path.join(self.workdir, "config.json"), "w") as f:  # what the notebooks show
+                f.write(cfg.to_json_best_effort(indent=2))
+        processes.barrier("run directory written")
+        if not processes.is_primary():
+            self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.task = make_task(cfg.data, cfg.seed)
         check_prompt_room(self.fmt, self.tokenizer, [*self.task.train_problems, *self.task.eval_problems],
@@ -256,9 +264,11 @@ class RLRun:
         return out
 
     def _log(self, record: dict[str, Any]):
+        if not processes.is_primary():
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"time": time.time(), **record}) + "\n")
-        if record.get("phase") == "rl" and hasattr(self, "_tb"):
+        if record.get("phase") == "rl" and getattr(self, "_tb", None) is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
@@ -307,7 +317,7 @@ class RLRun:
             params = self.sft()
             self.learner = Learner(self.model_with(params), lcfg, mesh=self.mesh)
             self.checkpoints.save(0, self.learner.state, meta)
-        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
+        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard")) if processes.is_primary() else None
         engine_model = self.model_with(self.engine_weights())
         try:
             async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
@@ -315,7 +325,8 @@ class RLRun:
                 engine.update_weights(self.engine_weights(), self.learner.version)
                 yield engine, sb, meta
         finally:
-            self._tb.close()
+            if self._tb is not None:
+                self._tb.close()
             self.checkpoints.close()
 
     async def train_steps(self, engine: Engine, sb, meta: dict[str, Any]):
@@ -378,11 +389,14 @@ class RLRun:
                     await task
 
     def engine_weights(self):
-        """The learner's parameters for the engine. The learner's update donates its buffers, so
-        an engine that samples while the learner trains (asynchronous rollouts) gets a copy; the
-        on-policy loop shares them (the engine is idle during updates)."""
+        """The learner's parameters for this process's engine. The learner's update donates its
+        buffers, so an engine that samples while the learner trains (asynchronous rollouts) gets
+        a copy, and so does each process's engine when the parameters are sharded over processes;
+        the single-process on-policy loop shares them (the engine is idle during updates)."""
         params = self.learner.model_state()
-        return jax.tree.map(jnp.copy, params) if self.cfg.rl.max_staleness > 0 else params
+        if self.cfg.rl.max_staleness > 0 or jax.process_count() > 1:
+            return processes.local_copy(params)
+        return params
 
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""
@@ -437,7 +451,8 @@ class RLRun:
         staleness = self.check_staleness(step, out)
         rows, records = self.select(step, out)
         train_metrics = await self.train(engine, rows, records, out.timeline)
-        self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
+        if processes.is_primary():
+            self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
         return {"phase": "rl", "step": step, "stage": meta["stage"],
                 **self.step_metrics(engine, out, len(rows)), **staleness, **train_metrics}
 
@@ -486,8 +501,11 @@ class RLRun:
         engine.take_busy_intervals()  # only this step's work
         stats_before = dataclasses.replace(engine.stats) if engine.stats is not None else None
         load_before = engine.load()
+        mine = processes.my_share(len(questions))  # all of them in a single process
         with timeline.activate():
-            scored = await rollout_problems(engine, sb, self.tokenizer, questions, golds, self.agent_config(step), seeds)
+            scored = await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
+                                            [golds[i] for i in mine], self.agent_config(step), [seeds[i] for i in mine])
+        scored = processes.gather_shares(scored, len(questions))
         rollout_s = time.monotonic() - start - timeline.union("reward")
         timeline.extend("engine", engine.take_busy_intervals())
         return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before, load_before)

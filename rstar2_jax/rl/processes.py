@@ -1,0 +1,66 @@
+"""The RL loop over several JAX processes (`jax.distributed`): who runs which rollouts, how the
+results meet, who writes files.
+
+Every process runs the same loop. Rollouts are split by index (process p runs rollouts p, p+P,
+p+2P, ... of a step, on its own engine and sandbox), then gathered so that every process holds
+the whole step in the same order; selection, advantages and the batch are then the same
+everywhere, and the update is one sharded step over the global mesh. Only the primary process
+(index 0) writes run files (metrics, traces, TensorBoard); checkpoints are written by all
+processes together (orbax). With one process every function here is the identity.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence, TypeVar
+
+import jax
+import numpy as np
+
+T = TypeVar("T")
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def my_share(n: int) -> list[int]:
+    """The indices of n rollouts this process runs."""
+    return list(range(jax.process_index(), n, jax.process_count()))
+
+
+def gather_shares(local: Sequence[T], n: int) -> list[T]:
+    """Every process's `local` results (its my_share(n), in that order) as one list of n, in the
+    global order, on every process."""
+    if jax.process_count() == 1:
+        return list(local)
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(pickle.dumps(list(local)), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([payload.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:payload.size] = payload
+    blobs = multihost_utils.process_allgather(padded)
+    out: list[Any] = [None] * n
+    for p in range(jax.process_count()):
+        share = pickle.loads(blobs[p][:int(sizes[p][0])].tobytes())
+        for i, item in zip(range(p, n, jax.process_count()), share):
+            out[i] = item
+    return out
+
+
+def barrier(name: str):
+    """Wait until every process gets here (e.g. after the primary wrote a file the others read)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def local_copy(tree):
+    """A copy of a (possibly sharded over processes) pytree of arrays on this process's first
+    device, whole: what a process-local engine samples with."""
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda x: x.copy(), tree)
+    from rstar2_jax.sharding import gathered
+
+    return jax.tree.map(lambda x: gathered(x).addressable_data(0), tree)
