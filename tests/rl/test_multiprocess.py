@@ -1,0 +1,143 @@
+"""The RL loop over two JAX processes on this machine (jax.distributed, loopback coordinator,
+gloo CPU collectives): each process runs half of every step's rollouts on its own engine and
+sandbox, the halves are gathered, and one update runs sharded over both processes' devices.
+
+Checked against one process on the same config: the same rollouts (token for token) and the same
+update (up to the order of the sharded reductions); and a two-process run resumed from its
+checkpoint continues exactly as an uninterrupted one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rstar2_jax.rl.checkpoints import load_run_policy
+from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.traces import read_traces
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMPARED = ("reward_mean", "kept_rollouts", "mean_response_tokens", "mean_tool_calls", "grad_norm", "update_norm",
+            "logprob_mismatch_max")
+
+
+# The barely trained policy solves nothing, so GRPO's advantages would all be zero and no update
+# would move the weights. The config registers an advantage of alternating signs (in every
+# process, as the config file is loaded) and keeps equal-reward groups.
+CONFIG = """
+import numpy as np
+from experiments import tiny_arith
+from rstar2_jax.algo import ADVANTAGES
+
+ADVANTAGES["test_alternating_signs"] = lambda rewards, eps=1e-6: np.where(
+    np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32)
+
+
+def get_config():
+    c = tiny_arith.get_config()
+    c.rl.advantage = "test_alternating_signs"
+    c.rl.roc.reject_uniform_groups = False
+    return c
+"""
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("config") / "moving_tiny_arith.py"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def train_args(config, workdir, steps: int) -> list[str]:
+    return [sys.executable, "-m", "rstar2_jax.train", f"--config={config}", f"--workdir={workdir}",
+            "--config.sft.steps=4", "--config.sft.batch_size=4", "--config.sft.examples=16",
+            "--config.data.eval_problems=4", "--config.data.train_problems=32", "--config.eval.before_and_after=False",
+            f"--config.rl.steps={steps}", "--config.rl.batch_problems=2", "--config.rl.group_size=2",
+            "--config.rollout.slots=8", "--config.rollout.max_len=512", "--config.checkpoint.every=1",
+            "--config.checkpoint.keep=10", "--config.sandbox.workers=1"]
+
+
+def one_process(config, workdir, steps: int):
+    done = subprocess.run(train_args(config, workdir, steps), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def two_processes(config, workdir, steps: int):
+    port = free_port()
+    args = train_args(config, workdir, steps) + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}",
+                                         "--num_processes=2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs[0][0]
+
+
+def rl_lines(workdir) -> list[dict]:
+    return [l for l in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if l["phase"] == "rl"]
+
+
+def rollouts(workdir) -> dict:
+    t = read_traces(os.path.join(workdir, "traces"))
+    return {(r["step"], r["problem_id"], r["sample_index"]): list(r["token_ids"]) for _, r in t.iterrows()}
+
+
+def params(workdir) -> list[np.ndarray]:
+    from flax import nnx
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_run_policy(str(workdir)), nnx.Param))]
+
+
+def params_at_step(workdir, step: int) -> list[np.ndarray]:
+    """The parameters of the checkpoint at `step` (0: after SFT, before RL)."""
+    from rstar2_jax import models
+    from rstar2_jax.learner import Learner
+    from rstar2_jax.rl.checkpoints import RunCheckpoints, run_info
+
+    template = Learner(models.load_pretrained(run_info(str(workdir))["model_dir"]))
+    ckpts = RunCheckpoints(os.path.join(workdir, "checkpoints"), keep=10)
+    state, _ = ckpts.restore(step, template.state)
+    ckpts.close()
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one_process(config_file, one, steps=3)
+    two_processes(config_file, two, steps=3)
+
+    # the same rollouts, token for token: each process ran half of them with the same seeds
+    a, b = rollouts(one), rollouts(two)
+    assert len(a) == 3 * 2 * 4 and a == b
+    # the same update: every step's metrics, and the final weights up to reduction order
+    la, lb = rl_lines(one), rl_lines(two)
+    assert [l["step"] for l in lb] == [0, 1, 2]  # only the primary process writes metrics
+    for x, y in zip(la, lb):
+        for key in COMPARED:
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    assert all(l["kept_rollouts"] > 0 for l in la)  # every step updated ...
+    start = params_at_step(one, 0)
+    assert any(not np.array_equal(x, y) for x, y in zip(start, params(one)))  # ... and moved the weights
+    for x, y in zip(params(one), params(two)):
+        np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-6)
+
+    # killed after step 2's checkpoint, started again: continues as the uninterrupted run
+    resumed = tmp_path / "resumed"
+    two_processes(config_file, resumed, steps=2)
+    out = two_processes(config_file, resumed, steps=3)
+    assert "resumed from" in out
+    lr = rl_lines(resumed)
+    assert [l["step"] for l in lr] == [0, 1, 2]
+    for x, y in zip(lb, lr):
+        for key in COMPARED:
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-7), (x["step"], key)
+    assert rollouts(resumed) == b
+    for x, y in zip(params(two), params(resumed)):
+        np.testing.assert_array_equal(y, x)
