@@ -121,6 +121,9 @@ def validate(cfg: ml_collections.ConfigDict):
                  f"stages[{i}].max_response_tokens must be in (0, rollout.max_len={r.max_len}), "
                  f"got {stage['max_response_tokens']}")
             need(stage["max_turns"] >= 1, f"stages[{i}].max_turns must be >= 1")
+            need(not stage["filter_solved_k"] or stage["filter_mode"] != "offline" or jax.process_count() == 1,
+                 f"stages[{i}]: the offline pre-filter runs in one process only (its resumable results file "
+                 "is not shared between processes yet); use filter_mode='online' with several processes")
             need(stage["filter_mode"] in FILTER_MODES,
                  f"stages[{i}].filter_mode must be one of {list(FILTER_MODES)}, got {stage['filter_mode']!r}")
             need(stage["filter_mode"] != "online" or stage["filter_solved_k"] <= rl.group_size * rl.oversample,
