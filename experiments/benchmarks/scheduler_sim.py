@@ -265,7 +265,8 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             heapq.heappush(events, (e.t + e.step_time(k), next(seq), "engine", (e.index, e.version)))
 
     def pause(e: Engine):
-        """A weight sync: finish the step in flight, stop for sync_s, forget the prefix cache."""
+        """A weight sync: stop after the last whole decode step done by now (the step in flight
+        is redone), wait sync_s, forget the prefix cache."""
         kick(e)
         e.t = max(e.t, now) + cfg.sync_s
         e.cache_epoch += 1

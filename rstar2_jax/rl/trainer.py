@@ -14,7 +14,7 @@ exactly as it would have.
 
 Asynchronous rollouts (`rl.max_staleness` = k > 0): a producer generates the steps' rollouts in
 order while the learner trains on earlier ones; step s's rollouts start once the learner has
-finished step s - k, so no trained token was sampled by weights more than k versions behind the
+finished step s - 1 - k, so no trained token was sampled by weights more than k versions behind the
 learner (checked per token at training time). Weights sync to the engine after every update and
 reach rollouts in flight between decode steps (partial rollouts). With k = 0 the producer waits
 for every update: the on-policy loop of the paper, step for step. Async runs depend on timing
@@ -48,11 +48,11 @@ from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rewards import extract_answer
+from rstar2_jax.rl import processes
 from rstar2_jax.rl.checkpoints import RunCheckpoints
 from rstar2_jax.rl.evaluation import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rl.prefilter import prefilter_solved
-from rstar2_jax.rl import processes
 from rstar2_jax.rollout import FORMATS, AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.agent_loop import TOOL_STATES
 from rstar2_jax.rollout.engines import ENGINE_KINDS, Engine, make_engine
@@ -321,11 +321,11 @@ class RLRun:
             self.learner = Learner(self.model_with(params), lcfg, mesh=self.mesh)
             self.checkpoints.save(0, self.learner.state, meta)
         self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard")) if processes.is_primary() else None
-        engine_model = self.model_with(self.engine_weights())
+        weights = self.engine_weights()  # one copy (or gather) for the engine's model and its version
         try:
             async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
-                    self.make_engine(engine_model) as engine:
-                engine.update_weights(self.engine_weights(), self.learner.version)
+                    self.make_engine(self.model_with(weights)) as engine:
+                engine.update_weights(weights, self.learner.version)
                 yield engine, sb, meta
         finally:
             if self._tb is not None:
@@ -376,7 +376,7 @@ class RLRun:
                 bar.write(format_breakdown(metrics))
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
-                meta.update(copy.deepcopy(out.data_meta))
+                meta.update(out.data_meta)  # a copy taken at the step's draw
                 meta["rl_step"] = step + 1
                 meta["version"] = self.learner.version
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.rl.steps:

@@ -4,7 +4,6 @@ of every token, and checkpoint the data stream as of the last trained step (not 
 look-ahead)."""
 
 import asyncio
-import json
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ from rstar2_jax.data.tasks import make_task
 from rstar2_jax.rl.checkpoints import RunCheckpoints
 from rstar2_jax.rl.trainer import ConfigValueError, RLRun, next_problems, run, validate
 from rstar2_jax.traces import read_traces
-from tests.rl.test_training import small_config
+from tests.rl.test_training import rl_lines, small_config
 
 
 def alternating_signs(rewards, eps: float = 1e-6) -> np.ndarray:
@@ -42,10 +41,6 @@ def moving_config(steps: int, max_staleness: int):
 
 def params_of(rl_run: RLRun) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(rl_run.learner.model_state())]
-
-
-def rl_lines(workdir) -> list[dict]:
-    return [l for l in map(json.loads, open(workdir / "metrics.jsonl")) if l["phase"] == "rl"]
 
 
 def test_negative_staleness_is_a_config_error():

@@ -6,7 +6,6 @@ Checked against one process on the same config: the same rollouts (token for tok
 update (up to the order of the sharded reductions); and a two-process run resumed from its
 checkpoint continues exactly as an uninterrupted one."""
 
-import json
 import os
 import subprocess
 import sys
@@ -15,13 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from rstar2_jax.rl.checkpoints import load_run_policy
+from rstar2_jax.rl.checkpoints import RunCheckpoints, run_info
 from rstar2_jax.rollout.engines.vllm_server import free_port
 from rstar2_jax.traces import read_traces
+from tests.rl.test_training import COMPARED, rl_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMPARED = ("reward_mean", "kept_rollouts", "mean_response_tokens", "mean_tool_calls", "grad_norm", "update_norm",
-            "logprob_mismatch_max")
 
 
 # The barely trained policy solves nothing, so GRPO's advantages would all be zero and no update
@@ -70,16 +68,22 @@ def two_processes(config, workdir, steps: int):
     args = train_args(config, workdir, steps) + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}",
                                          "--num_processes=2"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
-    procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
+    # Output goes to files, not pipes: a process blocked on a full pipe nobody reads yet would
+    # stall the other one in a collective.
+    logs = [(open(f"{workdir}.p{i}.out", "w+"), open(f"{workdir}.p{i}.err", "w+")) for i in range(2)]
+    procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=out, stderr=err)
+             for i, (out, err) in enumerate(logs)]
+    for p in procs:
+        p.wait(timeout=600)
+    texts = []
+    for out, err in logs:
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+    for p, (_, err) in zip(procs, texts):
         assert p.returncode == 0, err[-3000:]
-    return outs[0][0]
-
-
-def rl_lines(workdir) -> list[dict]:
-    return [l for l in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if l["phase"] == "rl"]
+    return texts[0][0]
 
 
 def rollouts(workdir) -> dict:
@@ -87,20 +91,14 @@ def rollouts(workdir) -> dict:
     return {(r["step"], r["problem_id"], r["sample_index"]): list(r["token_ids"]) for _, r in t.iterrows()}
 
 
-def params(workdir) -> list[np.ndarray]:
-    from flax import nnx
-    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_run_policy(str(workdir)), nnx.Param))]
-
-
-def params_at_step(workdir, step: int) -> list[np.ndarray]:
-    """The parameters of the checkpoint at `step` (0: after SFT, before RL)."""
+def params(workdir, step: int | None = None) -> list[np.ndarray]:
+    """The parameters of the run's checkpoint at `step` (None: the latest; 0: after SFT, before RL)."""
     from rstar2_jax import models
     from rstar2_jax.learner import Learner
-    from rstar2_jax.rl.checkpoints import RunCheckpoints, run_info
 
     template = Learner(models.load_pretrained(run_info(str(workdir))["model_dir"]))
     ckpts = RunCheckpoints(os.path.join(workdir, "checkpoints"), keep=10)
-    state, _ = ckpts.restore(step, template.state)
+    state, _ = ckpts.restore(ckpts.latest_step() if step is None else step, template.state)
     ckpts.close()
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
@@ -122,7 +120,7 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
     assert all(l["kept_rollouts"] > 0 for l in la)  # every step updated ...
-    start = params_at_step(one, 0)
+    start = params(one, step=0)
     assert any(not np.array_equal(x, y) for x, y in zip(start, params(one)))  # ... and moved the weights
     for x, y in zip(params(one), params(two)):
         np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-6)

@@ -74,8 +74,9 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
     assert proc.stdout.startswith("<|im_start|>system\nUse python.<|im_end|>") and "\n=== " in proc.stdout
 
 
-def _rl_lines(path):
-    return [l for l in map(json.loads, open(path)) if l["phase"] == "rl"]
+def rl_lines(workdir) -> list[dict]:
+    """The RL steps' metric records of a run directory."""
+    return [l for l in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if l["phase"] == "rl"]
 
 
 COMPARED = ("reward_mean", "kept_rollouts", "mean_response_tokens", "mean_tool_calls", "grad_norm", "update_norm",
@@ -92,7 +93,7 @@ def test_resume_after_a_crash_continues_identically(tmp_path):
     cut.eval.before_and_after = False
     run(cut, str(tmp_path / "resumed"))
     run(cfg, str(tmp_path / "resumed"))
-    a, b = _rl_lines(tmp_path / "straight" / "metrics.jsonl"), _rl_lines(tmp_path / "resumed" / "metrics.jsonl")
+    a, b = rl_lines(tmp_path / "straight"), rl_lines(tmp_path / "resumed")
     assert [l["step"] for l in b] == [0, 1, 2]
     for la, lb in zip(a, b):
         for key in COMPARED:
@@ -120,7 +121,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed from" in done.stdout
-    steps = [l["step"] for l in _rl_lines(work / "metrics.jsonl")]
+    steps = [l["step"] for l in rl_lines(work)]
     assert steps[-1] == 3 and set(steps) == {0, 1, 2, 3}
 
 
