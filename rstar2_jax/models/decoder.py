@@ -15,15 +15,18 @@ Three ways to run it:
   single-token decode (T = 1, per-row positions) and extending a row after a tool response
   are all this one call, with static shapes. `kv_len` (static) reads only the first kv_len
   slots of the cache: the engine passes the smallest bucket that covers every live row.
+  The cache is a `KVCache` (one contiguous [batch, max_len] row per sequence) or a
+  `PagedKVCache` (a pool of fixed-size pages and a page table per row: memory follows the
+  tokens written, not batch x max_len); the call is the same.
 - `model.hidden_states(...)` + `models.logprobs` for log-probs without the full logits.
 
 Attention implementations (`Decoder.set_attention`), all computing the same function:
 - full forward (training, log-probs): "xla" (einsum + masked fp32 softmax, any backend, packing)
   or "cudnn" (`jax.nn.dot_product_attention`, fused flash attention on NVIDIA GPUs; rows
   without segment_ids only, packed rows fall back to "xla").
-- single-token decode against the cache: "xla" (reads the whole cache, or the kv_len prefix) or
-  "pallas" (ragged Pallas kernel: each row reads only its live slots; GPU, or interpreted on CPU
-  for tests).
+- single-token decode against the cache: "xla" (reads the whole cache, or the kv_len prefix; a
+  paged cache is first gathered into rows) or "pallas" (ragged Pallas kernels, contiguous or
+  paged: each row reads only its live slots; GPU, or interpreted on CPU for tests).
 """
 
 from __future__ import annotations
@@ -63,6 +66,58 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+class PagedKVCache(NamedTuple):
+    """Per-layer page pools, each [kv_heads, num_pages, page_size, head_dim] (the layout of the
+    Pallas paged-attention kernel), and the rows' page tables [batch, pages_per_row] int32.
+
+    Position p of row b lives at slot p % page_size of page page_table[b, p // page_size]. An
+    entry equal to num_pages means "no page": writes there are dropped and reads are masked, so
+    padding and idle rows never touch a page another row owns. The page table belongs to the
+    call (the engine builds it from its allocator each step); `page_table=None` stores the pools.
+    """
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    page_table: jax.Array | None
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.keys[0].shape[2]
+
+
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> PagedKVCache:
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return PagedKVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                        values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)), page_table=None)
+
+
+def _write_pages(pool_k, pool_v, page_table, positions, k, v):
+    """Write k/v [B, T, kv_heads, d] at `positions` [B, T] through the page table."""
+    num_pages, page_size = pool_k.shape[1], pool_k.shape[2]
+    # a position past the table (idle rows sit at max_len) or on an unallocated entry maps to
+    # page num_pages, which mode="drop" discards
+    pages = jnp.take_along_axis(page_table, positions // page_size, axis=1, mode="fill", fill_value=num_pages)
+    offsets = positions % page_size
+    # [:, pages, offsets] with [B, T] indices addresses [kv_heads, B, T, d]
+    pool_k = pool_k.at[:, pages, offsets].set(k.transpose(2, 0, 1, 3).astype(pool_k.dtype), mode="drop")
+    pool_v = pool_v.at[:, pages, offsets].set(v.transpose(2, 0, 1, 3).astype(pool_v.dtype), mode="drop")
+    return pool_k, pool_v
+
+
+def _gather_pages(pool, page_table, kv_len):
+    """A row view [B, kv_heads, n, d] of the first n = kv_len (rounded up to pages; None: all)
+    positions of every row. Unallocated entries read page num_pages - 1: masked by position."""
+    num_pages, page_size = pool.shape[1], pool.shape[2]
+    n_pages = page_table.shape[1] if kv_len is None else min(page_table.shape[1], -(-kv_len // page_size))
+    table = jnp.minimum(page_table[:, :n_pages], num_pages - 1)
+    rows = pool[:, table]  # [kv_heads, B, n_pages, page_size, d]
+    kv, b = rows.shape[:2]
+    return rows.transpose(1, 0, 2, 3, 4).reshape(b, kv, n_pages * page_size, pool.shape[3])
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str) -> nnx.Param:
@@ -135,6 +190,18 @@ class Attention(nnx.Module):
                 if segment_ids is not None:
                     mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
                 out = _xla_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, cfg)
+        elif len(layer_cache) == 3:  # paged: (pool_k, pool_v, page_table)
+            pool_k, pool_v, page_table = layer_cache
+            pool_k, pool_v = _write_pages(pool_k, pool_v, page_table, positions, k, v)
+            new_cache = (pool_k, pool_v, page_table)
+            if self.decode_impl == "pallas" and t == 1:
+                out = _pallas_paged_decode_attention(q, pool_k.astype(self.dtype), pool_v.astype(self.dtype),
+                                                     page_table, positions[:, 0] + 1, cfg)
+            else:
+                keys = _gather_pages(pool_k, page_table, kv_len).astype(self.dtype)
+                values = _gather_pages(pool_v, page_table, kv_len).astype(self.dtype)
+                mask = jnp.arange(keys.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+                out = _xla_attention(q, keys, values, mask, cfg)
         else:
             cache_k, cache_v = layer_cache
             rows = jnp.arange(b)[:, None]
@@ -201,6 +268,25 @@ def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig, splits:
     out = decode_attention.gqa(q[:, 0], keys.swapaxes(1, 2), values.swapaxes(1, 2), kv_seq_len=lengths,
                                sm_scale=cfg.head_dim ** -0.5, block_k=128, k_splits=splits,
                                interpret=jax.default_backend() == "cpu")
+    return out[:, None].astype(q.dtype)
+
+
+def _pallas_paged_decode_attention(q, pool_k, pool_v, page_table, lengths, cfg: ModelConfig):
+    """One query token per row against its first lengths[b] positions, read page by page
+    through the page table (no row view is gathered)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention
+
+    num_pages, page_size = pool_k.shape[1], pool_k.shape[2]
+    pages_per_row = page_table.shape[1]
+    splits = max(d for d in range(1, 17) if pages_per_row % d == 0)
+    per_block = max(d for d in range(1, 9) if (pages_per_row // splits) % d == 0)
+    # idle rows ask for max_len + 1 positions: clamp to the table; their output is discarded
+    lengths = jnp.minimum(lengths, pages_per_row * page_size).astype(jnp.int32)
+    # the kernel applies no softmax scale: fold it into q (in float32, then back)
+    q = (q[:, 0].astype(jnp.float32) * cfg.head_dim ** -0.5).astype(q.dtype)
+    out = paged_attention.paged_attention(q, pool_k, pool_v, jnp.minimum(page_table, num_pages - 1), lengths,
+                                          k_splits=splits, pages_per_compute_block=per_block,
+                                          interpret=jax.default_backend() == "cpu")
     return out[:, None].astype(q.dtype)
 
 
@@ -293,7 +379,7 @@ class Decoder(nnx.Module):
         return self
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None, cache: KVCache | None = None,
+                      segment_ids: jax.Array | None = None, cache: KVCache | PagedKVCache | None = None,
                       kv_len: int | None = None):
         """Final-normed hidden states [B, T, hidden] (and the updated cache when given one)."""
         b, t = tokens.shape
@@ -310,19 +396,21 @@ class Decoder(nnx.Module):
             if cache is None:  # training / log-probs: remat applies here only
                 x, _ = run_layer(layer, x, sin, cos, positions, segment_ids, None)
             else:
-                x, (k, v) = layer(x, sin, cos, positions, segment_ids, (cache.keys[i], cache.values[i]), kv_len)
+                paged = isinstance(cache, PagedKVCache)
+                layer_cache = (cache.keys[i], cache.values[i]) + ((cache.page_table,) if paged else ())
+                x, (k, v, *_) = layer(x, sin, cos, positions, segment_ids, layer_cache, kv_len)
                 new_keys.append(k)
                 new_values.append(v)
         h = self.final_norm(x)
         if cache is None:
             return h
-        return h, KVCache(tuple(new_keys), tuple(new_values))
+        return h, cache._replace(keys=tuple(new_keys), values=tuple(new_values))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         out = jnp.einsum("bte,ev->btv", hidden, self.lm_head_kernel().astype(self.dtype))
         return sharding.constrain(out, ("batch", "sequence", "vocab"))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
+    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | PagedKVCache | None = None,
                  kv_len: int | None = None):
         if cache is None:
             return self.logits(self.hidden_states(tokens, positions, segment_ids))

@@ -60,7 +60,8 @@ class EngineStats:
     busy_slot_steps: int = 0     # sum over decode steps of the slots that held a request
     slots: int = 1
     prefill_tokens: int = 0      # prompt tokens run through the model at admission
-    reused_tokens: int = 0       # prompt tokens whose KV a slot still held from the previous turn
+    reused_tokens: int = 0       # prompt tokens whose KV the engine still held from the previous turn
+    preemptions: int = 0         # requests whose KV was freed for others' (paged KV), recomputed on readmission
 
     @property
     def slot_utilization(self) -> float:
@@ -72,7 +73,7 @@ class EngineStats:
         return EngineStats(self.prefill_s - before.prefill_s, self.decode_s - before.decode_s,
                            self.decode_steps - before.decode_steps, self.busy_slot_steps - before.busy_slot_steps,
                            self.slots, self.prefill_tokens - before.prefill_tokens,
-                           self.reused_tokens - before.reused_tokens)
+                           self.reused_tokens - before.reused_tokens, self.preemptions - before.preemptions)
 
 
 class Engine(abc.ABC):

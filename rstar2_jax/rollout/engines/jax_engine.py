@@ -1,7 +1,7 @@
 """JaxEngine: the embedded rollout engine, continuous batching over a fixed number of slots.
 
-Each slot holds one request; its KV cache row is the slot's row of one static [slots, max_len]
-cache. A new request is prefilled alone (prompt length rounded up to a power of two, so a few
+Each slot holds one request; by default its KV cache row is the slot's row of one static
+[slots, max_len] cache (paged KV below). A new request is prefilled alone (prompt length rounded up to a power of two, so a few
 shapes compile) and written into a free row; then every decode step advances all busy slots by
 one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens, context full)
 is refilled before the next step. Idle slots decode at position `max_len`, where the cache write
@@ -13,12 +13,24 @@ NVIDIA GPUs). `kv_bucket` instead slices the XLA read to the smallest multiple o
 covers every live row (one compiled step per bucket); on an H100 that slice was copied before the
 attention and came out slower (BENCHMARKS.md), so it is off by default.
 
-KV reuse across turns (`reuse_kv=True`): when a request ends, its slot keeps the trajectory's KV
-(the `session` it came with) until the slot is needed. The trajectory's next turn, whose prompt
-extends those tokens, is admitted to that slot and prefills only the new tokens (the tool
-response) at their positions; other requests take empty slots first, then the least recently
-used one. KV computed by older weights is never reused. Off by default: incremental prefill
-gives the same tokens up to float rounding, not bit for bit.
+Paged KV (`page_size=N`): the cache is instead a pool of `kv_pages` pages of N positions and
+each slot a page table, so memory follows the tokens written rather than slots x max_len: give
+the engine more slots than max_len rows would fit and requests are admitted while there are
+free pages for their prompts (first come, first served). A decode step that needs a page when
+none is free takes one from a resident (below), else preempts the most recently admitted
+request, which frees its pages and waits at the head of the queue; readmitted, it prefills its
+prompt and what it had generated, and samples on with the same per-token keys (vLLM's
+preemption by recompute). Decode attention reads the pages through the table: the Pallas
+paged kernel with `decode="pallas"`, an XLA gather otherwise.
+
+KV reuse across turns (`reuse_kv=True`): when a request ends, the trajectory's KV (the `session`
+it came with) stays in the engine as a resident, and the trajectory's next turn, whose prompt
+extends those tokens, prefills only the new tokens (the tool response) at their positions. With
+slot rows a resident lives in its slot until the slot is needed (other requests take empty
+slots first, then the least recently used); with pages it keeps only its pages, whichever slot
+the next turn lands in, until they are needed (least recently used first). KV computed by older
+weights is never reused. Off by default: incremental prefill gives the same tokens up to float
+rounding, not bit for bit.
 
 Device work runs on one worker thread, so the asyncio loop stays free for tool calls while the
 model runs. `update_weights` swaps the parameter state between decode steps; shapes are unchanged,
@@ -30,6 +42,7 @@ before the swap is kept, as vLLM's pause(mode="keep") keeps it (AReaL recomputes
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -40,8 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar2_jax.models.decoder import Decoder, KVCache, init_cache
+from rstar2_jax.models.decoder import Decoder, KVCache, init_cache, init_paged_cache
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
+from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
 from rstar2_jax.rollout.sampling import SamplingParams, sample
 
 MIN_PREFILL_BUCKET = 16
@@ -59,24 +73,37 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)  # weights that sampled each token
     session: Hashable | None = None
+    admitted: int = -1             # admission counter at its (latest) admission: preemption takes the newest
+
+    def context(self) -> list[int]:
+        """The tokens whose KV the request's row holds before its next sample (all but the
+        last sampled token, which the next decode step feeds), or must prefill on readmission."""
+        return self.prompt + self.generated
 
 
 @dataclasses.dataclass
 class _Resident:
-    """What a free slot still holds: a finished turn's KV, reusable by the same trajectory."""
-    session: Hashable
-    tokens: list[int]              # the tokens whose KV is in the slot, in order
+    """A finished turn's KV, kept for the same trajectory's next turn."""
+    tokens: list[int]              # the tokens whose KV is held, in order
     version: int                   # weights that computed it
     last_used: int                 # admission counter, for least-recently-used eviction
+    slot: int | None = None        # slot rows: the row that holds it (paged: its pages, owner ("resident", session))
 
 
 class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
-                 eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False):
+                 eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
+                 page_size: int | None = None, kv_pages: int | None = None):
+        """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
+        `kv_pages` of them (None: slots x max_len / N, the rows' memory)."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if kv_bucket is not None and kv_bucket < 1:
             raise ValueError(f"kv_bucket must be >= 1, got {kv_bucket}")
+        if page_size is None and kv_pages is not None:
+            raise ValueError("kv_pages needs page_size (paged KV)")
+        if page_size is not None and (page_size < 1 or max_len % page_size):
+            raise ValueError(f"page_size must be >= 1 and divide max_len={max_len}, got {page_size}")
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.slots = slots
@@ -84,17 +111,29 @@ class JaxEngine(Engine):
         self.kv_bucket = kv_bucket
         self.stats = EngineStats(slots=slots)
         self.reuse_kv = reuse_kv
-        self._resident: list[_Resident | None] = [None] * slots
+        self.page_size = page_size
+        self._residents: dict[Hashable, _Resident] = {}  # by session
         self._admissions = 0
         self._busy: list[tuple[float, float]] = []  # (start, end) of device work, time.monotonic
         self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self._graphdef, self._state = nnx.split(model)
-        self._cache = init_cache(model.cfg, slots, max_len, dtype=model.dtype)
+        if page_size is None:
+            self._pages = None
+            self._cache = init_cache(model.cfg, slots, max_len, dtype=model.dtype)
+        else:
+            self.pages_per_row = max_len // page_size
+            kv_pages = slots * self.pages_per_row if kv_pages is None else kv_pages
+            if kv_pages < self.pages_per_row:
+                raise ValueError(f"kv_pages={kv_pages} cannot hold one max_len={max_len} sequence "
+                                 f"({self.pages_per_row} pages of {page_size})")
+            self._pages = PagePool(kv_pages)
+            self._cache = init_paged_cache(model.cfg, kv_pages, page_size, dtype=model.dtype)
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)
         self._active: list[_Request | None] = [None] * slots
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._arrived: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
@@ -105,24 +144,29 @@ class JaxEngine(Engine):
             # and position, never on what else shares the batch
             return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
-        def fill_row(state, cache: KVCache, row: KVCache, slot, tokens, start, length, seed, temperature, top_k, top_p):
-            """Run `tokens` (the first `length` real) at positions start.. on `row`, write the row
-            into the cache at `slot`, and sample the first new token."""
+        def run_and_sample(state, tokens, start, length, cache, seed, counter, temperature, top_k, top_p):
+            """Run `tokens` (the first `length` real) at positions start.. against `cache` and
+            sample the next token (the request's `counter`-th) from the last real one."""
             model = nnx.merge(graphdef, state)
             positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            logits, row = model(tokens, positions, cache=row)
+            logits, cache = model(tokens, positions, cache=cache)
+            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
+            token, logp = sample(last, row_keys(seed[None], counter[None]), temperature[None], top_k[None],
+                                 top_p[None])
+            return cache, token[0], logp[0]
+
+        def fill_row(state, cache: KVCache, row: KVCache, slot, tokens, start, length, *sampling):
+            """`run_and_sample` on `row`, then write the row into the cache at `slot`."""
+            row, token, logp = run_and_sample(state, tokens, start, length, row, *sampling)
             keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
             values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
                            for v, r in zip(cache.values, row.values))
-            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
-            first_key = row_keys(seed[None], jnp.zeros((1,), jnp.int32))
-            token, logp = sample(last, first_key, temperature[None], top_k[None], top_p[None])
-            return KVCache(keys, values), token[0], logp[0]
+            return KVCache(keys, values), token, logp
 
-        def prefill(state, cache: KVCache, slot, tokens, length, *sampling):
-            """A whole prompt into a fresh row."""
+        def prefill(state, cache: KVCache, slot, tokens, start, length, *sampling):
+            """A whole prompt into a fresh row (start is 0)."""
             row = init_cache(self.cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
-            return fill_row(state, cache, row, slot, tokens, 0, length, *sampling)
+            return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
 
         def extend(state, cache: KVCache, slot, tokens, start, length, *sampling):
             """New tokens at positions start.. of a slot that already holds the KV of positions < start."""
@@ -130,15 +174,28 @@ class JaxEngine(Engine):
                           tuple(jax.lax.dynamic_slice_in_dim(v, slot, 1, 0) for v in cache.values))
             return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
 
-        def decode(state, cache: KVCache, tokens, positions, seeds, counters, temperature, top_k, top_p, kv_len):
+        def fill_pages(state, cache, page_row, tokens, start, length, *sampling):
+            """Paged: tokens at positions start.. through one row's page table [1, pages_per_row]."""
+            cache, token, logp = run_and_sample(state, tokens, start, length, cache._replace(page_table=page_row),
+                                                *sampling)
+            return cache._replace(page_table=None), token, logp
+
+        def decode(state, cache, page_table, tokens, positions, seeds, counters, temperature, top_k, top_p,
+                   kv_len):
+            """One token for every slot (page_table: the slots' tables when paged, else None)."""
             model = nnx.merge(graphdef, state)
+            if page_table is not None:
+                cache = cache._replace(page_table=page_table)
             logits, cache = model(tokens[:, None], positions[:, None], cache=cache, kv_len=kv_len)
             token, logp = sample(logits[:, 0], row_keys(seeds, counters), temperature, top_k, top_p)
+            if page_table is not None:
+                cache = cache._replace(page_table=None)
             return cache, token, logp
 
         # The cache is donated: updated in place, never copied per step.
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._extend = jax.jit(extend, donate_argnums=(1,))
+        self._fill_pages = jax.jit(fill_pages, donate_argnums=(1,))
         self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
 
     # ------------------------------------------------------------------------------------------
@@ -154,7 +211,8 @@ class JaxEngine(Engine):
         req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session)
         if len(prompt) >= self.max_len or sampling.max_tokens == 0:
             return Completion([], [], "length", self.version, self.version)
-        await self._queue.put(req)
+        self._waiting.append(req)
+        self._arrived.set()
         return await future
 
     def update_weights(self, params: Any, version: int | None = None) -> None:
@@ -173,9 +231,14 @@ class JaxEngine(Engine):
         if self._loop_task is not None:
             raise RuntimeError("precompile before the engine starts serving")
         for n in prompt_lengths:
-            bucket = self._prefill_bucket(int(n))
-            self._cache, *_ = self._prefill(self._state, self._cache, jnp.int32(0), jnp.zeros((1, bucket), jnp.int32),
-                                            jnp.int32(1), jnp.uint32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
+            tokens = jnp.zeros((1, self._prefill_bucket(int(n))), jnp.int32)
+            sampling = (jnp.uint32(0), jnp.int32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
+            if self._pages is None:
+                self._cache, *_ = self._prefill(self._state, self._cache, jnp.int32(0), tokens, jnp.int32(0),
+                                                jnp.int32(1), *sampling)
+            else:  # an all-"no page" table: every write dropped
+                self._cache, *_ = self._fill_pages(self._state, self._cache, jnp.asarray(self._page_table([None])),
+                                                   tokens, jnp.int32(0), jnp.int32(1), *sampling)
         inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
         lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
@@ -203,11 +266,16 @@ class JaxEngine(Engine):
         return self.stats.decode_steps
 
     def load(self) -> ServerLoad:
-        """Load in the scheduler's terms: every slot owns a max_len row of KV, so capacity is
-        slots x max_len tokens and a busy slot uses its whole row."""
+        """Load in the scheduler's terms. Slot rows: every slot owns a max_len row, so capacity is
+        slots x max_len tokens and a busy slot uses its whole row. Paged: capacity is the pool,
+        usage the pages that requests hold (residents' pages are free to take)."""
         busy = self.busy_slots
-        return ServerLoad(kv_usage=busy / self.slots, kv_capacity_tokens=self.slots * self.max_len, running=busy,
-                          waiting=self._queue.qsize() if self._queue is not None else 0)
+        if self._pages is None:
+            usage, capacity = busy / self.slots, self.slots * self.max_len
+        else:
+            held = sum(len(self._pages.held(("row", i))) for i in range(self.slots))
+            usage, capacity = held / self._pages.num_pages, self._pages.num_pages * self.page_size
+        return ServerLoad(kv_usage=usage, kv_capacity_tokens=capacity, running=busy, waiting=len(self._waiting))
 
     @property
     def busy_slots(self) -> int:
@@ -220,76 +288,113 @@ class JaxEngine(Engine):
         if self._loop_task is None or self._loop_task.done():
             if self._loop_task is not None and self._loop_task.exception():
                 raise RuntimeError("the engine loop died") from self._loop_task.exception()
-            self._queue = self._queue or asyncio.Queue()
+            self._arrived = self._arrived or asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                while None in self._active and not self._queue.empty():
-                    req = self._queue.get_nowait()
-                    await self._admit(loop, self._choose_slot(req), req)
+                await self._admit_waiting(loop)
                 if not any(self._active):
-                    await self._admit_when_available(loop)
+                    self._arrived.clear()
+                    await self._arrived.wait()
                     continue
+                if self._pages is not None:
+                    self._grow_rows()
                 await self._step(loop)
         except Exception as e:  # fail every waiting request loudly rather than hang it
-            for req in self._active:
+            for req in [*self._active, *self._waiting]:
                 if req is not None and not req.future.done():
-                    req.future.set_exception(e)
-            while not self._queue.empty():
-                req = self._queue.get_nowait()
-                if not req.future.done():
                     req.future.set_exception(e)
             raise
 
-    async def _admit_when_available(self, loop):
-        req = await self._queue.get()
-        await self._admit(loop, self._choose_slot(req), req)
+    async def _admit_waiting(self, loop):
+        """Admit waiting requests, first come first served, while a slot (and, paged, the
+        pages for the request's prompt) is free."""
+        while self._waiting and None in self._active:
+            req = self._waiting[0]
+            if req.future.done():  # cancelled by the caller while queued
+                self._waiting.popleft()
+                continue
+            resident = self._reusable(req)
+            if self._pages is not None and not self._make_room(req, resident):
+                return  # the head waits for pages; nothing overtakes it
+            self._waiting.popleft()
+            await self._admit(loop, self._choose_slot(resident), req, resident)
 
-    def _reusable(self, slot: int, req: _Request) -> int:
-        """How many leading tokens of `req.prompt` have their KV in `slot` (0: none usable)."""
-        r = self._resident[slot]
-        if (not self.reuse_kv or r is None or req.session is None or r.session != req.session
-                or r.version != self.version or len(r.tokens) >= len(req.prompt)
+    def _reusable(self, req: _Request) -> _Resident | None:
+        """The resident whose KV is a prefix of `req`'s prompt, if there is one to reuse."""
+        r = self._residents.get(req.session) if self.reuse_kv and req.session is not None else None
+        if (r is None or req.generated or r.version != self.version or len(r.tokens) >= len(req.prompt)
                 or req.prompt[:len(r.tokens)] != r.tokens):
-            return 0
-        return len(r.tokens)
+            return None
+        return r
 
-    def _choose_slot(self, req: _Request) -> int:
-        """A free slot for `req`: the one holding its trajectory's KV, else an empty one, else the
-        least recently used (whose resident KV is dropped)."""
+    def _choose_slot(self, resident: _Resident | None) -> int:
+        """A free slot. Paged: the first. Slot rows: the one holding the reused KV, else an
+        empty one, else the one whose resident was used least recently (it is dropped)."""
         free = [i for i, a in enumerate(self._active) if a is None]
-        for i in free:
-            if self._reusable(i, req):
-                return i
-        empty = [i for i in free if self._resident[i] is None]
+        if self._pages is not None:
+            return free[0]
+        if resident is not None and resident.slot in free:
+            return resident.slot
+        held = {r.slot: session for session, r in self._residents.items()}
+        empty = [i for i in free if i not in held]
         if empty:
             return empty[0]
-        return min(free, key=lambda i: self._resident[i].last_used)
+        oldest = min(free, key=lambda i: self._residents[held[i]].last_used)
+        del self._residents[held[oldest]]
+        return oldest
 
+    def _make_room(self, req: _Request, resident: _Resident | None) -> bool:
+        """Paged: free pages for `req`'s context (past what `resident` holds), evicting other
+        residents least recently used first; False (nothing evicted) if it cannot fit yet."""
+        held = len(self._pages.held(("resident", req.session))) if resident is not None else 0
+        needed = pages_for(len(req.context()), self.page_size) - held
+        evictable = sorted((r.last_used, s) for s, r in self._residents.items() if r is not resident)
+        if needed > self._pages.free + sum(len(self._pages.held(("resident", s))) for _, s in evictable):
+            return False
+        for _, session in evictable:
+            if self._pages.free >= needed:
+                break
+            self._drop_resident(session)
+        return True
 
-    async def _admit(self, loop, slot: int, req: _Request):
-        if req.future.done():  # cancelled by the caller while queued
-            return
-        reuse = self._reusable(slot, req)
-        self._resident[slot] = None
+    def _drop_resident(self, session: Hashable) -> None:
+        del self._residents[session]
+        if self._pages is not None:
+            self._pages.release(("resident", session))
+
+    async def _admit(self, loop, slot: int, req: _Request, resident: _Resident | None):
+        context = req.context()
+        reuse = len(resident.tokens) if resident is not None else 0
+        if req.session is not None and req.session in self._residents:
+            if resident is not None and self._pages is not None:
+                self._pages.transfer(("resident", req.session), ("row", slot))
+                del self._residents[req.session]
+            else:  # superseded by this turn (or, with slot rows, its row is now this request's)
+                self._drop_resident(req.session)
         self._admissions += 1
-        n = len(req.prompt) - reuse  # tokens to prefill
+        req.admitted = self._admissions
+        n = len(context) - reuse  # tokens to prefill
         tokens = np.zeros((1, self._prefill_bucket(n)), np.int32)
-        tokens[0, :n] = req.prompt[reuse:]
+        tokens[0, :n] = context[reuse:]
         s = req.sampling
-        req.version_start = self.version
-        # any Python int is a valid seed; the device sees its low 32 bits
-        req.seed = (s.seed if s.seed is not None else int(self._seeds.integers(2 ** 32))) % 2 ** 32
-        sampling_args = (jnp.uint32(req.seed), jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
-        if reuse:
-            fn, args = self._extend, (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(reuse),
-                                      jnp.int32(n)) + sampling_args
+        if not req.generated:  # a first admission (a readmitted request keeps its seed and start)
+            req.version_start = self.version
+            # any Python int is a valid seed; the device sees its low 32 bits
+            req.seed = (s.seed if s.seed is not None else int(self._seeds.integers(2 ** 32))) % 2 ** 32
+        sampling_args = (jnp.uint32(req.seed), jnp.int32(len(req.generated)), jnp.float32(s.temperature),
+                         jnp.int32(s.top_k), jnp.float32(s.top_p))
+        row_args = (jnp.asarray(tokens), jnp.int32(reuse), jnp.int32(n)) + sampling_args
+        if self._pages is not None:
+            self._pages.grow(("row", slot), pages_for(len(context), self.page_size) - len(self._pages.held(("row", slot))))
+            table = jnp.asarray(self._page_table([slot]))
+            fn, args = self._fill_pages, (self._state, self._cache, table) + row_args
         else:
-            fn, args = self._prefill, (self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens),
-                                       jnp.int32(n)) + sampling_args
+            fn = self._extend if reuse else self._prefill
+            args = (self._state, self._cache, jnp.int32(slot)) + row_args
 
         version = self.version  # the weights in `args`, whatever a sync does while they run
 
@@ -306,8 +411,47 @@ class JaxEngine(Engine):
         self._active[slot] = req
         self._append(slot, token, logp, version)
 
+    def _grow_rows(self):
+        """Paged: before a decode step, give every row the page its next write lands in. When
+        none is free, evict a resident, else preempt the most recently admitted request."""
+        for slot in sorted((i for i, r in enumerate(self._active) if r is not None),
+                           key=lambda i: self._active[i].admitted):
+            req = self._active[slot]
+            if req is None:  # preempted while an older row grew
+                continue
+            position = len(req.context()) - 1
+            while len(self._pages.held(("row", slot))) <= position // self.page_size:
+                if self._pages.free:
+                    self._pages.grow(("row", slot), 1)
+                elif self._residents:
+                    self._drop_resident(min(self._residents, key=lambda s: self._residents[s].last_used))
+                else:
+                    victim = max((i for i, r in enumerate(self._active) if r is not None),
+                                 key=lambda i: self._active[i].admitted)
+                    self._preempt(victim)
+                    if victim == slot:
+                        break
+
+    def _preempt(self, slot: int):
+        """Free the slot and its pages; the request waits at the head of the queue."""
+        req = self._active[slot]
+        self._active[slot] = None
+        self._pages.release(("row", slot))
+        self._waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def _page_table(self, slots) -> np.ndarray:
+        """Page tables of `slots` (None: an idle row), unallocated entries = num_pages."""
+        table = np.full((len(slots), self.pages_per_row), self._pages.num_pages, np.int32)
+        for row, slot in enumerate(slots):
+            if slot is not None:
+                pages = self._pages.held(("row", slot))
+                table[row, :len(pages)] = pages
+        return table
+
     def _decode_inputs(self):
-        """The decode step's per-slot arrays from the active requests (idle slots: dropped writes)."""
+        """The decode step's per-slot arrays from the active requests (idle slots: dropped
+        writes), led by the slots' page tables (None with slot rows)."""
         tokens = np.zeros(self.slots, np.int32)
         positions = np.full(self.slots, self.max_len, np.int32)  # idle: the write is dropped
         temperature = np.ones(self.slots, np.float32)
@@ -325,7 +469,10 @@ class JaxEngine(Engine):
                 top_k[slot] = req.sampling.top_k
                 top_p[slot] = req.sampling.top_p
         arrays = (tokens, positions, seeds, counters, temperature, top_k, top_p)
-        return tuple(jnp.asarray(a) for a in arrays), [int(p) for p in positions if p < self.max_len]
+        table = None if self._pages is None else jnp.asarray(
+            self._page_table([i if r is not None else None for i, r in enumerate(self._active)]))
+        return ((table,) + tuple(jnp.asarray(a) for a in arrays),
+                [int(p) for p in positions if p < self.max_len])
 
     async def _step(self, loop):
         inputs, busy = self._decode_inputs()
@@ -384,13 +531,26 @@ class JaxEngine(Engine):
                 finish = "length"
         if finish is not None:
             self._active[slot] = None
-            if self.reuse_kv and req.session is not None:
-                # the last sampled token was never fed through the model: its KV is not there
-                self._resident[slot] = _Resident(req.session, req.prompt + req.generated[:-1], req.version_start,
-                                                 self._admissions)
+            self._keep_or_free(slot, req)
             if not req.future.done():
                 req.future.set_result(Completion(req.generated, req.logprobs, finish, req.version_start,
                                                  self.version, stop_string, tuple(req.versions)))
+
+    def _keep_or_free(self, slot: int, req: _Request):
+        """A finished request's KV: kept as its trajectory's resident (reuse_kv), else freed."""
+        # the last sampled token was never fed through the model: its KV is not there
+        tokens = req.context()[:-1]
+        if self.reuse_kv and req.session is not None:
+            if req.session in self._residents:  # two requests of one session at once: keep the later
+                self._drop_resident(req.session)
+            if self._pages is None:  # the KV stays in the slot's row
+                self._residents[req.session] = _Resident(tokens, req.version_start, self._admissions, slot)
+            else:  # the KV stays in the row's pages, whichever slot the next turn gets
+                self._residents[req.session] = _Resident(tokens, req.version_start, self._admissions)
+                self._pages.truncate(("row", slot), pages_for(len(tokens), self.page_size))
+                self._pages.transfer(("row", slot), ("resident", req.session))
+        elif self._pages is not None:
+            self._pages.release(("row", slot))
 
     def _matched_stop(self, req: _Request) -> str | None:
         for stop in req.stops:
