@@ -29,11 +29,29 @@ def test_fused_call_equals_reference_causal_attention(t):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
-def _decode_logits(model, kv_len=None, steps=6, seed=0):
-    """Prefill ragged rows, then decode `steps` tokens; the logits of every decode step."""
+def _scrambled_paged_cache(cfg, lengths, page_size, max_len=256, spare=5, seed=0):
+    """A paged cache whose rows hold just the pages their `lengths` need, drawn in a shuffled
+    order from a pool with `spare` pages nobody holds; the rest of each table is "no page"."""
+    per_row = [-(-int(n) // page_size) for n in lengths]
+    num_pages = sum(per_row) + spare
+    order = np.random.default_rng(seed).permutation(num_pages)
+    table = np.full((len(lengths), max_len // page_size), num_pages, np.int32)
+    start = 0
+    for row, n in enumerate(per_row):
+        table[row, :n] = order[start:start + n]
+        start += n
+    return models.init_paged_cache(cfg, num_pages, page_size)._replace(page_table=jnp.asarray(table))
+
+
+def _decode_logits(model, kv_len=None, steps=6, seed=0, page_size=None, return_cache=False):
+    """Prefill ragged rows, then decode `steps` tokens; the logits of every decode step (with
+    page_size: through a paged cache holding just the pages the rows need, scrambled)."""
     rng = np.random.default_rng(seed)
     lengths = np.array([5, 130, 77, 1])  # rows far apart: a ragged batch
-    cache = models.init_cache(model.cfg, batch=4, max_len=256)
+    if page_size is None:
+        cache = models.init_cache(model.cfg, batch=4, max_len=256)
+    else:
+        cache = _scrambled_paged_cache(model.cfg, lengths + steps, page_size)
     step = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c, kv_len=kv_len))
     prefill = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c))
     width = int(lengths.max())
@@ -45,7 +63,7 @@ def _decode_logits(model, kv_len=None, steps=6, seed=0):
         tok = jnp.asarray(rng.integers(1, 257, size=(4, 1)), jnp.int32)
         logits, cache = step(model, tok, jnp.asarray((lengths + i)[:, None], jnp.int32), cache)
         out.append(np.asarray(logits[:, 0]))
-    return np.stack(out)
+    return (np.stack(out), cache) if return_cache else np.stack(out)
 
 
 def test_decode_reading_a_live_prefix_equals_reading_the_whole_cache():
@@ -87,3 +105,32 @@ def test_a_prefix_shorter_than_a_live_row_changes_its_logits():
     model = random_model(small_config("qwen3"), seed=4)
     np.testing.assert_raises(AssertionError, np.testing.assert_allclose,
                              _decode_logits(model, kv_len=64, steps=1), _decode_logits(model, steps=1), atol=1e-3)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_a_paged_cache_computes_what_contiguous_rows_compute(page_size):
+    """Same positions, same values, read back through a shuffled page table: the logits are the
+    rows' (the XLA path gathers the rows in position order, so they agree to the last bit)."""
+    model = random_model(small_config("qwen3"), seed=4)
+    np.testing.assert_array_equal(_decode_logits(model, page_size=page_size), _decode_logits(model))
+    np.testing.assert_allclose(_decode_logits(model, page_size=page_size, kv_len=137), _decode_logits(model),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_pallas_paged_decode_equals_xla_decode():
+    model = random_model(small_config("qwen3"), seed=5)
+    want = _decode_logits(model, seed=1)
+    got = _decode_logits(model.set_attention(decode="pallas"), seed=1, page_size=16)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_writes_land_only_in_the_rows_pages():
+    """Padding (positions past the table) and positions whose entry is "no page" are dropped:
+    the pool's spare pages stay zero, every held page was written."""
+    model = random_model(small_config("qwen3"), seed=4)
+    _, cache = _decode_logits(model, page_size=16, return_cache=True)
+    table = np.asarray(cache.page_table)
+    held = set(table[table < cache.num_pages].tolist())
+    for pool in cache.keys + cache.values:
+        written = {p for p in range(cache.num_pages) if np.any(np.asarray(pool[:, p]) != 0)}
+        assert written == held and len(held) == cache.num_pages - 5

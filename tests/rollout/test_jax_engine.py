@@ -156,8 +156,9 @@ def test_seeded_requests_reproduce_whatever_else_is_batched(tiny_model, tokenize
 
 @pytest.mark.slow
 def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny_model, tokenizer):
-    """kv_bucket (read only the live cache prefix) and the ragged Pallas decode kernel change
-    what a step reads, not what it samples: seeded completions and log-probs agree."""
+    """kv_bucket (read only the live cache prefix) and the ragged Pallas decode kernels (rows
+    and pages) change what a step reads, not what it samples: seeded completions and log-probs
+    agree."""
     prompts = [tokenizer.encode("b" * n) for n in (2, 30, 70)]
     sampling = [SamplingParams(max_tokens=40, temperature=0.8, seed=i) for i in range(3)]
 
@@ -170,7 +171,8 @@ def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny
     bucketed, stats = _run(go(tiny_model, kv_bucket=32))
     pallas_model = nnx.merge(*nnx.split(tiny_model)).set_attention(decode="pallas")
     ragged, _ = _run(go(pallas_model, kv_bucket=128))
-    for want, *others in zip(base, bucketed, ragged):
+    paged, _ = _run(go(pallas_model, page_size=32))  # the Pallas paged kernel
+    for want, *others in zip(base, bucketed, ragged, paged):
         for got in others:
             assert got.token_ids == want.token_ids
             np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
@@ -282,3 +284,157 @@ def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per
     assert swapped.token_ids[:first_new] == straight.token_ids[:first_new]  # old weights up to the swap ...
     assert swapped.token_ids[first_new:] != straight.token_ids[first_new:]  # ... the new ones after it
     assert set(straight.token_versions) == {0} and len(straight.token_ids) == 40
+
+
+# ----------------------------------------------------------------------------------------------
+# paged KV
+
+def _pool_is_whole(eng):
+    """Every page is free or held by a running row or a resident: none leaked, none shared."""
+    pool = eng._pages
+    held = [p for owner in pool.owners() for p in pool.held(owner)]
+    rows = {("row", i) for i, r in enumerate(eng._active) if r is not None}
+    residents = {("resident", s) for s in eng._residents}
+    return (len(held) == len(set(held)) and pool.free + len(held) == pool.num_pages
+            and set(pool.owners()) <= rows | residents)
+
+
+def _many(tokenizer, n=10, seeded=False):
+    prompts = [tokenizer.encode(f"problem {i}: {'y' * (3 * i)}") for i in range(n)]
+    sampling = [SamplingParams(max_tokens=24 + i, temperature=0.9 if seeded else 0.0, seed=i if seeded else None)
+                for i in range(n)]
+    return prompts, sampling
+
+
+async def _serve(eng, prompts, sampling):
+    """Run the requests, recording the most slots busy and the most pages held at once."""
+    peak = {"busy": 0, "pages": 0}
+
+    async def watch():
+        while True:
+            peak["busy"] = max(peak["busy"], eng.busy_slots)
+            if eng.page_size:
+                peak["pages"] = max(peak["pages"], eng._pages.num_pages - eng._pages.free)
+            await asyncio.sleep(0)
+
+    w = asyncio.create_task(watch())
+    outs = await asyncio.gather(*(eng.generate(p, s) for p, s in zip(prompts, sampling)))
+    w.cancel()
+    return outs, peak
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_paged_kv_gives_the_tokens_slot_rows_give(tiny_model, tokenizer, seeded):
+    prompts, sampling = _many(tokenizer, seeded=seeded)
+
+    async def go(**kw):
+        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=128, **kw) as eng:
+            outs, _ = await _serve(eng, prompts, sampling)
+            assert not kw or _pool_is_whole(eng)
+            return outs
+
+    rows, paged = _run(go()), _run(go(page_size=16))
+    for want, got in zip(rows, paged):
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_paged_memory_follows_live_tokens_and_admission_waits_for_free_pages(tiny_model, tokenizer):
+    """Eight slots over the memory of ONE max_len row: short requests all run at once; long
+    ones are admitted only while their prompts' pages are free, and nothing changes the tokens."""
+    prompts = [tokenizer.encode(f"p{i}") for i in range(8)]
+    sampling = [SamplingParams(max_tokens=12, temperature=0.0)] * 8  # <= 16 positions: one page each
+
+    async def go(prompts, **kw):
+        async with JaxEngine(tiny_model, tokenizer, max_len=256, **kw) as eng:
+            outs, peak = await _serve(eng, prompts, sampling)
+            assert not kw.get("page_size") or _pool_is_whole(eng)
+            return outs, peak, eng.stats, eng.load()
+
+    want, _, _, _ = _run(go(prompts, slots=8))
+    got, peak, stats, load = _run(go(prompts, slots=8, page_size=16, kv_pages=16))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert peak["busy"] == 8 and stats.preemptions == 0  # all eight live in 16 x 16 = 256 positions
+    assert load.kv_capacity_tokens == 256 and load.kv_usage == 0 and load.running == 0
+
+    long_prompts = [p + tokenizer.encode("z" * 90) for p in prompts]  # 7 pages each: two fit at a time
+    assert all(97 <= len(p) + 12 <= 112 for p in long_prompts)
+    want, _, _, _ = _run(go(long_prompts, slots=8))
+    got, peak, stats, _ = _run(go(long_prompts, slots=8, page_size=16, kv_pages=16))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert peak["busy"] <= 2 and peak["pages"] <= 16
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_preempted_requests_are_recomputed_and_sample_the_same_tokens(tiny_model, tokenizer, seeded):
+    """Pages too few for every admitted request to finish: the newest is preempted (its pages
+    freed) and readmitted later; its completion, log-probs and versions are those of a run
+    that was never preempted."""
+    prompts = [tokenizer.encode(f"q{i}") for i in range(6)]
+    sampling = [SamplingParams(max_tokens=60, temperature=0.9 if seeded else 0.0, seed=i) for i in range(6)]
+
+    async def go(**kw):
+        async with JaxEngine(tiny_model, tokenizer, slots=6, max_len=128, eos_ids=(), **kw) as eng:
+            outs, peak = await _serve(eng, prompts, sampling)
+            assert not kw or _pool_is_whole(eng)
+            return outs, peak, eng.stats
+
+    want, _, _ = _run(go())
+    got, peak, stats = _run(go(page_size=8, kv_pages=24))  # 6 x 64 positions wanted, 192 there
+    assert stats.preemptions > 0 and peak["pages"] == 24
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and len(g.token_ids) == 60
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        assert g.token_versions == w.token_versions
+
+
+def test_paged_kv_reuse_keeps_a_trajectory_s_pages_whichever_slot_its_next_turn_gets(tiny_model, tokenizer):
+    """Six trajectories through two slots: slot rows lose almost every resident to the queue,
+    pages keep them (until pages run short, when the least recently used go), and the turns
+    are those of a plain engine."""
+    async def go(**kw):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=64, **kw) as eng:  # turns end <= 44 tokens
+            outs = await _turns(eng, tokenizer, range(6))
+            assert not kw.get("page_size") or _pool_is_whole(eng)
+            return outs, eng.stats
+
+    plain, _ = _run(go())
+    rows, row_stats = _run(go(reuse_kv=True))
+    paged, paged_stats = _run(go(reuse_kv=True, page_size=8, kv_pages=64))  # room for all six
+    tight, tight_stats = _run(go(reuse_kv=True, page_size=8, kv_pages=20))  # not: residents are evicted
+    for run in (rows, paged, tight):
+        assert [[c.token_ids for c in o] for o in run] == [[c.token_ids for c in o] for o in plain]
+    later_prompts = paged_stats.prefill_tokens + paged_stats.reused_tokens - sum(
+        len(tokenizer.encode(f"question {s}:")) for s in range(6))
+    assert paged_stats.reused_tokens > 0.7 * later_prompts  # most of every later turn is reused
+    assert paged_stats.reused_tokens > 3 * row_stats.reused_tokens
+    assert 0 < tight_stats.reused_tokens < paged_stats.reused_tokens
+
+
+def test_a_sync_mid_request_reaches_paged_rows_too(tiny_model, tokenizer):
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(7))
+    prompt = tokenizer.encode("a long answer")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    async def go(page_size):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), page_size=page_size) as eng:
+            request = asyncio.ensure_future(eng.generate(prompt, greedy))
+            while eng.steps < 10:
+                await asyncio.sleep(0)
+            eng.update_weights(nnx.state(other), version=1)
+            return await request
+
+    rows, paged = _run(go(None)), _run(go(16))
+    assert paged.token_ids == rows.token_ids and paged.token_versions == rows.token_versions
+    assert set(paged.token_versions) == {0, 1}
+
+
+def test_paged_settings_are_checked(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="divide max_len"):
+        JaxEngine(tiny_model, tokenizer, max_len=100, page_size=16)
+    with pytest.raises(ValueError, match="cannot hold one max_len=128 sequence"):
+        JaxEngine(tiny_model, tokenizer, max_len=128, page_size=16, kv_pages=7)
+    with pytest.raises(ValueError, match="kv_pages needs page_size"):
+        JaxEngine(tiny_model, tokenizer, max_len=128, kv_pages=7)
+    eng = JaxEngine(tiny_model, tokenizer, slots=4, max_len=128, page_size=16)
+    assert eng.load().kv_capacity_tokens == 4 * 128  # default: the rows' memory
