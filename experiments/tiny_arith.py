@@ -46,7 +46,9 @@ def get_config():
     c.rollout.temperature = 1.0
     c.rollout.tool_timeout_s = 5.0
     c.rollout.engine = "jax"             # jax (embedded) | vllm (servers at vllm_urls; see README)
-    c.rollout.reuse_kv = False           # jax: keep a trajectory's KV in its slot between turns (prefill only new tokens)
+    c.rollout.reuse_kv = False           # jax: keep a trajectory's KV between turns (prefill only new tokens)
+    c.rollout.page_size = 0              # jax: 0 = one max_len KV row per slot; N = paged KV, pages of N positions
+    c.rollout.kv_pages = 0               # jax, paged: pages in the pool (0 = slots x max_len / page_size)
     c.rollout.vllm_urls = ()             # server URLs (repeat --config.rollout.vllm_urls=URL); several: the scheduler
     c.rollout.scheduler = "kv_aware"     # kv_aware | round_robin | least_requests (several servers)
     c.rollout.vllm_export_dtype = ""     # dtype of synced weights ("" = the params'); bfloat16 for bf16 servers

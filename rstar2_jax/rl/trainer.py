@@ -93,6 +93,14 @@ def validate(cfg: ml_collections.ConfigDict):
     need(r.engine != "vllm" or len(r.vllm_urls) >= 1, "rollout.engine=vllm needs rollout.vllm_urls: the server URLs "
          "(start one with `python -m rstar2_jax.rollout.serve --model DIR`)")
     one_of(r.scheduler, POLICIES, "rollout.scheduler")
+    need(r.page_size >= 0 and r.kv_pages >= 0, "rollout.page_size and rollout.kv_pages must be >= 0 (0: off / default)")
+    need(r.page_size == 0 or r.engine == "jax", "rollout.page_size pages the embedded engine's KV (rollout.engine=jax); "
+         "vLLM servers page their own (--block-size)")
+    need(r.page_size == 0 or r.max_len % r.page_size == 0,
+         f"rollout.page_size={r.page_size} must divide rollout.max_len={r.max_len}")
+    need(r.kv_pages == 0 or r.page_size > 0, "rollout.kv_pages needs rollout.page_size > 0")
+    need(r.kv_pages == 0 or r.page_size == 0 or r.kv_pages * r.page_size >= r.max_len,
+         f"rollout.kv_pages={r.kv_pages} x page_size={r.page_size} cannot hold one max_len={r.max_len} sequence")
     need(r.vllm_export_dtype in ("", *DTYPES), f"rollout.vllm_export_dtype must be '' or one of {sorted(DTYPES)}")
     one_of(cfg.sandbox.isolation, sandbox_lib.ISOLATION_MODES, "sandbox.isolation")
     one_of(cfg.sandbox.tool_state, TOOL_STATES, "sandbox.tool_state")
@@ -240,7 +248,8 @@ class RLRun:
         return make_engine(r.engine, engine_model, self.tokenizer, max_len=r.max_len, slots=r.slots, seed=self.cfg.seed,
                            urls=r.vllm_urls, scheduler=r.scheduler,
                            export_dtype=DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else None,
-                           probe_tolerance=r.vllm_probe_tolerance, reuse_kv=r.reuse_kv)
+                           probe_tolerance=r.vllm_probe_tolerance, reuse_kv=r.reuse_kv, page_size=r.page_size,
+                           kv_pages=r.kv_pages)
 
     def sft(self):
         c = self.cfg.sft
@@ -583,8 +592,11 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
     tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
     the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
     behind generation. engine_busy: share of the rollout the engine spent on device work;
-    engine_slot_utilization: share of decode-step slots that held a request (engines with stats).
+    engine_slot_utilization: share of decode-step slots that held a request; engine/prefill_tokens,
+    reused_tokens, preemptions: prompt tokens run at admission, prompt tokens whose KV was kept
+    from the previous turn, requests preempted for pages (engines with stats).
     """
+    delta = stats_after.since(stats_before) if stats_before is not None else None
     tool_s = timeline.union("tool")
     tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))
     return {
@@ -594,8 +606,9 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
         "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
         "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
         "engine/busy": timeline.union("engine") / max(rollout_s, 1e-9),
-        **({"engine/slot_utilization": stats_after.since(stats_before).slot_utilization}
-           if stats_before is not None else {}),
+        **({"engine/slot_utilization": delta.slot_utilization, "engine/prefill_tokens": delta.prefill_tokens,
+            "engine/reused_tokens": delta.reused_tokens, "engine/preemptions": delta.preemptions}
+           if delta is not None else {}),
     }
 
 
