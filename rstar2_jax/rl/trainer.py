@@ -85,8 +85,8 @@ def validate(cfg: ml_collections.ConfigDict):
     one_of(m.dtype, DTYPES, "model.dtype")
     one_of(m.attention, FULL_ATTENTION, "model.attention")
     one_of(m.decode_attention, DECODE_ATTENTION, "model.decode_attention")
-    need(m.decode_attention != "pallas" or r.max_len % 128 == 0,
-         f"model.decode_attention=pallas needs rollout.max_len to be a multiple of 128, got {r.max_len}")
+    need(m.decode_attention != "pallas" or r.page_size > 0 or r.max_len % 128 == 0,
+         f"model.decode_attention=pallas needs rollout.max_len to be a multiple of 128 (or paged KV), got {r.max_len}")
     one_of(cfg.format, FORMATS, "format")
     errors += check_task(cfg.data)
     one_of(r.engine, ENGINE_KINDS, "rollout.engine")

@@ -1,6 +1,6 @@
 """VLLMEngine against real vLLM CPU servers (.venv-vllm, installed by `make test`) serving the
-tiny model: parity with the JAX model, weight sync after a learner update, the tied-embedding
-trap, a multi-turn rollout with real sandbox calls, a server killed mid-batch, the scheduler
+tiny model: parity with the JAX model, weight sync after a learner update, prefix-cache hits
+counted in /metrics, the tied-embedding trap, a multi-turn rollout with real sandbox calls, a server killed mid-batch, the scheduler
 over a vLLM server and a JaxEngine, a short training run, and the evaluate CLI on a server.
 
 Each server takes about a minute to start on two cores; the session shares one where it can.
@@ -148,6 +148,35 @@ def test_multi_turn_rollout_with_real_sandbox_calls(vllm_server, tiny_model, tok
     assert traj.token_ids == reference.token_ids
     mask = np.asarray(traj.loss_mask, bool)
     np.testing.assert_allclose(np.asarray(traj.logprobs)[mask], np.asarray(reference.logprobs)[mask], atol=1e-3)
+
+
+def test_a_trajectory_s_next_turn_hits_the_server_s_prefix_cache(vllm_server, tiny_model, tokenizer):
+    """The hit rate the scheduler reports (`engine/prefix_cache_hit_rate`) is vLLM's own count:
+    a turn whose prompt extends the previous turn's finds that prefix cached; a fresh prompt
+    does not."""
+    prompt = tokenizer.encode("<|im_start|>user\nAdd " + " + ".join(str(i) for i in range(60))
+                              + "<|im_end|>\n<|im_start|>assistant\n")
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+
+    async def main():
+        engine = VLLMEngine(vllm_server.url, tiny_model)
+        engine.update_weights(tiny_model)  # a sync also resets the server's prefix cache
+        loads = [engine.load()]
+        first = await engine.generate(prompt, greedy)
+        loads.append(engine.load())
+        extended = prompt + first.token_ids + tokenizer.encode("<tool_response>1830</tool_response>")
+        await engine.generate(extended, greedy)
+        loads.append(engine.load())
+        await engine.close()
+        return extended, loads
+
+    extended, loads = asyncio.run(main())
+    hits = [b.prefix_cache_hits - a.prefix_cache_hits for a, b in zip(loads, loads[1:])]
+    queries = [b.prefix_cache_queries - a.prefix_cache_queries for a, b in zip(loads, loads[1:])]
+    assert len(prompt) > 200 and hits[0] == 0 and queries[0] >= len(prompt) - 1
+    # the second turn finds (nearly) all of the first prompt; what it misses is at most the
+    # partly filled last block and the tokens sampled after it
+    assert len(prompt) - 128 <= hits[1] <= queries[1] <= len(extended)
 
 
 def test_tied_embedding_reload_is_detected(tmp_path):

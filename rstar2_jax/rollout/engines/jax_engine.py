@@ -1,9 +1,9 @@
 """JaxEngine: the embedded rollout engine, continuous batching over a fixed number of slots.
 
 Each slot holds one request; by default its KV cache row is the slot's row of one static
-[slots, max_len] cache (paged KV below). A new request is prefilled alone (prompt length rounded up to a power of two, so a few
-shapes compile) and written into a free row; then every decode step advances all busy slots by
-one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens, context full)
+[slots, max_len] cache (paged KV below). A new request is prefilled alone (prompt length
+rounded up to a power of two, so a few shapes compile) and written into a free row; then every
+decode step advances all busy slots by one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens, context full)
 is refilled before the next step. Idle slots decode at position `max_len`, where the cache write
 is dropped, so they cost compute but never corrupt anything.
 
@@ -302,6 +302,8 @@ class JaxEngine(Engine):
                     continue
                 if self._pages is not None:
                     self._grow_rows()
+                    if not any(self._active):  # cannot happen (one sequence fits the pool), but never step on nothing
+                        continue
                 await self._step(loop)
         except Exception as e:  # fail every waiting request loudly rather than hang it
             for req in [*self._active, *self._waiting]:
