@@ -42,6 +42,10 @@ _URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); re
 _SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
                                   "round_robin or least_requests")
 _SLOTS = flags.DEFINE_integer("slots", 32, "JaxEngine batch slots")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 0, "JaxEngine paged KV: positions per page (0: one max_len row per slot)",
+                                  lower_bound=0)
+_KV_PAGES = flags.DEFINE_integer("kv_pages", 0, "JaxEngine paged KV: pages in the pool (0: slots x max_len / page_size)",
+                                 lower_bound=0)
 _OUT = flags.DEFINE_string("out", "runs/eval", "output directory")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 
@@ -62,8 +66,12 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer):
     model = load_policy(model_dir, checkpoint) if _ENGINE.value == "jax" else None  # vllm: the servers' weights
 
     def engine_for(longest_prompt: int):
-        return make_engine(_ENGINE.value, model, tokenizer, max_len=longest_prompt + _MAX_TOKENS.value + 1,
-                           slots=_SLOTS.value, seed=_SEED.value, urls=_URL.value, scheduler=_SCHEDULER.value)
+        max_len = longest_prompt + _MAX_TOKENS.value + 1
+        if _PAGE_SIZE.value:  # whole pages
+            max_len = -(-max_len // _PAGE_SIZE.value) * _PAGE_SIZE.value
+        return make_engine(_ENGINE.value, model, tokenizer, max_len=max_len, slots=_SLOTS.value, seed=_SEED.value,
+                           urls=_URL.value, scheduler=_SCHEDULER.value, page_size=_PAGE_SIZE.value,
+                           kv_pages=_KV_PAGES.value)
     return engine_for
 
 

@@ -41,12 +41,13 @@ def test_pass_at_1_is_averaged_over_samples_with_an_interval():
 
 
 @pytest.mark.slow
-def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir):
+@pytest.mark.parametrize("kv", [[], ["--page_size=16", "--kv_pages=20"]], ids=["slot_rows", "paged"])
+def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
     model = tiny.build_tiny_model(tmp_path / "m")
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", "--benchmarks=aime24,gpqa_diamond",
                            f"--data_dir={benchmark_dir}", "--limit=2", "--samples=2", "--max_tokens=40", "--max_turns=2",
-                           "--format=tiny", f"--out={out}", "--slots=4"], cwd=ROOT, capture_output=True, text=True,
+                           "--format=tiny", f"--out={out}", "--slots=4", *kv], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
