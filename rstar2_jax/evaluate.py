@@ -62,13 +62,14 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer):
     """A function longest_prompt -> async context manager of the engine for one benchmark (the
     embedded engine's KV is sized to the benchmark's longest prompt + --max_tokens)."""
     from rstar2_jax.rollout.engines import make_engine
+    from rstar2_jax.rollout.engines.kv_pages import pages_for
 
     model = load_policy(model_dir, checkpoint) if _ENGINE.value == "jax" else None  # vllm: the servers' weights
 
     def engine_for(longest_prompt: int):
         max_len = longest_prompt + _MAX_TOKENS.value + 1
         if _PAGE_SIZE.value:  # whole pages
-            max_len = -(-max_len // _PAGE_SIZE.value) * _PAGE_SIZE.value
+            max_len = pages_for(max_len, _PAGE_SIZE.value) * _PAGE_SIZE.value
         return make_engine(_ENGINE.value, model, tokenizer, max_len=max_len, slots=_SLOTS.value, seed=_SEED.value,
                            urls=_URL.value, scheduler=_SCHEDULER.value, page_size=_PAGE_SIZE.value,
                            kv_pages=_KV_PAGES.value)
