@@ -6,6 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
+# make test runs on this many pytest-xdist workers; tests sharing a costly fixture (a vLLM server,
+# the ablation, a module's fixture) stay on one worker (tests/conftest.py assigns the groups).
+TEST_WORKERS ?= 2
 
 .PHONY: demo clean-demo test test-quick venv venv-dev venv-vllm redis clean
 
@@ -54,14 +57,15 @@ demo: $(VENV)/.runtime
 clean-demo:
 	rm -rf runs/tiny_arith
 
-# The full suite (what CI runs).
+# The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 30 minutes
+# from a fresh clone on a 2-core machine, installs included (README, "Tests").
 test: $(VENV)/.dev $(VLLM_VENV)/.installed redis
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # Everything not marked slow (no vLLM servers, training runs, ablation, notebooks): for development,
 # on two pytest workers (pytest-xdist).
 test-quick: $(VENV)/.dev redis
-	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -731,10 +731,13 @@ def _vm_size(status_fd):
 
 def interpreter_dirs():
     """The interpreter's own directories (prefixes hold the stdlib and site-packages); never the
-    script's directory or other sys.path entries (an editable install points into the repo)."""
-    dirs = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                                  sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)))
-                   if p and os.path.isdir(p)})
+    script's directory or other sys.path entries (an editable install points into the repo).
+
+    Each at its resolved path and, where a symbolic link leads to it (`.venv -> /elsewhere/.venv`),
+    also at the path the interpreter was started by: sys.path names site-packages by the latter."""
+    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                os.path.dirname(os.path.realpath(sys.executable)))
+    dirs = sorted({form(p) for p in prefixes if p and os.path.isdir(p) for form in (os.path.realpath, os.path.abspath)})
     kept = []
     for d in dirs:
         if not any(d.startswith(k + "/") for k in kept):

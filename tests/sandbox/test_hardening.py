@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -485,3 +486,21 @@ def test_the_root_is_built_where_it_hides_nothing_it_needs():
     assert confine.root_mount_point(["/mnt/work/.venv"]) != "/mnt"
     with pytest.raises(OSError, match="no directory to build the sandbox root on"):
         confine.root_mount_point(list(confine.ROOT_MOUNT_CANDIDATES))
+
+
+def test_an_interpreter_reached_through_a_symbolic_link_still_imports_its_packages(tmp_path):
+    # `.venv -> /elsewhere/.venv`: sys.path names site-packages by the link's path, so the root
+    # must hold the prefix there as well as at its resolved path.
+    import sys
+    link = tmp_path / "linked-venv"
+    link.symlink_to(sys.prefix, target_is_directory=True)
+    code = ("import asyncio, sandbox\n"
+            "async def main():\n"
+            "    async with sandbox.LocalSandbox(workers=1, isolation='strict') as sb:\n"
+            "        r = await sb.run('import numpy, sympy; print(numpy.arange(3).sum())')\n"
+            "        print(r.status, r.stdout.strip(), r.stderr[-300:])\n"
+            "asyncio.run(main())\n")
+    proc = subprocess.run([str(link / "bin" / "python"), "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[:2] == ["ok", "3"], proc.stdout
