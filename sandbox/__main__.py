@@ -23,6 +23,8 @@ def _add_sandbox_args(p: argparse.ArgumentParser):
     p.add_argument("--isolation", choices=ISOLATION_MODES, default="strict")
     p.add_argument("--memory-mb", type=int, default=1024, help="address space per call on top of the zygote's")
     p.add_argument("--output-kb", type=int, default=64, help="stdout and stderr cap per call")
+    p.add_argument("--uid-base", type=int, default=None,
+                   help="first uid of the calls (default: a free block of this host's, see sandbox/uids.py)")
 
 
 def _limits(args) -> Limits:
@@ -39,7 +41,7 @@ async def _serve(args):
         backend = RedisSandbox(args.redis, default_timeout=args.timeout)
     else:
         backend = await LocalSandbox(workers=args.workers, isolation=args.isolation, limits=_limits(args),
-                                     default_timeout=args.timeout).start()
+                                     default_timeout=args.timeout, uid_base=args.uid_base).start()
     token = os.environ.get("SANDBOX_TOKEN") or None
     server = SandboxHTTPServer(backend, default_timeout=args.timeout, workers=None if args.redis else args.workers,
                                max_connections=args.max_connections, max_body_bytes=args.max_body_mb << 20,
@@ -63,7 +65,7 @@ async def _worker(args):
     from sandbox.distributed import RedisWorker
 
     worker = RedisWorker(args.redis, concurrency=args.concurrency, visibility_timeout_s=args.visibility_timeout,
-                         isolation=args.isolation, limits=_limits(args))
+                         isolation=args.isolation, limits=_limits(args), uid_base=args.uid_base)
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, worker.stop)
     print(f"sandbox worker {worker.name}: {args.concurrency} slots on {args.redis}", flush=True)

@@ -19,7 +19,8 @@ import time
 import warnings
 from typing import Any, Iterable, Sequence
 
-from sandbox.pool import DEFAULT_PRELOAD, DEFAULT_UID_BASE, SandboxStartError, SessionLost, ZygotePool
+from sandbox import uids
+from sandbox.pool import DEFAULT_PRELOAD, SandboxStartError, SessionLost, ZygotePool
 from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox")
@@ -41,7 +42,7 @@ ISOLATION_MODES = ("strict", "basic")
 class LocalSandbox:
     def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits = Limits(),
                  preload: Sequence[str] = DEFAULT_PRELOAD, default_timeout: float = 5.0,
-                 max_pending: int = 4096, uid_base: int = DEFAULT_UID_BASE, max_sessions: int = 256,
+                 max_pending: int = 4096, uid_base: int | None = None, max_sessions: int = 256,
                  session_idle_timeout_s: float = 600.0):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -51,7 +52,11 @@ class LocalSandbox:
         self.isolation = isolation
         self.limits = limits
         self.default_timeout = default_timeout
-        self._pool = ZygotePool(workers, isolation=isolation, preload=preload, limits=limits, uid_base=uid_base)
+        self._pool = ZygotePool(workers, isolation=isolation, preload=preload, limits=limits)
+        # The slots' uids, then one per session: a block no other sandbox on this host holds,
+        # claimed at start and freed at close (sandbox/uids.py); uid_base pins where it starts.
+        self._uid_base = uid_base
+        self._uids: uids.UidRange | None = None
         self._pending = asyncio.Semaphore(max_pending)  # backpressure: callers past this wait
         self.in_flight = 0
         self._started = False
@@ -71,7 +76,13 @@ class LocalSandbox:
         else:
             warnings.warn("sandbox isolation='basic': rlimits only; code can reach the network, "
                           "see other processes and read the filesystem", RuntimeWarning, stacklevel=2)
-        await self._pool.start()
+        self._uids = uids.claim(self.workers + self.max_sessions, self._uid_base)
+        self._pool.uid_base = self._uids.base
+        try:
+            await self._pool.start()
+        except BaseException:
+            self._uids.close()
+            raise
         self._session_uids = asyncio.Queue()
         for k in range(self.max_sessions):
             self._session_uids.put_nowait(self._pool.uid_base + self.workers + k)
@@ -115,7 +126,10 @@ class LocalSandbox:
             for session in list(self._sessions.values()):
                 session.closed = True  # their processes end with the zygote
                 self._release_session(session)
-            await self._pool.close()
+            try:
+                await self._pool.close()
+            finally:
+                self._uids.close()
 
     @property
     def protections(self) -> dict:

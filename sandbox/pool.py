@@ -29,7 +29,6 @@ from sandbox.result import ExecResult, Limits
 log = logging.getLogger("sandbox")
 ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
-DEFAULT_UID_BASE = 61000
 DEFAULT_WARMUP = """
 import sympy
 x, y = sympy.symbols("x y")
@@ -124,7 +123,7 @@ class SessionLost(RuntimeError):
 
 class ZygotePool:
     def __init__(self, workers: int, *, isolation: str, preload: Sequence[str], limits: Limits,
-                 uid_base: int = DEFAULT_UID_BASE, warmup: str = DEFAULT_WARMUP,
+                 uid_base: int | None = None, warmup: str = DEFAULT_WARMUP,
                  startup_timeout_s: float = 120.0):
         self.workers = workers
         self.isolation = isolation

@@ -49,7 +49,8 @@ def _row(step, sample, reward, statuses, kept, entropy=None, problem_id="p0"):
                    loss_mask=[0, 0] + [1] * n_model + [0, 0] + [1] * n_model, logprobs=[0.0] * 12,
                    finish_reason="eos", response_text="r")
     t.turns = [Turn("<tool_call>...", n_model, "stop", 0, 0,
-                    [ToolRecord(f"print({i})", "", s, "out <b>&", 0.01) for i, s in enumerate(statuses)]),
+                    [ToolRecord(None if s == "parse_error" else f"print({i})", "", s, "out <b>&", 0.01)
+                     for i, s in enumerate(statuses)]),
                Turn("<answer>\\boxed{1}</answer>", n_model, "eos", 0, 0)]
     return traces.trajectory_record(t, run="r", step=step, problem_id=problem_id, sample_index=sample,
                                     problem=f"What is {problem_id}?", gold="1", reward=reward, kept=kept,
@@ -89,6 +90,15 @@ def test_filters_and_viewer(tmp_path):
     assert "turn 0" in text and "turn 1" in text and "[tool error" in text and "print(0)" in text
     html = traces.render_trajectory(row)
     assert "out &lt;b&gt;&amp;" in html and "<b>error</b>" in html  # tool output escaped, status shown
+
+
+def test_viewer_shows_a_tool_call_that_could_not_be_parsed(tmp_path):
+    # the loop records such a call with no code (the demo's runs have hundreds of them)
+    row = _frame(tmp_path, {0: [_row(0, 0, 0.0, ["parse_error", "ok"], False)]}).iloc[0]
+    text = traces.render_trajectory(row, html=False)
+    assert "[tool parse_error" in text and "could not be parsed" in text and "print(1)" in text
+    html = traces.render_trajectory(row)
+    assert "<b>parse_error</b>" in html and "could not be parsed" in html
 
 
 def test_high_entropy_tokens_are_the_top_fraction_of_each_step(tmp_path):

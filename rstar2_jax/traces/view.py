@@ -15,6 +15,11 @@ def _header(row: Any) -> str:
             f"finish {row['finish_reason']}")
 
 
+def _code_of(tool) -> str:
+    """A tool call's code; a call the loop could not parse has none (its output says why)."""
+    return "(no code: the tool call could not be parsed)" if tool["code"] is None else tool["code"]
+
+
 def render_trajectory(row: Any, html: bool = True) -> str:
     """`row`: one trace row (a pandas Series or a dict). HTML for notebooks, or plain text."""
     turns = list(row["turns"])
@@ -25,7 +30,7 @@ def render_trajectory(row: Any, html: bool = True) -> str:
             out.append(turn["text"])
             for tool in turn["tools"]:
                 out.append(f"  [tool {tool['status']}, {tool['latency_s'] * 1000:.0f} ms] code:")
-                out.extend("    " + line for line in tool["code"].splitlines())
+                out.extend("    " + line for line in _code_of(tool).splitlines())
                 out.append("  output:")
                 out.extend("    " + line for line in tool["output"].splitlines())
         return "\n".join(out)
@@ -41,7 +46,7 @@ def render_trajectory(row: Any, html: bool = True) -> str:
             color = _STATUS_COLOR.get(tool["status"], "#57606a")
             out.append(f"<div style='margin-left:16px'><span style='color:{color}'><b>{esc(tool['status'])}</b></span> "
                        f"({tool['latency_s'] * 1000:.0f} ms)"
-                       f"<pre style='{pre};background:#eef'>{esc(tool['code'])}</pre>"
+                       f"<pre style='{pre};background:#eef'>{esc(_code_of(tool))}</pre>"
                        f"<pre style='{pre};background:#ffe;border-left:3px solid {color}'>{esc(tool['output'])}</pre></div>")
     out.append("</div>")
     return "\n".join(out)

@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
 import time
 
 import sandbox
 
 
-def uid_base_for_this_process() -> int:
-    """Each pytest-xdist worker runs its own sandboxes: give them disjoint uids, so one worker's
-    calls are never taken for another's leftovers."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return 61000 + 100 * int(worker.removeprefix("gw") or 0)
-
-
 class SyncSandbox:
-    _made = 0
-
     def __init__(self, **kwargs):
-        # Disjoint uids per xdist worker, and per sandbox within it (10 slots each at most here).
-        kwargs.setdefault("uid_base", uid_base_for_this_process() + 10 * SyncSandbox._made)
-        SyncSandbox._made += 1
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -81,8 +68,10 @@ def wait_no_processes(uids, timeout=5.0):
 def _interpreter_entries() -> set[str]:
     """Top-level names under /tmp or /dev/shm that the interpreter itself occupies (a clone
     under /tmp, as in CI): the sandbox binds those read-only into every call's /tmp."""
+    from sandbox.zygote import interpreter_dirs  # the directories the sandbox binds, links included
+
     names = set()
-    for p in {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}:
+    for p in interpreter_dirs():
         for mount_point in ("/tmp/", "/dev/shm/"):
             if p.startswith(mount_point):
                 names.add(p[len(mount_point):].split("/", 1)[0])

@@ -19,7 +19,7 @@ import pytest
 
 import sandbox
 from sandbox import cgroups, zygote
-from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls, uid_base_for_this_process
+from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls
 from tests.sandbox.test_hostile import run_beside_benign
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,7 +84,7 @@ def test_without_cgroups_it_falls_back_to_rlimits_and_warns(monkeypatch, caplog)
     monkeypatch.setattr(cgroups, "find_parents", lambda: (None, "no cgroup hierarchy (test)"))
 
     async def scenario():
-        async with sandbox.LocalSandbox(workers=1, preload=("math",), uid_base=uid_base_for_this_process() + 60) as sb:
+        async with sandbox.LocalSandbox(workers=1, preload=("math",)) as sb:
             return sb.protections, await sb.run("x = bytearray(8 * 2**30)"), await sb.run("print(1)")
 
     with caplog.at_level(logging.WARNING, logger="sandbox"):
@@ -96,7 +96,7 @@ def test_without_cgroups_it_falls_back_to_rlimits_and_warns(monkeypatch, caplog)
 
 def test_cgroup_trees_are_removed_on_close():
     async def scenario():
-        sb = await sandbox.LocalSandbox(workers=2, preload=("math",), uid_base=uid_base_for_this_process() + 70).start()
+        sb = await sandbox.LocalSandbox(workers=2, preload=("math",)).start()
         tops = dict(sb._pool._cgroups.tops)
         await sb.run("print(1)")
         await sb.close()

@@ -13,6 +13,7 @@ import redis
 
 from sandbox.distributed import Keys, RedisSandbox
 from sandbox.distributed import RedisWorker
+from sandbox import uids
 from sandbox.result import ExecResult
 from tests.sandbox.helpers import wait_no_processes
 from tests.sandbox.redis_server import RedisServer
@@ -27,9 +28,15 @@ def redis_server():
     server.stop()
 
 
-def start_worker(url, concurrency=2, visibility=1.5):
+# The killed worker's uids: the host's last block, which no sandbox that picks its own takes
+# first (sandbox/uids.py), so the test knows whose processes to look for.
+KILLED_WORKER_UID_BASE = uids.FIRST_UID + (uids.BLOCKS - 1) * uids.BLOCK
+
+
+def start_worker(url, concurrency=2, visibility=1.5, uid_base=None):
+    pinned = [] if uid_base is None else ["--uid-base", str(uid_base)]
     proc = subprocess.Popen([sys.executable, "-m", "sandbox", "worker", "--redis", url, "--concurrency",
-                             str(concurrency), "--visibility-timeout", str(visibility)],
+                             str(concurrency), "--visibility-timeout", str(visibility), *pinned],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert "sandbox worker" in proc.stdout.readline()
     return proc
@@ -73,7 +80,7 @@ def _pending(r) -> int:
 
 
 def test_killed_worker_job_is_redelivered_and_client_gets_exactly_one_result(redis_server):
-    first = start_worker(redis_server.url, visibility=1.5)
+    first = start_worker(redis_server.url, visibility=1.5, uid_base=KILLED_WORKER_UID_BASE)
 
     async def scenario():
         async with RedisSandbox(redis_server.url, queue_timeout_s=60) as sb:
@@ -96,7 +103,7 @@ def test_killed_worker_job_is_redelivered_and_client_gets_exactly_one_result(red
     finally:
         stop(first)  # already dead unless the scenario failed before killing it
     assert (result.status, result.stdout) == ("ok", "done\n")
-    assert wait_no_processes({61000, 61001}) == []  # the killed worker's calls died with it
+    assert wait_no_processes({KILLED_WORKER_UID_BASE, KILLED_WORKER_UID_BASE + 1}) == []  # the killed worker's calls died with it
     assert [r.llen(k) for k in r.scan_iter("sandbox:result:*")] in ([], [0])  # nothing left to deliver twice
     assert r.xlen(Keys().jobs) == 0
 

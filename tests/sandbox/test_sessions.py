@@ -7,13 +7,12 @@ import time
 import pytest
 
 import sandbox
-from tests.sandbox.helpers import ls, processes_of, uid_base_for_this_process
+from tests.sandbox.helpers import ls, processes_of
 
 
 def scenario(fn, **kwargs):
     async def go():
         kwargs.setdefault("preload", ("math",))
-        kwargs.setdefault("uid_base", uid_base_for_this_process() + 50)  # clear of the shared `sb` fixture's uids
         async with sandbox.LocalSandbox(workers=2, **kwargs) as sb:
             return await fn(sb)
     return asyncio.run(go())
