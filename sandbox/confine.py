@@ -148,7 +148,9 @@ def build_minimal_root(root, interpreter_dirs):
             _mirror(path, root)
     for path in interpreter_dirs:
         if path != "/usr" and not path.startswith("/usr/"):  # /usr is bound whole above
-            _mirror(path, root)
+            # a directory, even where a link leads to it: the link's target may be nowhere in the root
+            os.makedirs(root + path, 0o755, exist_ok=True)
+            _bind_read_only(os.path.realpath(path), root + path)
     os.makedirs(root + "/etc", 0o755, exist_ok=True)
     for path in ETC_FILES:
         if os.path.isfile(path):

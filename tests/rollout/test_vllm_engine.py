@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import jax
@@ -215,7 +216,9 @@ def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(
             healthy = await batch(engine, sb)
 
             async def kill_then_restart():
+                deadline = time.monotonic() + 300  # a failure, never a hang, if the batch stalls
                 while server_load(engine.client.get_text("/metrics")).running < 4:
+                    assert time.monotonic() < deadline, "the batch never had 4 requests running on the server"
                     await asyncio.sleep(0.05)
                 server.kill()
                 threading.Thread(target=server.restart, daemon=True).start()
