@@ -24,6 +24,9 @@ import pytest  # noqa: E402
 _CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the tiny model's programs compile fast but are many
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    # A size cap turns on JAX's file lock around every read and write of the cache: without it a
+    # process could read an entry another is still writing (many processes share the directory).
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
 }
 
 
