@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import jax
@@ -30,7 +29,6 @@ from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines.vllm_client import server_load
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -196,18 +194,19 @@ def test_tied_embedding_reload_is_detected(tmp_path):
 def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(tiny_model, tokenizer, tmp_path):
     """Eight trajectories are in flight when the server is SIGKILLed; it is restarted from its
     launch directory (the old weights). Each trajectory completes exactly once, whole, and equals
-    what a healthy server with the synced weights produced: the engine put them back first."""
+    what a healthy server with the synced weights produced: the engine put them back first.
+
+    The kill comes as the batch's fourth generation request is about to be sent, so at least that
+    request meets a dead server whatever the timing (waiting for the server to report 4 running
+    requests raced with short turns: some runs never saw 4 at once)."""
     server = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "killed")
     synced = perturbed(tiny_model, seed=1)
     fmt = tiny_format()
     cfg = AgentConfig(format=fmt, max_turns=2, max_response_tokens=500, temperature=0.0)
     questions = [f"What is {i}+{i}?" for i in range(8)]
 
-    async def batch(engine, sb, on_first_progress=None):
-        tasks = [asyncio.create_task(run_agent(engine, sb, tokenizer, q, cfg)) for q in questions]
-        if on_first_progress is not None:
-            await on_first_progress()
-        return await asyncio.gather(*tasks)
+    async def batch(engine, sb):
+        return await asyncio.gather(*(run_agent(engine, sb, tokenizer, q, cfg) for q in questions))
 
     async def main():
         async with sandbox.LocalSandbox(workers=2) as sb:
@@ -215,23 +214,27 @@ def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(
             engine.update_weights(synced)
             healthy = await batch(engine, sb)
 
-            async def kill_then_restart():
-                deadline = time.monotonic() + 300  # a failure, never a hang, if the batch stalls
-                while server_load(engine.client.get_text("/metrics")).running < 4:
-                    assert time.monotonic() < deadline, "the batch never had 4 requests running on the server"
-                    await asyncio.sleep(0.05)
-                server.kill()
-                threading.Thread(target=server.restart, daemon=True).start()
+            sent = 0
+            generate = engine.generate
 
-            recovered = await batch(engine, sb, kill_then_restart)
+            async def generate_then_kill_at_the_fourth(*args, **kwargs):
+                nonlocal sent
+                sent += 1
+                if sent == 4:
+                    server.kill()  # returns once the server is dead
+                    threading.Thread(target=server.restart, daemon=True).start()
+                return await generate(*args, **kwargs)
+
+            engine.generate = generate_then_kill_at_the_fourth
+            recovered = await batch(engine, sb)
             await engine.close()
-            return engine, healthy, recovered
+            return engine, healthy, recovered, sent
 
     try:
-        engine, healthy, recovered = asyncio.run(main())
+        engine, healthy, recovered, sent = asyncio.run(main())
     finally:
         server.stop()
-    assert engine.retries >= 1 and engine.reloads_after_restart >= 1
+    assert sent >= 4 and engine.retries >= 1 and engine.reloads_after_restart >= 1
     assert len(recovered) == len(questions)
     for a, b in zip(healthy, recovered):
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
