@@ -12,7 +12,7 @@ import pytest
 
 from experiments import tiny_arith
 from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run, validate
-from rstar2_jax.traces import read_traces
+from rstar2_jax.traces import read_traces, render_trajectory, with_trajectory_columns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,6 +49,10 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
     assert len(kept) <= 2 * 2 * 2 and (traces[~traces["kept"]]["advantage"] == 0).all()
     for _, r in traces.iterrows():  # the learner's per-token entropies, written for kept rollouts only
         assert (r["entropy"] is not None and len(r["entropy"]) == len(r["token_ids"])) == bool(r["kept"])
+    # the trace viewer renders every row the trainer wrote (whatever its turns and tool calls hold)
+    for _, r in with_trajectory_columns(traces).iterrows():
+        text, html = render_trajectory(r, html=False), render_trajectory(r)
+        assert text.count("--- turn ") == len(r["turns"]) and html.count("<b>turn ") == len(r["turns"])
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [l["phase"] for l in lines].count("rl") == 2 and any(l["phase"] == "sft" for l in lines)
     for rl in (l for l in lines if l["phase"] == "rl"):  # the per-step breakdown adds up
