@@ -42,7 +42,8 @@ class UidRange:
 
 def _lock_block(index: int) -> int | None:
     os.makedirs(LOCK_DIR, mode=0o1777, exist_ok=True)
-    fd = os.open(os.path.join(LOCK_DIR, f"block-{index}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    # read-only is enough for flock, and lets users other than its creator lock the same file
+    fd = os.open(os.path.join(LOCK_DIR, f"block-{index}.lock"), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
