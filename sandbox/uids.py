@@ -68,8 +68,7 @@ def claim(width: int, base: int | None = None) -> UidRange:
         for index in range(first, last + 1):
             fd = _lock_block(index)
             if fd is None:
-                for held in fds:
-                    os.close(held)
+                UidRange(base, width, fds).close()  # the blocks taken so far
                 raise UidRangeError(f"uids {base}..{base + width - 1} overlap a block another sandbox on this host "
                                     f"holds ({FIRST_UID + index * BLOCK}..{FIRST_UID + (index + 1) * BLOCK - 1}): "
                                     f"choose another uid_base, or leave it unset to get a free block")

@@ -39,10 +39,10 @@ def pytest_configure(config):
     os.environ.update(_CACHE_ENV)
 
 
-# Session fixtures that cost a minute or more each (a vLLM server, a training run): every test that
-# uses one runs on the same xdist worker, so it is built once. Module-scoped fixtures are grouped
-# by their module automatically.
-COSTLY_SESSION_FIXTURES = ("vllm_server", "trained_run")
+# Session fixtures that cost a minute or more each (the vLLM server): every test that uses one runs
+# on the same xdist worker, so it is built once. Module-scoped fixtures are grouped by their module
+# automatically.
+COSTLY_SESSION_FIXTURES = ("vllm_server",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
@@ -56,14 +56,14 @@ def pytest_collection_modifyitems(config, items):
 def shared_fixture_group(item) -> str | None:
     """The xdist group of a test: the costly session fixture it uses, else the module of a
     module-scoped fixture it uses, else None (scheduled freely)."""
-    defs = getattr(item, "_fixtureinfo", None)
-    if defs is None:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
         return None
     for name in COSTLY_SESSION_FIXTURES:
         if name in item.fixturenames:
             return name
     for name in item.fixturenames:
-        fixturedefs = defs.name2fixturedefs.get(name) or ()
+        fixturedefs = info.name2fixturedefs.get(name) or ()
         if fixturedefs and fixturedefs[-1].scope == "module":
             return item.module.__name__
     return None

@@ -132,10 +132,10 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
             if key in x:
                 assert y[key] == x[key], (x["step"], key)
     assert all(l["kept_rollouts"] > 0 for l in la)  # every step updated ...
-    start = params(one, step=0)
-    assert any(not np.array_equal(x, y) for x, y in zip(start, params(one)))  # ... and moved the weights
+    trained = {step: params(one, step) for step in (1, 2, 3)}
+    assert any(not np.array_equal(x, y) for x, y in zip(params(one, step=0), trained[3]))  # ... and moved the weights
     for step in (1, 2, 3):
-        for x, y in zip(params(one, step), params(two, step)):
+        for x, y in zip(trained[step], params(two, step)):
             np.testing.assert_array_equal(y, x)
 
     # killed after step 2's checkpoint, started again: continues as the uninterrupted run

@@ -9,6 +9,7 @@ import threading
 import time
 
 import sandbox
+from sandbox.zygote import interpreter_dirs  # the directories the sandbox binds, links included
 
 
 class SyncSandbox:
@@ -68,8 +69,6 @@ def wait_no_processes(uids, timeout=5.0):
 def _interpreter_entries() -> set[str]:
     """Top-level names under /tmp or /dev/shm that the interpreter itself occupies (a clone
     under /tmp, as in CI): the sandbox binds those read-only into every call's /tmp."""
-    from sandbox.zygote import interpreter_dirs  # the directories the sandbox binds, links included
-
     names = set()
     for p in interpreter_dirs():
         for mount_point in ("/tmp/", "/dev/shm/"):
