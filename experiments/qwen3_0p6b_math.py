@@ -5,12 +5,12 @@ JSONL math set.
         --workdir=runs/qwen3_0p6b --config.data.eval_path=/path/to/aime24.jsonl
 """
 
-from experiments import tiny_arith
+from rstar2_jax.rl.config import base_config
 
 
 def get_config(arg: str = ""):
     model_path, _, train_jsonl = (arg or ",").partition(",")
-    c = tiny_arith.get_config()
+    c = base_config()
     c.run_name = "qwen3_0p6b_math"
     c.model.path = model_path
     c.model.dtype = "bfloat16"
@@ -33,7 +33,8 @@ def get_config(arg: str = ""):
     c.rl.lr = 1e-6
     c.rl.warmup_steps = 20
     c.rl.micro_batches = 16
-    c.stages = [dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False)]
+    c.stages = [dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, filter_mode="offline",
+                     reset_optimizer=False)]
     c.sandbox.workers = 32
     c.checkpoint.every = 20
     return c

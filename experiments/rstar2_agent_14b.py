@@ -10,12 +10,26 @@ solves 8/8 dropped, optimizer reset, to step 510.
         --workdir=/runs/rstar2_14b --config.distributed=True
 """
 
-from experiments import qwen3_0p6b_math
+from rstar2_jax.rl.config import base_config
 
 
 def get_config(arg: str = ""):
-    c = qwen3_0p6b_math.get_config(arg)
+    model_path, _, train_jsonl = (arg or ",").partition(",")
+    c = base_config()
     c.run_name = "rstar2_agent_14b"
+    c.model.path = model_path
+    c.model.dtype = "bfloat16"
+    c.model.remat = "full"
+    c.model.attention = "cudnn"          # NVIDIA GPUs
+    c.model.decode_attention = "pallas"
+    c.format = "rstar2"
+    c.data.task = "jsonl"
+    c.data.train_path = train_jsonl or "train.jsonl"
+    c.data.train_problems = 0            # all
+    c.data.eval_problems = 0
+    c.data.eval_path = "aime24.jsonl"    # set --config.data.eval_path
+    c.sft.steps = 0                      # starts from the non-reasoning SFT checkpoint
+    c.rollout.slots = 64
     c.distributed = True
     c.mesh.data = 1
     c.mesh.fsdp = 16
@@ -35,7 +49,7 @@ def get_config(arg: str = ""):
         dict(start_step=300, max_response_tokens=12288, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False),
         dict(start_step=385, max_response_tokens=12288, max_turns=15, filter_solved_k=8, filter_mode="offline", reset_optimizer=True),
     ]
-    c.sandbox.workers = 64
+    c.sandbox.workers = 64               # or sandbox.backend=redis: workers on CPU hosts (SCALING.md)
     c.checkpoint.every = 10
     c.checkpoint.keep = 5
     return c

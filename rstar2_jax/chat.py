@@ -54,7 +54,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from rstar2_jax import models
-    from rstar2_jax.rl.checkpoints import NotARunError, load_run_policy, run_info
+    from rstar2_jax.checkpoints import NotARunError, load_run_policy, run_info
     from rstar2_jax.rollout import FORMATS
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):

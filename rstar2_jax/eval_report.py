@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from rstar2_jax.rewards import tool_error_ratio
-from rstar2_jax.rl.evaluation import Scored
+from rstar2_jax.rollout.scoring import Scored
 
 # Multiple-choice questions already list their options; this asks for the letter in the box.
 CHOICE_INSTRUCTION = "\n\nPut only the letter of the correct option (A, B, C or D) in \\boxed{}."

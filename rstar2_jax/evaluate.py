@@ -53,7 +53,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 def load_policy(model_dir: str | None, checkpoint: str | None):
     """The model of a HF directory, or of a training run's latest checkpoint."""
     from rstar2_jax import models
-    from rstar2_jax.rl.checkpoints import load_run_policy
+    from rstar2_jax.checkpoints import load_run_policy
 
     return models.load_pretrained(model_dir) if model_dir is not None else load_run_policy(checkpoint)
 
@@ -83,7 +83,7 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench) -> dic
     from rstar2_jax.data.problems import load_problems
     from rstar2_jax.eval_report import CHOICE_INSTRUCTION, benchmark_summary
     from rstar2_jax.rewards import answer_reward, choice_reward, extract_answer
-    from rstar2_jax.rl.evaluation import rollout_problems, stable_seed
+    from rstar2_jax.rollout.scoring import rollout_problems, stable_seed
     from rstar2_jax.traces import TraceWriter, trajectory_record
 
     problems = load_problems(bench.path, limit=_LIMIT.value or None)
@@ -129,7 +129,7 @@ def main(argv):
     from rstar2_jax.rollout import make_format
     from rstar2_jax.rollout.engines import ENGINE_KINDS
     from rstar2_jax.rollout.scheduler import POLICIES
-    from rstar2_jax.rl.checkpoints import NotARunError, run_info
+    from rstar2_jax.checkpoints import NotARunError, run_info
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")

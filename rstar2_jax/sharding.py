@@ -14,13 +14,32 @@ a tensor axis of 4), so any config runs on any mesh, at worst with less sharding
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rstar2_jax.config_types import Section, setting
+
 MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+    """`mesh.*`: the (data, fsdp, tensor) mesh over all devices (used when there is more than one)."""
+    data: int = setting(1, "batch-parallel replicas (-1: the devices the other axes leave)", min=-1)
+    fsdp: int = setting(-1, "parameter and batch shards, gathered per layer (-1: the rest)", min=-1)
+    tensor: int = setting(1, "shards of heads, MLP width and vocabulary (-1: the rest)", min=-1)
+
+    def rules(self):
+        sizes = dataclasses.asdict(self)
+        for axis, size in sizes.items():
+            if size == 0:
+                yield axis, "must be >= 1, or -1 for the devices the other axes leave"
+        if list(sizes.values()).count(-1) > 1:
+            yield "", f"at most one mesh axis may be -1, got {sizes}"
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

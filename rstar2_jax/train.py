@@ -4,13 +4,17 @@
         [--config.rl.roc.mode=off] [--config.rl.steps=40]
 
 Any field is overridable as --config.a.b=value; an unknown field or a bad value stops with a clear
-message before anything runs. Re-running with the same --workdir resumes from its last checkpoint.
+message before anything runs (--dry_run: only that, and the run's plan). Re-running with the same
+--workdir resumes from its last checkpoint, with the same config (or changes the run may take,
+such as more rl.steps; --config_mismatch=ok records any other change).
 """
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
+
+from rstar2_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (a .py file with get_config())")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, traces, metrics", required=True)
@@ -18,26 +22,44 @@ _COORDINATOR = flags.DEFINE_string("coordinator", None, "with --config.distribut
                                    "(unset: detected from the cluster environment, e.g. SLURM)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many processes")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this process's index")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "check the config, build the mesh and print the run's plan; "
+                             "loads no model, starts nothing")
+_HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "print every field of --config: value, allowed values, meaning")
+_CONFIG_MISMATCH = flags.DEFINE_enum("config_mismatch", "stop", ["stop", "ok"],
+                                     "re-running a run directory with a config that differs from its config.json: "
+                                     "stop (name the keys) or ok (record the change in config_history.jsonl)")
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax.rl.trainer import ConfigValueError, format_results, run
+    from absl import app
+
+    from rstar2_jax.rl.plan import describe_fields, describe_plan
+    from rstar2_jax.rl.trainer import format_results, run, validate
 
     cfg = _CONFIG.value
     if cfg is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/tiny_arith.py")
-    if cfg.distributed:
+    if _HELPCONFIG.value:
+        from rstar2_jax.rl.config import RunConfig
+        parsed, _ = RunConfig.parse(cfg.to_dict())
+        print(describe_fields(parsed or RunConfig()))
+        return
+    # Checked before anything starts (jax.distributed included), against the process count
+    # given (--num_processes) or one; RLRun checks again against the job's real count.
+    run_cfg = validate(cfg, processes_count=_NUM_PROCESSES.value or 1)
+    if _DRY_RUN.value:
+        print(describe_plan(run_cfg, _WORKDIR.value, _CONFIG_MISMATCH.value))
+        return
+    if run_cfg.distributed:
         import jax
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; before any backend starts
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    try:
-        results = run(cfg, _WORKDIR.value)
-    except ConfigValueError as e:
-        raise app.UsageError(str(e)) from None
+    results = run(cfg, _WORKDIR.value, config_mismatch=_CONFIG_MISMATCH.value)
     print("\n" + format_results(results))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from rstar2_jax.rl.run_dir import ConfigMismatchError
+    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError,))

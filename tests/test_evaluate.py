@@ -13,7 +13,7 @@ from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import load_problems
 from rstar2_jax.eval_report import benchmark_summary, markdown_table, resolve_benchmark
 from rstar2_jax.models import tiny
-from rstar2_jax.rl.evaluation import Scored
+from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable
-
 import numpy as np
 
-from rstar2_jax.algo.registry import lookup, register
+from rstar2_jax.registry import Registry
 
-ADVANTAGES: dict[str, Callable[..., np.ndarray]] = {}
-register_advantage = partial(register, ADVANTAGES)
+ADVANTAGES = Registry("advantage")
+register_advantage = ADVANTAGES.register
 
 
 @register_advantage("grpo")
@@ -29,4 +26,4 @@ def mean_centred_advantages(rewards, eps: float = 1e-6) -> np.ndarray:
 
 
 def advantages(name: str, rewards, eps: float = 1e-6) -> np.ndarray:
-    return lookup(ADVANTAGES, name, "advantage")(rewards, eps=eps)
+    return ADVANTAGES[name](rewards, eps=eps)

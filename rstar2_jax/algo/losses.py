@@ -7,15 +7,15 @@ the *count*; the caller divides once by the total count of the whole batch.
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable
+import dataclasses
 
 import jax.numpy as jnp
 
-from rstar2_jax.algo.registry import lookup, register
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.registry import Registry
 
-LOSSES: dict[str, Callable] = {}
-register_loss = partial(register, LOSSES)
+LOSSES = Registry("policy loss")
+register_loss = LOSSES.register
 
 
 @register_loss("clip_higher")
@@ -61,4 +61,13 @@ def kl_penalty(logprobs, ref_logprobs, mask):
 
 
 def loss_fn(name: str):
-    return lookup(LOSSES, name, "policy loss")
+    return LOSSES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig(Section):
+    """`rl.loss.*`: the policy loss and its clipping (the paper: clip-higher 0.2 / 0.28, no dual clip)."""
+    name: str = setting("clip_higher", "the policy loss", choices=LOSSES)
+    eps_low: float = setting(0.2, "ratio clip below: 1 - eps_low", min=0.0, max=1.0)
+    eps_high: float = setting(0.28, "ratio clip above: 1 + eps_high (clip-higher: eps_high > eps_low)", min=0.0)
+    dual_clip: float | None = setting(None, "negative advantages: loss capped at -A x dual_clip (None: off)", min=1.0)

@@ -17,8 +17,10 @@ rStar2-Agent samples 2G rollouts per problem and keeps G. The paper and the rele
   (no longer sorted). Its penalties are computed from the response text (rewards.penalties:
   release_penalties). Where its independent rounding does not sum to `keep` (never for 2G -> G)
   the released code asserts; here positives take the remainder.
-- "off": plain GRPO on `keep` rollouts drawn uniformly at random.
+- "uniform": plain GRPO on `keep` rollouts drawn uniformly at random (RoC off).
 
+These are the SELECTIONS registry; `roc_select` checks its inputs and dispatches. A run's
+`rl.roc.mode` pairs a selection with the penalties it ranks by (rl/grpo_roc.py: ROC_MODES).
 `roc_select` is pure given `rng` (a numpy Generator).
 """
 
@@ -26,29 +28,44 @@ from __future__ import annotations
 
 import numpy as np
 
-SELECTION_MODES = ("paper", "release", "off")
+from rstar2_jax.registry import Registry
+
+# name -> fn(rewards, penalties, keep, rng, *, eps, min_neg, min_pos) -> kept indices, for 0 < keep < n
+SELECTIONS = Registry("RoC selection")
 
 
-def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, mode: str = "paper", *,
+def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, selection: str = "paper", *,
                eps: float = 1e-3, min_neg: int = 2, min_pos: int = 2) -> np.ndarray:
-    """Indices (sorted) of the rollouts kept from one group."""
+    """Indices (sorted) of the rollouts kept from one group by the named selection."""
     rewards = np.asarray(rewards, dtype=np.float64)
     penalties = np.asarray(penalties, dtype=np.float64)
     n = len(rewards)
     if penalties.shape != rewards.shape:
         raise ValueError(f"rewards and penalties differ in shape: {rewards.shape} vs {penalties.shape}")
-    if mode not in SELECTION_MODES:
-        raise ValueError(f"unknown RoC mode {mode!r}; expected one of {SELECTION_MODES}")
+    select = SELECTIONS[selection]
     if keep >= n:
         return np.arange(n)
     if keep <= 0:
         return np.arange(0)
-    if mode == "off":
-        return np.sort(rng.choice(n, size=keep, replace=False))
+    return select(rewards, penalties, keep, rng, eps=eps, min_neg=min_neg, min_pos=min_pos)
+
+
+@SELECTIONS.register("uniform")
+def uniform_selection(rewards, penalties, keep, rng, **_) -> np.ndarray:
+    return np.sort(rng.choice(len(rewards), size=keep, replace=False))
+
+
+@SELECTIONS.register("release")
+def release_selection(rewards, penalties, keep, rng, *, min_neg: int, min_pos: int, **_) -> np.ndarray:
+    del rng  # deterministic: sorted positives, negatives in rollout order
+    return _release(np.flatnonzero(rewards <= 0), np.flatnonzero(rewards > 0), penalties, keep, len(rewards),
+                    min_neg, min_pos)
+
+
+@SELECTIONS.register("paper")
+def paper_selection(rewards, penalties, keep, rng, *, eps: float, **_) -> np.ndarray:
     neg = np.flatnonzero(rewards <= 0)
     pos = np.flatnonzero(rewards > 0)
-    if mode == "release":
-        return _release(neg, pos, penalties, keep, n, min_neg, min_pos)
     n_neg, n_pos = paper_counts(len(neg), len(pos), keep)
     chosen_neg = rng.choice(neg, size=n_neg, replace=False) if n_neg else np.arange(0)
     if n_pos:

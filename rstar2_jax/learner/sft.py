@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -10,10 +11,21 @@ import numpy as np
 import optax
 from flax import nnx
 
+from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState
 from rstar2_jax.models.logprobs import token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(Section):
+    """The run's warm start (`sft.*`): SFT on the task's synthetic traces before RL."""
+    steps: int = setting(350, "optimizer steps (0: no warm start; a run resumed past SFT skips it)", min=0)
+    batch_size: int = setting(16, "traces per step", min=1)
+    lr: float = setting(2e-3, "peak learning rate (AdamW, warm-up then constant)", min=0.0)
+    warmup_steps: int = setting(30, "linear warm-up steps", min=0)
+    examples: int = setting(4000, "synthetic traces made for SFT", min=1)
 
 
 def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask):

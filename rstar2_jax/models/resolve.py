@@ -1,13 +1,41 @@
-"""The model directory a run's config names: a HF checkpoint, or the tiny random model."""
+"""The run's model settings (`model.*`) and the model directory they name: a HF checkpoint, or
+the tiny random model."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import jax.numpy as jnp
+
+from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models import tiny
+from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION, REMAT_POLICIES
+from rstar2_jax.registry import Registry
+
+DTYPES = Registry("dtype")
+DTYPES.register("float32", jnp.float32)
+DTYPES.register("bfloat16", jnp.bfloat16)
 
 
-def resolve(model_cfg, workdir: str, seed: int) -> str:
+@dataclasses.dataclass(frozen=True)
+class PolicyModelConfig(Section):
+    path: str = setting("", "HF model directory; '' builds the tiny random model in the run directory")
+    tiny_layers: int = setting(2, "tiny model (path ''): decoder layers", min=1)
+    tiny_hidden: int = setting(128, "tiny model (path ''): hidden size", min=32)
+    dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
+    remat: str = setting("none", "rematerialisation of each layer in the backward pass",
+                         choices=tuple(REMAT_POLICIES))
+    attention: str = setting("xla", "full forwards: xla | cudnn (NVIDIA; see BENCHMARKS.md)", choices=FULL_ATTENTION)
+    decode_attention: str = setting("xla", "engine decode: xla | pallas (ragged; rollout.max_len % 128 == 0 "
+                                    "unless paged)", choices=DECODE_ATTENTION)
+
+    def rules(self):
+        if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
+            yield "path", f"{self.path!r} is not a HF model directory (no config.json)"
+
+
+def resolve(model_cfg: PolicyModelConfig, workdir: str, seed: int) -> str:
     """`model_cfg.path` when set; otherwise the tiny random model (`tiny_layers`, `tiny_hidden`),
     built once into `workdir/base_model` and reused by every later start of the run."""
     if model_cfg.path:

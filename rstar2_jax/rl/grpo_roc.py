@@ -1,20 +1,37 @@
 """One GRPO-RoC step's data path: rewards and penalties -> RoC selection -> advantages -> batch.
 
+A RoC mode (`rl.roc.mode`, the ROC_MODES registry) is a pair: the selection (algo/roc.py:
+SELECTIONS) and the penalties it ranks positives by:
+
+    "paper"    the paper's selection; p_err from tool statuses, p_format from the model's own text
+    "release"  the released code's selection and its penalties, read off the response text
+    "off"      uniform selection (plain GRPO); the paper's penalties still go into the traces
+
 Pure given its inputs (the numpy Generator included), so an RL step is reproducible.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from rstar2_jax.algo import SELECTIONS, group_is_informative, roc_select
 from rstar2_jax.algo import advantages as compute_advantages
-from rstar2_jax.algo import group_is_informative, roc_select
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.registry import Registry
 from rstar2_jax.rewards import format_penalty, tool_error_ratio
 from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
-from rstar2_jax.rl.evaluation import Scored
+from rstar2_jax.rollout.scoring import Scored
+
+Penalties = Callable[[Sequence[Scored]], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoCMode:
+    selection: str          # a name in algo.SELECTIONS
+    penalties: Penalties    # group -> (p_err, p_format) per rollout
 
 
 @dataclasses.dataclass
@@ -25,22 +42,49 @@ class GroupSelection:
     p_format: np.ndarray
 
 
-def penalties(group: Sequence[Scored], mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """(p_err, p_format) per rollout: the paper's (tool statuses, the model's own text), or in
-    "release" mode the released code's (read off the response text)."""
-    if mode == "release":
-        texts = [s.trajectory.response_text for s in group]
-        return (np.array([release_error_ratio(t) for t in texts]), np.array([release_format_penalty(t) for t in texts]))
+def paper_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
+    """(p_err, p_format) per rollout as the paper defines them: tool statuses, the model's own text."""
     return (np.array([tool_error_ratio(s.trajectory.tool_statuses) for s in group]),
             np.array([format_penalty(s.trajectory.assistant_text, len(s.trajectory.turns)) for s in group]))
 
 
+def release_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
+    """(p_err, p_format) per rollout as the released code computes them, from the response text."""
+    texts = [s.trajectory.response_text for s in group]
+    return (np.array([release_error_ratio(t) for t in texts]), np.array([release_format_penalty(t) for t in texts]))
+
+
+ROC_MODES: Registry[RoCMode] = Registry("RoC mode")
+ROC_MODES.register("paper", RoCMode("paper", paper_penalties))
+ROC_MODES.register("release", RoCMode("release", release_penalties))
+ROC_MODES.register("off", RoCMode("uniform", paper_penalties))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoCConfig(Section):
+    """`rl.roc.*`: Resample-on-Correct, how 2G rollouts become the G trained on."""
+    mode: str = setting("paper", "paper | release | off (plain GRPO); docs/FIDELITY.md compares them",
+                        choices=ROC_MODES)
+    eps: float = setting(1e-3, "paper: positives drawn with probability ~ 1 / (p_err + p_format + eps)", min=0.0)
+    min_neg: int = setting(2, "release: negatives kept at least (when that many exist)", min=0)
+    min_pos: int = setting(2, "release: positives kept at least (when that many exist)", min=0)
+    reject_uniform_groups: bool = setting(True, "drop a group whose kept rewards are all equal (zero advantage)")
+
+    def rules(self):
+        if self.mode == "paper" and self.eps <= 0:
+            yield "eps", "must be > 0 in paper mode (1 / (penalty + eps) with a zero penalty)"
+
+
 def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, mode: str, eps: float,
                  min_neg: int, min_pos: int, advantage: str, reject_uniform: bool) -> GroupSelection:
+    roc = ROC_MODES[mode]
     rewards = np.array([s.reward for s in group])
-    p_err, p_format = penalties(group, mode)
-    kept = roc_select(rewards, p_err + p_format, keep, rng, mode, eps=eps, min_neg=min_neg, min_pos=min_pos)
+    p_err, p_format = roc.penalties(group)
+    kept = roc_select(rewards, p_err + p_format, keep, rng, roc.selection, eps=eps, min_neg=min_neg, min_pos=min_pos)
     if reject_uniform and not group_is_informative(rewards[kept]):
         kept = kept[:0]
     adv = compute_advantages(advantage, rewards[kept]) if len(kept) else np.zeros(0, np.float32)
     return GroupSelection(kept, adv, p_err, p_format)
+
+
+assert all(mode.selection in SELECTIONS for mode in ROC_MODES.values()), "a RoC mode names an unknown selection"

@@ -39,122 +39,45 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-import sandbox as sandbox_lib
 from rstar2_jax import models, sharding
-from rstar2_jax.algo import ADVANTAGES, LOSSES, SELECTION_MODES
-from rstar2_jax.data.tasks import TASKS, check_task, make_task
+from rstar2_jax.checkpoints import RunCheckpoints
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.data.tasks import make_task
 from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
-from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION
+from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rewards import extract_answer
 from rstar2_jax.rl import processes
-from rstar2_jax.rl.checkpoints import RunCheckpoints
-from rstar2_jax.rl.evaluation import Scored, rollout_problems, stable_seed, summarize
+from rstar2_jax.rl.config import RunConfig, StageConfig
 from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rl.prefilter import prefilter_solved
-from rstar2_jax.rollout import FORMATS, AgentConfig, PromptFormat, make_format
-from rstar2_jax.rollout.agent_loop import TOOL_STATES
-from rstar2_jax.rollout.engines import ENGINE_KINDS, Engine, make_engine
-from rstar2_jax.rollout.scheduler import POLICIES
+from rstar2_jax.rl.run_dir import RunDirectory
+from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
+from rstar2_jax.rollout.engines import Engine, make_engine
+from rstar2_jax.rollout.sandboxes import make_sandbox
+from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.timeline import Timeline, exclusive_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-STAGE_KEYS = {"start_step", "max_response_tokens", "max_turns", "filter_solved_k", "filter_mode", "reset_optimizer"}
-FILTER_MODES = ("offline", "online")
+__all__ = ["ConfigValueError", "RLRun", "RunConfig", "run", "validate"]
 
 
-class ConfigValueError(ValueError):
-    pass
+def validate(cfg: ml_collections.ConfigDict | RunConfig, processes_count: int | None = None) -> RunConfig:
+    """The run's typed config, every field checked (against `processes_count` trainer processes,
+    default: this job's) before anything runs; ConfigValueError lists every problem."""
+    if isinstance(cfg, RunConfig):
+        cfg = cfg.to_dict()
+    return RunConfig.from_config(cfg, jax.process_count() if processes_count is None else processes_count)
 
 
-def validate(cfg: ml_collections.ConfigDict):
-    """Every field checked against what it may be, before anything runs (a typo in a name that
-    is only looked up after SFT would otherwise cost the SFT)."""
-    errors = []
-
-    def need(cond, msg):
-        if not cond:
-            errors.append(msg)
-
-    def one_of(value, allowed, field):
-        need(value in allowed, f"{field} must be one of {sorted(allowed)}, got {value!r}")
-
-    m, r, rl = cfg.model, cfg.rollout, cfg.rl
-    one_of(m.dtype, DTYPES, "model.dtype")
-    one_of(m.attention, FULL_ATTENTION, "model.attention")
-    one_of(m.decode_attention, DECODE_ATTENTION, "model.decode_attention")
-    need(m.decode_attention != "pallas" or r.page_size > 0 or r.max_len % 128 == 0,
-         f"model.decode_attention=pallas needs rollout.max_len to be a multiple of 128 (or paged KV), got {r.max_len}")
-    one_of(cfg.format, FORMATS, "format")
-    errors += check_task(cfg.data)
-    one_of(r.engine, ENGINE_KINDS, "rollout.engine")
-    need(r.engine != "vllm" or len(r.vllm_urls) >= 1, "rollout.engine=vllm needs rollout.vllm_urls: the server URLs "
-         "(start one with `python -m rstar2_jax.rollout.serve --model DIR`)")
-    one_of(r.scheduler, POLICIES, "rollout.scheduler")
-    need(r.page_size >= 0 and r.kv_pages >= 0, "rollout.page_size and rollout.kv_pages must be >= 0 (0: off / default)")
-    need(r.page_size == 0 or r.engine == "jax", "rollout.page_size pages the embedded engine's KV (rollout.engine=jax); "
-         "vLLM servers page their own (--block-size)")
-    need(r.page_size == 0 or r.max_len % r.page_size == 0,
-         f"rollout.page_size={r.page_size} must divide rollout.max_len={r.max_len}")
-    need(r.kv_pages == 0 or r.page_size > 0, "rollout.kv_pages needs rollout.page_size > 0")
-    need(r.kv_pages == 0 or r.page_size == 0 or r.kv_pages * r.page_size >= r.max_len,
-         f"rollout.kv_pages={r.kv_pages} x page_size={r.page_size} cannot hold one max_len={r.max_len} sequence")
-    need(r.vllm_export_dtype in ("", *DTYPES), f"rollout.vllm_export_dtype must be '' or one of {sorted(DTYPES)}")
-    one_of(cfg.sandbox.isolation, sandbox_lib.ISOLATION_MODES, "sandbox.isolation")
-    one_of(cfg.sandbox.tool_state, TOOL_STATES, "sandbox.tool_state")
-    one_of(rl.roc.mode, SELECTION_MODES, "rl.roc.mode")
-    one_of(rl.advantage, ADVANTAGES, "rl.advantage")
-    one_of(rl.loss.name, LOSSES, "rl.loss.name")
-    need(rl.group_size >= 2, "rl.group_size must be >= 2 (advantages need a group)")
-    need(rl.oversample >= 1, "rl.oversample must be >= 1")
-    need(rl.batch_problems >= 1 and rl.steps >= 0, "rl.batch_problems >= 1 and rl.steps >= 0")
-    need(rl.micro_batches >= 1, "rl.micro_batches must be >= 1")
-    need(rl.tis_cap == 0 or rl.tis_cap >= 1, f"rl.tis_cap must be 0 (off) or >= 1, got {rl.tis_cap}")
-    need(rl.max_staleness >= 0, f"rl.max_staleness must be >= 0 (0: on-policy), got {rl.max_staleness}")
-    need(rl.max_staleness == 0 or jax.process_count() == 1,
-         "rl.max_staleness > 0 runs in one process only (the rollouts' gather and the update are collectives "
-         "that must not interleave)")
-    need(cfg.sft.steps == 0 or cfg.data.task not in TASKS or TASKS[cfg.data.task].has_sft_data,
-         f"sft.steps must be 0 for data.task={cfg.data.task!r}: it has no SFT data (fine-tune first with "
-         "python -m rstar2_jax.sft and set model.path)")
-    need(len(cfg.stages) >= 1 and cfg.stages[0]["start_step"] == 0, "stages must start with start_step=0")
-    for i, stage in enumerate(cfg.stages):
-        keys = set(stage)
-        need(keys == STAGE_KEYS, f"stages[{i}] must have exactly the keys {sorted(STAGE_KEYS)}; "
-             f"missing {sorted(STAGE_KEYS - keys)}, unknown {sorted(keys - STAGE_KEYS)}")
-        if keys == STAGE_KEYS:
-            need(0 < stage["max_response_tokens"] < r.max_len,
-                 f"stages[{i}].max_response_tokens must be in (0, rollout.max_len={r.max_len}), "
-                 f"got {stage['max_response_tokens']}")
-            need(stage["max_turns"] >= 1, f"stages[{i}].max_turns must be >= 1")
-            need(not stage["filter_solved_k"] or stage["filter_mode"] != "offline" or jax.process_count() == 1,
-                 f"stages[{i}]: the offline pre-filter runs in one process only (its resumable results file "
-                 "is not shared between processes yet); use filter_mode='online' with several processes")
-            need(stage["filter_mode"] in FILTER_MODES,
-                 f"stages[{i}].filter_mode must be one of {list(FILTER_MODES)}, got {stage['filter_mode']!r}")
-            need(stage["filter_mode"] != "online" or stage["filter_solved_k"] <= rl.group_size * rl.oversample,
-                 f"stages[{i}].filter_solved_k={stage['filter_solved_k']} exceeds the rollouts per problem "
-                 f"(rl.group_size x rl.oversample = {rl.group_size * rl.oversample})")
-    starts = [s["start_step"] for s in cfg.stages]
-    need(starts == sorted(starts), "stages must be ordered by start_step")
-    if errors:
-        raise ConfigValueError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def check_prompt_room(fmt: PromptFormat, tokenizer, problems, stages, max_len: int):
+def check_prompt_room(fmt: PromptFormat, tokenizer, problems, stages: Sequence[StageConfig], max_len: int):
     """The longest prompt of `problems` plus every stage's response budget must fit max_len."""
     longest = max(len(tokenizer.encode(fmt.prompt(p.question))) for p in problems)
     for i, stage in enumerate(stages):
-        if longest + stage["max_response_tokens"] > max_len:
-            raise ConfigValueError(f"invalid config: the longest prompt ({longest} tokens) + stages[{i}]."
-                                   f"max_response_tokens ({stage['max_response_tokens']}) exceeds rollout.max_len "
-                                   f"({max_len})")
-
-
-def stage_index(cfg, step: int) -> int:
-    return max(i for i, s in enumerate(cfg.stages) if s["start_step"] <= step)
+        if longest + stage.max_response_tokens > max_len:
+            raise ConfigValueError([f"the longest prompt ({longest} tokens) + stages[{i}].max_response_tokens "
+                                    f"({stage.max_response_tokens}) exceeds rollout.max_len ({max_len})"])
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -200,18 +123,19 @@ DATA_META_KEYS = ("data_pos", "solved", "prefiltered_stage")
 
 
 class RLRun:
-    def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
-        validate(cfg)
+    def __init__(self, cfg: ml_collections.ConfigDict | RunConfig, workdir: str, *, config_mismatch: str = "stop"):
+        """`config_mismatch`: what a config that differs from the run directory's config.json does
+        ("stop": ConfigMismatchError naming the keys; "ok": the change goes into the run's config
+        history). Extending rl.steps and the like never stops (run_dir.RESUMABLE_CHANGES)."""
+        cfg = validate(cfg)
         self.cfg, self.workdir = cfg, os.path.abspath(workdir)
-        os.makedirs(self.workdir, exist_ok=True)
+        self.run_dir = RunDirectory(self.workdir)
         self.fmt = make_format(cfg.format)
         if processes.is_primary():  # the others read what it wrote (one run directory)
+            self.run_dir.record_config(cfg.to_dict(), config_mismatch)
             self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
-            with open(os.path.join(self.workdir, "run.json"), "w") as f:  # what evaluate --checkpoint loads
-                json.dump({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
-                           "format": cfg.format}, f, indent=2)
-            with open(os.path.join(self.workdir, "config.json"), "w") as f:  # what the notebooks show
-                f.write(cfg.to_json_best_effort(indent=2))
+            self.run_dir.write_run_info({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
+                                         "format": cfg.format})
         processes.barrier("run directory written")
         if not processes.is_primary():
             self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
@@ -226,6 +150,7 @@ class RLRun:
         self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
         self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
         self.learner: Learner | None = None
+        self._tb = None  # TensorBoard writer (primary process), opened by the first RL step's _log
 
     @property
     def train_problems(self):
@@ -237,19 +162,14 @@ class RLRun:
 
     # ------------------------------------------------------------------------------------------
     def agent_config(self, step: int, temperature: float | None = None) -> AgentConfig:
-        stage = self.cfg.stages[stage_index(self.cfg, step)]
+        stage = self.cfg.stage(step)
         r = self.cfg.rollout
-        return AgentConfig(format=self.fmt, max_turns=stage["max_turns"], max_response_tokens=stage["max_response_tokens"],
+        return AgentConfig(format=self.fmt, max_turns=stage.max_turns, max_response_tokens=stage.max_response_tokens,
                            temperature=r.temperature if temperature is None else temperature, tool_timeout_s=r.tool_timeout_s,
                            tool_state=self.cfg.sandbox.tool_state)
 
     def make_engine(self, engine_model) -> Engine:
-        r = self.cfg.rollout
-        return make_engine(r.engine, engine_model, self.tokenizer, max_len=r.max_len, slots=r.slots, seed=self.cfg.seed,
-                           urls=r.vllm_urls, scheduler=r.scheduler,
-                           export_dtype=DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else None,
-                           probe_tolerance=r.vllm_probe_tolerance, reuse_kv=r.reuse_kv, page_size=r.page_size,
-                           kv_pages=r.kv_pages)
+        return make_engine(self.cfg.rollout, engine_model, self.tokenizer, seed=self.cfg.seed)
 
     def sft(self):
         c = self.cfg.sft
@@ -280,7 +200,10 @@ class RLRun:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"time": time.time(), **record}) + "\n")
-        if record.get("phase") == "rl" and getattr(self, "_tb", None) is not None:
+        if record.get("phase") == "rl":
+            if self._tb is None:  # opened on the first step logged: a re-run with nothing to train adds no event file
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
@@ -295,29 +218,32 @@ class RLRun:
 
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
+        """Evaluate before RL, train to rl.steps, evaluate after; a re-run of a finished run
+        reports its results without evaluating again."""
         cfg = self.cfg
         async with self.session() as (engine, sb, meta):
             results = dict(meta.get("results", {}))
+            finished = self.run_dir.load_results()
+            if meta["rl_step"] >= cfg.rl.steps and "after" in finished:  # evaluated at this step already
+                results["after"] = finished["after"]
             if cfg.eval.before_and_after and "before" not in results:
                 results["before"] = await self.evaluate(engine, sb, meta["rl_step"], "before_rl")
                 meta["results"] = results
             await self.train_steps(engine, sb, meta)
             if cfg.eval.before_and_after and "after" not in results:
                 results["after"] = await self.evaluate(engine, sb, cfg.rl.steps, "after_rl")
-        with open(os.path.join(self.workdir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        if processes.is_primary():
+            self.run_dir.save_results(results)
         return results
 
     @contextlib.asynccontextmanager
     async def session(self):
         """The learner (resumed from the last checkpoint, or after SFT), the sandbox and the engine
         holding the learner's weights; yields (engine, sandbox, run metadata)."""
-        from tensorboardX import SummaryWriter
-
         cfg = self.cfg
         lcfg = self.learner_config()
         latest = self.checkpoints.latest_step()
-        self.mesh = sharding.make_mesh(**cfg.mesh) if jax.device_count() > 1 else None
+        self.mesh = sharding.make_mesh(**dataclasses.asdict(cfg.mesh)) if jax.device_count() > 1 else None
         self.learner = Learner(self.model, lcfg, mesh=self.mesh)
         meta = {"rl_step": 0, "data_pos": 0, "version": 0, "stage": 0, "results": {}}
         if latest is not None:
@@ -329,16 +255,16 @@ class RLRun:
             params = self.sft()
             self.learner = Learner(self.model_with(params), lcfg, mesh=self.mesh)
             self.checkpoints.save(0, self.learner.state, meta)
-        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard")) if processes.is_primary() else None
         weights = self.engine_weights()  # one copy (or gather) for the engine's model and its version
         try:
-            async with sandbox_lib.LocalSandbox(workers=cfg.sandbox.workers, isolation=cfg.sandbox.isolation) as sb, \
+            async with make_sandbox(cfg.sandbox) as sb, \
                     self.make_engine(self.model_with(weights)) as engine:
                 engine.update_weights(weights, self.learner.version)
                 yield engine, sb, meta
         finally:
             if self._tb is not None:
                 self._tb.close()
+                self._tb = None
             self.checkpoints.close()
 
     async def train_steps(self, engine: Engine, sb, meta: dict[str, Any]):
@@ -428,8 +354,8 @@ class RLRun:
         """Step `step`'s problems (after the stage's pre-filter, when it begins); advances
         `data_meta` and returns a copy of it as of this draw (what a checkpoint after this step saves)."""
         cfg = self.cfg
-        stage_i = stage_index(cfg, step)
-        filter_k, filter_mode = cfg.stages[stage_i]["filter_solved_k"], cfg.stages[stage_i]["filter_mode"]
+        stage_i = cfg.stage_index(step)
+        filter_k, filter_mode = cfg.stages[stage_i].filter_solved_k, cfg.stages[stage_i].filter_mode
         if filter_k and filter_mode == "offline" and data_meta.get("prefiltered_stage") != stage_i:
             data_meta["solved"] = sorted(await self.prefilter(engine, sb, stage_i, step))
             data_meta["prefiltered_stage"] = stage_i
@@ -442,11 +368,11 @@ class RLRun:
                        data_meta: dict[str, Any]) -> StepRollouts:
         """The step's rollouts; the online filter adds the problems they solved k/k to `data_meta`
         (in async runs, steps drawn meanwhile did not see them)."""
-        stage = self.cfg.stages[stage_index(self.cfg, step)]
+        stage = self.cfg.stage(step)
         out = await self.generate(engine, sb, step, problems)
-        if stage["filter_solved_k"] and stage["filter_mode"] == "online":
+        if stage.filter_solved_k and stage.filter_mode == "online":
             data_meta["solved"] = sorted(set(data_meta.get("solved", [])) |
-                                         solved_ids(out, self.rollouts_per_problem, stage["filter_solved_k"]))
+                                         solved_ids(out, self.rollouts_per_problem, stage.filter_solved_k))
             drawn["solved"] = data_meta["solved"]
         out.data_meta = drawn
         return out
@@ -455,9 +381,9 @@ class RLRun:
         """RoC selection, the update (weights then go to the engine) and the step's traces;
         returns the step's metrics."""
         cfg = self.cfg
-        stage_i = stage_index(cfg, step)
+        stage_i = cfg.stage_index(step)
         if stage_i != meta.get("stage", 0):
-            if cfg.stages[stage_i]["reset_optimizer"]:
+            if cfg.stages[stage_i].reset_optimizer:
                 self.learner.reset_optimizer()
             meta["stage"] = stage_i
         staleness = self.check_staleness(step, out)
@@ -491,7 +417,7 @@ class RLRun:
             return [sum(s.reward > 0 for s in scored[i * k:(i + 1) * k]) for i in range(len(problems))]
 
         path = os.path.join(self.workdir, "prefilter", f"stage{stage_i}.jsonl")
-        solved = await prefilter_solved(self.train_problems, cfg.stages[stage_i]["filter_solved_k"], path, solve,
+        solved = await prefilter_solved(self.train_problems, cfg.stages[stage_i].filter_solved_k, path, solve,
                                         chunk=cfg.rl.batch_problems, desc=f"stage {stage_i} pre-filter")
         n = len(self.train_problems)
         print(f"stage {stage_i} pre-filter: {len(solved)} of {n} problems solved k/k and dropped, {n - len(solved)} kept")
@@ -500,7 +426,7 @@ class RLRun:
 
     @property
     def rollouts_per_problem(self) -> int:
-        return self.cfg.rl.group_size * self.cfg.rl.oversample
+        return self.cfg.rl.rollouts_per_problem
 
     async def generate(self, engine: Engine, sb, step: int, problems) -> StepRollouts:
         """2G rollouts of every problem, concurrently, with the step's seeds."""
@@ -632,5 +558,5 @@ def format_results(results: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def run(cfg, workdir: str) -> dict[str, Any]:
-    return asyncio.run(RLRun(cfg, workdir).run())
+def run(cfg, workdir: str, *, config_mismatch: str = "stop") -> dict[str, Any]:
+    return asyncio.run(RLRun(cfg, workdir, config_mismatch=config_mismatch).run())

@@ -14,7 +14,7 @@ groups = st.integers(2, 32).flatmap(lambda n: st.tuples(
 
 
 @settings(max_examples=300, deadline=None)
-@given(groups, st.sampled_from(["paper", "off", "release"]))
+@given(groups, st.sampled_from(["paper", "uniform", "release"]))
 def test_selection_counts(group, mode):
     rewards, penalties, keep, seed = group
     idx = roc_select(rewards, penalties, keep, np.random.default_rng(seed), mode)
@@ -141,15 +141,15 @@ def test_release_mode_takes_negatives_in_rollout_order_and_positives_by_penalty(
     assert len(idx) == 8 and 0 in idx
 
 
-def test_off_mode_is_uniform():
+def test_uniform_selection_is_uniform():
     counts = np.zeros(8)
     for seed in range(4000):
-        counts[roc_select([1, 1, 1, 1, 0, 0, 0, 0], np.arange(8.0), 4, np.random.default_rng(seed), "off")] += 1
+        counts[roc_select([1, 1, 1, 1, 0, 0, 0, 0], np.arange(8.0), 4, np.random.default_rng(seed), "uniform")] += 1
     np.testing.assert_allclose(counts / 4000, 0.5, atol=0.04)
 
 
 def test_bad_mode_and_shapes():
-    with pytest.raises(ValueError, match="unknown RoC mode"):
+    with pytest.raises(ValueError, match="unknown RoC selection 'best'; registered: paper, release, uniform"):
         roc_select([1, 0], [0, 0], 1, np.random.default_rng(0), "best")
     with pytest.raises(ValueError, match="differ in shape"):
         roc_select([1, 0], [0], 1, np.random.default_rng(0))

@@ -12,7 +12,7 @@ import pytest
 
 from rstar2_jax.algo import ADVANTAGES
 from rstar2_jax.data.tasks import make_task
-from rstar2_jax.rl.checkpoints import RunCheckpoints
+from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.rl.trainer import ConfigValueError, RLRun, next_problems, run, validate
 from rstar2_jax.traces import read_traces
 from tests.rl.test_training import rl_lines, small_config

@@ -18,16 +18,23 @@ def test_roc_grid_cells_validate(cell):
 
 
 def test_paper_recipe_matches_the_paper():
-    c = rstar2_agent_14b.get_config("/m,/d.jsonl")
+    c = rstar2_agent_14b.get_config("")
+    c.data.train_path = c.data.eval_path = __file__  # any existing file: the paths are the user's
     assert (c.rl.batch_problems, c.rl.group_size * c.rl.oversample, c.rl.group_size) == (512, 32, 16)
     assert c.rl.lr == 1e-6 and c.rollout.temperature == 1.0 and c.rl.steps == 510
-    assert [(s["start_step"], s["max_response_tokens"], s["max_turns"], s["filter_solved_k"], s["reset_optimizer"])
-            for s in c.stages] == [(0, 8192, 10, 0, False), (300, 12288, 10, 0, False), (385, 12288, 15, 8, True)]
+    assert [(s.start_step, s.max_response_tokens, s.max_turns, s.filter_solved_k, s.reset_optimizer)
+            for s in validate(c, processes_count=1).stages] == [(0, 8192, 10, 0, False), (300, 12288, 10, 0, False), (385, 12288, 15, 8, True)]
     assert c.mesh.fsdp * c.mesh.tensor * c.mesh.data == 64 and c.distributed
 
 
-def test_jsonl_configs_need_their_files(tmp_path):
+def test_a_model_path_must_be_a_hf_directory(tmp_path):
     c = qwen3_0p6b_math.get_config(f"{tmp_path},{tmp_path / 'missing.jsonl'}")
+    with pytest.raises(ConfigValueError, match="model.path: .* is not a HF model directory"):
+        validate(c)
+
+
+def test_jsonl_configs_need_their_files(tmp_path):
+    c = qwen3_0p6b_math.get_config(f",{tmp_path / 'missing.jsonl'}")  # model.path "": the tiny model
     with pytest.raises(ConfigValueError, match="data.train_path: no such file"):
         validate(c)
     (tmp_path / "train.jsonl").write_text('{"problem": "1+1", "answer": 2}\n')
@@ -43,9 +50,9 @@ def test_rollout_seeds_are_the_same_in_every_process():
     import subprocess
     import sys
 
-    from rstar2_jax.rl.evaluation import stable_seed
+    from rstar2_jax.rollout.scoring import stable_seed
 
-    code = "from rstar2_jax.rl.evaluation import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
+    code = "from rstar2_jax.rollout.scoring import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONHASHSEED="12345"), check=True).stdout

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from rstar2_jax.rl.checkpoints import RunCheckpoints, run_info
+from rstar2_jax.checkpoints import RunCheckpoints, run_info
 from rstar2_jax.rollout.engines.vllm_server import free_port
 from rstar2_jax.traces import read_traces
 from tests.rl.test_training import COMPARED, rl_lines

@@ -1,5 +1,14 @@
-from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
-from rstar2_jax.rollout.engines.factory import ENGINE_KINDS, make_engine
-from rstar2_jax.rollout.engines.jax_engine import JaxEngine
+"""Rollout engines: the interface (base.py), the factory (factory.py) and the implementations,
+which load when first used (`make_engine` or `engines.JaxEngine`), never on import."""
 
-__all__ = ["Completion", "ENGINE_KINDS", "Engine", "EngineStats", "JaxEngine", "ServerLoad", "make_engine"]
+from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
+from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, make_engine
+
+__all__ = ["Completion", "ENGINES", "Engine", "EngineStats", "JaxEngine", "RolloutConfig", "ServerLoad", "make_engine"]
+
+
+def __getattr__(name):
+    if name == "JaxEngine":
+        from rstar2_jax.rollout.engines.jax_engine import JaxEngine
+        return JaxEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

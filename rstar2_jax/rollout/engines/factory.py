@@ -1,32 +1,103 @@
-"""One way to build the rollout engine, shared by train and evaluate (and anything else)."""
+"""The rollout settings (`rollout.*`) and the one way to build an engine from them, shared by
+train, evaluate and chat.
+
+ENGINES maps `rollout.engine` to an `EngineKind`: how to build that engine from a RolloutConfig
+and how to check the settings only it reads. Engine modules are imported when built, so choosing
+one never loads the other (vLLM's client needs no JAX engine, and the reverse).
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Callable, Iterable
 
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.models.resolve import DTYPES
+from rstar2_jax.registry import Registry
 from rstar2_jax.rollout.engines.base import Engine
+from rstar2_jax.rollout.scheduler_policies import POLICIES
 
-ENGINE_KINDS = ("jax", "vllm")
+
+@dataclasses.dataclass(frozen=True)
+class EngineKind:
+    build: Callable[..., Engine]                               # (rollout_cfg, model, tokenizer, seed) -> Engine
+    check: Callable[["RolloutConfig"], Iterable[tuple[str, str]]]  # (field, message) of each problem
 
 
-def make_engine(kind: str, model, tokenizer, *, max_len: int, slots: int, seed: int, urls: Sequence[str] = (),
-                scheduler: str = "kv_aware", export_dtype=None, probe_tolerance: float = 1e-3,
-                reuse_kv: bool = False, page_size: int = 0, kv_pages: int = 0) -> Engine:
-    """kind "jax": the embedded JaxEngine over `model` (slots x max_len of KV, or `kv_pages` pages
-    of `page_size` positions when page_size > 0 (kv_pages 0: the rows' memory); `reuse_kv` keeps
-    a trajectory's KV between turns).
-    kind "vllm": clients of the servers at `urls` (several: behind the Scheduler with policy
-    `scheduler`); `model` is the served architecture, used to export and probe synced weights
-    (None: generation only, no weight sync)."""
-    if kind == "jax":
-        from rstar2_jax.rollout.engines.jax_engine import JaxEngine
-        return JaxEngine(model, tokenizer, slots=slots, max_len=max_len, seed=seed, reuse_kv=reuse_kv,
-                         page_size=page_size or None, kv_pages=kv_pages or None)
-    if kind == "vllm":
-        from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-        from rstar2_jax.rollout.scheduler import Scheduler
-        if not urls:
-            raise ValueError("the vllm engine needs server URLs (start one: python -m rstar2_jax.rollout.serve --model DIR)")
-        engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=probe_tolerance) for url in urls]
-        return engines[0] if len(engines) == 1 else Scheduler(engines, scheduler)
-    raise ValueError(f"unknown engine {kind!r}; known: {ENGINE_KINDS}")
+ENGINES: Registry[EngineKind] = Registry("engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    slots: int = setting(32, "jax engine: sequences decoded together", min=1)
+    max_len: int = setting(640, "KV per sequence: the longest prompt + every stage's max_response_tokens must fit",
+                           min=2)
+    temperature: float = setting(1.0, "sampling temperature of training rollouts (0: greedy)", min=0.0)
+    tool_timeout_s: float = setting(5.0, "seconds a tool call may run", min=0.001)
+    engine: str = setting("jax", "jax (embedded in the learner process) | vllm (servers at vllm_urls)",
+                          choices=ENGINES)
+    reuse_kv: bool = setting(False, "jax: keep a trajectory's KV between turns (prefill only new tokens)")
+    page_size: int = setting(0, "jax: 0 = one max_len KV row per slot; N = paged KV, pages of N positions", min=0)
+    kv_pages: int = setting(0, "jax, paged: pages in the pool (0 = slots x max_len / page_size)", min=0)
+    vllm_urls: tuple[str, ...] = setting((), "vllm: server URLs (repeat --config.rollout.vllm_urls=URL); "
+                                         "several go behind the scheduler")
+    scheduler: str = setting("kv_aware", "policy over several vLLM servers", choices=POLICIES)
+    vllm_export_dtype: str = setting("", "vllm: dtype of synced weights ('' = the params'; bfloat16 for bf16 "
+                                     "servers)", choices=("", *DTYPES))
+    vllm_probe_tolerance: float = setting(1e-3, "vllm: max |log-prob| gap server vs learner after a sync "
+                                          "(raise for bf16)", min=0.0)
+
+    def rules(self):
+        if self.engine in ENGINES:
+            yield from ENGINES[self.engine].check(self)
+
+
+def make_engine(cfg: RolloutConfig, model, tokenizer, *, seed: int) -> Engine:
+    """The engine `cfg.engine` names. `model`: the embedded engine's model; for vLLM the served
+    architecture, used to export and probe synced weights (None: generation only, no sync)."""
+    return ENGINES[cfg.engine].build(cfg, model, tokenizer, seed)
+
+
+# ----------------------------------------------------------------------------------------------
+def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+    from rstar2_jax.rollout.engines.jax_engine import JaxEngine
+    return JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, seed=seed, reuse_kv=cfg.reuse_kv,
+                     page_size=cfg.page_size or None, kv_pages=cfg.kv_pages or None)
+
+
+def _check_jax(cfg: RolloutConfig):
+    if cfg.page_size and cfg.max_len % cfg.page_size:
+        yield "page_size", f"{cfg.page_size} must divide rollout.max_len={cfg.max_len}"
+    if cfg.kv_pages and not cfg.page_size:
+        yield "kv_pages", "needs rollout.page_size > 0 (kv_pages sizes the paged KV pool)"
+    if cfg.kv_pages and cfg.page_size and cfg.kv_pages * cfg.page_size < cfg.max_len:
+        yield "kv_pages", (f"{cfg.kv_pages} x page_size={cfg.page_size} cannot hold one max_len={cfg.max_len} "
+                           "sequence")
+
+
+def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+    del tokenizer, seed  # the servers tokenize and seed per request
+    from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+    from rstar2_jax.rollout.scheduler import Scheduler
+    export_dtype = DTYPES[cfg.vllm_export_dtype] if cfg.vllm_export_dtype else None
+    engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance)
+               for url in cfg.vllm_urls]
+    return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
+
+
+def _check_vllm(cfg: RolloutConfig):
+    if not cfg.vllm_urls:
+        yield "vllm_urls", ("rollout.engine=vllm needs the server URLs (start one with "
+                            "`python -m rstar2_jax.rollout.serve --model DIR`)")
+    for i, url in enumerate(cfg.vllm_urls):
+        if not url.startswith(("http://", "https://")):
+            yield f"vllm_urls[{i}]", f"must be an http(s) URL, got {url!r}"
+    if cfg.page_size or cfg.kv_pages:
+        yield "page_size", ("pages the embedded engine's KV (rollout.engine=jax); vLLM servers page their own "
+                            "(--block-size)")
+    if cfg.reuse_kv:
+        yield "reuse_kv", "is the embedded engine's; vLLM servers reuse KV by their prefix cache"
+
+
+ENGINES.register("jax", EngineKind(_build_jax, _check_jax))
+ENGINES.register("vllm", EngineKind(_build_vllm, _check_vllm))

@@ -4,12 +4,22 @@ from the newest complete one (orbax writes to a temporary directory and renames 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from rstar2_jax.config_types import Section, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """`checkpoint.*`: when the run saves its whole state (and the last step always)."""
+    every: int = setting(4, "RL steps between checkpoints", min=1)
+    keep: int = setting(2, "newest checkpoints kept on disk", min=1)
 
 
 class RunCheckpoints:

@@ -1,0 +1,142 @@
+"""How the entry points (train, evaluate, chat, sft, ablate) report a mistake: one short block
+per problem on stderr, "did you mean" first, exit status 2; no traceback and no flag dump.
+
+    def main(argv): ...
+    if __name__ == "__main__":
+        cli.run(main, config_flag=_CONFIG)
+
+Handled: absl flag errors (bad values, unknown flags), `--config.a.b=v` overrides of fields
+that do not exist, config files that are missing or raise (file and line of the fault),
+app.UsageError, and every error type in EXPECTED (bad configs, run-directory mismatches,
+malformed data files) raised by `main`. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+
+from absl import app, flags
+
+from rstar2_jax.checkpoints import NotARunError
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.data.jsonl import DataError
+from rstar2_jax.registry import UnknownNameError
+
+EXPECTED: tuple[type[BaseException], ...] = (app.UsageError, ConfigValueError, DataError, NotARunError,
+                                             UnknownNameError)
+EXIT_USAGE = 2
+
+
+def fail(message: str, program: str | None = None):
+    program = program or os.path.basename(sys.argv[0]).removesuffix(".py")
+    if program == "__main__":
+        program = "rstar2_jax"
+    print(f"error: {message}\n({program} --helpshort lists the flags)", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def run(main, *, config_flag=None, expected: tuple[type[BaseException], ...] = ()):
+    """app.run(main) with readable errors. `config_flag`: the holder of a config_flags
+    DEFINE_config_file flag, loaded (and its overrides applied) before main runs."""
+
+    def parse(argv):
+        try:
+            rest = flags.FLAGS(argv)
+        except flags.Error as e:
+            fail(_flag_error(str(e)))
+        except Exception as e:  # noqa: BLE001  config_flags loading the file or applying an override
+            fail(_override_error(e, argv) or _config_file_error(e, _config_arg(argv, config_flag)))
+        if config_flag is not None:
+            try:
+                value = config_flag.value
+                if value is not None:
+                    value.to_dict  # noqa: B018  (a file that failed to load raises on first attribute access)
+            except Exception as e:  # noqa: BLE001  the file failed to load: say where
+                fail(_config_file_error(e, _config_filename(config_flag) or _config_arg(argv, config_flag)))
+        return rest
+
+    def guarded(argv):
+        try:
+            return main(argv)
+        except (*EXPECTED, *expected) as e:
+            fail(str(e))
+
+    app.run(guarded, flags_parser=parse)
+
+
+def _config_filename(config_flag) -> str | None:
+    from ml_collections import config_flags
+    try:
+        return config_flags.get_config_filename(flags.FLAGS[config_flag.name])
+    except Exception:  # noqa: BLE001  (not a config file flag)
+        return None
+
+
+def _config_arg(argv, config_flag) -> str | None:
+    """The value of --config=FILE (or --config FILE) in argv."""
+    if config_flag is None:
+        return None
+    name = f"--{config_flag.name}"
+    for i, arg in enumerate(argv):
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _flag_error(message: str) -> str:
+    # absl: "flag --x=v: <why>"; keep it, drop the FATAL / help lines absl adds
+    return message.replace("\n", " ")
+
+
+def _override_error(e: BaseException, argv) -> str | None:
+    """`--config.rl.roc.mod=paper` -> '--config.rl.roc.mod: no such field; did you mean --config.rl.roc.mode?'"""
+    text = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
+    bad = re.match(r"'?([^'\n]+)'?", text)
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    key = bad.group(1) if bad else None
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0]
+        if key and name.startswith("--") and name.rsplit(".", 1)[-1] == key:
+            if suggestion:
+                return f"{name}: no such field; did you mean {name.rsplit('.', 1)[0]}.{suggestion.group(1)}?"
+            return f"{name}: no such field in the config"
+    return None
+
+
+def _config_file_error(e: BaseException, filename: str | None) -> str:
+    """A config file that is missing, or raises while it loads: the file and line of the fault."""
+    text = str(e)
+    if filename is None:
+        match = re.search(r"Attempted \[[^\]]*\]:\s*\n\s*(\S+)", text)
+        filename = match.group(1) if match else None
+    if filename and not os.path.exists(filename.split(":", 1)[0]):
+        return f"--config={filename}: no such file"
+    if filename:
+        path = os.path.abspath(filename.split(":", 1)[0])
+        cause = _load_config_file(path, filename.partition(":")[2])
+        if cause:
+            return f"--config={filename}: {cause}"
+    return f"--config: {text.splitlines()[0] if text else type(e).__name__}"
+
+
+def _load_config_file(path: str, arg: str) -> str | None:
+    """Run the config file's get_config(arg) to find where it fails: 'file:line: Type: message'."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location("_config_under_test", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.get_config(arg) if arg else module.get_config()
+    except SyntaxError as e:
+        return f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}"
+    except Exception as e:  # noqa: BLE001  (whatever the file raises is the user's message)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == path]
+        where = f"{path}:{frames[-1].lineno}: " if frames else ""
+        return f"{where}{type(e).__name__}: {e}"
+    return None

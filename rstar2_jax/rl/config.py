@@ -1,0 +1,160 @@
+"""The run's config: the sections each module owns, put together, and the rules across them.
+
+    cfg = base_config()                  # a ConfigDict of every field at its default
+    cfg.rl.steps = 40                    # experiment files set values (experiments/*.py)
+    run_cfg = RunConfig.from_config(cfg) # typed and checked: ConfigValueError lists every problem
+
+Sections and where they live: model (models/resolve.py), data (data/tasks.py), sft
+(learner/sft.py), rollout (rollout/engines/factory.py), sandbox (rollout/sandboxes.py), rl.roc
+(rl/grpo_roc.py), rl.loss (algo/losses.py), mesh (sharding.py), checkpoint (checkpoints.py);
+rl, stages and eval are the trainer's own (here). `python -m rstar2_jax.train --helpconfig`
+prints every field with its documentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import ml_collections
+
+from rstar2_jax.algo import ADVANTAGES
+from rstar2_jax.algo.losses import PolicyLossConfig
+from rstar2_jax.checkpoints import CheckpointConfig
+from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
+from rstar2_jax.data.tasks import TASKS, DataConfig
+from rstar2_jax.learner.sft import SFTConfig
+from rstar2_jax.models.resolve import PolicyModelConfig
+from rstar2_jax.rl.grpo_roc import RoCConfig
+from rstar2_jax.rollout.engines.factory import RolloutConfig
+from rstar2_jax.rollout.prompt import FORMATS
+from rstar2_jax.rollout.sandboxes import SandboxConfig
+from rstar2_jax.sharding import MeshConfig
+
+FILTER_MODES = ("offline", "online")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig(Section):
+    """From `start_step` on, these rollout limits apply (the token budget covers all turns)."""
+    start_step: int = setting(0, "the RL step the stage begins at (the first stage: 0)", min=0)
+    max_response_tokens: int = setting(400, "tokens after the prompt, all turns together", min=1)
+    max_turns: int = setting(4, "assistant turns", min=1)
+    filter_solved_k: int = setting(0, "drop problems the policy solves k/k (0: off)", min=0)
+    filter_mode: str = setting("offline", "offline: the paper's pre-pass of k rollouts per problem when the stage "
+                               "begins (resumable); online: drop a problem when the first k of its rollouts in a "
+                               "step all score", choices=FILTER_MODES)
+    reset_optimizer: bool = setting(False, "reset the optimizer state at the stage's first step")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    before_and_after: bool = setting(True, "evaluate greedy and sampled on the eval problems before and after RL")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(Section):
+    """`rl.*`: GRPO-RoC and its learner."""
+    steps: int = setting(12, "RL steps (raise it to extend a finished run)", min=0)
+    batch_problems: int = setting(16, "problems per step", min=1)
+    group_size: int = setting(4, "G: rollouts kept per problem (advantages need a group of 2+)", min=2)
+    oversample: int = setting(2, "rollouts per problem = group_size x oversample (RoC keeps G of them)", min=1)
+    lr: float = setting(2e-4, "peak learning rate (AdamW; warm-up then constant)", min=0.0)
+    warmup_steps: int = setting(2, "linear warm-up steps", min=0)
+    weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
+    grad_clip: float = setting(1.0, "global-norm gradient clip (0: off)", min=0.0)
+    micro_batches: int = setting(1, "micro-batches per update (gradients accumulated; memory)", min=1)
+    advantage: str = setting("grpo", "group-relative advantage", choices=ADVANTAGES)
+    token_entropy: bool = setting(True, "per-token entropies of kept rollouts into the traces (learner pass)")
+    max_staleness: int = setting(0, "async rollouts: versions a sampled token may lag the learner (0: on-policy, "
+                                 "the paper)", min=0)
+    tis_cap: float = setting(0.0, "truncated importance sampling sampler -> learner, cap (0: off, the paper)",
+                             min=0.0)
+    roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
+    loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
+
+    def rules(self):
+        if 0 < self.tis_cap < 1:
+            yield "tis_cap", f"must be 0 (off) or >= 1 (a cap below 1 down-weights every token), got {self.tis_cap}"
+
+    @property
+    def rollouts_per_problem(self) -> int:
+        return self.group_size * self.oversample
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Section):
+    seed: int = setting(0, "every seed of the run derives from it (data order, rollouts, RoC draws)", min=0)
+    run_name: str = setting("tiny_arith", "the name in traces and metrics", nonempty=True)
+    model: PolicyModelConfig = setting(PolicyModelConfig, "the policy model")
+    data: DataConfig = setting(DataConfig, "the task")
+    format: str = setting("tiny", "prompt format: tiny (the demo's) | compact | rstar2 (the paper's)", choices=FORMATS)
+    sft: SFTConfig = setting(SFTConfig, "the SFT warm start")
+    rollout: RolloutConfig = setting(RolloutConfig, "rollout engine and sampling")
+    sandbox: SandboxConfig = setting(SandboxConfig, "the code sandbox")
+    rl: RLConfig = setting(RLConfig, "GRPO-RoC")
+    stages: tuple[StageConfig, ...] = setting((StageConfig(),), "rollout limits from a step on (the first at 0)")
+    eval: EvalConfig = setting(EvalConfig, "evaluation")
+    mesh: MeshConfig = setting(MeshConfig, "device mesh")
+    distributed: bool = setting(False, "jax.distributed.initialize() before anything (several processes)")
+    checkpoint: CheckpointConfig = setting(CheckpointConfig, "checkpoints")
+
+    def rules(self):
+        r, rl = self.rollout, self.rl
+        if self.model.decode_attention == "pallas" and not r.page_size and r.max_len % 128:
+            yield "model.decode_attention", (f"pallas needs rollout.max_len to be a multiple of 128 (or paged KV), "
+                                             f"got {r.max_len}")
+        if self.sft.steps and self.data.task in TASKS and not TASKS[self.data.task].has_sft_data:
+            yield "sft.steps", (f"must be 0 for data.task={self.data.task!r}: it has no SFT data (fine-tune first "
+                                "with python -m rstar2_jax.sft and set model.path)")
+        if not self.stages:
+            yield "stages", "needs at least one stage (start_step=0)"
+            return
+        if self.stages[0].start_step != 0:
+            yield "stages[0].start_step", f"the first stage must start at step 0, got {self.stages[0].start_step}"
+        starts = [s.start_step for s in self.stages]
+        if starts != sorted(starts) or len(set(starts)) != len(starts):
+            yield "stages", f"must be ordered by start_step, each its own step; got {starts}"
+        for i, stage in enumerate(self.stages):
+            if stage.max_response_tokens >= r.max_len:
+                yield (f"stages[{i}].max_response_tokens", f"must be in (0, rollout.max_len={r.max_len}), "
+                       f"got {stage.max_response_tokens}")
+            if stage.filter_mode == "online" and stage.filter_solved_k > rl.rollouts_per_problem:
+                yield (f"stages[{i}].filter_solved_k", f"{stage.filter_solved_k} exceeds the rollouts per problem "
+                       f"(rl.group_size x rl.oversample = {rl.rollouts_per_problem})")
+
+    def topology_problems(self, processes: int) -> list[ConfigProblem]:
+        """What this config cannot do with `processes` trainer processes."""
+        out = []
+        if processes > 1 and self.rl.max_staleness > 0:
+            out.append(ConfigProblem("rl.max_staleness", "> 0 runs in one process only (the rollouts' gather "
+                                     "and the update are collectives that must not interleave)"))
+        for i, stage in enumerate(self.stages):
+            if processes > 1 and stage.filter_solved_k and stage.filter_mode == "offline":
+                out.append(ConfigProblem(f"stages[{i}].filter_mode", "the offline pre-filter runs in one process "
+                                         "only (its resumable results file is not shared between processes yet); use "
+                                         "filter_mode='online' with several processes"))
+        return out
+
+    def stage_index(self, step: int) -> int:
+        return max(i for i, s in enumerate(self.stages) if s.start_step <= step)
+
+    def stage(self, step: int) -> StageConfig:
+        return self.stages[self.stage_index(step)]
+
+    @classmethod
+    def from_config(cls, cfg: ml_collections.ConfigDict | Mapping[str, Any], processes: int = 1) -> RunConfig:
+        """The typed, checked config of a ConfigDict (or plain mapping); ConfigValueError lists
+        every problem, those of running on `processes` processes included."""
+        mapping = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg
+        run_cfg, problems = cls.parse(mapping)
+        if run_cfg is not None:
+            problems += run_cfg.topology_problems(processes)
+        if problems:
+            raise ConfigValueError(problems)
+        return run_cfg
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field of a run at its default: what experiment files start from and overlay."""
+    return RunConfig.defaults()

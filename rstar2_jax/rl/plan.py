@@ -1,0 +1,110 @@
+"""`train --dry_run`: what a config will do, read off the config alone (no model loaded, no
+engine or sandbox started), and `train --helpconfig`: every field with its documentation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+
+from rstar2_jax import sharding
+from rstar2_jax.config_types import leaves
+from rstar2_jax.rl.config import RunConfig
+from rstar2_jax.rl.run_dir import RESUMABLE_CHANGES, with_defaults, config_changes
+
+
+def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -> str:
+    rl, r = cfg.rl, cfg.rollout
+    lines = [f"config OK: run {cfg.run_name!r}, seed {cfg.seed}, run directory {os.path.abspath(workdir)}"]
+    lines.append(_run_directory_state(cfg, workdir, config_mismatch))
+    lines.append(f"model: {_model_line(cfg)}")
+    lines.append(f"mesh: {_mesh_line(cfg)}")
+    lines.append(f"data: task {cfg.data.task}, format {cfg.format}" +
+                 (f", SFT warm start {cfg.sft.steps} steps x {cfg.sft.batch_size}" if cfg.sft.steps else ""))
+    lines.append(f"per step: {rl.batch_problems} problems x {rl.rollouts_per_problem} rollouts = "
+                 f"{rl.batch_problems * rl.rollouts_per_problem}, RoC {rl.roc.mode} keeps {rl.group_size} per problem; "
+                 f"{rl.micro_batches} micro-batch(es); " +
+                 (f"async, up to {rl.max_staleness} version(s) stale" if rl.max_staleness else "on-policy"))
+    for i, stage in enumerate(cfg.stages):
+        end = cfg.stages[i + 1].start_step - 1 if i + 1 < len(cfg.stages) else rl.steps - 1
+        extra = ""
+        if stage.filter_solved_k:
+            extra += f", drop problems solved {stage.filter_solved_k}/{stage.filter_solved_k} ({stage.filter_mode})"
+        if stage.reset_optimizer:
+            extra += ", optimizer reset"
+        lines.append(f"stage {i}: steps {stage.start_step}-{end}: {stage.max_response_tokens} tokens, "
+                     f"{stage.max_turns} turns{extra}")
+    engine = (f"jax, {r.slots} slots x {r.max_len} KV positions" +
+              (f", paged ({r.page_size} per page)" if r.page_size else "") if r.engine == "jax"
+              else f"vllm, {len(r.vllm_urls)} server(s), scheduler {r.scheduler}")
+    sb = cfg.sandbox
+    lines.append(f"engine: {engine}; sandbox: {sb.backend}" +
+                 (f", {sb.workers} workers, {sb.isolation}" if sb.backend == "local" else f" at {sb.redis_url}") +
+                 f", {sb.tool_state} tools")
+    lines.append(f"checkpoints: every {cfg.checkpoint.every} steps, newest {cfg.checkpoint.keep} kept")
+    return "\n".join(lines)
+
+
+def _run_directory_state(cfg: RunConfig, workdir: str, config_mismatch: str) -> str:
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return "run directory: new run"
+    with open(path) as f:
+        changes = config_changes(with_defaults(json.load(f)), cfg.to_dict())
+    refused = sorted(set(changes) - RESUMABLE_CHANGES)
+    state = "resumes the run there"
+    if refused:
+        verdict = "recorded (--config_mismatch=ok)" if config_mismatch == "ok" else "would STOP the run"
+        state += f"; differs from its config.json in {', '.join(refused)}: {verdict}"
+    elif changes:
+        state += f"; changes it may take: {', '.join(sorted(changes))}"
+    return f"run directory: {state}"
+
+
+def _model_line(cfg: RunConfig) -> str:
+    m = cfg.model
+    if not m.path:
+        return f"tiny random model ({m.tiny_layers} layers, hidden {m.tiny_hidden}), built in the run directory"
+    from rstar2_jax.models.config import ModelConfig
+    from rstar2_jax.models.flops import param_count
+    arch = ModelConfig.from_json_file(os.path.join(m.path, "config.json"))
+    return (f"{m.path}: {arch.family}, {param_count(arch) / 1e9:.2f}B parameters (float32 master weights "
+            f"{param_count(arch) * 4 / 2**30:.1f} GiB), compute {m.dtype}, remat {m.remat}")
+
+
+def _mesh_line(cfg: RunConfig) -> str:
+    axes = dataclasses.asdict(cfg.mesh)
+    devices = jax.devices()
+    try:
+        mesh = sharding.make_mesh(**axes, devices=devices)
+        return " x ".join(f"{k} {v}" for k, v in mesh.shape.items()) + f" over this host's {len(devices)} device(s)"
+    except ValueError as e:
+        return (f"{axes} cannot be built on this host's {len(devices)} {devices[0].platform} device(s) ({e}); "
+                "it is built at launch over all processes' devices")
+
+
+def describe_fields(cfg: RunConfig) -> str:
+    """Every leaf field: path, type, allowed values, current value, documentation."""
+    out = []
+    for path, f, tp in leaves(RunConfig):
+        value = _value_at(cfg, path)
+        meta = f.metadata
+        allowed = []
+        if meta.get("choices") is not None:
+            allowed.append("one of " + ", ".join(map(repr, meta["choices"])))
+        if meta.get("min") is not None:
+            allowed.append(f">= {meta['min']}")
+        if meta.get("max") is not None:
+            allowed.append(f"<= {meta['max']}")
+        type_name = getattr(tp, "__name__", str(tp).replace("typing.", ""))
+        out.append(f"{path} = {value!r}  [{type_name}{'; ' + ', '.join(allowed) if allowed else ''}]\n    {meta['doc']}")
+    return "\n".join(out)
+
+
+def _value_at(cfg, path: str):
+    obj = cfg
+    for part in path.replace("[0]", ".0").split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj

@@ -1,0 +1,68 @@
+"""The tool sandbox settings (`sandbox.*`) and the one way to build the sandbox client from them.
+
+SANDBOXES maps `sandbox.backend` to how to build that client and check the settings it reads:
+"local" forks workers on this host (sandbox.LocalSandbox); "redis" queues calls for
+`python -m sandbox worker` processes on other hosts (sandbox.distributed.RedisSandbox).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import sandbox
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.registry import Registry
+from rstar2_jax.rollout.agent_loop import TOOL_STATES
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxBackend:
+    build: Callable[["SandboxConfig"], Any]                        # -> an async context manager with run()
+    check: Callable[["SandboxConfig"], Iterable[tuple[str, str]]]  # (field, message) of each problem
+
+
+SANDBOXES: Registry[SandboxBackend] = Registry("sandbox backend")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig(Section):
+    backend: str = setting("local", "local (workers forked on this host) | redis (remote `python -m sandbox "
+                           "worker`s at redis_url)", choices=SANDBOXES)
+    workers: int = setting(2, "local: worker processes (calls run in parallel)", min=1)
+    isolation: str = setting("strict", "local: process confinement (strict: namespaces, seccomp, cgroups)",
+                             choices=sandbox.ISOLATION_MODES)
+    tool_state: str = setting("stateless", "stateless (each call alone, the paper) | session (a live "
+                              "interpreter per trajectory)", choices=TOOL_STATES)
+    redis_url: str = setting("", "redis: the queue's URL, e.g. redis://host:6379/0")
+
+    def rules(self):
+        if self.backend in SANDBOXES:
+            yield from SANDBOXES[self.backend].check(self)
+
+
+def make_sandbox(cfg: SandboxConfig):
+    """The sandbox client `cfg.backend` names (use it as `async with make_sandbox(cfg) as sb`)."""
+    return SANDBOXES[cfg.backend].build(cfg)
+
+
+def _check_local(cfg: SandboxConfig):
+    if cfg.redis_url:
+        yield "redis_url", "is only read with sandbox.backend=redis"
+
+
+def _build_redis(cfg: SandboxConfig):
+    from sandbox.distributed import RedisSandbox
+    return RedisSandbox(cfg.redis_url)
+
+
+def _check_redis(cfg: SandboxConfig):
+    if not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        yield "redis_url", f"sandbox.backend=redis needs a redis:// URL, got {cfg.redis_url!r}"
+    if cfg.tool_state == "session":
+        yield "tool_state", "session needs a live interpreter on this host: use sandbox.backend=local"
+
+
+SANDBOXES.register("local", SandboxBackend(
+    lambda cfg: sandbox.LocalSandbox(workers=cfg.workers, isolation=cfg.isolation), _check_local))
+SANDBOXES.register("redis", SandboxBackend(_build_redis, _check_redis))
