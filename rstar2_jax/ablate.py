@@ -25,6 +25,8 @@ import shutil
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rstar2_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ablation config: get_config(arg) and a list of cells")
 _GRID = flags.DEFINE_string("grid", "GRID", "name of the list of cells in the config file")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "seeds per cell (0 .. seeds-1)")
@@ -58,7 +60,7 @@ def ensure_warm_start(cfg, workdir: str) -> str:
     final = os.path.join(root, "model")
     if os.path.exists(os.path.join(final, "config.json")):
         return final
-    run = RLRun(cfg, os.path.join(root, "build"))
+    run = RLRun(cfg, os.path.join(root, "build"), config_mismatch="ok")  # SFT only: any cell of the key may build it
     params = run.sft()
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -101,7 +103,7 @@ def write_summary(workdir: str, order: list[str]) -> str:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax.rl.trainer import ConfigValueError, run, validate
+    from rstar2_jax.rl.trainer import run, validate
 
     if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/roc_ablation.py")
@@ -109,11 +111,8 @@ def main(argv):
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
     workdir = os.path.abspath(_WORKDIR.value)
     runs = plan(config_file, _GRID.value, _SEEDS.value, overrides, workdir)
-    try:
-        for _, _, cfg, _ in runs:
-            validate(cfg)
-    except ConfigValueError as e:
-        raise app.UsageError(str(e)) from None
+    for _, _, cfg, _ in runs:  # every cell checked before the first one runs
+        validate(cfg)
     order = list(dict.fromkeys(cfg.run_name for _, _, cfg, _ in runs))
     if not _SUMMARY_ONLY.value:
         for i, (arg, seed, cfg, run_dir) in enumerate(runs, 1):
@@ -134,4 +133,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from rstar2_jax.rl.run_dir import ConfigMismatchError
+    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError,))

@@ -12,14 +12,16 @@ import asyncio
 
 from absl import app, flags, logging
 
+from rstar2_jax import cli
+
 _MODEL = flags.DEFINE_string("model", None, "HF model directory")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint and format")
 _PROMPT = flags.DEFINE_string("prompt", "Solve the system of equations: 2x + 3y = 7, x - y = 1", "the problem")
 _FORMAT = flags.DEFINE_string("format", None, "prompt format the model was trained in: rstar2, compact or "
                                "tiny (the CPU demo's); default: the run's with --checkpoint, else rstar2")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature; 0 = greedy")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 2048, "token budget after the prompt, all turns")
-_MAX_TURNS = flags.DEFINE_integer("max_turns", 10, "assistant turns")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature; 0 = greedy", lower_bound=0.0)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 2048, "token budget after the prompt, all turns", lower_bound=1)
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 10, "assistant turns", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _ISOLATION = flags.DEFINE_enum("isolation", "strict", ["strict", "basic"], "sandbox isolation")
 
@@ -35,7 +37,7 @@ async def _chat(model, model_dir: str, format_name: str):
     from rstar2_jax.models.tokenizer import Tokenizer
     from rstar2_jax.rewards import extract_answer
     from rstar2_jax.rollout import AgentConfig, make_format, run_agent
-    from rstar2_jax.rollout.engines import make_engine
+    from rstar2_jax.rollout.engines import RolloutConfig, make_engine
 
     fmt = make_format(format_name)
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -43,8 +45,9 @@ async def _chat(model, model_dir: str, format_name: str):
                       temperature=_TEMPERATURE.value)
     print(fmt.prompt(_PROMPT.value))
     max_len = len(tokenizer.encode(fmt.prompt(_PROMPT.value))) + _MAX_TOKENS.value + 1
+    engine_cfg = RolloutConfig(engine="jax", slots=1, max_len=max_len, temperature=_TEMPERATURE.value)
     async with sandbox.LocalSandbox(workers=2, isolation=_ISOLATION.value) as sb, \
-            make_engine("jax", model, tokenizer, slots=1, max_len=max_len, seed=_SEED.value) as engine:
+            make_engine(engine_cfg, model, tokenizer, seed=_SEED.value) as engine:
         traj = await run_agent(engine, sb, tokenizer, _PROMPT.value, cfg, on_turn=_print_turn)
     print(f"\n=== {traj.finish_reason}: {len(traj.turns)} turns, {traj.num_response_tokens} tokens, "
           f"{len(traj.tool_statuses)} tool calls; answer: {extract_answer(traj.response_text)!r}")
@@ -54,21 +57,19 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from rstar2_jax import models
-    from rstar2_jax.checkpoints import NotARunError, load_run_policy, run_info
+    from rstar2_jax.checkpoints import load_run_policy, run_info
     from rstar2_jax.rollout import FORMATS
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")
-    try:
-        run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
-        format_name = _FORMAT.value or run.get("format", "rstar2")
-        if format_name not in FORMATS:
-            raise app.UsageError(f"--format must be one of {sorted(FORMATS)}, got {format_name!r}")
-        model = models.load_pretrained(_MODEL.value) if _MODEL.value else load_run_policy(_CHECKPOINT.value)
-    except NotARunError as e:
-        raise app.UsageError(str(e)) from None
+    cli.check_model_dir(_MODEL.value)
+    run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
+    format_name = _FORMAT.value or run.get("format", "rstar2")
+    if format_name not in FORMATS:
+        raise app.UsageError(f"--format: {FORMATS.problem(format_name)}")
+    model = models.load_pretrained(_MODEL.value) if _MODEL.value else load_run_policy(_CHECKPOINT.value)
     asyncio.run(_chat(model, _MODEL.value or run["model_dir"], format_name))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -140,3 +140,10 @@ def _load_config_file(path: str, arg: str) -> str | None:
         where = f"{path}:{frames[-1].lineno}: " if frames else ""
         return f"{where}{type(e).__name__}: {e}"
     return None
+
+
+def check_model_dir(model_dir: str | None, flag: str = "--model"):
+    """A HF model directory, or a UsageError that says what is missing."""
+    if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        what = "no such directory" if not os.path.isdir(model_dir) else "not a HF model directory (no config.json)"
+        raise app.UsageError(f"{flag}={model_dir}: {what}")

@@ -79,6 +79,10 @@ def _choice_problem(choices, value) -> str | None:
 class Section:
     """Base of the typed config sections (subclasses are frozen dataclasses of `setting`s)."""
 
+    # A section users write out whole (a stage in a list) must name every field; the others
+    # may omit fields (an older run's config.json), which then take their defaults.
+    all_fields_required: typing.ClassVar[bool] = False
+
     def rules(self) -> Iterable[tuple[str, str]]:
         """(field, message) for each broken rule that involves several fields (override)."""
         return ()
@@ -96,6 +100,11 @@ class Section:
             if key not in fields:
                 problems.append(ConfigProblem(_join(path, str(key)), f"unknown field; {did_you_mean(key, fields)}"
                                               f"{cls.__name__} has: {', '.join(fields)}"))
+        if cls.all_fields_required:
+            missing = [name for name in fields if name not in mapping]
+            if missing:
+                problems.append(ConfigProblem(path, f"missing {', '.join(missing)} (every one of {', '.join(fields)} "
+                                              "must be given)"))
         hints = typing.get_type_hints(cls)
         values, readable = {}, True
         for name, f in fields.items():

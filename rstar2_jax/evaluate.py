@@ -24,24 +24,26 @@ import os
 
 from absl import app, flags, logging
 
+from rstar2_jax import cli
+
 _MODEL = flags.DEFINE_string("model", None, "HF model directory")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint")
 _BENCHMARKS = flags.DEFINE_list("benchmarks", ["aime24", "aime25", "math500"],
                                 "benchmark names (aime24, aime25, math500, amc23, gpqa_diamond) or .jsonl paths")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "directory of the benchmark JSONL files (default: "
                                  "$RSTAR2_DATA_DIR); not needed when --benchmarks are .jsonl paths")
-_SAMPLES = flags.DEFINE_integer("samples", 16, "samples per problem")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 30000, "token budget after the prompt, all turns")
-_MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "assistant turns")
-_LIMIT = flags.DEFINE_integer("limit", 0, "problems per benchmark (0 = all)")
+_SAMPLES = flags.DEFINE_integer("samples", 16, "samples per problem", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature", lower_bound=0.0)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 30000, "token budget after the prompt, all turns", lower_bound=1)
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "assistant turns", lower_bound=1)
+_LIMIT = flags.DEFINE_integer("limit", 0, "problems per benchmark (0 = all)", lower_bound=0)
 _FORMAT = flags.DEFINE_string("format", None, "prompt format (rstar2, compact, tiny); default: the run's with "
                                "--checkpoint, else rstar2")
 _ENGINE = flags.DEFINE_string("engine", "jax", "rollout engine: jax (embedded) or vllm (servers at --url)")
 _URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); repeat for several")
 _SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
                                   "round_robin or least_requests")
-_SLOTS = flags.DEFINE_integer("slots", 32, "JaxEngine batch slots")
+_SLOTS = flags.DEFINE_integer("slots", 32, "JaxEngine batch slots", lower_bound=1)
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 0, "JaxEngine paged KV: positions per page (0: one max_len row per slot)",
                                   lower_bound=0)
 _KV_PAGES = flags.DEFINE_integer("kv_pages", 0, "JaxEngine paged KV: pages in the pool (0: slots x max_len / page_size)",
@@ -58,21 +60,39 @@ def load_policy(model_dir: str | None, checkpoint: str | None):
     return models.load_pretrained(model_dir) if model_dir is not None else load_run_policy(checkpoint)
 
 
-def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer):
+# The engine flags, as the RolloutConfig fields they set (errors name the flag).
+ENGINE_FLAGS = {"engine": "--engine", "vllm_urls": "--url", "scheduler": "--scheduler", "slots": "--slots",
+                "page_size": "--page_size", "kv_pages": "--kv_pages", "temperature": "--temperature"}
+
+
+def rollout_config():
+    """The RolloutConfig the engine flags describe (train builds the same from rollout.*); its
+    max_len is set per benchmark."""
+    from rstar2_jax.rollout.engines import RolloutConfig
+
+    values = {field: getattr(flags.FLAGS, flag[2:]) for field, flag in ENGINE_FLAGS.items()}
+    section, problems = RolloutConfig.parse({**values, "vllm_urls": tuple(values["vllm_urls"])})
+    if problems:
+        raise app.UsageError("\n".join(f"{ENGINE_FLAGS.get(p.path.split('[')[0], p.path)}: {p.message}"
+                                       for p in problems))
+    return section
+
+
+def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg):
     """A function longest_prompt -> async context manager of the engine for one benchmark (the
     embedded engine's KV is sized to the benchmark's longest prompt + --max_tokens)."""
+    import dataclasses
+
     from rstar2_jax.rollout.engines import make_engine
     from rstar2_jax.rollout.engines.kv_pages import pages_for
 
-    model = load_policy(model_dir, checkpoint) if _ENGINE.value == "jax" else None  # vllm: the servers' weights
+    model = load_policy(model_dir, checkpoint) if cfg.engine == "jax" else None  # vllm: the servers' weights
 
     def engine_for(longest_prompt: int):
         max_len = longest_prompt + _MAX_TOKENS.value + 1
-        if _PAGE_SIZE.value:  # whole pages
-            max_len = pages_for(max_len, _PAGE_SIZE.value) * _PAGE_SIZE.value
-        return make_engine(_ENGINE.value, model, tokenizer, max_len=max_len, slots=_SLOTS.value, seed=_SEED.value,
-                           urls=_URL.value, scheduler=_SCHEDULER.value, page_size=_PAGE_SIZE.value,
-                           kv_pages=_KV_PAGES.value)
+        if cfg.page_size:  # whole pages
+            max_len = pages_for(max_len, cfg.page_size) * cfg.page_size
+        return make_engine(dataclasses.replace(cfg, max_len=max_len), model, tokenizer, seed=_SEED.value)
     return engine_for
 
 
@@ -123,43 +143,33 @@ async def run_eval(make_engine, tokenizer, benchmarks, fmt) -> dict:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax.data.jsonl import DataError
+    from rstar2_jax.checkpoints import run_info
     from rstar2_jax.eval_report import markdown_table, resolve_benchmark
     from rstar2_jax.models.tokenizer import Tokenizer
     from rstar2_jax.rollout import make_format
-    from rstar2_jax.rollout.engines import ENGINE_KINDS
-    from rstar2_jax.rollout.scheduler import POLICIES
-    from rstar2_jax.checkpoints import NotARunError, run_info
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")
-    if _ENGINE.value not in ENGINE_KINDS:
-        raise app.UsageError(f"--engine must be one of {ENGINE_KINDS}, got {_ENGINE.value!r}")
-    if _ENGINE.value == "vllm" and not _URL.value:
-        raise app.UsageError("--engine vllm needs --url (start a server: python -m rstar2_jax.rollout.serve --model DIR)")
-    if _SCHEDULER.value not in POLICIES:
-        raise app.UsageError(f"--scheduler must be one of {sorted(POLICIES)}, got {_SCHEDULER.value!r}")
+    engine_cfg = rollout_config()
+    cli.check_model_dir(_MODEL.value)
+    run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
+    format_name = _FORMAT.value or run.get("format", "rstar2")
     try:
-        run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
-        format_name = _FORMAT.value or run.get("format", "rstar2")
         fmt = make_format(format_name)
         data_dir = _DATA_DIR.value if _DATA_DIR.value is not None else os.environ.get("RSTAR2_DATA_DIR")
         benchmarks = [resolve_benchmark(name, data_dir) for name in _BENCHMARKS.value]
-    except (ValueError, NotARunError) as e:
+    except ValueError as e:
         raise app.UsageError(str(e)) from None
     for bench in benchmarks:
         if not os.path.exists(bench.path):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
     model_dir = _MODEL.value or run["model_dir"]
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    try:
-        make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer)
-        results = asyncio.run(run_eval(make_engine, tokenizer, benchmarks, fmt))
-    except (DataError, NotARunError) as e:  # a malformed benchmark line: file and line, no traceback
-        raise app.UsageError(str(e)) from None
+    make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer, engine_cfg)
+    results = asyncio.run(run_eval(make_engine, tokenizer, benchmarks, fmt))  # a malformed line: DataError
     os.makedirs(_OUT.value, exist_ok=True)
     protocol = {"samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": _MAX_TOKENS.value,
-                "max_turns": _MAX_TURNS.value, "model": _MODEL.value or _CHECKPOINT.value, "engine": _ENGINE.value,
+                "max_turns": _MAX_TURNS.value, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
                 "urls": _URL.value, "format": format_name, "seed": _SEED.value}
     with open(os.path.join(_OUT.value, "results.json"), "w") as f:
         json.dump({"protocol": protocol, "results": results}, f, indent=2)
@@ -170,4 +180,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -7,16 +7,20 @@ Writes a HF directory (same format as the input; the RL config loads it as model
 
 from __future__ import annotations
 
+import os
+
 from absl import app, flags, logging
+
+from rstar2_jax import cli
 
 _MODEL = flags.DEFINE_string("model", None, "HF model directory", required=True)
 _DATA = flags.DEFINE_string("data", None, "JSONL of {'messages': [...]} conversations", required=True)
 _OUT = flags.DEFINE_string("out", None, "output HF directory", required=True)
-_STEPS = flags.DEFINE_integer("steps", 1000, "optimizer steps")
-_BATCH = flags.DEFINE_integer("batch_size", 16, "conversations per step")
-_LR = flags.DEFINE_float("lr", 1e-5, "peak learning rate")
-_WARMUP = flags.DEFINE_integer("warmup_steps", 50, "linear warm-up steps")
-_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "conversations are cut to this many tokens")
+_STEPS = flags.DEFINE_integer("steps", 1000, "optimizer steps", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", 16, "conversations per step", lower_bound=1)
+_LR = flags.DEFINE_float("lr", 1e-5, "peak learning rate", lower_bound=0.0)
+_WARMUP = flags.DEFINE_integer("warmup_steps", 50, "linear warm-up steps", lower_bound=0)
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "conversations are cut to this many tokens", lower_bound=2)
 _SEED = flags.DEFINE_integer("seed", 0, "shuffling seed")
 
 
@@ -30,6 +34,9 @@ def main(argv):
     from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
     from rstar2_jax.models.tokenizer import Tokenizer
 
+    cli.check_model_dir(_MODEL.value)
+    if not os.path.isfile(_DATA.value):
+        raise app.UsageError(f"--data={_DATA.value}: no such file")
     tokenizer = Tokenizer.from_pretrained(_MODEL.value)
     data = [tuple(x[:_MAX_LEN.value] for x in tokenize_conversation(tokenizer, row))
             for row in load_conversations(_DATA.value)]
@@ -44,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,6 +14,7 @@ prints every field with its documentation.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Mapping
 
 import ml_collections
@@ -37,6 +38,7 @@ FILTER_MODES = ("offline", "online")
 @dataclasses.dataclass(frozen=True)
 class StageConfig(Section):
     """From `start_step` on, these rollout limits apply (the token budget covers all turns)."""
+    all_fields_required: typing.ClassVar[bool] = True
     start_step: int = setting(0, "the RL step the stage begins at (the first stage: 0)", min=0)
     max_response_tokens: int = setting(400, "tokens after the prompt, all turns together", min=1)
     max_turns: int = setting(4, "assistant turns", min=1)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from rstar2_jax.registry import Registry
 
 TOOL_NAME = "python_code_with_standard_io"
 
@@ -139,12 +141,13 @@ def tiny_format() -> PromptFormat:
 
 
 # Named prompt formats: a model is trained in one and must be driven in the same one.
-FORMATS = {"rstar2": PromptFormat, "compact": compact_format, "tiny": tiny_format}
+FORMATS: Registry[Callable[[], PromptFormat]] = Registry("prompt format")
+FORMATS.register("rstar2", PromptFormat)
+FORMATS.register("compact", compact_format)
+FORMATS.register("tiny", tiny_format)
 
 
 def make_format(name: str) -> PromptFormat:
-    if name not in FORMATS:
-        raise ValueError(f"unknown prompt format {name!r}; known: {sorted(FORMATS)}")
     return FORMATS[name]()
 
 

@@ -44,7 +44,7 @@ def params_of(rl_run: RLRun) -> list[np.ndarray]:
 
 
 def test_negative_staleness_is_a_config_error():
-    with pytest.raises(ConfigValueError, match="rl.max_staleness must be >= 0"):
+    with pytest.raises(ConfigValueError, match="rl.max_staleness: must be >= 0"):
         validate(small_config(max_staleness=-1))
 
 

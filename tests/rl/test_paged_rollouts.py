@@ -47,11 +47,11 @@ def test_paged_kv_settings_are_checked():
     cfg.rollout.kv_pages = 2
     with pytest.raises(ConfigValueError) as e:
         validate(cfg)
-    assert "rollout.page_size=48 must divide rollout.max_len=256" in str(e.value)
-    assert "rollout.kv_pages=2 x page_size=48 cannot hold one max_len=256 sequence" in str(e.value)
+    assert "rollout.page_size: 48 must divide rollout.max_len=256" in str(e.value)
+    assert "rollout.kv_pages: 2 x page_size=48 cannot hold one max_len=256 sequence" in str(e.value)
     cfg = small_config()
     cfg.rollout.kv_pages = 64
-    with pytest.raises(ConfigValueError, match="rollout.kv_pages needs rollout.page_size > 0"):
+    with pytest.raises(ConfigValueError, match="rollout.kv_pages: needs rollout.page_size > 0"):
         validate(cfg)
     cfg = small_config()
     cfg.rollout.page_size, cfg.rollout.engine, cfg.rollout.vllm_urls = 16, "vllm", ("http://127.0.0.1:1",)
