@@ -1,0 +1,176 @@
+"""Every field of every shipped experiment config is checked before anything runs: a wrong type,
+a value out of range or an unknown name is refused by RunConfig's check, named by its path."""
+
+import copy
+import dataclasses
+import typing
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments import qwen3_0p6b_math, roc_ablation, rstar2_agent_14b, tiny_arith
+from rstar2_jax.config_types import ConfigValueError, Section, leaves, setting
+from rstar2_jax.registry import Registry, UnknownNameError
+from rstar2_jax.rl.config import RunConfig, base_config
+
+# Free-form strings, and the setting under which each is read (and so checked): a path that
+# does not exist, or a URL of the wrong scheme, is refused there.
+FREE_STRINGS = {
+    "model.path": ({}, "/no/such/model"),
+    "data.train_path": ({"data.task": "jsonl"}, "/no/such/train.jsonl"),
+    "data.eval_path": ({"data.task": "jsonl"}, "/no/such/eval.jsonl"),
+    "sandbox.redis_url": ({"sandbox.backend": "redis"}, "http://not-redis"),
+    "run_name": ({}, ""),
+}
+# Lists of strings: the element check, under the setting that reads them.
+STRING_LISTS = {"rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"])}
+
+
+def shipped_configs(tmp_path):
+    files = tmp_path / "problems.jsonl"
+    files.write_text('{"problem": "1+1", "answer": "2"}\n')
+    out = {"tiny_arith": tiny_arith.get_config(), "roc_ablation": roc_ablation.get_config("release,2,2,0.1")}
+    for name, module in (("qwen3_0p6b_math", qwen3_0p6b_math), ("rstar2_agent_14b", rstar2_agent_14b)):
+        c = module.get_config(f",{files}")
+        c.data.eval_path = str(files)
+        out[name] = c
+    return {name: c.to_dict() for name, c in out.items()}
+
+
+def set_path(tree: dict, path: str, value):
+    parts = path.replace("[0]", ".0").split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node[int(part)] if part.isdigit() else node[part]
+    last = parts[-1]
+    node[int(last) if last.isdigit() else last] = value
+
+
+def problems_of(tree: dict) -> list[str]:
+    parsed, problems = RunConfig.parse(tree)
+    return [p.path for p in problems]
+
+
+def bad_values(path: str, f: dataclasses.Field, tp) -> list[tuple[dict, object]]:
+    """(settings that make the field read, a bad value) pairs for one leaf."""
+    meta, out = f.metadata, []
+    inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    base = inner[0]
+    wrong_type = {bool: "yes", int: "three", float: "x", str: 3}.get(base, 5)
+    out.append(({}, wrong_type))
+    if meta.get("min") is not None:
+        out.append(({}, meta["min"] - (1 if base is int else 0.5)))
+    if meta.get("max") is not None:
+        out.append(({}, meta["max"] + 1))
+    if meta.get("choices") is not None:
+        out.append(({}, "no_such_name"))
+    if path in FREE_STRINGS:
+        out.append(FREE_STRINGS[path])
+    if path in STRING_LISTS:
+        out.append(STRING_LISTS[path])
+    return out
+
+
+def test_every_leaf_has_a_check_beyond_its_type():
+    """A numeric field has bounds, a name field its registry, a free string the setting that reads
+    it: a new field without a check fails here."""
+    for path, f, tp in leaves(RunConfig):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        if typing.get_origin(tp) is tuple:
+            assert path in STRING_LISTS, f"{path}: a list needs an element check"
+        elif inner[0] in (int, float):
+            assert f.metadata["min"] is not None, f"{path}: a number needs bounds"
+        elif inner[0] is str:
+            assert f.metadata["choices"] is not None or path in FREE_STRINGS, f"{path}: a string needs a check"
+        assert f.metadata["doc"], f"{path}: undocumented"
+
+
+def test_every_bad_leaf_of_every_shipped_config_is_refused_by_the_check(tmp_path):
+    configs = shipped_configs(tmp_path)
+    for name, tree in configs.items():
+        assert problems_of(tree) == [], (name, problems_of(tree))
+        for path, f, tp in leaves(RunConfig):
+            for context, bad in bad_values(path, f, tp):
+                mutated = copy.deepcopy(tree)
+                for key, value in context.items():
+                    set_path(mutated, key, value)
+                set_path(mutated, path, bad)
+                refused = problems_of(mutated)
+                assert any(p == path or p.startswith(path + "[") for p in refused), \
+                    f"{name}: {path}={bad!r} ({context}) was not refused; problems: {refused}"
+
+
+def test_unknown_keys_are_refused_with_did_you_mean():
+    tree = base_config().to_dict()
+    tree["rl"]["roc"]["mod"] = "paper"
+    tree["sandbox"]["wrokers"] = 2
+    with pytest.raises(ConfigValueError) as e:
+        RunConfig.from_config(tree)
+    text = str(e.value)
+    assert "rl.roc.mod: unknown field; did you mean 'mode'?" in text
+    assert "sandbox.wrokers: unknown field; did you mean 'workers'?" in text
+
+
+def test_the_base_config_round_trips_through_its_typed_form():
+    typed = RunConfig.from_config(base_config())
+    assert RunConfig.from_config(typed.to_dict()) == typed
+    assert typed == RunConfig()
+
+
+def test_the_paper_recipe_validates_for_one_process_and_names_what_several_processes_lack(tmp_path):
+    tree = shipped_configs(tmp_path)["rstar2_agent_14b"]
+    RunConfig.from_config(tree, processes=1)
+    with pytest.raises(ConfigValueError, match=r"stages\[2\].filter_mode: the offline pre-filter runs in one process"):
+        RunConfig.from_config(tree, processes=16)
+
+
+# ---- the registry -------------------------------------------------------------------------------
+def test_a_registry_refuses_duplicates_and_lists_its_names_in_errors():
+    r = Registry("widget")
+    r.register("alpha", 1)
+
+    @r.register("beta")
+    def beta():
+        return 2
+
+    assert r["beta"] is beta and sorted(r) == ["alpha", "beta"] and "alpha" in r
+    with pytest.raises(ValueError, match="widget 'alpha' is registered twice"):
+        r.register("alpha", 3)
+    with pytest.raises(UnknownNameError, match="unknown widget 'alpah'; did you mean 'alpha'\\? registered: alpha, beta"):
+        r["alpah"]
+    assert r.problem("gamma") == "unknown widget 'gamma'; registered: alpha, beta" and r.problem("beta") is None
+    del r["alpha"]
+    assert list(r) == ["beta"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=8), st.integers(), max_size=6))
+def test_registry_lookup_round_trips(entries):
+    r = Registry("thing")
+    for k, v in entries.items():
+        r[k] = v
+    assert dict(r.items()) == entries and all(r.problem(k) is None for k in entries)
+
+
+def test_sections_refuse_wrong_types_and_widen_ints_to_floats():
+    @dataclasses.dataclass(frozen=True)
+    class Demo(Section):
+        rate: float = setting(1.0, "a rate", min=0.0)
+        count: int = setting(1, "a count", min=1)
+        flag: bool = setting(False, "a flag")
+
+    assert Demo.from_mapping({"rate": 2}).rate == 2.0
+    _, problems = Demo.parse({"count": True, "flag": 1, "rate": "fast"})
+    assert sorted(p.path for p in problems) == ["count", "flag", "rate"]
+
+
+@pytest.mark.parametrize("path, value", [
+    ("model.remat", "ful"), ("checkpoint.every", 0), ("rollout.slots", 0), ("sandbox.workers", 0),
+    ("rl.tis_cap", 0.5), ("mesh.fsdp", 0), ("stages[0].max_turns", 0),
+])
+def test_the_values_validate_once_let_through_are_refused(path, value):
+    """The review's list: each once passed validation and failed later (or divided by zero)."""
+    tree = tiny_arith.get_config().to_dict()
+    set_path(tree, path, value)
+    assert path in problems_of(tree)
