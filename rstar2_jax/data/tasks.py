@@ -17,7 +17,6 @@ import os
 from typing import Callable, Iterable, Protocol, Sequence
 
 from rstar2_jax.config_types import Section, setting
-from rstar2_jax.data import arith
 from rstar2_jax.data.problems import load_problems
 from rstar2_jax.registry import Registry
 
@@ -85,6 +84,7 @@ def _check_arith(data_cfg):
 
 @register_task("arith", has_sft_data=True, check=_check_arith)
 def arith_task(data_cfg, seed: int) -> Task:
+    from rstar2_jax.data import arith  # the demo task's code loads only when a run uses it
     return Task("arith", arith.make_problems(data_cfg.train_problems, seed=seed + 1),
                 arith.make_problems(data_cfg.eval_problems, seed=10_000 + seed), sft_data=arith.sft_dataset)
 

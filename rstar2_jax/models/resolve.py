@@ -9,7 +9,6 @@ import os
 import jax.numpy as jnp
 
 from rstar2_jax.config_types import Section, setting
-from rstar2_jax.models import tiny
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION, REMAT_POLICIES
 from rstar2_jax.registry import Registry
 
@@ -44,6 +43,7 @@ def resolve(model_cfg: PolicyModelConfig, workdir: str, seed: int) -> str:
         return model_cfg.path
     model_dir = os.path.join(workdir, "base_model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
+        from rstar2_jax.models import tiny  # loads only for runs that build it
         tiny.build_tiny_model(model_dir, seed=seed, num_layers=model_cfg.tiny_layers,
                               hidden_size=model_cfg.tiny_hidden, intermediate_size=3 * model_cfg.tiny_hidden)
     return model_dir

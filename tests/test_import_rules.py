@@ -1,0 +1,65 @@
+"""docs/DESIGN.md's import rules hold on the module graph: the block tagged `import-rules` is
+read from the document itself, so the document and the code cannot drift apart.
+
+    PACKAGE may import: A, B        its modules' load-time imports outside PACKAGE stay within A, B
+    MODULE never loads: X, Y        importing MODULE loads none of X, Y (transitively, packages'
+                                    __init__s included)
+    MODULE never imports: X, Y      not even lazily, from inside a function (transitively)
+"""
+
+import os
+import re
+
+import pytest
+
+from tests.import_graph import ROOT, direct_imports, loads, module_files, within
+
+RULE = re.compile(r"^(\S+)\s+(may import|never loads|never imports):\s*(.*)$")
+
+
+def design_rules() -> list[tuple[str, str, list[str]]]:
+    text = open(os.path.join(ROOT, "docs", "DESIGN.md")).read()
+    block = re.search(r"```import-rules\n(.*?)```", text, re.S)
+    assert block, "docs/DESIGN.md has no ```import-rules block"
+    rules = []
+    for line in block.group(1).splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            match = RULE.match(line)
+            assert match, f"unreadable import rule: {line!r}"
+            subject, kind, targets = match.groups()
+            rules.append((subject, kind, [] if targets.strip() == "nothing" else
+                          [t.strip() for t in targets.split(",") if t.strip()]))
+    return rules
+
+
+MODULES = module_files()
+GRAPH = direct_imports(MODULES)
+LAZY_GRAPH = direct_imports(MODULES, lazy=True)
+RULES = design_rules()
+
+
+def test_the_rules_name_real_modules():
+    for subject, _, targets in RULES:
+        for name in (subject, *targets):
+            assert any(within(m, name) for m in MODULES), f"import rule names {name!r}, which is not a module"
+
+
+def test_every_package_of_the_library_has_a_may_import_rule():
+    top = {".".join(m.split(".")[:2]) for m in MODULES if m.startswith("rstar2_jax.") and
+           os.path.basename(MODULES[m]) == "__init__.py"}
+    covered = {s for s, kind, _ in RULES if kind == "may import"}
+    assert top <= covered, f"packages without a rule in docs/DESIGN.md: {sorted(top - covered)}"
+
+
+@pytest.mark.parametrize("subject, kind, targets", RULES, ids=[f"{s} {k}" for s, k, _ in RULES])
+def test_import_rule(subject, kind, targets):
+    if kind == "may import":
+        broken = sorted({f"{m} imports {d}" for m, deps in GRAPH.items() if within(m, subject)
+                         for d in deps if not within(d, subject) and d != "rstar2_jax"
+                         and not any(within(d, t) for t in targets)})
+    else:
+        graph = GRAPH if kind == "never loads" else LAZY_GRAPH
+        reached = loads(subject, graph)
+        broken = sorted(m for m in reached for t in targets if within(m, t))
+    assert not broken, f"docs/DESIGN.md: `{subject} {kind}: {', '.join(targets) or 'nothing'}` is broken by {broken}"
