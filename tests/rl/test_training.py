@@ -11,6 +11,7 @@ import time
 import pytest
 
 from experiments import tiny_arith
+from rstar2_jax.rl.run_dir import ConfigMismatchError, RunDirectory
 from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run, validate
 from rstar2_jax.traces import read_traces, render_trajectory, with_trajectory_columns
 
@@ -127,6 +128,60 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert "resumed from" in done.stdout
     steps = [l["step"] for l in rl_lines(work)]
     assert steps[-1] == 3 and set(steps) == {0, 1, 2, 3}
+
+
+@pytest.mark.slow
+def test_rerunning_a_run_directory_is_honest(tmp_path):
+    """A finished run re-run reports its results (no new eval rows, no new event file); another
+    config stops with the differing keys; --config_mismatch=ok and more rl.steps are recorded in
+    the config history, and config.json says what the run trains with now."""
+    def evals():
+        return [(l["label"], l["step"]) for l in map(json.loads, open(tmp_path / "metrics.jsonl")) if l["phase"] == "eval"]
+
+    cfg = small_config(steps=1)
+    first = run(cfg, str(tmp_path))
+    events = sorted(os.listdir(tmp_path / "tensorboard"))
+    assert evals() == [("before_rl", 0), ("after_rl", 1)]
+    assert run(cfg, str(tmp_path)) == first
+    assert evals() == [("before_rl", 0), ("after_rl", 1)] and sorted(os.listdir(tmp_path / "tensorboard")) == events
+
+    changed = small_config(steps=1, lr=1e-3)
+    config_before = (tmp_path / "config.json").read_text()
+    with pytest.raises(ConfigMismatchError, match=r"rl.lr: 0.0002 \(config.json\) -> 0.001 \(now\)"):
+        RLRun(changed, str(tmp_path))
+    assert (tmp_path / "config.json").read_text() == config_before
+    assert run(changed, str(tmp_path), config_mismatch="ok") == first  # finished: nothing to train
+    extended = small_config(steps=2, lr=1e-3)
+    run(extended, str(tmp_path))
+    history = RunDirectory(str(tmp_path)).config_history()
+    assert [(h["accepted"], sorted(h["changes"])) for h in history] == [("config_mismatch=ok", ["rl.lr"]),
+                                                                          ("resumable", ["rl.steps"])]
+    assert json.loads((tmp_path / "config.json").read_text())["rl"] == {**json.loads(config_before)["rl"],
+                                                                         "lr": 1e-3, "steps": 2}
+    assert evals() == [("before_rl", 0), ("after_rl", 1), ("after_rl", 2)] and [l["step"] for l in rl_lines(tmp_path)] == [0, 1]
+
+
+def test_train_cli_dry_run_and_config_file_errors(tmp_path):
+    """--dry_run checks and prints the plan without touching the run directory; a missing or
+    broken config file is one line naming the file (and the line)."""
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    work = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", f"--config=experiments/rstar2_agent_14b.py:,{data}",
+                           f"--config.data.eval_path={data}", f"--workdir={work}", "--dry_run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "stage 2: steps 385-509: 12288 tokens, 15 turns, drop problems solved 8/8 (offline), optimizer reset" in proc.stdout
+    assert "per step: 512 problems x 32 rollouts = 16384" in proc.stdout and "64 devices" in proc.stdout
+    assert not work.exists()
+    broken = tmp_path / "broken.py"
+    broken.write_text("from rstar2_jax.rl.config import base_config\n\ndef get_config():\n    c = base_config()\n"
+                      "    c.rl.nope = 1 +\n    return c\n")
+    for config, message in ((str(tmp_path / "missing.py"), f"--config={tmp_path / 'missing.py'}: no such file"),
+                            (str(broken), f"{broken}:5: SyntaxError")):
+        proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", f"--config={config}", f"--workdir={work}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("override,message", [
