@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from rstar2_jax import cli
 
 _MODEL = flags.DEFINE_string("model", None, "HF model directory (config.json, safetensors, tokenizer)", required=True)
 _PROMPT = flags.DEFINE_multi_string("prompt", ["What is 12 + 34?"], "user message (repeat for a batch)")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _BUILD_TINY = flags.DEFINE_bool("build_tiny", False, "first write the tiny random model to --model")
 
@@ -33,6 +35,7 @@ def main(argv):
     if _BUILD_TINY.value and not os.path.exists(os.path.join(model_dir, "config.json")):
         tiny.build_tiny_model(model_dir)
         print(f"built tiny random Qwen3 model in {model_dir}")
+    cli.check_model_dir(model_dir)
     model = models.load_pretrained(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -52,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

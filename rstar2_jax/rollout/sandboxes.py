@@ -2,7 +2,7 @@
 
 SANDBOXES maps `sandbox.backend` to how to build that client and check the settings it reads:
 "local" forks workers on this host (sandbox.LocalSandbox); "redis" queues calls for
-`python -m sandbox worker` processes on other hosts (sandbox.distributed.RedisSandbox).
+`python -m sandbox worker` processes on other hosts (sandbox.RedisSandbox).
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def _check_local(cfg: SandboxConfig):
 
 
 def _build_redis(cfg: SandboxConfig):
-    from sandbox.distributed import RedisSandbox
-    return RedisSandbox(cfg.redis_url)
+    return sandbox.RedisSandbox(cfg.redis_url)
 
 
 def _check_redis(cfg: SandboxConfig):

@@ -161,3 +161,24 @@ def test_a_job_finished_twice_delivers_one_result(redis_server):
     asyncio.run(scenario())
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     assert r.llen(Keys().result("job1")) == 1 and "first" in r.lindex(Keys().result("job1"), 0)
+
+
+def test_the_trainer_sandbox_config_builds_a_redis_client_that_reaches_workers(redis_server):
+    """sandbox.backend=redis (what the trainer and evaluate build through make_sandbox) sends
+    calls to `python -m sandbox worker` processes; a bad URL is refused by the config check."""
+    from rstar2_jax.config_types import ConfigValueError
+    from rstar2_jax.rollout.sandboxes import SandboxConfig, make_sandbox
+
+    with pytest.raises(ConfigValueError, match="redis_url: sandbox.backend=redis needs a redis:// URL"):
+        SandboxConfig.from_mapping({"backend": "redis", "redis_url": ""})
+    cfg = SandboxConfig.from_mapping({"backend": "redis", "redis_url": redis_server.url})
+    worker = start_worker(redis_server.url)
+    try:
+        async def scenario():
+            async with make_sandbox(cfg) as sb:
+                assert isinstance(sb, RedisSandbox)
+                return await sb.run("print(6 * 7)", timeout=5.0)
+        res = asyncio.run(scenario())
+        assert res.status == "ok" and res.stdout == "42\n"
+    finally:
+        stop(worker)
