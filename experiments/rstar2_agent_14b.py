@@ -10,26 +10,12 @@ solves 8/8 dropped, optimizer reset, to step 510.
         --workdir=/runs/rstar2_14b --config.distributed=True
 """
 
-from rstar2_jax.rl.config import base_config
+from experiments import qwen3_0p6b_math
 
 
 def get_config(arg: str = ""):
-    model_path, _, train_jsonl = (arg or ",").partition(",")
-    c = base_config()
+    c = qwen3_0p6b_math.get_config(arg)  # the GPU math recipe (base_config + a HF model, JSONL problems, bf16)
     c.run_name = "rstar2_agent_14b"
-    c.model.path = model_path
-    c.model.dtype = "bfloat16"
-    c.model.remat = "full"
-    c.model.attention = "cudnn"          # NVIDIA GPUs
-    c.model.decode_attention = "pallas"
-    c.format = "rstar2"
-    c.data.task = "jsonl"
-    c.data.train_path = train_jsonl or "train.jsonl"
-    c.data.train_problems = 0            # all
-    c.data.eval_problems = 0
-    c.data.eval_path = "aime24.jsonl"    # set --config.data.eval_path
-    c.sft.steps = 0                      # starts from the non-reasoning SFT checkpoint
-    c.rollout.slots = 64
     c.distributed = True
     c.mesh.data = 1
     c.mesh.fsdp = 16
