@@ -71,7 +71,12 @@ def rollout_config():
     from rstar2_jax.rollout.engines import RolloutConfig
 
     values = {field: getattr(flags.FLAGS, flag[2:]) for field, flag in ENGINE_FLAGS.items()}
-    section, problems = RolloutConfig.parse({**values, "vllm_urls": tuple(values["vllm_urls"])})
+    # checked at the shortest max_len a benchmark can need (a one-token prompt); each benchmark's
+    # own max_len is checked again when its engine is built
+    shortest = _MAX_TOKENS.value + 2
+    if values["page_size"]:
+        shortest = -(-shortest // values["page_size"]) * values["page_size"]
+    section, problems = RolloutConfig.parse({**values, "vllm_urls": tuple(values["vllm_urls"]), "max_len": shortest})
     if problems:
         raise app.UsageError("\n".join(f"{ENGINE_FLAGS.get(p.path.split('[')[0], p.path)}: {p.message}"
                                        for p in problems))
@@ -81,8 +86,6 @@ def rollout_config():
 def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg):
     """A function longest_prompt -> async context manager of the engine for one benchmark (the
     embedded engine's KV is sized to the benchmark's longest prompt + --max_tokens)."""
-    import dataclasses
-
     from rstar2_jax.rollout.engines import make_engine
     from rstar2_jax.rollout.engines.kv_pages import pages_for
 
@@ -92,7 +95,8 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg
         max_len = longest_prompt + _MAX_TOKENS.value + 1
         if cfg.page_size:  # whole pages
             max_len = pages_for(max_len, cfg.page_size) * cfg.page_size
-        return make_engine(dataclasses.replace(cfg, max_len=max_len), model, tokenizer, seed=_SEED.value)
+        sized = type(cfg).from_mapping({**cfg.to_dict(), "max_len": max_len})  # ConfigValueError if the pages cannot hold it
+        return make_engine(sized, model, tokenizer, seed=_SEED.value)
     return engine_for
 
 
