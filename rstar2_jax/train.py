@@ -11,6 +11,8 @@ such as more rl.steps; --config_mismatch=ok records any other change).
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -49,6 +51,8 @@ def main(argv):
     # Checked before anything starts (jax.distributed included), against the process count
     # given (--num_processes) or one; RLRun checks again against the job's real count.
     run_cfg = validate(cfg, processes_count=_NUM_PROCESSES.value or 1)
+    for warning in run_cfg.warnings():
+        print(f"warning: {warning}", file=sys.stderr)
     if _DRY_RUN.value:
         print(describe_plan(run_cfg, _WORKDIR.value, _CONFIG_MISMATCH.value))
         return

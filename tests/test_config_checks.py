@@ -118,11 +118,14 @@ def test_the_base_config_round_trips_through_its_typed_form():
     assert typed == RunConfig()
 
 
-def test_the_paper_recipe_validates_for_one_process_and_names_what_several_processes_lack(tmp_path):
+def test_the_paper_recipe_validates_for_its_process_counts(tmp_path):
+    """64 devices (fsdp 16 x tensor 4): one process, 8 hosts of 8 GPUs or 64 processes all pass;
+    a count that does not divide the devices is refused."""
     tree = shipped_configs(tmp_path)["rstar2_agent_14b"]
-    RunConfig.from_config(tree, processes=1)
-    with pytest.raises(ConfigValueError, match=r"stages\[2\].filter_mode: the offline pre-filter runs in one process"):
-        RunConfig.from_config(tree, processes=16)
+    for processes in (1, 8, 16, 64):
+        RunConfig.from_config(tree, processes=processes)
+    with pytest.raises(ConfigValueError, match="64 devices cannot be split evenly over 3 processes"):
+        RunConfig.from_config(tree, processes=3)
 
 
 # ---- the registry -------------------------------------------------------------------------------

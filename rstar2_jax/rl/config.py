@@ -18,6 +18,7 @@ import typing
 from typing import Any, Mapping
 
 import ml_collections
+import numpy as np
 
 from rstar2_jax.algo import ADVANTAGES
 from rstar2_jax.algo.losses import PolicyLossConfig
@@ -127,15 +128,20 @@ class RunConfig(Section):
 
     def topology_problems(self, processes: int) -> list[ConfigProblem]:
         """What this config cannot do with `processes` trainer processes."""
+        sizes = dataclasses.asdict(self.mesh)
+        devices = int(np.prod(list(sizes.values())))
+        if -1 not in sizes.values() and devices % processes:
+            return [ConfigProblem("mesh", f"data x fsdp x tensor = {devices} devices cannot be split evenly over "
+                                  f"{processes} processes (each process brings the same number of devices)")]
+        return []
+
+    def warnings(self) -> list[str]:
+        """Settings that run but are probably not meant (printed by train, never an error)."""
         out = []
-        if processes > 1 and self.rl.max_staleness > 0:
-            out.append(ConfigProblem("rl.max_staleness", "> 0 runs in one process only (the rollouts' gather "
-                                     "and the update are collectives that must not interleave)"))
-        for i, stage in enumerate(self.stages):
-            if processes > 1 and stage.filter_solved_k and stage.filter_mode == "offline":
-                out.append(ConfigProblem(f"stages[{i}].filter_mode", "the offline pre-filter runs in one process "
-                                         "only (its resumable results file is not shared between processes yet); use "
-                                         "filter_mode='online' with several processes"))
+        if self.rl.max_staleness > 0 and not self.rl.tis_cap:
+            out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.tis_cap: nothing corrects for tokens "
+                       "sampled by older weights (asynchronous RL usually sets a truncated importance cap, e.g. "
+                       "--config.rl.tis_cap=2)")
         return out
 
     def stage_index(self, step: int) -> int:

@@ -2,6 +2,10 @@
 final stage-2 policy samples 8 rollouts for every training problem and the problems it solves
 8/8 are removed, 42K -> 17.3K).
 
+Several trainer processes share the work (each runs its share of every chunk's rollouts, the
+counts are gathered) and the primary process alone writes the file; every process reads it when
+the stage begins, before any process can write to it (the first chunk's gather waits for all).
+
 Resumable: each problem's result is appended to `<workdir>/prefilter/stage<i>.jsonl` as soon as
 its rollouts are graded ({"id", "solved", "k"}); a restarted run reads the file and samples only
 the problems not in it. A line cut short by a crash is the last line; it is dropped and its problem
@@ -41,29 +45,33 @@ def read_results(path: str) -> dict[str, int]:
 
 async def prefilter_solved(problems: Sequence, k: int, path: str,
                            solve: Callable[[Sequence, int], Awaitable[list[int]]], chunk: int,
-                           desc: str = "pre-filter") -> set[str]:
+                           desc: str = "pre-filter", write: bool = True) -> set[str]:
     """Ids of the problems solved k out of k. `solve(problems, k)` returns, per problem, how many
-    of its k rollouts scored; it is called on chunks of `chunk` problems not yet in `path`."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    of its k rollouts scored; it is called on chunks of `chunk` problems not yet in `path`.
+    `write`: this process appends the results (one process per run directory)."""
     done = read_results(path)
-    _drop_cut_line(path)
+    if write:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _drop_cut_line(path)
     todo = [p for p in problems if p.id not in done]
     with tqdm(total=len(problems), initial=len(problems) - len(todo), desc=desc, dynamic_ncols=True) as bar:
         for start in range(0, len(todo), chunk):
             part = todo[start:start + chunk]
             counts = await solve(part, k)
-            with open(path, "a", encoding="utf-8") as f:
-                for p, n in zip(part, counts):
-                    f.write(json.dumps({"id": p.id, "solved": int(n), "k": k}) + "\n")
-                    done[p.id] = int(n)
-                f.flush()
-                os.fsync(f.fileno())
+            done.update({p.id: int(n) for p, n in zip(part, counts)})
+            if write:
+                with open(path, "a", encoding="utf-8") as f:
+                    for p, n in zip(part, counts):
+                        f.write(json.dumps({"id": p.id, "solved": int(n), "k": k}) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
             bar.update(len(part))
     ids = {p.id for p in problems}
     solved = {i for i, n in done.items() if n >= k and i in ids}
     summary = {"problems": len(ids), "solved_k_of_k": len(solved), "kept": len(ids) - len(solved), "k": k}
-    with open(os.path.splitext(path)[0] + ".summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
+    if write:
+        with open(os.path.splitext(path)[0] + ".summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
     return solved
 
 

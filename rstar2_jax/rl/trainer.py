@@ -57,7 +57,7 @@ from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import Engine, make_engine
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
-from rstar2_jax.timeline import Timeline, exclusive_length
+from rstar2_jax.timeline import BusyLog, Timeline, exclusive_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
 __all__ = ["ConfigValueError", "RLRun", "RunConfig", "run", "validate"]
@@ -150,6 +150,8 @@ class RLRun:
         self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
         self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
         self.learner: Learner | None = None
+        self.engine_busy = BusyLog()  # the engine's busy intervals, shared by overlapping steps' windows
+        self._solved_after: dict[int, list[str]] = {}  # step -> problems solved k/k once it trained (online filter)
         self._tb = None  # TensorBoard writer (primary process), opened by the first RL step's _log
 
     @property
@@ -273,6 +275,7 @@ class RLRun:
         them in order, logs and checkpoints."""
         cfg = self.cfg
         start, lag = meta["rl_step"], cfg.rl.max_staleness
+        self._solved_after = {start - 1: list(meta.get("solved", []))}
         ready: asyncio.Queue = asyncio.Queue()
         trained = asyncio.Condition()
         done = {"steps": start}  # steps the learner has finished
@@ -283,13 +286,18 @@ class RLRun:
             # Each step's rollouts start as soon as the staleness bound allows, even while an
             # earlier step's stragglers still run: engines fill with the next step's work
             # instead of idling on the slowest trajectory. Steps still draw their problems in order.
+            # The producer runs no collective (several processes): its rollouts stay this
+            # process's share until the trainer gathers them, in step order, between updates.
             data_meta = {k: copy.deepcopy(meta[k]) for k in DATA_META_KEYS if k in meta}
             try:
                 for step in range(start, cfg.rl.steps):
+                    # An offline pre-filter samples with the previous stage's final policy, and
+                    # its rollouts are gathered: every earlier step is trained first.
+                    ready_after = step if self.prefilter_begins(step, data_meta) else step - lag
                     async with trained:
-                        await trained.wait_for(lambda: done["steps"] >= step - lag)
+                        await trained.wait_for(lambda: done["steps"] >= ready_after)
                     problems, drawn = await self.draw(engine, sb, step, data_meta)
-                    launched.append(asyncio.create_task(self.roll_out(engine, sb, step, problems, drawn, data_meta)))
+                    launched.append(asyncio.create_task(self.roll_out(engine, sb, step, problems, drawn)))
                     ready.put_nowait(launched[-1])
             except BaseException as e:  # the trainer re-raises it; nothing waits forever
                 ready.put_nowait(e)
@@ -311,7 +319,7 @@ class RLRun:
                 bar.write(format_breakdown(metrics))
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
-                meta.update(out.data_meta)  # a copy taken at the step's draw
+                meta.update({k: v for k, v in out.data_meta.items() if k != "solved"})  # as of the step's draw
                 meta["rl_step"] = step + 1
                 meta["version"] = self.learner.version
                 if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.rl.steps:
@@ -345,42 +353,56 @@ class RLRun:
     # ------------------------------------------------------------------------------------------
     # one RL step: rollouts (produce) -> selection -> training -> metrics (consume)
     async def produce(self, engine: Engine, sb, step: int, data_meta: dict[str, Any]) -> StepRollouts:
-        """Step `step`'s problems and their rollouts; advances the data stream in `data_meta`
-        (position, the stage's solved problems) and keeps a copy of it in the result."""
+        """Step `step`'s problems and this process's share of their rollouts; advances the data
+        stream in `data_meta` (position, the stage's pre-filtered problems) and keeps a copy of it
+        in the result."""
         problems, drawn = await self.draw(engine, sb, step, data_meta)
-        return await self.roll_out(engine, sb, step, problems, drawn, data_meta)
+        return await self.roll_out(engine, sb, step, problems, drawn)
+
+    def prefilter_begins(self, step: int, data_meta: dict[str, Any]) -> bool:
+        stage_i = self.cfg.stage_index(step)
+        stage = self.cfg.stages[stage_i]
+        return bool(stage.filter_solved_k) and stage.filter_mode == "offline" and \
+            data_meta.get("prefiltered_stage") != stage_i
+
+    def skipped_problems(self, step: int, data_meta: dict[str, Any]) -> set[str]:
+        """The problems step `step` may not draw: the stage's pre-filter result (offline), or
+        those solved k/k by the steps trained before it could start (online: steps up to
+        step - 1 - rl.max_staleness; the same set in every process and every rerun)."""
+        stage = self.cfg.stage(step)
+        if not stage.filter_solved_k:
+            return set()
+        if stage.filter_mode == "offline":
+            return set(data_meta.get("solved", []))
+        known = [s for s in self._solved_after if s <= step - 1 - self.cfg.rl.max_staleness]
+        return set(self._solved_after[max(known)] if known else data_meta.get("solved", []))
 
     async def draw(self, engine: Engine, sb, step: int, data_meta: dict[str, Any]) -> tuple[list, dict[str, Any]]:
         """Step `step`'s problems (after the stage's pre-filter, when it begins); advances
         `data_meta` and returns a copy of it as of this draw (what a checkpoint after this step saves)."""
         cfg = self.cfg
-        stage_i = cfg.stage_index(step)
-        filter_k, filter_mode = cfg.stages[stage_i].filter_solved_k, cfg.stages[stage_i].filter_mode
-        if filter_k and filter_mode == "offline" and data_meta.get("prefiltered_stage") != stage_i:
+        if self.prefilter_begins(step, data_meta):
+            stage_i = cfg.stage_index(step)
             data_meta["solved"] = sorted(await self.prefilter(engine, sb, stage_i, step))
             data_meta["prefiltered_stage"] = stage_i
         problems, data_meta["data_pos"] = next_problems(self.train_problems, data_meta.get("data_pos", 0),
                                                         cfg.rl.batch_problems, cfg.seed,
-                                                        set(data_meta.get("solved", [])) if filter_k else set())
+                                                        self.skipped_problems(step, data_meta))
         return problems, copy.deepcopy(data_meta)
 
-    async def roll_out(self, engine: Engine, sb, step: int, problems, drawn: dict[str, Any],
-                       data_meta: dict[str, Any]) -> StepRollouts:
-        """The step's rollouts; the online filter adds the problems they solved k/k to `data_meta`
-        (in async runs, steps drawn meanwhile did not see them)."""
-        stage = self.cfg.stage(step)
+    async def roll_out(self, engine: Engine, sb, step: int, problems, drawn: dict[str, Any]) -> StepRollouts:
+        """This process's share of the step's rollouts (all of them with one process)."""
         out = await self.generate(engine, sb, step, problems)
-        if stage.filter_solved_k and stage.filter_mode == "online":
-            data_meta["solved"] = sorted(set(data_meta.get("solved", [])) |
-                                         solved_ids(out, self.rollouts_per_problem, stage.filter_solved_k))
-            drawn["solved"] = data_meta["solved"]
         out.data_meta = drawn
         return out
 
     async def consume(self, engine: Engine, step: int, out: StepRollouts, meta: dict[str, Any]) -> dict[str, Any]:
-        """RoC selection, the update (weights then go to the engine) and the step's traces;
-        returns the step's metrics."""
+        """Every process's rollouts of the step gathered (a collective: called in step order, never
+        beside an update), the stage's problem filter, RoC selection, the update (weights then go
+        to the engine) and the step's traces; returns the step's metrics."""
         cfg = self.cfg
+        out.scored = processes.gather_shares(out.scored, len(out.problems) * self.rollouts_per_problem)
+        self.record_solved(step, out, meta)
         stage_i = cfg.stage_index(step)
         if stage_i != meta.get("stage", 0):
             if cfg.stages[stage_i].reset_optimizer:
@@ -393,6 +415,20 @@ class RLRun:
             self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
         return {"phase": "rl", "step": step, "stage": meta["stage"],
                 **self.step_metrics(engine, out, len(rows)), **staleness, **train_metrics}
+
+    def record_solved(self, step: int, out: StepRollouts, meta: dict[str, Any]):
+        """meta["solved"] after step `step`: the draw's (the pre-filter's, or what earlier steps
+        solved), plus, under the online filter, the problems this step's first k rollouts all
+        solved. A problem the latest policy solves k/k teaches nothing more."""
+        stage = self.cfg.stage(step)
+        if stage.filter_solved_k and stage.filter_mode == "offline":
+            solved = set(out.data_meta.get("solved", []))
+        else:
+            solved = set(meta.get("solved", out.data_meta.get("solved", [])))
+            if stage.filter_solved_k:
+                solved |= solved_ids(out, self.rollouts_per_problem, stage.filter_solved_k)
+        meta["solved"] = sorted(solved)
+        self._solved_after[step] = meta["solved"]
 
     def check_staleness(self, step: int, out: StepRollouts) -> dict[str, float]:
         """How many versions each sampled token lags the learner about to train on it; raises if
@@ -411,14 +447,20 @@ class RLRun:
         agent = self.agent_config(step)
 
         async def solve(problems, k):
+            # each process runs its share of the chunk's rollouts; the shares are gathered
+            questions = [p.question for p in problems for _ in range(k)]
+            golds = [p.answer for p in problems for _ in range(k)]
             seeds = [stable_seed(cfg.seed, "prefilter", stage_i, p.id, j) for p in problems for j in range(k)]
-            scored = await rollout_problems(engine, sb, self.tokenizer, [p.question for p in problems for _ in range(k)],
-                                            [p.answer for p in problems for _ in range(k)], agent, seeds)
-            return [sum(s.reward > 0 for s in scored[i * k:(i + 1) * k]) for i in range(len(problems))]
+            mine = processes.my_share(len(questions))
+            scored = await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
+                                            [golds[i] for i in mine], agent, [seeds[i] for i in mine])
+            rewards = processes.gather_shares([s.reward for s in scored], len(questions))
+            return [sum(r > 0 for r in rewards[i * k:(i + 1) * k]) for i in range(len(problems))]
 
         path = os.path.join(self.workdir, "prefilter", f"stage{stage_i}.jsonl")
         solved = await prefilter_solved(self.train_problems, cfg.stages[stage_i].filter_solved_k, path, solve,
-                                        chunk=cfg.rl.batch_problems, desc=f"stage {stage_i} pre-filter")
+                                        chunk=cfg.rl.batch_problems, desc=f"stage {stage_i} pre-filter",
+                                        write=processes.is_primary())
         n = len(self.train_problems)
         print(f"stage {stage_i} pre-filter: {len(solved)} of {n} problems solved k/k and dropped, {n - len(solved)} kept")
         self._log({"phase": "prefilter", "stage": stage_i, "step": step, "problems": n, "dropped": len(solved)})
@@ -429,23 +471,23 @@ class RLRun:
         return self.cfg.rl.rollouts_per_problem
 
     async def generate(self, engine: Engine, sb, step: int, problems) -> StepRollouts:
-        """2G rollouts of every problem, concurrently, with the step's seeds."""
+        """This process's share of the 2G rollouts of every problem, concurrently, with the step's
+        seeds (the trainer gathers the shares: consume)."""
         cfg, n_roll = self.cfg, self.rollouts_per_problem
         questions = [p.question for p in problems for _ in range(n_roll)]
         golds = [p.answer for p in problems for _ in range(n_roll)]
         seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
         start = time.monotonic()
         timeline = Timeline()
-        engine.take_busy_intervals()  # only this step's work
+        window = self.engine_busy.open(engine)
         stats_before = dataclasses.replace(engine.stats) if engine.stats is not None else None
         load_before = engine.load()
         mine = processes.my_share(len(questions))  # all of them in a single process
         with timeline.activate():
             scored = await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
                                             [golds[i] for i in mine], self.agent_config(step), [seeds[i] for i in mine])
-        scored = processes.gather_shares(scored, len(questions))
         rollout_s = time.monotonic() - start - timeline.union("reward")
-        timeline.extend("engine", engine.take_busy_intervals())
+        timeline.extend("engine", self.engine_busy.close(engine, window))  # the engine's work in this step's window
         return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before, load_before)
 
     def select(self, step: int, out: StepRollouts) -> tuple[list[tuple[Any, float, int]], list[dict]]:
@@ -517,7 +559,8 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
 
     tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
     the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
-    behind generation. engine_busy: share of the rollout the engine spent on device work;
+    behind generation. engine_busy: share of the rollout the engine spent on device work (the
+    step's window; with asynchronous rollouts another step's requests may share it);
     engine_slot_utilization: share of decode-step slots that held a request; engine/prefill_tokens,
     reused_tokens, preemptions: prompt tokens run at admission, prompt tokens whose KV was kept
     from the previous turn, requests preempted for pages (engines with stats).

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from rstar2_jax.checkpoints import RunCheckpoints, run_info
-from rstar2_jax.rollout.engines.vllm_server import free_port
 from rstar2_jax.traces import read_traces
+from tests.rl.launch import launch
 from tests.rl.test_training import COMPARED, rl_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,26 +76,10 @@ def one_process_two_devices(config, workdir, steps: int):
 
 
 def two_processes(config, workdir, steps: int):
-    port = free_port()
-    args = train_args(config, workdir, steps) + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}",
-                                         "--num_processes=2"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
-    # Output goes to files, not pipes: a process blocked on a full pipe nobody reads yet would
-    # stall the other one in a collective.
-    logs = [(open(f"{workdir}.p{i}.out", "w+"), open(f"{workdir}.p{i}.err", "w+")) for i in range(2)]
-    procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=out, stderr=err)
-             for i, (out, err) in enumerate(logs)]
-    for p in procs:
-        p.wait(timeout=600)
-    texts = []
-    for out, err in logs:
-        with out, err:
-            out.seek(0)
-            err.seek(0)
-            texts.append((out.read(), err.read()))
-    for p, (_, err) in zip(procs, texts):
-        assert p.returncode == 0, err[-3000:]
-    return texts[0][0]
+    results = launch(train_args(config, workdir, steps), workdir, n=2)
+    for status, _, err in results:
+        assert status == 0, err[-3000:]
+    return results[0][1]
 
 
 def rollouts(workdir) -> dict:

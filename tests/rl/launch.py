@@ -1,0 +1,38 @@
+"""Several trainer processes on this machine: jax.distributed over a loopback coordinator, one
+CPU device each, gloo collectives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from rstar2_jax.rollout.engines.vllm_server import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def launch(args: list[str], log_prefix, n: int = 2, timeout: float = 600) -> list[tuple[int, str, str]]:
+    """Run `args` (a `python -m rstar2_jax.train ...` command) as n processes of one job; returns
+    (exit status, stdout, stderr) of each. Output goes to files, not pipes: a process blocked on a
+    full pipe nobody reads yet would stall the others in a collective."""
+    port = free_port()
+    args = args + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}", f"--num_processes={n}"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    logs = [(open(f"{log_prefix}.p{i}.out", "w+"), open(f"{log_prefix}.p{i}.err", "w+")) for i in range(n)]
+    procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=out, stderr=err)
+             for i, (out, err) in enumerate(logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for p, (out, err) in zip(procs, logs):
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            results.append((p.returncode, out.read(), err.read()))
+    return results
