@@ -5,18 +5,23 @@
         res = await sb.run("print(1 + 1)", stdin="", timeout=5.0)  # -> ExecResult
     async with sandbox.RedisSandbox("redis://HOST:6379/0") as sb:   # `python -m sandbox worker`s elsewhere
         ...
+    async with sandbox.HTTPSandbox("http://HOST:8088") as sb:        # `python -m sandbox serve` elsewhere
+        ...
 """
 
 from sandbox.local import ISOLATION_MODES, LocalSandbox, Session
 from sandbox.pool import SandboxStartError
 from sandbox.result import STATUSES, ExecResult, Limits
 
-__all__ = ["ExecResult", "ISOLATION_MODES", "Limits", "LocalSandbox", "RedisSandbox", "STATUSES", "SandboxStartError",
-           "Session"]
+__all__ = ["ExecResult", "HTTPSandbox", "ISOLATION_MODES", "Limits", "LocalSandbox", "RedisSandbox", "STATUSES",
+           "SandboxStartError", "Session"]
 
 
-def __getattr__(name):
-    if name == "RedisSandbox":  # the Redis client library loads only for those who use it
+def __getattr__(name):  # the remote clients' libraries (redis, aiohttp) load only for those who use them
+    if name == "RedisSandbox":
         from sandbox.distributed import RedisSandbox
         return RedisSandbox
+    if name == "HTTPSandbox":
+        from sandbox.http_client import HTTPSandbox
+        return HTTPSandbox
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

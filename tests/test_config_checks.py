@@ -20,7 +20,7 @@ FREE_STRINGS = {
     "model.path": ({}, "/no/such/model"),
     "data.train_path": ({"data.task": "jsonl"}, "/no/such/train.jsonl"),
     "data.eval_path": ({"data.task": "jsonl"}, "/no/such/eval.jsonl"),
-    "sandbox.redis_url": ({"sandbox.backend": "redis"}, "http://not-redis"),
+    "sandbox.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
     "run_name": ({}, ""),
 }
 # Lists of strings: the element check, under the setting that reads them.

@@ -41,7 +41,7 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
               else f"vllm, {len(r.vllm_urls)} server(s), scheduler {r.scheduler}")
     sb = cfg.sandbox
     lines.append(f"engine: {engine}; sandbox: {sb.backend}" +
-                 (f", {sb.workers} workers, {sb.isolation}" if sb.backend == "local" else f" at {sb.redis_url}") +
+                 (f", {sb.workers} workers, {sb.isolation}" if sb.backend == "local" else f" at {sb.url}") +
                  f", {sb.tool_state} tools")
     lines.append(f"checkpoints: every {cfg.checkpoint.every} steps, newest {cfg.checkpoint.keep} kept")
     return "\n".join(lines)

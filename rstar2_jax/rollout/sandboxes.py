@@ -2,7 +2,9 @@
 
 SANDBOXES maps `sandbox.backend` to how to build that client and check the settings it reads:
 "local" forks workers on this host (sandbox.LocalSandbox); "redis" queues calls for
-`python -m sandbox worker` processes on other hosts (sandbox.RedisSandbox).
+`python -m sandbox worker` processes on other hosts (sandbox.RedisSandbox); "http" sends them to a
+`python -m sandbox serve` service (sandbox.HTTPSandbox; its token, if any, from $SANDBOX_TOKEN,
+never from the config, which is written into the run directory).
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ SANDBOXES: Registry[SandboxBackend] = Registry("sandbox backend")
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig(Section):
     backend: str = setting("local", "local (workers forked on this host) | redis (remote `python -m sandbox "
-                           "worker`s at redis_url)", choices=SANDBOXES)
+                           "worker`s behind the queue at url) | http (a `python -m sandbox serve` at url)",
+                           choices=SANDBOXES)
     workers: int = setting(2, "local: worker processes (calls run in parallel)", min=1)
     isolation: str = setting("strict", "local: process confinement (strict: namespaces, seccomp, cgroups)",
                              choices=sandbox.ISOLATION_MODES)
     tool_state: str = setting("stateless", "stateless (each call alone, the paper) | session (a live "
                               "interpreter per trajectory)", choices=TOOL_STATES)
-    redis_url: str = setting("", "redis: the queue's URL, e.g. redis://host:6379/0")
+    url: str = setting("", "redis: the queue, redis://HOST:6379/0; http: the service, http://HOST:8088")
 
     def rules(self):
         if self.backend in SANDBOXES:
@@ -47,21 +50,22 @@ def make_sandbox(cfg: SandboxConfig):
 
 
 def _check_local(cfg: SandboxConfig):
-    if cfg.redis_url:
-        yield "redis_url", "is only read with sandbox.backend=redis"
+    if cfg.url:
+        yield "url", "is only read with sandbox.backend=redis or http"
 
 
-def _build_redis(cfg: SandboxConfig):
-    return sandbox.RedisSandbox(cfg.redis_url)
-
-
-def _check_redis(cfg: SandboxConfig):
-    if not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        yield "redis_url", f"sandbox.backend=redis needs a redis:// URL, got {cfg.redis_url!r}"
-    if cfg.tool_state == "session":
-        yield "tool_state", "session needs a live interpreter on this host: use sandbox.backend=local"
+def _remote_check(schemes: tuple[str, ...]):
+    def check(cfg: SandboxConfig):
+        if not cfg.url.startswith(schemes):
+            yield "url", f"sandbox.backend={cfg.backend} needs a {schemes[0]} URL, got {cfg.url!r}"
+        if cfg.tool_state == "session":
+            yield "tool_state", "session needs a live interpreter on this host: use sandbox.backend=local"
+    return check
 
 
 SANDBOXES.register("local", SandboxBackend(
     lambda cfg: sandbox.LocalSandbox(workers=cfg.workers, isolation=cfg.isolation), _check_local))
-SANDBOXES.register("redis", SandboxBackend(_build_redis, _check_redis))
+SANDBOXES.register("redis", SandboxBackend(lambda cfg: sandbox.RedisSandbox(cfg.url),
+                                           _remote_check(("redis://", "rediss://", "unix://"))))
+SANDBOXES.register("http", SandboxBackend(lambda cfg: sandbox.HTTPSandbox(cfg.url),
+                                          _remote_check(("http://", "https://"))))

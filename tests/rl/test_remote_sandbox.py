@@ -1,0 +1,98 @@
+"""Training with the code sandbox on other processes, as on other hosts: `sandbox.backend=redis`
+(a redis-server and a `python -m sandbox worker`, started here) and `sandbox.backend=http` (a
+`python -m sandbox serve`). Both must train exactly as the local sandbox does for the same seed:
+the same rollouts, tool outputs, rewards and updates."""
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import redis as redis_lib
+
+from rstar2_jax.rl.trainer import run
+from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.traces import read_traces
+from tests.rl.test_training import COMPARED, ROOT, rl_lines, small_config
+from tests.sandbox.redis_server import RedisServer
+
+
+def start(args: list[str], ready: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while not any(ready in line for line in lines):  # log lines may come first
+        lines.append(proc.stdout.readline())
+        assert lines[-1] and len(lines) < 20, lines
+    return proc
+
+
+def stop(proc: subprocess.Popen):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def warm_start(workdir) -> str:
+    """A tiny policy SFT'd long enough that most of its tool calls parse and run (shorter SFT
+    leaves malformed calls that never reach a sandbox)."""
+    from rstar2_jax import models
+    from rstar2_jax.rl.trainer import RLRun
+
+    cfg = small_config()
+    cfg.sft.steps, cfg.sft.batch_size, cfg.sft.examples = 200, 8, 1600
+    sft_run = RLRun(cfg, str(workdir / "sft"))
+    models.save_pretrained(sft_run.model_with(sft_run.sft()), str(workdir / "model"), tokenizer_dir=sft_run.model_dir)
+    return str(workdir / "model")
+
+
+def trained(workdir, model: str, backend: str = "local", url: str = ""):
+    cfg = small_config(steps=2)
+    cfg.eval.before_and_after = False
+    cfg.model.path, cfg.sft.steps = model, 0
+    cfg.sandbox.backend, cfg.sandbox.url = backend, url
+    run(cfg, str(workdir))
+    traces = read_traces(workdir / "traces").sort_values(["step", "problem_id", "sample_index"])
+    columns = ["token_ids", "loss_mask", "logprobs", "reward", "kept", "advantage", "num_tool_calls"]
+    rows = [tuple(tuple(v) if hasattr(v, "__len__") and not isinstance(v, str) else v for v in r)
+            for r in traces[columns].itertuples(index=False)]
+    outputs = [[(t["status"], t["output"]) for turn in turns for t in turn["tools"]] for turns in traces["turns"]]
+    return rows, outputs, rl_lines(workdir)
+
+
+@pytest.mark.slow
+def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbox(tmp_path):
+    model = warm_start(tmp_path)
+    local = trained(tmp_path / "local", model)
+    calls = sum(status != "parse_error" for o in local[1] for status, _ in o)  # the ones that reach a sandbox
+    assert calls >= 4, "the policy made too few tool calls for the comparison to mean anything"
+
+    redis = RedisServer().start()
+    worker = start(["worker", "--redis", redis.url, "--concurrency", "2"], "sandbox worker")
+    port = free_port()
+    service = start(["serve", "--port", str(port), "--workers", "2"], "sandbox serving on")
+    try:
+        over_redis = trained(tmp_path / "redis", model, "redis", redis.url)
+        over_http = trained(tmp_path / "http", model, "http", f"http://127.0.0.1:{port}")
+        queued = redis_lib.Redis.from_url(redis.url).xinfo_stream("sandbox:jobs")["entries-added"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            served = sum(int(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
+                         if line.startswith("sandbox_results_total"))
+    finally:
+        stop(service)
+        stop(worker)
+        redis.stop()
+    assert queued == calls and served == calls  # every tool call went to the remote workers, once
+    for name, remote in (("redis", over_redis), ("http", over_http)):
+        assert remote[0] == local[0], name  # tokens, rewards, RoC and advantages of every rollout
+        assert remote[1] == local[1], name  # every tool output
+        for a, b in zip(local[2], remote[2]):
+            for key in COMPARED:
+                if key in a:
+                    assert a[key] == b[key], (name, a["step"], key)
+    assert json.loads((tmp_path / "redis" / "config.json").read_text())["sandbox"]["backend"] == "redis"
