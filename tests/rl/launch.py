@@ -4,17 +4,22 @@ CPU device each, gloo collectives."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
+from typing import Callable
 
 from rstar2_jax.rollout.engines.vllm_server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def launch(args: list[str], log_prefix, n: int = 2, timeout: float = 600) -> list[tuple[int, str, str]]:
+def launch(args: list[str], log_prefix, n: int = 2, timeout: float = 600, kill_when: Callable[[], bool] | None = None,
+           kill: int = 1) -> list[tuple[int, str, str]]:
     """Run `args` (a `python -m rstar2_jax.train ...` command) as n processes of one job; returns
     (exit status, stdout, stderr) of each. Output goes to files, not pipes: a process blocked on a
-    full pipe nobody reads yet would stall the others in a collective."""
+    full pipe nobody reads yet would stall the others in a collective. With `kill_when`, process
+    `kill` gets SIGKILL as soon as kill_when() holds (polled every 50 ms)."""
     port = free_port()
     args = args + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}", f"--num_processes={n}"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
@@ -22,6 +27,11 @@ def launch(args: list[str], log_prefix, n: int = 2, timeout: float = 600) -> lis
     procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=out, stderr=err)
              for i, (out, err) in enumerate(logs)]
     try:
+        if kill_when is not None:
+            deadline = time.monotonic() + timeout
+            while not kill_when() and time.monotonic() < deadline and procs[kill].poll() is None:
+                time.sleep(0.05)
+            procs[kill].send_signal(signal.SIGKILL)
         for p in procs:
             p.wait(timeout=timeout)
     finally:

@@ -17,8 +17,10 @@ that comparison is safe on every CI machine. That one- and several-device steps 
 rounding is tested on eight devices in tests/learner/test_sharded_step.py."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -122,9 +124,26 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
         for x, y in zip(trained[step], params(two, step)):
             np.testing.assert_array_equal(y, x)
 
-    # killed after step 2's checkpoint, started again: continues as the uninterrupted run
+    # process 1 SIGKILLed mid-run (its step-2 checkpoint written, step 2 under way): process 0
+    # stops at its next collective (not minutes later in jax.distributed's shutdown), and both
+    # started again continue as the uninterrupted run, bit for bit
     resumed = tmp_path / "resumed"
-    two_processes(config_file, resumed, steps=2)
+    ckpts = resumed / "checkpoints"
+    killed_at = {}
+
+    def step_two_begins():
+        if ckpts.exists() and "2" in os.listdir(ckpts):
+            killed_at["time"], killed_at["later"] = time.monotonic(), "3" in os.listdir(ckpts)
+            return True
+        return False
+
+    start = time.monotonic()
+    (status0, _, err0), (status1, _, _) = launch(train_args(config_file, resumed, 3), resumed, n=2,
+                                                  kill_when=step_two_begins)
+    assert status1 == -signal.SIGKILL and not killed_at["later"]
+    assert status0 == 1 and "process 0 of 2 stopped" in err0, err0[-2000:]
+    assert time.monotonic() - killed_at["time"] < 60, "process 0 should stop at its next collective"
+    assert time.monotonic() - start < 400
     out = two_processes(config_file, resumed, steps=3)
     assert "resumed from" in out
     lr = rl_lines(resumed)
