@@ -21,6 +21,7 @@ FREE_STRINGS = {
     "data.train_path": ({"data.task": "jsonl"}, "/no/such/train.jsonl"),
     "data.eval_path": ({"data.task": "jsonl"}, "/no/such/eval.jsonl"),
     "sandbox.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
+    "rollout.vllm_sync_dir": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"]}, "/no/such/dir"),
     "run_name": ({}, ""),
 }
 # Lists of strings: the element check, under the setting that reads them.

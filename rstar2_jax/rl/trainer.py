@@ -261,7 +261,7 @@ class RLRun:
         try:
             async with make_sandbox(cfg.sandbox) as sb, \
                     self.make_engine(self.model_with(weights)) as engine:
-                engine.update_weights(weights, self.learner.version)
+                await self.push_weights(engine, weights, self.learner.version)
                 yield engine, sb, meta
         finally:
             if self._tb is not None:
@@ -528,8 +528,22 @@ class RLRun:
             for i, (t, _, r) in enumerate(rows):
                 records[r]["entropy"] = batch.entropy[i, :len(t.token_ids)].tolist()
         with timeline.span("sync"):
-            engine.update_weights(self.engine_weights(), self.learner.version)
+            await self.push_weights(engine, self.engine_weights(), self.learner.version)
         return metrics
+
+    async def push_weights(self, engine: Engine, params, version: int):
+        """The learner's weights to the engine. Weights on shared servers (vLLM) are pushed by
+        the primary process alone, on a worker thread (rollouts in flight go on meanwhile); the
+        others take the version on once it is there (a barrier), so no token is stamped with a
+        version its server does not have yet. An embedded engine is updated in place."""
+        if not engine.weights_on_servers:
+            engine.update_weights(params, version)
+            return
+        if processes.is_primary():
+            await asyncio.to_thread(engine.update_weights, params, version)
+        processes.barrier(f"weights v{version} on the servers")
+        if not processes.is_primary():
+            engine.adopt_weights(params, version)
 
     def step_metrics(self, engine: Engine, out: StepRollouts, kept: int) -> dict[str, float]:
         summary = summarize(out.scored)

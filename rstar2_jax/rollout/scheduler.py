@@ -73,10 +73,28 @@ class Scheduler(Engine):
     def version(self) -> int:
         return min(e.version for e in self.engines)
 
+    @property
+    def weights_on_servers(self) -> bool:
+        return all(e.weights_on_servers for e in self.engines)
+
     def update_weights(self, params, version: int | None = None) -> None:
+        """vLLM servers that sync through files share one export and reload in parallel; other
+        engines (NCCL sync, embedded) are updated one by one."""
+        from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
+
         version = self.version + 1 if version is None else version
+        shared = [e for e in self.engines if isinstance(e, VLLMEngine) and e.sync == "safetensors"]
+        if len(shared) > 1 and len({e.export_dtype for e in shared}) == 1:
+            push_to_servers(shared, params, version)
+        else:
+            shared = []
         for e in self.engines:
-            e.update_weights(params, version)
+            if e not in shared:
+                e.update_weights(params, version)
+
+    def adopt_weights(self, params, version: int) -> None:
+        for e in self.engines:
+            e.adopt_weights(params, version)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:

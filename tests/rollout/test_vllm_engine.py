@@ -327,3 +327,71 @@ def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, 
     assert results["vllm"] == results["jax"]  # greedy: the same rollouts, so the same table
     assert tokens["vllm"] == tokens["jax"]
     assert all(len(v) == 4 for v in tokens["jax"].values())
+
+
+def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to_the_other(
+        vllm_server, tiny_model, tokenizer, tmp_path):
+    """A sync writes the weights once and both servers reload them in parallel (each then passes
+    its log-prob probe). Then one server is SIGKILLed mid-batch and stays down: its trajectories
+    finish on the other server, each exactly once, the same tokens as with both up (greedy)."""
+    second = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "second")
+    synced = perturbed(tiny_model, seed=2)
+    cfg = AgentConfig(format=tiny_format(), max_turns=2, max_response_tokens=300, temperature=0.0)
+    questions = [f"What is {i}*{i}?" for i in range(8)]
+
+    async def main():
+        async with sandbox.LocalSandbox(workers=2) as sb:
+            engines = [VLLMEngine(vllm_server.url, tiny_model), VLLMEngine(second.url, tiny_model, restart_timeout=5)]
+            scheduler = Scheduler(engines, "round_robin", refresh_s=0.2)
+            scheduler.update_weights(synced, 7)
+            exports = {e._synced_dir for e in engines}
+            versions = [json.load(urllib.request.urlopen(e.url + "/weight_info"))["weight_version"] for e in engines]
+            both_up = await asyncio.gather(*(run_agent(scheduler, sb, tokenizer, q, cfg, seed=i)
+                                             for i, q in enumerate(questions)))
+            sent = {"n": 0}
+            generate = engines[1].generate
+
+            async def generate_then_kill(*args, **kwargs):
+                sent["n"] += 1
+                if sent["n"] == 2:
+                    second.kill()  # and never restarted
+                return await generate(*args, **kwargs)
+
+            engines[1].generate = generate_then_kill
+            one_down = await asyncio.gather(*(run_agent(scheduler, sb, tokenizer, q, cfg, seed=i)
+                                              for i, q in enumerate(questions)))
+            await scheduler.close()
+            return exports, versions, both_up, one_down, scheduler.rerouted, sent["n"]
+
+    try:
+        exports, versions, both_up, one_down, rerouted, sent = asyncio.run(main())
+    finally:
+        second.stop()
+    assert len(exports) == 1 and versions == ["7", "7"]  # one export, reloaded by both servers
+    assert sent >= 2 and rerouted >= 1
+    assert len(one_down) == len(questions)
+    for a, b in zip(both_up, one_down):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+
+
+def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_weights(vllm_server, tmp_path):
+    """Several trainer processes sample from the same servers: process 0 pushes each update (one
+    reload per version, not one per process), the others stamp their tokens with the version once
+    it is on the server (a barrier)."""
+    from tests.rl.launch import launch
+    from tests.rl.test_multiprocess import CONFIG, train_args
+    from tests.rl.test_training import rl_lines
+
+    config = tmp_path / "moving_tiny_arith.py"
+    config.write_text(CONFIG)
+    work = tmp_path / "run"
+    reloads_before = open(vllm_server.log_path).read().count("POST /update_weight_version")
+    results = launch(train_args(str(config), work, 2) + ["--config.rollout.engine=vllm",
+                                                          f"--config.rollout.vllm_urls={vllm_server.url}"], work, n=2)
+    assert all(status == 0 for status, _, _ in results), [err[-3000:] for _, _, err in results]
+    reloads = open(vllm_server.log_path).read().count("POST /update_weight_version") - reloads_before
+    assert reloads == 1 + 2  # the start (after SFT), then one per RL step: pushed by one process
+    served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+    lines = rl_lines(work)
+    assert [l["step"] for l in lines] == [0, 1] and served == "2"
+    assert all(l["staleness/max"] == 0 for l in lines)  # on-policy: no token stamped before its weights arrived

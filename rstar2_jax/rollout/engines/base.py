@@ -90,9 +90,18 @@ class Engine(abc.ABC):
         names the trajectory the turn belongs to (its turns share a growing prefix): a scheduler
         keeps a session on the engine that holds that prefix; single engines ignore it."""
 
+    # True when the weights live on servers that every trainer process shares (vLLM): one process
+    # pushes them (update_weights), the others only adopt the new version (adopt_weights).
+    weights_on_servers: bool = False
+
     @abc.abstractmethod
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Sample with `params` (an nnx.State of the model's Params) from now on."""
+
+    def adopt_weights(self, params: Any, version: int) -> None:
+        """Another process pushed `params` as `version` to the servers this engine shares: take
+        the version on (engines whose weights are their own just update)."""
+        self.update_weights(params, version)
 
     @abc.abstractmethod
     def load(self) -> ServerLoad:

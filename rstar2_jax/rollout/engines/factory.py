@@ -9,6 +9,7 @@ one never loads the other (vLLM's client needs no JAX engine, and the reverse).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Iterable
 
 from rstar2_jax.config_types import Section, setting
@@ -46,6 +47,8 @@ class RolloutConfig(Section):
                                      "servers)", choices=("", *DTYPES))
     vllm_probe_tolerance: float = setting(1e-3, "vllm: max |log-prob| gap server vs learner after a sync "
                                           "(raise for bf16)", min=0.0)
+    vllm_sync_dir: str = setting("", "vllm: where synced weights are written for the servers to read ('' = this "
+                                 "host's /dev/shm; servers on other hosts need a shared filesystem path)")
 
     def rules(self):
         if self.engine in ENGINES:
@@ -80,8 +83,8 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
     from rstar2_jax.rollout.scheduler import Scheduler
     export_dtype = DTYPES[cfg.vllm_export_dtype] if cfg.vllm_export_dtype else None
-    engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance)
-               for url in cfg.vllm_urls]
+    engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance,
+                          sync_dir=cfg.vllm_sync_dir or None) for url in cfg.vllm_urls]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
 
 
@@ -97,6 +100,8 @@ def _check_vllm(cfg: RolloutConfig):
                             "(--block-size)")
     if cfg.reuse_kv:
         yield "reuse_kv", "is the embedded engine's; vLLM servers reuse KV by their prefix cache"
+    if cfg.vllm_sync_dir and not (os.path.isdir(cfg.vllm_sync_dir) and os.access(cfg.vllm_sync_dir, os.W_OK)):
+        yield "vllm_sync_dir", f"{cfg.vllm_sync_dir!r} is not a writable directory (the servers read synced weights there)"
 
 
 ENGINES.register("jax", EngineKind(_build_jax, _check_jax))

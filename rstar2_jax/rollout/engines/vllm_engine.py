@@ -71,6 +71,8 @@ class VLLMEngine(Engine):
                  sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
                  max_concurrency: int = 256, sync: str = "safetensors", nccl_server_ranks: int = 1):
+        """sync_dir: where synced weights are written for the server to read (default: this host's
+        /dev/shm; a shared filesystem path when the server runs on another host)."""
         if sync not in ("safetensors", "nccl"):
             raise ValueError(f"sync must be safetensors or nccl, got {sync!r}")
         self.client = VLLMClient(url, timeout=request_timeout)
@@ -86,7 +88,7 @@ class VLLMEngine(Engine):
         info = self.client.request("GET", "/v1/models", timeout=30.0)["data"][0]
         self.model_name = model_name or info["id"]
         self.max_model_len = int(info.get("max_model_len") or 0) or None
-        self._sync_root = sync_dir or os.path.join(_default_sync_root(), f"rstar2_sync_{os.getpid()}_{id(self):x}")
+        self._sync_root = os.path.join(sync_dir or _default_sync_root(), f"rstar2_sync_{os.getpid()}_{id(self):x}")
         self._synced_dir: str | None = None    # the latest weights the server should have, on disk ...
         self._synced_model: Decoder | None = None  # ... and in memory (NCCL sync writes no files)
         self.sync = sync
@@ -216,24 +218,51 @@ class VLLMEngine(Engine):
     # ------------------------------------------------------------------------------------------
     # weight sync
 
+    weights_on_servers = True
+
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Push parameters (an nnx.State of the model's variables, or a Decoder) to the server."""
-        if self._graphdef is None:
-            raise ValueError("VLLMEngine(model=...) is needed to export weights")
-        model = params if isinstance(params, nnx.Module) else nnx.merge(self._graphdef, params)
+        model = self.as_model(params)
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         if not (self.sync == "nccl" and self._sync_nccl(model, version)):
-            target = os.path.join(self._sync_root, f"v{version}")
-            save_pretrained(model, target, dtype=self.export_dtype, tokenizer_dir=None)
-            self._reload(target, version)
-            previous, self._synced_dir = self._synced_dir, target
-            if previous and previous != target:
-                shutil.rmtree(previous, ignore_errors=True)
+            self.load_export(self.export(model, version), version, model)
+            return
+        self._synced_model = model
+        self.version = version
+        self.check_sync(model)
+        log.info("synced weights v%d to %s over NCCL in %.2f s", version, self.url, time.perf_counter() - start)
+
+    def as_model(self, params: Any) -> Decoder:
+        if self._graphdef is None:
+            raise ValueError("VLLMEngine(model=...) is needed to export weights")
+        return params if isinstance(params, nnx.Module) else nnx.merge(self._graphdef, params)
+
+    def export(self, model: Decoder, version: int) -> str:
+        """The weights as HF safetensors under the sync directory (which the servers must be able
+        to read: this host's /dev/shm by default, a shared filesystem for servers elsewhere)."""
+        target = os.path.join(self._sync_root, f"v{version}")
+        save_pretrained(model, target, dtype=self.export_dtype, tokenizer_dir=None)
+        return target
+
+    def load_export(self, weights_dir: str, version: int, model: Decoder):
+        """The server reloads an export (this engine's or a shared one), then the log-prob probe."""
+        start = time.perf_counter()
+        self._reload(weights_dir, version)
+        previous, self._synced_dir = self._synced_dir, weights_dir
+        if previous and previous != weights_dir:
+            shutil.rmtree(previous, ignore_errors=True)
         self._synced_model = model
         self.version = version
         self.check_sync(model)
         log.info("synced weights v%d to %s in %.2f s", version, self.url, time.perf_counter() - start)
+
+    def adopt_weights(self, params: Any, version: int) -> None:
+        """Another process pushed these weights to the server: stamp tokens with `version` and
+        keep the weights to restore after a server restart (this engine then exports its own)."""
+        self._synced_model = self.as_model(params)
+        self._synced_dir = None
+        self.version = version
 
     def _sync_nccl(self, model: Decoder, version: int) -> bool:
         """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the safetensors path."""
@@ -293,3 +322,17 @@ def _completion(choice: dict, version_start: int, version_end: int) -> Completio
     if isinstance(stop_reason, str):
         return Completion(token_ids, logprobs, "stop", version_start, version_end, stop_reason)
     return Completion(token_ids, logprobs, "eos", version_start, version_end)
+
+
+def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int):
+    """One export for every server, reloaded by all in parallel (then each one's log-prob probe):
+    a sync costs one write plus the slowest server's reload, not a write and a reload per server."""
+    model = engines[0].as_model(params)
+    start = time.perf_counter()
+    weights_dir = engines[0].export(model, version)
+    exported = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-sync") as pool:
+        for future in [pool.submit(e.load_export, weights_dir, version, model) for e in engines]:
+            future.result()
+    log.info("synced weights v%d: export %.2f s, %d servers reloaded in %.2f s", version, exported - start,
+             len(engines), time.perf_counter() - exported)
