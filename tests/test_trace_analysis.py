@@ -2,7 +2,6 @@
 per-step stats by outcome and RoC, filters, and the trajectory viewer."""
 
 import numpy as np
-import pandas as pd
 import pytest
 from hypothesis import given, strategies as st
 

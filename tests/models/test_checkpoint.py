@@ -6,7 +6,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from rstar2_jax import models

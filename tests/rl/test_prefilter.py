@@ -3,7 +3,6 @@ problems solved k/k dropped; resumable from its results file; and a real run tha
 
 import asyncio
 import json
-import os
 
 import pytest
 
