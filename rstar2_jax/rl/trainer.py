@@ -431,14 +431,19 @@ class RLRun:
         self._solved_after[step] = meta["solved"]
 
     def check_staleness(self, step: int, out: StepRollouts) -> dict[str, float]:
-        """How many versions each sampled token lags the learner about to train on it; raises if
-        one lags more than rl.max_staleness (the pipeline's invariant)."""
-        lags = [self.learner.version - v for s in out.scored for v in s.trajectory.versions if v >= 0]
-        worst = max(lags, default=0)
-        if worst > self.cfg.rl.max_staleness:
-            raise RuntimeError(f"step {step}: a token sampled {worst} versions ago exceeds rl.max_staleness="
-                               f"{self.cfg.rl.max_staleness}")
-        return {"staleness/max": float(worst), "staleness/mean": float(np.mean(lags)) if lags else 0.0}
+        """How many versions each sampled token lags the learner about to train on it, by the
+        weights that sampled it and by the oldest weights whose KV it read (a partial rollout
+        keeps KV from before a sync); raises if either lags more than rl.max_staleness (the
+        pipeline's invariant)."""
+        version = self.learner.version
+        lags = [version - v for s in out.scored for v in s.trajectory.versions if v >= 0]
+        kv_lags = [version - v for s in out.scored for v in s.trajectory.kv_versions if v >= 0]
+        worst, kv_worst = max(lags, default=0), max(kv_lags, default=0)
+        if max(worst, kv_worst) > self.cfg.rl.max_staleness:
+            raise RuntimeError(f"step {step}: a token sampled {worst} versions ago (KV {kv_worst} versions old) "
+                               f"exceeds rl.max_staleness={self.cfg.rl.max_staleness}")
+        return {"staleness/max": float(worst), "staleness/mean": float(np.mean(lags)) if lags else 0.0,
+                "staleness/kv_max": float(kv_worst)}
 
     async def prefilter(self, engine: Engine, sb, stage_i: int, step: int) -> set[str]:
         """The paper's pre-pass before stage `stage_i`: filter_solved_k rollouts of every training

@@ -92,7 +92,7 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed)
         comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end] if fmt.tool_call_stops_turn else [],
                                      session=session)
         traj.generation_s += time.monotonic() - start
-        traj.append(comp.token_ids, 1, comp.logprobs, comp.versions())
+        traj.append(comp.token_ids, 1, comp.logprobs, comp.versions(), comp.kv_versions())
         turn = Turn(tokenizer.decode(comp.token_ids), len(comp.token_ids), comp.finish_reason,
                     comp.version_start, comp.version_end)
         traj.turns.append(turn)

@@ -37,6 +37,7 @@ class Trajectory:
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int] = dataclasses.field(default_factory=list)  # per token: weights that sampled it, -1 if none
+    kv_versions: list[int] = dataclasses.field(default_factory=list)  # per token: oldest weights in the KV it read, -1 if none
     turns: list[Turn] = dataclasses.field(default_factory=list)
     finish_reason: str = ""   # eos | length | max_turns
     response_text: str = ""   # decoded text after the prompt (model and tool tokens), for reading
@@ -44,12 +45,14 @@ class Trajectory:
     tool_s: float = 0.0
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # problem id, sample index, ...
 
-    def append(self, ids, mask: int, logprobs=None, versions=None):
+    def append(self, ids, mask: int, logprobs=None, versions=None, kv_versions=None):
         ids = list(ids)
         self.token_ids += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.versions += list(versions) if versions is not None else [-1] * len(ids)
+        self.kv_versions += list(kv_versions) if kv_versions is not None else (
+            list(versions) if versions is not None else [-1] * len(ids))
 
     @property
     def num_response_tokens(self) -> int:

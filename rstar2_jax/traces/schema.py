@@ -23,6 +23,7 @@ Schema (one row per trajectory):
 | loss_mask | list<int8> | 1 on model tokens, 0 on prompt and tool tokens |
 | logprobs | list<float32> | sampler log-prob of each model token, 0 elsewhere |
 | versions | list<int32> | weights version that sampled each model token, -1 elsewhere (asynchronous runs: several per rollout) |
+| kv_versions | list<int32> | oldest weights version whose KV each model token's sampling read (<= versions: a partial rollout keeps the KV from before a sync), -1 elsewhere |
 | entropy | list<float32> | entropy of the distribution each token was drawn from (the learner's pass; kept rollouts only, else null) |
 | prompt_len | int32 | tokens of the prompt |
 | num_response_tokens | int32 | tokens after the prompt |
@@ -59,7 +60,7 @@ SCHEMA = pa.schema([
     ("policy_version", pa.int64()), ("engine", pa.string()), ("problem", pa.string()), ("gold", pa.string()),
     ("response_text", pa.string()), ("extracted_answer", pa.string()), ("turns", pa.list_(_TURN)),
     ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
-    ("versions", pa.list_(pa.int32())),
+    ("versions", pa.list_(pa.int32())), ("kv_versions", pa.list_(pa.int32())),
     ("entropy", pa.list_(pa.float32())), ("prompt_len", pa.int32()), ("num_response_tokens", pa.int32()), ("num_turns", pa.int32()),
     ("num_tool_calls", pa.int32()), ("finish_reason", pa.string()), ("reward", pa.float32()),
     ("p_err", pa.float32()), ("p_format", pa.float32()), ("kept", pa.bool_()), ("advantage", pa.float32()),
@@ -79,6 +80,7 @@ def trajectory_record(traj: Trajectory, *, run: str, step: int, problem_id: str,
                    "tools": [dataclasses.asdict(tool) for tool in t.tools]} for t in traj.turns],
         "token_ids": traj.token_ids, "loss_mask": traj.loss_mask, "logprobs": traj.logprobs,
         "versions": traj.versions or [-1] * len(traj.token_ids),
+        "kv_versions": traj.kv_versions or [-1] * len(traj.token_ids),
         "entropy": entropy, "prompt_len": traj.prompt_len, "num_response_tokens": traj.num_response_tokens,
         "num_turns": len(traj.turns), "num_tool_calls": len(traj.tool_statuses),
         "finish_reason": traj.finish_reason, "reward": reward, "p_err": p_err, "p_format": p_format,

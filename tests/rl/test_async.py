@@ -83,14 +83,17 @@ def test_async_rollouts_lag_at_most_k_versions_and_checkpoint_the_trained_data_p
     run(cfg, str(tmp_path))
     lines = rl_lines(tmp_path)
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
-    assert all(0 <= l["staleness/max"] <= k for l in lines)
+    assert all(0 <= l["staleness/max"] <= k and 0 <= l["staleness/kv_max"] <= k for l in lines)
     assert max(l["staleness/max"] for l in lines) >= 1  # later steps' rollouts ran during updates
 
     traces = read_traces(tmp_path / "traces")
     for _, r in traces.iterrows():
         versions, mask = np.asarray(r["versions"]), np.asarray(r["loss_mask"])
-        assert len(versions) == len(r["token_ids"])
+        kv_versions = np.asarray(r["kv_versions"])
+        assert len(versions) == len(kv_versions) == len(r["token_ids"])
         assert (versions[mask == 0] == -1).all() and (versions[mask == 1] >= 0).all()
+        assert (kv_versions[mask == 0] == -1).all() and (0 <= kv_versions[mask == 1]).all()
+        assert (kv_versions <= versions).all() and (kv_versions[mask == 1] >= r["step"] - k).all()
         assert r["policy_version"] == versions[mask == 1].min()
         assert r["step"] - k <= r["policy_version"] <= r["step"]  # versions count updates, one per step here
 

@@ -280,6 +280,8 @@ def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per
     first_new = versions.index(1)
     assert versions == [0] * first_new + [1] * (len(versions) - first_new) and first_new >= 10
     assert (swapped.version_start, swapped.version_end) == (0, 1)
+    # the KV computed before the swap is kept: every token, old weights or new, read version 0's KV
+    assert list(swapped.token_kv_versions) == [0] * len(versions) and set(straight.token_kv_versions) == {0}
     assert swapped.token_ids[:first_new] == straight.token_ids[:first_new]  # old weights up to the swap ...
     assert swapped.token_ids[first_new:] != straight.token_ids[first_new:]  # ... the new ones after it
     assert set(straight.token_versions) == {0} and len(straight.token_ids) == 40

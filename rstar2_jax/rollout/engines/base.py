@@ -28,10 +28,20 @@ class Completion:
     # (partial rollouts) know it exactly; empty means every token is counted as version_start,
     # the oldest weights that can have sampled it (a safe bound for the staleness check).
     token_versions: tuple[int, ...] = ()
+    # The oldest weights version whose KV each token's sampling attended to: a partial rollout
+    # keeps the KV computed before a swap, so a token sampled by new weights can still read keys
+    # and values of old ones. Empty: version_start for every token (vLLM keeps KV across a sync:
+    # pause(mode="keep"); the turn's start is the oldest weights that can have computed it).
+    token_kv_versions: tuple[int, ...] = ()
 
     def versions(self) -> list[int]:
         """Per-token weights versions (see token_versions)."""
         return list(self.token_versions) if self.token_versions else [self.version_start] * len(self.token_ids)
+
+    def kv_versions(self) -> list[int]:
+        """Per-token oldest KV versions (see token_kv_versions)."""
+        return (list(self.token_kv_versions) if self.token_kv_versions
+                else [self.version_start] * len(self.token_ids))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,9 @@ Device work runs on one worker thread, so the asyncio loop stays free for tool c
 model runs. `update_weights` swaps the parameter state between decode steps; shapes are unchanged,
 so nothing recompiles. Requests in flight continue with the new weights (partial rollouts, for
 asynchronous RL): every token records the version that sampled it, and the KV of the tokens
-before the swap is kept, as vLLM's pause(mode="keep") keeps it (AReaL recomputes it instead).
+before the swap is kept, as vLLM's pause(mode="keep") keeps it (AReaL recomputes it instead); so
+every token also records the oldest version whose KV it read (the version of the request's
+latest prefill: decode steps only add KV of the same or newer weights).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class _Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)  # weights that sampled each token
+    kv_versions: list[int] = dataclasses.field(default_factory=list)  # oldest weights in the KV each token read
+    kv_version: int = 0            # weights of the latest (re)admission's prefill: the oldest KV in the row
     session: Hashable | None = None
     admitted: int = -1             # admission counter at its (latest) admission: preemption takes the newest
 
@@ -399,6 +403,8 @@ class JaxEngine(Engine):
             args = (self._state, self._cache, jnp.int32(slot)) + row_args
 
         version = self.version  # the weights in `args`, whatever a sync does while they run
+        # reused KV was computed by the same weights (_reusable), so the row's oldest KV is this prefill's
+        req.kv_version = version
 
         def run():
             start = time.monotonic()
@@ -522,6 +528,7 @@ class JaxEngine(Engine):
         req.generated.append(token)
         req.logprobs.append(logp)
         req.versions.append(version)
+        req.kv_versions.append(req.kv_version)
         finish, stop_string = None, None
         if token in self.eos_ids:
             finish = "eos"
@@ -536,7 +543,8 @@ class JaxEngine(Engine):
             self._keep_or_free(slot, req)
             if not req.future.done():
                 req.future.set_result(Completion(req.generated, req.logprobs, finish, req.version_start,
-                                                 self.version, stop_string, tuple(req.versions)))
+                                                 self.version, stop_string, tuple(req.versions),
+                                                 tuple(req.kv_versions)))
 
     def _keep_or_free(self, slot: int, req: _Request):
         """A finished request's KV: kept as its trajectory's resident (reuse_kv), else freed."""
