@@ -22,10 +22,13 @@ FREE_STRINGS = {
     "data.eval_path": ({"data.task": "jsonl"}, "/no/such/eval.jsonl"),
     "sandbox.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
     "rollout.vllm_sync_dir": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"]}, "/no/such/dir"),
+    "rollout.vllm_sync_host": ({}, ""),
     "run_name": ({}, ""),
 }
 # Lists of strings: the element check, under the setting that reads them.
-STRING_LISTS = {"rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"])}
+STRING_LISTS = {"rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
+                "rollout.vllm_fetch_urls": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"],
+                                             "rollout.vllm_sync": "pull"}, ["not-a-url"])}
 
 
 def shipped_configs(tmp_path):

@@ -30,6 +30,9 @@ _CPU_KV = flags.DEFINE_integer("cpu_kv_cache_gib", 4, "KV cache size in whole Gi
 _PYTHON = flags.DEFINE_string("python", None, "the vLLM venv's python (default $RSTAR2_VLLM_PYTHON or .venv-vllm)")
 _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "print the command instead of running it")
 _EXTRA = flags.DEFINE_multi_string("vllm_arg", [], "extra argument passed to vLLM as is (repeat)")
+_FETCH_PORT = flags.DEFINE_integer("fetch_port", None, "also run a weight fetcher on this port (trainers on hosts "
+                                   "that share no filesystem with this one: --config.rollout.vllm_sync=pull)")
+_FETCH_DIR = flags.DEFINE_string("fetch_dir", "/dev/shm/rstar2_pulled", "where the fetcher keeps pulled weights")
 
 
 def main(argv):
@@ -45,7 +48,12 @@ def main(argv):
     if _PRINT_ONLY.value:
         return
     server = VLLMServer(_MODEL.value, opts, python=python)
+    fetcher = None
     try:
+        if _FETCH_PORT.value is not None:
+            from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+            fetcher = WeightFetcher(_FETCH_DIR.value, _HOST.value, _FETCH_PORT.value)
+            print(f"weight fetcher: {fetcher.url} (--config.rollout.vllm_fetch_urls={fetcher.url})", flush=True)
         server.start()
         print(f"starting vLLM at {server.url} (about a minute on CPU) ...", flush=True)
         server.wait_ready()
@@ -56,6 +64,8 @@ def main(argv):
         pass
     finally:
         server.stop()
+        if fetcher is not None:
+            fetcher.close()
 
 
 if __name__ == "__main__":

@@ -395,3 +395,25 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     lines = rl_lines(work)
     assert [l["step"] for l in lines] == [0, 1] and served == "2"
     assert all(l["staleness/max"] == 0 for l in lines)  # on-policy: no token stamped before its weights arrived
+
+
+def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_server, tiny_model, tmp_path):
+    """sync="pull": the trainer exports into a directory of its own and serves it over HTTP; the
+    fetcher beside the server copies it into the server's directory; the server reloads that copy.
+    The trainer's export is deleted before the probe, so the server cannot have read it."""
+    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+
+    fetcher = WeightFetcher(str(tmp_path / "server_side"))
+    engine = VLLMEngine(vllm_server.url, tiny_model, sync="pull", fetch_url=fetcher.url,
+                        sync_dir=str(tmp_path / "trainer_side"))
+    try:
+        for version, seed in ((11, 3), (12, 4)):
+            engine.update_weights(perturbed(tiny_model, seed=seed), version)  # reload, then the log-prob probe
+            assert os.path.dirname(engine._synced_dir) == str(tmp_path / "server_side")
+            assert not any(d.startswith("v") for _, dirs, _ in os.walk(tmp_path / "trainer_side") for d in dirs)
+            served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+            assert served == str(version)
+        assert sorted(os.listdir(tmp_path / "server_side")) == ["v11", "v12"]
+    finally:
+        fetcher.close()
+        asyncio.run(engine.close())

@@ -47,8 +47,16 @@ class RolloutConfig(Section):
                                      "servers)", choices=("", *DTYPES))
     vllm_probe_tolerance: float = setting(1e-3, "vllm: max |log-prob| gap server vs learner after a sync "
                                           "(raise for bf16)", min=0.0)
-    vllm_sync_dir: str = setting("", "vllm: where synced weights are written for the servers to read ('' = this "
-                                 "host's /dev/shm; servers on other hosts need a shared filesystem path)")
+    vllm_sync: str = setting("files", "vllm: how synced weights reach the servers: files (they read the export "
+                             "from vllm_sync_dir) | pull (the weight fetcher beside each server copies it over "
+                             "HTTP: no shared filesystem) | nccl (GPU broadcast; untested without GPUs)",
+                             choices=("files", "pull", "nccl"))
+    vllm_sync_dir: str = setting("", "vllm: where synced weights are written ('' = this host's /dev/shm; with "
+                                 "sync=files, servers on other hosts need a shared filesystem path)")
+    vllm_fetch_urls: tuple[str, ...] = setting((), "vllm, sync=pull: the weight fetcher beside each server, in "
+                                               "vllm_urls order (python -m rstar2_jax.rollout.serve --fetch_port)")
+    vllm_sync_host: str = setting("127.0.0.1", "vllm, sync=pull: the address the fetchers reach this trainer at",
+                                  nonempty=True)
 
     def rules(self):
         if self.engine in ENGINES:
@@ -83,8 +91,11 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
     from rstar2_jax.rollout.scheduler import Scheduler
     export_dtype = DTYPES[cfg.vllm_export_dtype] if cfg.vllm_export_dtype else None
+    sync = {"files": "safetensors", "pull": "pull", "nccl": "nccl"}[cfg.vllm_sync]
+    fetchers = cfg.vllm_fetch_urls or (None,) * len(cfg.vllm_urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance,
-                          sync_dir=cfg.vllm_sync_dir or None) for url in cfg.vllm_urls]
+                          sync_dir=cfg.vllm_sync_dir or None, sync=sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host)
+               for url, fetch in zip(cfg.vllm_urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
 
 
@@ -100,6 +111,14 @@ def _check_vllm(cfg: RolloutConfig):
                             "(--block-size)")
     if cfg.reuse_kv:
         yield "reuse_kv", "is the embedded engine's; vLLM servers reuse KV by their prefix cache"
+    if cfg.vllm_sync == "pull" and len(cfg.vllm_fetch_urls) != len(cfg.vllm_urls):
+        yield "vllm_fetch_urls", (f"sync=pull needs one weight fetcher URL per server ({len(cfg.vllm_urls)}), got "
+                                  f"{len(cfg.vllm_fetch_urls)}")
+    if cfg.vllm_sync != "pull" and cfg.vllm_fetch_urls:
+        yield "vllm_fetch_urls", "are only read with rollout.vllm_sync=pull"
+    for i, url in enumerate(cfg.vllm_fetch_urls):
+        if not url.startswith(("http://", "https://")):
+            yield f"vllm_fetch_urls[{i}]", f"must be an http(s) URL, got {url!r}"
     if cfg.vllm_sync_dir and not (os.path.isdir(cfg.vllm_sync_dir) and os.access(cfg.vllm_sync_dir, os.W_OK)):
         yield "vllm_sync_dir", f"{cfg.vllm_sync_dir!r} is not a writable directory (the servers read synced weights there)"
 

@@ -70,11 +70,18 @@ class VLLMEngine(Engine):
     def __init__(self, url: str, model: Decoder | None = None, *, model_name: str | None = None,
                  sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
-                 max_concurrency: int = 256, sync: str = "safetensors", nccl_server_ranks: int = 1):
-        """sync_dir: where synced weights are written for the server to read (default: this host's
-        /dev/shm; a shared filesystem path when the server runs on another host)."""
-        if sync not in ("safetensors", "nccl"):
-            raise ValueError(f"sync must be safetensors or nccl, got {sync!r}")
+                 max_concurrency: int = 256, sync: str = "safetensors", nccl_server_ranks: int = 1,
+                 fetch_url: str | None = None, sync_host: str = "127.0.0.1"):
+        """sync: "safetensors" (the server reads the export from sync_dir: this host's /dev/shm by
+        default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
+        `fetch_url`, beside the server, copies the export from this process's file server at
+        `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast)."""
+        if sync not in SYNC_METHODS:
+            raise ValueError(f"sync must be one of {SYNC_METHODS}, got {sync!r}")
+        if (sync == "pull") != (fetch_url is not None):
+            raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
+        self.fetch_url = fetch_url
+        self.sync_host = sync_host
         self.client = VLLMClient(url, timeout=request_timeout)
         self.url = self.client.url
         self.version = 0
@@ -88,7 +95,8 @@ class VLLMEngine(Engine):
         info = self.client.request("GET", "/v1/models", timeout=30.0)["data"][0]
         self.model_name = model_name or info["id"]
         self.max_model_len = int(info.get("max_model_len") or 0) or None
-        self._sync_root = os.path.join(sync_dir or _default_sync_root(), f"rstar2_sync_{os.getpid()}_{id(self):x}")
+        self._sync_base = sync_dir or _default_sync_root()
+        self._sync_root = os.path.join(self._sync_base, f"rstar2_sync_{os.getpid()}_{id(self):x}")
         self._synced_dir: str | None = None    # the latest weights the server should have, on disk ...
         self._synced_model: Decoder | None = None  # ... and in memory (NCCL sync writes no files)
         self.sync = sync
@@ -226,7 +234,10 @@ class VLLMEngine(Engine):
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         if not (self.sync == "nccl" and self._sync_nccl(model, version)):
-            self.load_export(self.export(model, version), version, model)
+            exported = self.export(model, version)
+            self.load_export(exported, version, model)
+            if self.sync == "pull":  # the server has its own copy
+                shutil.rmtree(exported, ignore_errors=True)
             return
         self._synced_model = model
         self.version = version
@@ -246,11 +257,19 @@ class VLLMEngine(Engine):
         return target
 
     def load_export(self, weights_dir: str, version: int, model: Decoder):
-        """The server reloads an export (this engine's or a shared one), then the log-prob probe."""
+        """The server reloads an export (this engine's or a shared one; with sync="pull" from the
+        copy its fetcher makes), then the log-prob probe."""
         start = time.perf_counter()
-        self._reload(weights_dir, version)
-        previous, self._synced_dir = self._synced_dir, weights_dir
-        if previous and previous != weights_dir:
+        if self.sync == "pull":
+            from rstar2_jax.rollout.engines.weight_pull import ask_to_fetch
+            files = sorted(f for f in os.listdir(weights_dir) if not f.startswith("."))
+            server_dir = ask_to_fetch(self.fetch_url, _file_server(self._sync_base, self.sync_host).url_for(weights_dir),
+                                      files, version)
+        else:
+            server_dir = weights_dir
+        self._reload(server_dir, version)
+        previous, self._synced_dir = self._synced_dir, server_dir
+        if previous and previous != server_dir and self.sync != "pull":  # a pulled copy is the fetcher's to delete
             shutil.rmtree(previous, ignore_errors=True)
         self._synced_model = model
         self.version = version
@@ -324,6 +343,19 @@ def _completion(choice: dict, version_start: int, version_end: int) -> Completio
     return Completion(token_ids, logprobs, "eos", version_start, version_end)
 
 
+SYNC_METHODS = ("safetensors", "pull", "nccl")
+_FILE_SERVERS: dict[tuple[str, str], Any] = {}
+
+
+def _file_server(root: str, host: str):
+    """This process's read-only HTTP server of `root` (one per root and address, started on first use)."""
+    from rstar2_jax.rollout.engines.weight_pull import WeightFileServer
+    if (root, host) not in _FILE_SERVERS:
+        bind = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+        _FILE_SERVERS[root, host] = WeightFileServer(root, host=bind, advertise=host)
+    return _FILE_SERVERS[root, host]
+
+
 def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int):
     """One export for every server, reloaded by all in parallel (then each one's log-prob probe):
     a sync costs one write plus the slowest server's reload, not a write and a reload per server."""
@@ -334,5 +366,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int):
     with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-sync") as pool:
         for future in [pool.submit(e.load_export, weights_dir, version, model) for e in engines]:
             future.result()
+    if all(e.sync == "pull" for e in engines):  # every server holds its own copy
+        shutil.rmtree(weights_dir, ignore_errors=True)
     log.info("synced weights v%d: export %.2f s, %d servers reloaded in %.2f s", version, exported - start,
              len(engines), time.perf_counter() - exported)
