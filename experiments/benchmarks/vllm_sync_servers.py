@@ -3,7 +3,10 @@ scheduler synced before), against one shared export reloaded by every server in 
 (`vllm_engine.push_to_servers`, what the trainer does now). Both in one run, alternating.
 
     python -m experiments.benchmarks.vllm_sync_servers [--servers 2] [--layers 8] [--hidden 512] \
-        [--repeats 3] [--record BENCHMARKS.md]
+        [--repeats 3] [--sync files|pull] [--record BENCHMARKS.md]
+
+--sync pull puts a weight fetcher beside each server (weight_pull.py): the servers reload a copy
+they pulled over HTTP instead of the trainer's file.
 
 Each server is a real vLLM CPU server (.venv-vllm) started from a random model of the given size
 (the tiny architecture: head_dim 32, vocabulary 320); a sync is export (safetensors into /dev/shm)
@@ -55,6 +58,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sync", choices=("files", "pull"), default="files")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="vllm_sync_")
@@ -66,10 +70,15 @@ def main(argv=None):
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1), python=python,
                           log_path=os.path.join(work, f"server{i}.log")).start() for i in range(args.servers)]
+    fetchers = []
     try:
         for s in servers:
             s.wait_ready(timeout=900)
-        engines = [VLLMEngine(s.url, model) for s in servers]
+        if args.sync == "pull":
+            from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+            fetchers = [WeightFetcher(os.path.join(work, f"pulled{i}")) for i in range(len(servers))]
+        engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url) for s, f in zip(servers, fetchers)] \
+            if fetchers else [VLLMEngine(s.url, model) for s in servers]
         seq_total, shared_total, export, reload_max, seq_per = [], [], [], [], []
         version = 0
         for _ in range(args.repeats):
@@ -85,6 +94,8 @@ def main(argv=None):
     finally:
         for s in servers:
             s.stop()
+        for f in fetchers:
+            f.close()
     med = statistics.median
     rows = [["one export per server, one server after another", f"{med(seq_total):.3f}",
              f"per server {med(seq_per):.3f}"],
@@ -92,11 +103,13 @@ def main(argv=None):
              f"export {med(export):.3f} + slowest reload {med(reload_max):.3f}"],
             ["ratio (one after another / shared)", f"{med(seq_total) / med(shared_total):.2f}x", ""]]
     table = common.markdown_table(["sync to all servers", "seconds (median)", "parts"], rows)
-    common.record(args.record, f"Weight sync to {args.servers} vLLM CPU servers: shared export vs one per server",
+    common.record(args.record, f"Weight sync to {args.servers} vLLM CPU servers ({args.sync}): shared export vs one "
+                  "per server",
                   common.command_line("experiments.benchmarks.vllm_sync_servers", argv),
                   f"random model, {params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), "
                   f"float32 safetensors in /dev/shm, {args.repeats} syncs each way, alternating; sync = export + "
-                  "reload_weights + log-prob probe", table)
+                  + ("the fetcher's HTTP copy + " if args.sync == "pull" else "")
+                  + "reload_weights + log-prob probe", table)
 
 
 if __name__ == "__main__":
