@@ -223,7 +223,7 @@ def test_validate_directly():
     ("rollout.engine", "sglang", "rollout.engine: unknown engine 'sglang'; registered: jax, vllm"),
     ("rollout.scheduler", "fastest", "rollout.scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin"),
     ("sandbox.isolation", "none", "sandbox.isolation: must be one of 'strict', 'basic'; got 'none'"),
-    ("sandbox.backend", "k8s", "sandbox.backend: unknown sandbox backend 'k8s'; registered: local, redis"),
+    ("sandbox.backend", "k8s", "sandbox.backend: unknown sandbox backend 'k8s'; registered: http, local, redis"),
 ])
 def test_names_are_checked_against_their_registries_before_anything_runs(tmp_path, field, value, message):
     cfg = small_config()
