@@ -4,7 +4,6 @@
 the same rollouts, tool outputs, rewards and updates."""
 
 import json
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -17,6 +16,7 @@ from rstar2_jax.rollout.engines.vllm_server import free_port
 from rstar2_jax.traces import read_traces
 from tests.rl.test_training import COMPARED, ROOT, rl_lines, small_config
 from tests.sandbox.redis_server import RedisServer
+from tests.sandbox.test_redis import stop
 
 
 def start(args: list[str], ready: str) -> subprocess.Popen:
@@ -27,15 +27,6 @@ def start(args: list[str], ready: str) -> subprocess.Popen:
         lines.append(proc.stdout.readline())
         assert lines[-1] and len(lines) < 20, lines
     return proc
-
-
-def stop(proc: subprocess.Popen):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def warm_start(workdir) -> str:
