@@ -38,6 +38,7 @@ def main(argv):
     from absl import app
 
     from rstar2_jax.rl.plan import describe_fields, describe_plan
+    from rstar2_jax.rl.run_dir import RunDirectory
     from rstar2_jax.rl.trainer import format_results, run, validate
 
     cfg = _CONFIG.value
@@ -56,6 +57,8 @@ def main(argv):
     if _DRY_RUN.value:
         print(describe_plan(run_cfg, _WORKDIR.value, _CONFIG_MISMATCH.value))
         return
+    # every process refuses a mismatching run directory here, before the job starts
+    RunDirectory(_WORKDIR.value, create=False).check_config(run_cfg.to_dict(), _CONFIG_MISMATCH.value)
     if run_cfg.distributed:
         import jax
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; before any backend starts

@@ -61,36 +61,43 @@ def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 class RunDirectory:
-    def __init__(self, path: str):
+    def __init__(self, path: str, create: bool = True):
         self.path = os.path.abspath(path)
-        os.makedirs(self.path, exist_ok=True)
+        if create:
+            os.makedirs(self.path, exist_ok=True)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     # ---- config ---------------------------------------------------------------------------------
-    def record_config(self, config: dict[str, Any], mismatch: str = "stop") -> dict[str, tuple[Any, Any]]:
-        """Write `config` as the run's config.json. When the directory already holds a config
-        that differs, stop (ConfigMismatchError naming the keys) unless the differences are all
-        RESUMABLE_CHANGES or `mismatch` is "ok"; a change is appended to config_history.jsonl.
-        Returns the changes."""
+    def check_config(self, config: dict[str, Any], mismatch: str = "stop") -> dict[str, tuple[Any, Any]]:
+        """How `config` differs from the run's config.json ({} for a new run); ConfigMismatchError
+        naming the keys when a difference is not in RESUMABLE_CHANGES and `mismatch` is "stop".
+        Reads only: every process of a job can call it before anything starts."""
         if mismatch not in MISMATCH_CHOICES:
             raise ValueError(f"config_mismatch must be one of {MISMATCH_CHOICES}, got {mismatch!r}")
-        changes = {}
-        if os.path.exists(self.file("config.json")):
-            with open(self.file("config.json")) as f:
-                changes = config_changes(with_defaults(json.load(f)), config)
-            refused = sorted(set(changes) - RESUMABLE_CHANGES)
-            if refused and mismatch != "ok":
-                lines = "\n".join(f"  {k}: {changes[k][0]!r} (config.json) -> {changes[k][1]!r} (now)" for k in refused)
-                raise ConfigMismatchError(
-                    f"{self.path} was trained with another config; {len(refused)} setting(s) differ:\n{lines}\n"
-                    "Resume with the run's own config, start a new --workdir, or pass --config_mismatch=ok to "
-                    f"change it (recorded in {self.file('config_history.jsonl')}).")
-            if changes:
-                with open(self.file("config_history.jsonl"), "a") as f:
-                    f.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changes.items()},
-                                        "accepted": "config_mismatch=ok" if refused else "resumable"}) + "\n")
+        if not os.path.exists(self.file("config.json")):
+            return {}
+        with open(self.file("config.json")) as f:
+            changes = config_changes(with_defaults(json.load(f)), config)
+        refused = sorted(set(changes) - RESUMABLE_CHANGES)
+        if refused and mismatch != "ok":
+            lines = "\n".join(f"  {k}: {changes[k][0]!r} (config.json) -> {changes[k][1]!r} (now)" for k in refused)
+            raise ConfigMismatchError(
+                f"{self.path} was trained with another config; {len(refused)} setting(s) differ:\n{lines}\n"
+                "Resume with the run's own config, start a new --workdir, or pass --config_mismatch=ok to "
+                f"change it (recorded in {self.file('config_history.jsonl')}).")
+        return changes
+
+    def record_config(self, config: dict[str, Any], mismatch: str = "stop") -> dict[str, tuple[Any, Any]]:
+        """Write `config` as the run's config.json, after check_config; a change is appended to
+        config_history.jsonl first. Returns the changes."""
+        changes = self.check_config(config, mismatch)
+        if changes:
+            accepted = "config_mismatch=ok" if set(changes) - RESUMABLE_CHANGES else "resumable"
+            with open(self.file("config_history.jsonl"), "a") as f:
+                f.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changes.items()},
+                                    "accepted": accepted}) + "\n")
         self._write_json("config.json", config)
         return changes
 

@@ -163,7 +163,8 @@ def test_rerunning_a_run_directory_is_honest(tmp_path):
 
 def test_train_cli_dry_run_and_config_file_errors(tmp_path):
     """--dry_run checks and prints the plan without touching the run directory; a missing or
-    broken config file is one line naming the file (and the line)."""
+    broken config file is one line naming the file (and the line); a run directory trained with
+    another config is refused before anything starts."""
     data = tmp_path / "problems.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     work = tmp_path / "run"
@@ -182,6 +183,13 @@ def test_train_cli_dry_run_and_config_file_errors(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", f"--config={config}", f"--workdir={work}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # a run directory trained with another config: refused by every process before anything starts
+    RunDirectory(str(work)).record_config(validate(tiny_arith.get_config()).to_dict())
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", "--config=experiments/tiny_arith.py",
+                           f"--workdir={work}", "--config.rl.lr=0.001"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "rl.lr: 0.0002 (config.json) -> 0.001 (now)" in proc.stderr, proc.stderr
+    assert sorted(os.listdir(work)) == ["config.json"]  # nothing built, no SFT run
 
 
 @pytest.mark.parametrize("override,message", [
