@@ -89,21 +89,33 @@ class RedisSandbox:
         deadline = time.monotonic() + timeout + self.queue_timeout_s
         job = json.dumps({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout})
         last_error = None
-        submitted = False
+        entry_id = None          # the job's stream entry, once queued
+        reconnected = False      # the connection failed since it was queued: is the job still known?
         while time.monotonic() < deadline:
             try:
-                if not submitted:
-                    await self._redis.xadd(self.keys.jobs, {"job": job})
-                    submitted = True
+                if entry_id is not None and reconnected and await self._lost(entry_id, job_id):
+                    entry_id = None  # Redis restarted without it: queue it again (one result still: _FINISH)
+                reconnected = False
+                if entry_id is None:
+                    entry_id = await self._redis.xadd(self.keys.jobs, {"job": job})
                 wait = max(0.1, min(1.0, deadline - time.monotonic()))
                 reply = await self._redis.blpop([self.keys.result(job_id)], timeout=wait)
                 if reply is not None:
                     return ExecResult.from_dict(json.loads(reply[1]))
             except _RETRYABLE as e:  # Redis restarting or unreachable: retry until the deadline
                 last_error = e
+                reconnected = True
                 await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         why = f"redis unavailable: {last_error!r}" if last_error else "no worker returned a result"
         return ExecResult.internal(f"no result within {timeout + self.queue_timeout_s:.0f} s ({why})")
+
+    async def _lost(self, entry_id: str, job_id: str) -> bool:
+        """After a connection failure: True when Redis no longer has the job (it restarted without
+        persistence) and no result is waiting. A worker deletes an entry only after posting its
+        result, so an entry that is gone with no result posted was lost, not finished."""
+        if await self._redis.xrange(self.keys.jobs, entry_id, entry_id):
+            return False
+        return not await self._redis.exists(self.keys.result(job_id), self.keys.done(job_id))
 
     async def run_many(self, requests: Iterable[dict[str, Any]]) -> list[ExecResult]:
         return list(await asyncio.gather(*(self.run(r["code"], r.get("stdin", ""), r.get("timeout"))

@@ -182,3 +182,30 @@ def test_the_trainer_sandbox_config_builds_a_redis_client_that_reaches_workers(r
         assert res.status == "ok" and res.stdout == "42\n"
     finally:
         stop(worker)
+
+
+def test_a_call_in_flight_when_redis_restarts_empty_is_queued_again_and_answered_once(redis_server):
+    """Redis restarted without persistence loses the queue: a call waiting in it would never be
+    answered. The client notices its job is gone (no entry, no result) once it reconnects, queues
+    it again, and gets exactly one result."""
+    worker = None
+    try:
+        async def scenario():
+            nonlocal worker
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+                task = asyncio.create_task(sb.run("print('once')", timeout=5.0))
+                await asyncio.sleep(0.5)  # queued; no worker yet
+                redis_server.stop()
+                await asyncio.sleep(0.5)
+                RedisServer(port=redis_server.port).start()
+                worker = start_worker(redis_server.url)
+                return await task
+
+        start = time.monotonic()
+        result = asyncio.run(scenario())
+        assert (result.status, result.stdout) == ("ok", "once\n") and time.monotonic() - start < 30
+        r = redis.Redis.from_url(redis_server.url)
+        assert r.xlen(Keys().jobs) == 0 and [r.llen(k) for k in r.scan_iter("sandbox:result:*")] in ([], [0])
+    finally:
+        if worker is not None:
+            stop(worker)
