@@ -1,11 +1,15 @@
 """Training with the code sandbox on other processes, as on other hosts: `sandbox.backend=redis`
-(a redis-server and a `python -m sandbox worker`, started here) and `sandbox.backend=http` (a
+(a redis-server and `python -m sandbox worker`s, started here) and `sandbox.backend=http` (a
 `python -m sandbox serve`). Both must train exactly as the local sandbox does for the same seed:
-the same rollouts, tool outputs, rewards and updates."""
+the same rollouts, tool outputs, rewards and updates; over Redis also while a worker is
+SIGKILLed mid-step and Redis restarts empty (no tool call lost, none answered twice)."""
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -56,6 +60,35 @@ def trained(workdir, model: str, backend: str = "local", url: str = ""):
     return rows, outputs, rl_lines(workdir)
 
 
+class Faults(threading.Thread):
+    """SIGKILLs `victim` once a tool call has been queued, then restarts Redis (empty) once two
+    more have: both mid-step, whatever the timing of the run."""
+
+    def __init__(self, redis, victim):
+        super().__init__(daemon=True)
+        self.redis, self.victim, self.done = redis, victim, []
+        self.stop_event = threading.Event()
+
+    def queued(self) -> int:
+        try:
+            return redis_lib.Redis.from_url(self.redis.url).xinfo_stream("sandbox:jobs")["entries-added"]
+        except redis_lib.RedisError:
+            return 0
+
+    def run(self):
+        while not self.stop_event.is_set() and len(self.done) < 2:
+            n = self.queued()
+            if not self.done and n >= 1:
+                self.victim.send_signal(signal.SIGKILL)
+                self.done.append(("worker killed", n))
+            elif len(self.done) == 1 and n >= 3:
+                self.redis.stop()
+                time.sleep(0.5)
+                self.redis.start()
+                self.done.append(("redis restarted", n))
+            time.sleep(0.02)
+
+
 @pytest.mark.slow
 def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbox(tmp_path):
     model = warm_start(tmp_path)
@@ -74,11 +107,25 @@ def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbo
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             served = sum(int(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
                          if line.startswith("sandbox_results_total"))
+        # faults mid-step: one of two workers SIGKILLed (its calls redelivered after the
+        # visibility timeout), then Redis restarted without persistence (queued calls re-sent)
+        victim = start(["worker", "--redis", redis.url, "--concurrency", "2", "--visibility-timeout", "1.5"],
+                       "sandbox worker")
+        faults = Faults(redis, victim)
+        faults.start()
+        try:
+            with_faults = trained(tmp_path / "faults", model, "redis", redis.url)
+        finally:
+            faults.stop_event.set()
+            faults.join()
+            stop(victim)
     finally:
         stop(service)
         stop(worker)
         redis.stop()
+    assert [what for what, _ in faults.done] == ["worker killed", "redis restarted"]
     assert queued == calls and served == calls  # every tool call went to the remote workers, once
+    assert with_faults[1] == local[1] and with_faults[0] == local[0]  # no call lost, none doubled
     for name, remote in (("redis", over_redis), ("http", over_http)):
         assert remote[0] == local[0], name  # tokens, rewards, RoC and advantages of every rollout
         assert remote[1] == local[1], name  # every tool output
