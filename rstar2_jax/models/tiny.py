@@ -8,7 +8,7 @@ untied embeddings so `reload_weights` updates the output layer too.
 The tokenizer is byte-level BPE trained locally with no merges: every UTF-8 byte is one token
 (digits are single tokens, which suits arithmetic), plus Qwen's chat and tool-call tokens.
 
-    python -m rstar2_jax.models.tiny --out runs/tiny_model
+    python -m rstar2_jax.generate --model runs/tiny_model --build_tiny   # writes it, then samples from it
 """
 
 from __future__ import annotations
@@ -122,15 +122,3 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, dtype=jnp.flo
         json.dump({"eos_token_id": eos_id, "pad_token_id": pad_id}, f, indent=2)
     return out_dir
 
-
-def main(argv=None):
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory to write")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(build_tiny_model(args.out, seed=args.seed))
-
-
-if __name__ == "__main__":
-    main()
