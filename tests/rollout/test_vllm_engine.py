@@ -332,8 +332,11 @@ def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, 
 def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to_the_other(
         vllm_server, tiny_model, tokenizer, tmp_path):
     """A sync writes the weights once and both servers reload them in parallel (each then passes
-    its log-prob probe). Then one server is SIGKILLed mid-batch and stays down: its trajectories
-    finish on the other server, each exactly once, the same tokens as with both up (greedy)."""
+    its log-prob probe); so does a pull sync, each server reloading the copy its own fetcher made.
+    Then one server is SIGKILLed mid-batch and stays down: its trajectories finish on the other
+    server, each exactly once, the same tokens as with both up (greedy)."""
+    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+
     second = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "second")
     synced = perturbed(tiny_model, seed=2)
     cfg = AgentConfig(format=tiny_format(), max_turns=2, max_response_tokens=300, temperature=0.0)
@@ -342,6 +345,18 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
     async def main():
         async with sandbox.LocalSandbox(workers=2) as sb:
             engines = [VLLMEngine(vllm_server.url, tiny_model), VLLMEngine(second.url, tiny_model, restart_timeout=5)]
+            # pull: neither server reads the trainer's export; each fetcher copies it into its own directory
+            fetchers = [WeightFetcher(str(tmp_path / f"pulled{i}")) for i in range(2)]
+            pulling = [VLLMEngine(e.url, tiny_model, sync="pull", fetch_url=f.url, sync_dir=str(tmp_path / "trainer"))
+                       for e, f in zip(engines, fetchers)]
+            Scheduler(pulling, "round_robin").update_weights(perturbed(tiny_model, seed=5), 6)
+            pulled = [e._synced_dir for e in pulling]
+            left_behind = [d for _, dirs, _ in os.walk(tmp_path / "trainer") for d in dirs if d.startswith("v")]
+            for f in fetchers:
+                f.close()
+            for e in pulling:
+                await e.close()
+            # files: one export both servers read
             scheduler = Scheduler(engines, "round_robin", refresh_s=0.2)
             scheduler.update_weights(synced, 7)
             exports = {e._synced_dir for e in engines}
@@ -361,12 +376,13 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
             one_down = await asyncio.gather(*(run_agent(scheduler, sb, tokenizer, q, cfg, seed=i)
                                               for i, q in enumerate(questions)))
             await scheduler.close()
-            return exports, versions, both_up, one_down, scheduler.rerouted, sent["n"]
+            return exports, versions, both_up, one_down, scheduler.rerouted, sent["n"], pulled, left_behind
 
     try:
-        exports, versions, both_up, one_down, rerouted, sent = asyncio.run(main())
+        exports, versions, both_up, one_down, rerouted, sent, pulled, left_behind = asyncio.run(main())
     finally:
         second.stop()
+    assert pulled == [str(tmp_path / f"pulled{i}" / "v6") for i in range(2)] and left_behind == []
     assert len(exports) == 1 and versions == ["7", "7"]  # one export, reloaded by both servers
     assert sent >= 2 and rerouted >= 1
     assert len(one_down) == len(questions)
