@@ -57,7 +57,7 @@ from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import Engine, make_engine
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
-from rstar2_jax.timeline import BusyLog, Timeline, exclusive_length
+from rstar2_jax.timeline import BusyLog, Timeline, exclusive_length, overlap_length
 from rstar2_jax.traces import TraceWriter, trajectory_record
 
 __all__ = ["ConfigValueError", "RLRun", "RunConfig", "run", "validate"]
@@ -578,8 +578,10 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
 
     tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
     the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
-    behind generation. engine_busy: share of the rollout the engine spent on device work (the
-    step's window; with asynchronous rollouts another step's requests may share it);
+    behind generation. engine_busy: share of the rollout the engine spent on device work while at
+    least one of this step's own requests was in it (its "request" spans; with asynchronous
+    rollouts the engine also works for other steps, which does not count; a timeline without
+    request spans counts all the engine's work in the window);
     engine_slot_utilization: share of decode-step slots that held a request; engine/prefill_tokens,
     reused_tokens, preemptions: prompt tokens run at admission, prompt tokens whose KV was kept
     from the previous turn, requests preempted for pages (engines with stats).
@@ -593,11 +595,17 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
         "time/tool_s": tool_s, "time/tool_wait_s": tool_wait_s,
         "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
         "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
-        "engine/busy": timeline.union("engine") / max(rollout_s, 1e-9),
+        "engine/busy": own_engine_work(timeline) / max(rollout_s, 1e-9),
         **({"engine/slot_utilization": delta.slot_utilization, "engine/prefill_tokens": delta.prefill_tokens,
             "engine/reused_tokens": delta.reused_tokens, "engine/preemptions": delta.preemptions}
            if delta is not None else {}),
     }
+
+
+def own_engine_work(timeline: Timeline) -> float:
+    """Seconds of engine device work during the step's own requests."""
+    requests = timeline.get("request")
+    return overlap_length(timeline.get("engine"), requests) if requests else timeline.union("engine")
 
 
 def format_breakdown(m: dict[str, float]) -> str:

@@ -89,8 +89,9 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed)
         sampling = SamplingParams(max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   seed=None if seed is None else seed * 1009 + turn_index)
         start = time.monotonic()
-        comp = await engine.generate(traj.token_ids, sampling, stop=[fmt.tool_call_end] if fmt.tool_call_stops_turn else [],
-                                     session=session)
+        with span("request"):  # this trajectory's turn in the engine: whose work the step breakdown counts
+            comp = await engine.generate(traj.token_ids, sampling,
+                                         stop=[fmt.tool_call_end] if fmt.tool_call_stops_turn else [], session=session)
         traj.generation_s += time.monotonic() - start
         traj.append(comp.token_ids, 1, comp.logprobs, comp.versions(), comp.kv_versions())
         turn = Turn(tokenizer.decode(comp.token_ids), len(comp.token_ids), comp.finish_reason,
