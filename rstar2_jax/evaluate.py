@@ -69,13 +69,14 @@ def rollout_config():
     """The RolloutConfig the engine flags describe (train builds the same from rollout.*); its
     max_len is set per benchmark."""
     from rstar2_jax.rollout.engines import RolloutConfig
+    from rstar2_jax.rollout.engines.kv_pages import pages_for
 
     values = {field: getattr(flags.FLAGS, flag[2:]) for field, flag in ENGINE_FLAGS.items()}
     # checked at the shortest max_len a benchmark can need (a one-token prompt); each benchmark's
     # own max_len is checked again when its engine is built
     shortest = _MAX_TOKENS.value + 2
     if values["page_size"]:
-        shortest = -(-shortest // values["page_size"]) * values["page_size"]
+        shortest = pages_for(shortest, values["page_size"]) * values["page_size"]
     section, problems = RolloutConfig.parse({**values, "vllm_urls": tuple(values["vllm_urls"]), "max_len": shortest})
     if problems:
         raise app.UsageError("\n".join(f"{ENGINE_FLAGS.get(p.path.split('[')[0], p.path)}: {p.message}"

@@ -4,7 +4,6 @@ engine or sandbox started), and `train --helpconfig`: every field with its docum
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -12,7 +11,7 @@ import jax
 from rstar2_jax import sharding
 from rstar2_jax.config_types import leaves
 from rstar2_jax.rl.config import RunConfig
-from rstar2_jax.rl.run_dir import RESUMABLE_CHANGES, with_defaults, config_changes
+from rstar2_jax.rl.run_dir import RunDirectory, refused_changes
 
 
 def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -> str:
@@ -48,12 +47,11 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
 
 
 def _run_directory_state(cfg: RunConfig, workdir: str, config_mismatch: str) -> str:
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    run_dir = RunDirectory(workdir, create=False)
+    if not os.path.exists(run_dir.file("config.json")):
         return "run directory: new run"
-    with open(path) as f:
-        changes = config_changes(with_defaults(json.load(f)), cfg.to_dict())
-    refused = sorted(set(changes) - RESUMABLE_CHANGES)
+    changes = run_dir.changes(cfg.to_dict())
+    refused = refused_changes(changes)
     state = "resumes the run there"
     if refused:
         verdict = "recorded (--config_mismatch=ok)" if config_mismatch == "ok" else "would STOP the run"

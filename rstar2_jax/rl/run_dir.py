@@ -49,6 +49,11 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+def refused_changes(changes: dict[str, Any]) -> list[str]:
+    """The changed keys a resumed run may not take on without --config_mismatch=ok."""
+    return sorted(set(changes) - RESUMABLE_CHANGES)
+
+
 def _json_roundtrip(tree):
     return json.loads(json.dumps(tree))  # tuples and lists compare equal, as on disk
 
@@ -76,11 +81,8 @@ class RunDirectory:
         Reads only: every process of a job can call it before anything starts."""
         if mismatch not in MISMATCH_CHOICES:
             raise ValueError(f"config_mismatch must be one of {MISMATCH_CHOICES}, got {mismatch!r}")
-        if not os.path.exists(self.file("config.json")):
-            return {}
-        with open(self.file("config.json")) as f:
-            changes = config_changes(with_defaults(json.load(f)), config)
-        refused = sorted(set(changes) - RESUMABLE_CHANGES)
+        changes = self.changes(config)
+        refused = refused_changes(changes)
         if refused and mismatch != "ok":
             lines = "\n".join(f"  {k}: {changes[k][0]!r} (config.json) -> {changes[k][1]!r} (now)" for k in refused)
             raise ConfigMismatchError(
@@ -89,12 +91,19 @@ class RunDirectory:
                 f"change it (recorded in {self.file('config_history.jsonl')}).")
         return changes
 
+    def changes(self, config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """key -> (config.json's value, `config`'s) for each setting that differs ({} for a new run)."""
+        if not os.path.exists(self.file("config.json")):
+            return {}
+        with open(self.file("config.json")) as f:
+            return config_changes(with_defaults(json.load(f)), config)
+
     def record_config(self, config: dict[str, Any], mismatch: str = "stop") -> dict[str, tuple[Any, Any]]:
         """Write `config` as the run's config.json, after check_config; a change is appended to
         config_history.jsonl first. Returns the changes."""
         changes = self.check_config(config, mismatch)
         if changes:
-            accepted = "config_mismatch=ok" if set(changes) - RESUMABLE_CHANGES else "resumable"
+            accepted = "config_mismatch=ok" if refused_changes(changes) else "resumable"
             with open(self.file("config_history.jsonl"), "a") as f:
                 f.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changes.items()},
                                     "accepted": accepted}) + "\n")

@@ -452,14 +452,9 @@ class RLRun:
         agent = self.agent_config(step)
 
         async def solve(problems, k):
-            # each process runs its share of the chunk's rollouts; the shares are gathered
-            questions = [p.question for p in problems for _ in range(k)]
-            golds = [p.answer for p in problems for _ in range(k)]
             seeds = [stable_seed(cfg.seed, "prefilter", stage_i, p.id, j) for p in problems for j in range(k)]
-            mine = processes.my_share(len(questions))
-            scored = await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
-                                            [golds[i] for i in mine], agent, [seeds[i] for i in mine])
-            rewards = processes.gather_shares([s.reward for s in scored], len(questions))
+            scored = await self.my_rollouts(engine, sb, problems, k, agent, seeds)
+            rewards = processes.gather_shares([s.reward for s in scored], len(seeds))
             return [sum(r > 0 for r in rewards[i * k:(i + 1) * k]) for i in range(len(problems))]
 
         path = os.path.join(self.workdir, "prefilter", f"stage{stage_i}.jsonl")
@@ -479,21 +474,26 @@ class RLRun:
         """This process's share of the 2G rollouts of every problem, concurrently, with the step's
         seeds (the trainer gathers the shares: consume)."""
         cfg, n_roll = self.cfg, self.rollouts_per_problem
-        questions = [p.question for p in problems for _ in range(n_roll)]
-        golds = [p.answer for p in problems for _ in range(n_roll)]
         seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
         start = time.monotonic()
         timeline = Timeline()
         window = self.engine_busy.open(engine)
         stats_before = dataclasses.replace(engine.stats) if engine.stats is not None else None
         load_before = engine.load()
-        mine = processes.my_share(len(questions))  # all of them in a single process
         with timeline.activate():
-            scored = await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
-                                            [golds[i] for i in mine], self.agent_config(step), [seeds[i] for i in mine])
+            scored = await self.my_rollouts(engine, sb, problems, n_roll, self.agent_config(step), seeds)
         rollout_s = time.monotonic() - start - timeline.union("reward")
         timeline.extend("engine", self.engine_busy.close(engine, window))  # the engine's work in this step's window
         return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before, load_before)
+
+    async def my_rollouts(self, engine: Engine, sb, problems, k: int, agent: AgentConfig, seeds) -> list[Scored]:
+        """This process's share (processes.my_share: all of them with one process) of k rollouts
+        of every problem, problem-major, rollout i seeded seeds[i]; gathering is the caller's."""
+        questions = [p.question for p in problems for _ in range(k)]
+        golds = [p.answer for p in problems for _ in range(k)]
+        mine = processes.my_share(len(questions))
+        return await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
+                                      [golds[i] for i in mine], agent, [seeds[i] for i in mine])
 
     def select(self, step: int, out: StepRollouts) -> tuple[list[tuple[Any, float, int]], list[dict]]:
         """RoC per group: (trajectory, advantage, record index) of each kept rollout, and the
@@ -580,8 +580,7 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
     the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
     behind generation. engine_busy: share of the rollout the engine spent on device work while at
     least one of this step's own requests was in it (its "request" spans; with asynchronous
-    rollouts the engine also works for other steps, which does not count; a timeline without
-    request spans counts all the engine's work in the window);
+    rollouts the engine also works for other steps, which does not count);
     engine_slot_utilization: share of decode-step slots that held a request; engine/prefill_tokens,
     reused_tokens, preemptions: prompt tokens run at admission, prompt tokens whose KV was kept
     from the previous turn, requests preempted for pages (engines with stats).
@@ -595,17 +594,11 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
         "time/tool_s": tool_s, "time/tool_wait_s": tool_wait_s,
         "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
         "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
-        "engine/busy": own_engine_work(timeline) / max(rollout_s, 1e-9),
+        "engine/busy": overlap_length(timeline.get("engine"), timeline.get("request")) / max(rollout_s, 1e-9),
         **({"engine/slot_utilization": delta.slot_utilization, "engine/prefill_tokens": delta.prefill_tokens,
             "engine/reused_tokens": delta.reused_tokens, "engine/preemptions": delta.preemptions}
            if delta is not None else {}),
     }
-
-
-def own_engine_work(timeline: Timeline) -> float:
-    """Seconds of engine device work during the step's own requests."""
-    requests = timeline.get("request")
-    return overlap_length(timeline.get("engine"), requests) if requests else timeline.union("engine")
 
 
 def format_breakdown(m: dict[str, float]) -> str:

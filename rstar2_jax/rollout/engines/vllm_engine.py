@@ -234,10 +234,7 @@ class VLLMEngine(Engine):
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
         if not (self.sync == "nccl" and self._sync_nccl(model, version)):
-            exported = self.export(model, version)
-            self.load_export(exported, version, model)
-            if self.sync == "pull":  # the server has its own copy
-                shutil.rmtree(exported, ignore_errors=True)
+            push_to_servers([self], model, version)
             return
         self._synced_model = model
         self.version = version
