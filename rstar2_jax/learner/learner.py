@@ -46,14 +46,19 @@ class LearnerConfig:
 
 
 class Learner:
-    def __init__(self, model: nnx.Module, cfg: LearnerConfig = LearnerConfig(), *, mesh: Mesh | None = None):
+    def __init__(self, model: nnx.Module, cfg: LearnerConfig = LearnerConfig(), *, mesh: Mesh | None = None,
+                 own_params: bool = False):
+        """own_params: the learner takes `model`'s parameter arrays as they are (the caller never
+        uses them again: the first update donates them). Otherwise it trains on a copy. Either
+        way, parameters already on their mesh shardings (`load_pretrained(mesh=)`) are not moved."""
         self.cfg = cfg
         self.mesh = mesh
         self.graphdef, params = nnx.split(model, nnx.Param)
-        params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
+        if not own_params:
+            params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
         self.tx = make_optimizer(cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.b1, cfg.b2, grad_clip=cfg.grad_clip)
         if mesh is not None:
-            params = jax.device_put(_host_if_multiprocess(params), sharding_lib.param_shardings(params, mesh))
+            params = _placed_on(params, sharding_lib.param_shardings(params, mesh))
         self.state = self._placed(TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)))
         self.version = 0
         self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.loss), donate_argnums=(0,))
@@ -126,6 +131,17 @@ class Learner:
 
     def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state.params)
+
+
+def _placed_on(params, shardings):
+    """`params` on `shardings`; a leaf already there is kept as it is (no copy, no host trip)."""
+    def place(x, target):
+        if getattr(x, "sharding", None) == target:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # global already: reshard on the devices
+            return jax.jit(lambda a: a, out_shardings=target)(x)
+        return jax.device_put(_host_if_multiprocess(x), target)
+    return jax.tree.map(place, params, shardings)
 
 
 def _host_if_multiprocess(tree):

@@ -124,7 +124,7 @@ def load_pretrained(model_dir: str | os.PathLike, dtype=jnp.float32, *, param_dt
                 raise CheckpointError(f"{files[spec.hf]}: tensor {spec.hf!r} has shape {list(got)}, "
                                       f"config.json implies {list(want)}")
             if path in flat_shardings:  # each device takes its own slice of the host tensor
-                host = weight_map.from_hf(spec, handle.get_tensor(spec.hf), our_shape).astype(param_dtype)
+                host = weight_map.from_hf(spec, handle.get_tensor(spec.hf), our_shape).astype(param_dtype, copy=False)
                 target = flat_shardings[path].get_value()
                 loaded[path] = jax.make_array_from_callback(host.shape, target, lambda idx, a=host: a[idx])
             else:  # contiguous bytes to the device; the layout change happens there

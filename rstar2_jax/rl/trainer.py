@@ -143,7 +143,11 @@ class RLRun:
         self.task = make_task(cfg.data, cfg.seed)
         check_prompt_room(self.fmt, self.tokenizer, [*self.task.train_problems, *self.task.eval_problems],
                           cfg.stages, cfg.rollout.max_len)
-        self.model = models.load_pretrained(self.model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32)
+        # The mesh exists before the weights: each tensor streams from its safetensors file straight
+        # onto its shards (one host tensor at a time), and the learner then owns those arrays.
+        self.mesh = sharding.make_mesh(**dataclasses.asdict(cfg.mesh)) if jax.device_count() > 1 else None
+        self.model = models.load_pretrained(self.model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32,
+                                            mesh=self.mesh)
         self.model.remat = cfg.model.remat
         self.model.set_attention(full=cfg.model.attention, decode=cfg.model.decode_attention)
         self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep)
@@ -245,17 +249,18 @@ class RLRun:
         cfg = self.cfg
         lcfg = self.learner_config()
         latest = self.checkpoints.latest_step()
-        self.mesh = sharding.make_mesh(**dataclasses.asdict(cfg.mesh)) if jax.device_count() > 1 else None
-        self.learner = Learner(self.model, lcfg, mesh=self.mesh)
         meta = {"rl_step": 0, "data_pos": 0, "version": 0, "stage": 0, "results": {}}
+        warm_start = latest is None and cfg.sft.steps > 0
+        # The learner owns the loaded (or SFT'd) arrays: no second copy of the model. From its first
+        # update on, self.model serves only as the architecture (model_with).
+        start_model = self.model_with(self.sft()) if warm_start else self.model
+        self.learner = Learner(start_model, lcfg, mesh=self.mesh, own_params=True)
         if latest is not None:
             state, meta = self.checkpoints.restore(latest, self.learner.state)
             self.learner.state = state
             self.learner.version = meta["version"]
             print(f"resumed from {self.checkpoints.directory} step {latest}")
-        elif cfg.sft.steps > 0:
-            params = self.sft()
-            self.learner = Learner(self.model_with(params), lcfg, mesh=self.mesh)
+        elif warm_start:
             self.checkpoints.save(0, self.learner.state, meta)
         weights = self.engine_weights()  # one copy (or gather) for the engine's model and its version
         try:

@@ -43,6 +43,35 @@ def main():
                               embed_spec=str(embed_spec), logits_spec=str(out_spec),
                               q_proj_shards=len(model.layers[0].attn.q_proj.get_value().addressable_shards))))
         sys.stdout.flush()
+    print(json.dumps(host_memory_while_loading()))
+
+
+def host_memory_while_loading() -> dict:
+    """Peak host allocations (tracemalloc: numpy buffers and Python objects) while a model 13x
+    its largest tensor loads onto 8 devices, and whether every array landed on its sharding."""
+    import os
+    import tracemalloc
+
+    from safetensors import safe_open
+
+    cfg = small_config("qwen3", num_heads=8, num_kv_heads=4, vocab_size=256, num_layers=4, hidden_size=512,
+                       intermediate_size=2048)
+    tmp = tempfile.mkdtemp()
+    models.save_pretrained(random_model(cfg, seed=3), tmp)
+    with safe_open(os.path.join(tmp, "model.safetensors"), "np") as f:
+        sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    tracemalloc.start()
+    model = models.load_pretrained(tmp, mesh=mesh)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    params = nnx.state(model, nnx.Param)
+    want = sharding.param_shardings(params, mesh)
+    placed = jax.tree.map(lambda x, s: x.sharding == s, params, want)
+    return dict(check="host_memory", peak_bytes=peak, largest_tensor_bytes=max(sizes), model_bytes=sum(sizes),
+                all_on_intended_sharding=all(jax.tree.leaves(placed)),
+                sharded_params=sum(len(x.sharding.spec) > 0 and any(x.sharding.spec)
+                                   for x in jax.tree.leaves(params)))
 
 
 if __name__ == "__main__":
