@@ -26,13 +26,15 @@ def get_config(arg: str = ""):
     c.sft.steps = 0
     c.rollout.slots = 64
     c.rollout.max_len = 8192 + 1024
+    c.rollout.page_size = 256            # paged KV, sized by memory rather than slots x max_len
+    c.rollout.kv_memory_gb = 16.0        # train --plan: fits one 80 GB GPU (JAX at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)
     c.rl.steps = 300
     c.rl.batch_problems = 32
     c.rl.group_size = 8
     c.rl.oversample = 2
     c.rl.lr = 1e-6
     c.rl.warmup_steps = 20
-    c.rl.micro_batches = 16
+    c.rl.micro_batches = 32              # 8 rows x 9216 positions at a time (train --plan: activations)
     c.stages = [dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, filter_mode="offline",
                      reset_optimizer=False)]
     c.sandbox.workers = 32

@@ -32,9 +32,17 @@ class MeshConfig(Section):
     data: int = setting(1, "batch-parallel replicas (-1: the devices the other axes leave)", min=-1)
     fsdp: int = setting(-1, "parameter and batch shards, gathered per layer (-1: the rest)", min=-1)
     tensor: int = setting(1, "shards of heads, MLP width and vocabulary (-1: the rest)", min=-1)
+    devices_per_process: int = setting(0, "devices each trainer process drives (a host's GPUs), for the memory "
+                                       "plan and its engine; 0: the mesh's devices over the processes", min=0)
+    device_memory_gb: float = setting(0.0, "memory of one device in GiB, for the memory plan's check before "
+                                      "launch (0: what the device reports; a CPU reports none)", min=0.0)
+
+    def axes(self) -> dict[str, int]:
+        """{data, fsdp, tensor}: the make_mesh arguments."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     def rules(self):
-        sizes = dataclasses.asdict(self)
+        sizes = self.axes()
         for axis, size in sizes.items():
             if size == 0:
                 yield axis, "must be >= 1, or -1 for the devices the other axes leave"

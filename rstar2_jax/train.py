@@ -4,7 +4,8 @@
         [--config.rl.roc.mode=off] [--config.rl.steps=40]
 
 Any field is overridable as --config.a.b=value; an unknown field or a bad value stops with a clear
-message before anything runs (--dry_run: only that, and the run's plan). Re-running with the same
+message before anything runs (--plan: only that, the run's plan and its memory per device; a run
+whose memory plan passes the device's memory is refused before any weight loads). Re-running with the same
 --workdir resumes from its last checkpoint, with the same config (or changes the run may take,
 such as more rl.steps; --config_mismatch=ok records any other change).
 """
@@ -24,8 +25,8 @@ _COORDINATOR = flags.DEFINE_string("coordinator", None, "with --config.distribut
                                    "(unset: detected from the cluster environment, e.g. SLURM)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many processes")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this process's index")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "check the config, build the mesh and print the run's plan; "
-                             "loads no model, starts nothing")
+_PLAN = flags.DEFINE_bool("plan", False, "check the config, build the mesh and print the run's plan and memory per "
+                          "device (refused if it does not fit); loads no model, starts nothing")
 _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "print every field of --config: value, allowed values, meaning")
 _CONFIG_MISMATCH = flags.DEFINE_enum("config_mismatch", "stop", ["stop", "ok"],
                                      "re-running a run directory with a config that differs from its config.json: "
@@ -37,6 +38,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     from absl import app
 
+    from rstar2_jax.rl.memory_plan import MemoryPlanError, plan_for_launch
     from rstar2_jax.rl.plan import describe_fields, describe_plan
     from rstar2_jax.rl.run_dir import RunDirectory
     from rstar2_jax.rl.trainer import format_results, run, validate
@@ -54,15 +56,23 @@ def main(argv):
     run_cfg = validate(cfg, processes_count=_NUM_PROCESSES.value or 1)
     for warning in run_cfg.warnings():
         print(f"warning: {warning}", file=sys.stderr)
-    if _DRY_RUN.value:
+    if _PLAN.value:
         print(describe_plan(run_cfg, _WORKDIR.value, _CONFIG_MISMATCH.value))
+        memory = plan_for_launch(run_cfg, _NUM_PROCESSES.value or 1)
+        print(memory.table())
+        if memory.refusal():
+            raise MemoryPlanError(memory.refusal())
         return
     # every process refuses a mismatching run directory here, before the job starts
     RunDirectory(_WORKDIR.value, create=False).check_config(run_cfg.to_dict(), _CONFIG_MISMATCH.value)
+    import jax
     if run_cfg.distributed:
-        import jax
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; before any backend starts
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    # every process makes the same plan, so all refuse together
+    refusal = plan_for_launch(run_cfg, jax.process_count()).refusal()  # before any weight is loaded
+    if refusal:
+        raise MemoryPlanError(refusal)
     try:
         results = run(cfg, _WORKDIR.value, config_mismatch=_CONFIG_MISMATCH.value)
     except BaseException:
@@ -91,5 +101,6 @@ def stop_job():
 
 
 if __name__ == "__main__":
+    from rstar2_jax.rl.memory_plan import MemoryPlanError
     from rstar2_jax.rl.run_dir import ConfigMismatchError
-    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError,))
+    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError, MemoryPlanError))

@@ -123,11 +123,17 @@ def test_the_base_config_round_trips_through_its_typed_form():
 
 
 def test_the_paper_recipe_validates_for_its_process_counts(tmp_path):
-    """64 devices (fsdp 16 x tensor 4): one process, 8 hosts of 8 GPUs or 64 processes all pass;
-    a count that does not divide the devices is refused."""
+    """64 devices (fsdp 16 x tensor 4) on hosts of 8 GPUs (mesh.devices_per_process): 8 processes
+    (or one, before launch) pass; 16 processes contradict the declared hosts; without hosts declared,
+    any count that divides the devices passes, and one that does not is refused."""
     tree = shipped_configs(tmp_path)["rstar2_agent_14b"]
-    for processes in (1, 8, 16, 64):
+    for processes in (1, 8):
         RunConfig.from_config(tree, processes=processes)
+    with pytest.raises(ConfigValueError, match="16 processes x 8 devices is not the mesh's 64 devices"):
+        RunConfig.from_config(tree, processes=16)
+    undeclared = {**tree, "mesh": {**tree["mesh"], "devices_per_process": 0}}
+    for processes in (16, 64):
+        RunConfig.from_config(undeclared, processes=processes)
     with pytest.raises(ConfigValueError, match="64 devices cannot be split evenly over 3 processes"):
         RunConfig.from_config(tree, processes=3)
 

@@ -16,28 +16,16 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rstar2_jax.models import ModelConfig, RopeConfig
+from rstar2_jax.models import ModelConfig, shapes
 
 H100_DENSE_BF16 = 989e12  # FLOP/s, datasheet (SXM, dense)
 
-# Shapes of public checkpoints (random weights: no downloads here).
-SHAPES = {
-    "qwen3_0p6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-                       num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True,
-                       rope=RopeConfig(theta=1e6)),
-    "qwen3_1p7b": dict(family="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                       num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True,
-                       rope=RopeConfig(theta=1e6)),
-    # for trying the scripts on a CPU
-    "tiny": dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2,
-                 num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, tie_word_embeddings=True),
-}
-
-
 def shape(name: str) -> ModelConfig:
-    if name not in SHAPES:
-        raise SystemExit(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
-    return ModelConfig(**SHAPES[name])
+    """A public checkpoint's architecture (rstar2_jax.models.shapes), with random weights."""
+    try:
+        return shapes.shape(name)
+    except KeyError as e:
+        raise SystemExit(e.args[0]) from None
 
 
 def enable_compile_cache(path: str = ".jax_cache"):
@@ -96,10 +84,21 @@ def command_line(module: str, argv) -> str:
 
 
 def record(path: str | None, title: str, command: str, config: str, table: str, notes: str = ""):
-    """Append one result block (device, date, config, command, table) to a BENCHMARKS.md."""
-    block = (f"\n## {title}\n\n- Device: {device_line()}. Date: {datetime.date.today().isoformat()}.\n"
+    """Write one result block (device, date, config, command, table) into a BENCHMARKS.md: it
+    replaces the section of the same title (one section per subject, always the current figures;
+    the section's commentary goes with it and is rewritten for the new figures), or is appended."""
+    block = (f"## {title}\n\n- Device: {device_line()}. Date: {datetime.date.today().isoformat()}.\n"
              f"- Config: {config}\n- Command: `{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
     print(block)
-    if path:
-        with open(path, "a") as f:
-            f.write(block)
+    if not path:
+        return
+    text = open(path).read() if os.path.exists(path) else ""
+    heading = f"## {title}\n"
+    if heading in text:
+        start = text.index(heading)
+        nxt = text.find("\n## ", start + len(heading))
+        text = text[:start] + block + (text[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as f:
+        f.write(text)

@@ -19,7 +19,6 @@ import asyncio
 import gc
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -81,7 +81,7 @@ def _variants(args) -> dict[str, dict]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="a shape of experiments.benchmarks.common.SHAPES")
+    p.add_argument("--model", default="tiny", help="a shape of rstar2_jax.models.shapes.SHAPES")
     p.add_argument("--trajectories", type=int, default=8)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--slots", type=int, default=8)

@@ -11,7 +11,7 @@ decode step would overflow the cache the most recently admitted request is preem
 dropped, recomputed by a prefill when it is admitted again). A decode step costs
 `step_base + step_per_seq * running + step_per_kv_token * kv_tokens` (weights read once, KV read
 per token), a prefill `prefill_per_token` per token not already cached; a trajectory's next turn
-on the engine that ran its previous turn finds its prefix cached.
+on the engine that ran its previous turn finds its prefix cached unless it was evicted (below).
 
 Workload (rStar2-Agent's setting, scaled to the issue's 64 engines x 32 rollouts): turns whose
 lengths are log-normal (heavy tail) within an 8K-token budget, a tool call after every turn but
@@ -26,14 +26,26 @@ cache: whole trajectories re-prefilled when a turn moves engines), and the mean 
 requests an engine ran at once. "+ affinity" variants keep a trajectory on the engine of its
 previous turn when it fits there (the scheduler's pick_with_affinity).
 
+An engine's prefix cache holds the context of each trajectory that finished a turn there (while
+its tool runs) in the KV the running requests leave free; under pressure the least recently
+stored prefixes are evicted, and a turn whose prefix was evicted prefills it whole.
+
 `--pipeline` simulates several RL steps, synchronous (rl.max_staleness = 0: rollouts, then the
-update, then the weight sync) against the trainer's asynchronous pipeline (k = 1, 2: step s's
-rollouts start when step s-1's are done and the learner has finished step s-k-1, while the
-learner trains). The learner runs on its own devices (asynchronous RL needs that); its time per
-step is the step's tokens x 8 x parameters (forward + backward + the old-log-prob pass) at
-`learner_mfu` of `learner_devices` H100s. A weight sync pauses every engine for `sync_s` and
-resets its prefix cache (what VLLMEngine does): requests running keep their KV (partial rollouts),
-trajectories between turns lose their cached prefix and re-prefill it (counted as recomputed).
+update, then the weight sync) against the trainer's asynchronous pipeline (k = 1, 2: steps
+0..k are released at once; step j is released when the learner has finished and synced step
+j-1-k, while the learner trains). Step s trains when its rollouts are all in and the learner is
+free; the learner's time is the kept rollouts' tokens (RoC keeps G of 2G: `kept_fraction`) x 8 x
+parameters (forward + backward + the old-log-prob pass) at `learner_mfu` of `learner_devices`
+H100s. A weight sync costs what was measured for the files path (BENCHMARKS.md, H100 weight
+sync, Qwen3-1.7B: export 0.49 GB/s, reload 0.85 GB/s per server, scaled to the model's bf16
+bytes): the learner exports once (it is busy meanwhile), then every engine pauses for one reload
+(servers reload in parallel) and its prefix cache is reset; requests running keep their KV
+(partial rollouts), trajectories between turns re-prefill.
+
+Three layouts at the same GPU count (`--pipeline`): split (engines on `engines` GPUs, learner on
+`learner_devices` others; sync or async), and colocated sync (every GPU generates, then every GPU
+trains, as verl's hybrid engine: 2x the engines with half the rollouts each, 2x the learner's
+devices, and a weight hand-over in place of `colocated_sync_s` instead of an export + reload).
 """
 
 from __future__ import annotations
@@ -75,14 +87,32 @@ class SimConfig:
     reserve_new_tokens: int | None = None  # kv_aware: None reserves the whole remaining budget
     affinity: bool = False               # a trajectory's next turn goes back to its engine when it fits
     # --pipeline: the learner and the weight sync (14B on its own 64 H100s; bf16 peak 989 TFLOP/s)
-    params: float = 14e9
+    params: float = 14.77e9
     learner_devices: int = 64
     learner_mfu: float = 0.4
     peak_flops: float = 989e12
-    sync_s: float = 3.0                  # 28 GB broadcast to every engine, pause to resume
+    kept_fraction: float = 0.5           # RoC trains G of the 2G rollouts it samples
+    export_gb_s: float = 0.49            # measured: Qwen3-1.7B export on an H100 host (BENCHMARKS.md)
+    reload_gb_s: float = 0.85            # measured: its reload in a fresh process
+    sync: str = "files"                  # files (export + parallel reloads) | broadcast | colocated (in place)
+    colocated_sync_s: float = 3.0        # colocated: weights handed to the co-located engine in place
+    broadcast_s: float = 3.0             # broadcast (NCCL, assumed, not measured): 28 GB at ~10 GB/s
 
-    def learner_s(self, tokens: int) -> float:
+    def learner_s(self, sampled_tokens: int) -> float:
+        """The update of a step whose rollouts hold `sampled_tokens` (the learner trains the kept ones)."""
+        tokens = sampled_tokens * self.kept_fraction
         return tokens * 8 * self.params / (self.learner_devices * self.learner_mfu * self.peak_flops)
+
+    @property
+    def export_s(self) -> float:
+        """The learner's share of a sync (files: it writes the bf16 export)."""
+        return 2 * self.params / 1e9 / self.export_gb_s if self.sync == "files" else 0.0
+
+    @property
+    def sync_s(self) -> float:
+        """How long every engine pauses for a sync."""
+        return {"files": 2 * self.params / 1e9 / self.reload_gb_s, "broadcast": self.broadcast_s,
+                "colocated": self.colocated_sync_s}[self.sync]
 
 
 @dataclasses.dataclass
@@ -92,7 +122,6 @@ class Trajectory:
     context: int                         # tokens so far (prompt + everything appended)
     turn: int = 0
     last_engine: int = -1
-    cache_epoch: int = 0                 # the engine's cache epoch when its prefix was stored there
     done_at: float = 0.0
 
 
@@ -124,7 +153,9 @@ class Engine:
         self.seq_steps = 0.0             # sum over steps of running requests (for mean batch)
         self.steps = 0
         self.version = 0                 # bumped on every change: stale wake-ups are ignored
-        self.cache_epoch = 0             # bumped by a weight sync (its prefix cache is reset)
+        self.prefixes: collections.OrderedDict[int, int] = collections.OrderedDict()  # traj id -> tokens, LRU first
+        self.prefix_tokens = 0
+        self.evicted_prefixes = 0
 
     def load(self) -> EngineLoad:
         return EngineLoad(capacity_tokens=self.cfg.kv_capacity_tokens, reserved_tokens=self.reserved,
@@ -144,13 +175,33 @@ class Engine:
             if self.running and self.kv_used + req.kv + len(self.running) + 1 > c.kv_capacity_tokens:
                 break
             self.waiting.popleft()
-            # a turn back on the engine of its previous turn only prefills the tool response
+            # a turn whose prefix is still cached here only prefills the tool response
+            req.cached = id(req.traj) in self.prefixes
+            if req.cached:
+                self.prefix_tokens -= self.prefixes.pop(id(req.traj))
             prefill = c.tool_response_tokens if req.cached else req.kv
             self.prefill_tokens += prefill
             self.t += prefill * c.prefill_per_token_s
             self.busy_s += prefill * c.prefill_per_token_s
             self.kv_used += req.kv
             self.running.append(req)
+            self.evict()
+
+    def store_prefix(self, traj: Trajectory):
+        """A finished turn's KV stays cached for the trajectory's next turn, while there is room."""
+        self.prefixes[id(traj)] = traj.context
+        self.prefix_tokens += traj.context
+        self.evict()
+
+    def evict(self):
+        """Least recently stored prefixes go when running requests need their KV."""
+        while self.prefixes and self.kv_used + self.prefix_tokens > self.cfg.kv_capacity_tokens:
+            self.prefix_tokens -= self.prefixes.popitem(last=False)[1]
+            self.evicted_prefixes += 1
+
+    def reset_prefix_cache(self):
+        self.prefixes.clear()
+        self.prefix_tokens = 0
 
     def plan(self) -> int:
         """Decode steps until the next thing happens inside the engine (a finish or an overflow)."""
@@ -169,6 +220,7 @@ class Engine:
         self.kv_used += k * n
         for r in self.running:
             r.generated += k
+        self.evict()
 
     def preempt_newest(self):
         r = self.running.pop()
@@ -230,9 +282,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
         if i is None:
             return False
         e = engines[i]
-        req.cached = req.traj.last_engine == i and req.traj.cache_epoch == e.cache_epoch
         req.traj.last_engine = i
-        req.traj.cache_epoch = e.cache_epoch
         e.reserved += req.reserve
         e.waiting.append(req)
         kick(e)
@@ -269,7 +319,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
         is redone), wait sync_s, forget the prefix cache."""
         kick(e)
         e.t = max(e.t, now) + cfg.sync_s
-        e.cache_epoch += 1
+        e.reset_prefix_cache()
         e.version += 1
         if e.running:
             heapq.heappush(events, (e.t + e.step_time(e.plan()), next(seq), "engine", (e.index, e.version)))
@@ -285,7 +335,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
         rollouts_done[s] = now
         if max_staleness is None:
             return
-        learner_free = max(now, learner_free) + cfg.learner_s(sum(t.context for t in by_step[s]))
+        learner_free = max(now, learner_free) + cfg.learner_s(sum(t.context for t in by_step[s])) + cfg.export_s
         heapq.heappush(events, (learner_free, next(seq), "sync", s))
 
     first = 1 if max_staleness is None else min(steps, 1 + max_staleness)
@@ -321,6 +371,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             t.context += r.new_tokens
             t.turn += 1
             if t.turn < len(t.turns):
+                e.store_prefix(t)
                 t.context += cfg.tool_response_tokens
                 heapq.heappush(events, (e.t + t.tool_s[t.turn - 1], next(seq), "tool", t))
             else:
@@ -344,6 +395,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             "preemptions": sum(e.preemptions for e in engines) / steps,
             "recomputed_tokens": sum(e.recomputed_tokens for e in engines) / steps,
             "prefill_tokens": sum(e.prefill_tokens for e in engines) / steps,
+            "evicted_prefixes": sum(e.evicted_prefixes for e in engines) / steps,
             "mean_batch": sum(e.seq_steps for e in engines) / max(1, decode_steps),
             "tool_calls": sum(len(t.tool_s) for t in trajs) // steps,
             "step_s": end / steps,
@@ -399,29 +451,46 @@ def run_scenario(args, base: SimConfig, argv):
 
 
 def run_pipeline(args, argv):
-    base = SimConfig(engines=args.engines, rollouts_per_engine=args.rollouts_per_engine, reserve_new_tokens=1024)
-    header = ["schedule", "wall s per step", "vs sync", "rollout s", "learner s", "prefill tokens per step",
-              "preemption-recomputed tokens", "idle engine share"]
-    rows, sync_step = [], None
+    for sync in ("files", "broadcast"):
+        run_pipeline_with(args, argv, sync)
+
+
+def run_pipeline_with(args, argv, sync: str):
+    """Synchronous (split and colocated) against asynchronous steps at the same GPU count; the
+    split layouts sync by `sync`."""
+    split = SimConfig(engines=args.engines, rollouts_per_engine=args.rollouts_per_engine, reserve_new_tokens=1024,
+                      learner_devices=args.engines, sync=sync)
+    gpus = split.engines + split.learner_devices
+    colocated = dataclasses.replace(split, engines=gpus, rollouts_per_engine=split.rollouts_per_engine * split.engines // gpus,
+                                    learner_devices=gpus, sync="colocated")
+    header = ["schedule", "wall s per step", "vs colocated sync", "vs split sync", "rollout s", "learner s",
+              "prefill tokens per step", "evicted prefixes", "idle engine share"]
+    rows = []
     for affinity in (False, True):
-        cfg = dataclasses.replace(base, affinity=affinity)
-        for k in (0, 1, 2):
+        schedules = [("sync, colocated", dataclasses.replace(colocated, affinity=affinity), 0),
+                     ("sync, split", dataclasses.replace(split, affinity=affinity), 0),
+                     ("async k=1, split", dataclasses.replace(split, affinity=affinity), 1),
+                     ("async k=2, split", dataclasses.replace(split, affinity=affinity), 2)]
+        base = {}
+        for name, cfg, k in schedules:
             runs = [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
             mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
             spread = float(np.std([r["step_s"] for r in runs]))
-            if k == 0:
-                sync_step = mean["step_s"]
-            name = ("sync (k=0)" if k == 0 else f"async k={k}") + (" + affinity" if affinity else "")
-            rows.append((name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{sync_step / mean['step_s']:.2f}x",
+            base.setdefault(name.split(",")[0] + name.split(",")[1], mean["step_s"])
+            colocated_s, split_s = base.get("sync colocated"), base.get("sync split")
+            rows.append((name + (" + affinity" if affinity else ""), f"{mean['step_s']:.1f} ± {spread:.1f}",
+                         f"{colocated_s / mean['step_s']:.2f}x", f"{split_s / mean['step_s']:.2f}x" if split_s else "",
                          f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['prefill_tokens']:,.0f}",
-                         f"{mean['recomputed_tokens']:,.0f}", f"{mean['idle_share']:.1%}"))
-    config = (f"{args.steps} RL steps x {args.engines} engines x {args.rollouts_per_engine} rollouts, {args.seeds} seeds "
-              f"(mean ± std), kv_aware (reserve 1024); engines: 14B bf16 on one H100 each, "
-              f"{base.kv_capacity_tokens:,} KV tokens; learner: {base.learner_devices} more H100s at "
-              f"{base.learner_mfu:.0%} MFU; weight sync {base.sync_s:.0f} s (pause + prefix-cache reset)")
+                         f"{mean['evicted_prefixes']:,.0f}", f"{mean['idle_share']:.1%}"))
+    config = (f"{gpus} H100s in every schedule; {args.steps} RL steps of {split.engines * split.rollouts_per_engine} "
+              f"rollouts, {args.seeds} seeds (mean ± std), kv_aware (reserve 1024). Split: {split.engines} engines + "
+              f"{split.learner_devices} learner GPUs, sync by {sync}: learner {split.export_s:.0f} s + engines paused "
+              f"{split.sync_s:.0f} s; colocated: {colocated.engines} engines then {colocated.learner_devices} learner "
+              f"GPUs, hand-over {colocated.sync_s:.0f} s; learner {split.learner_mfu:.0%} MFU on the kept "
+              f"{split.kept_fraction:.0%} of the tokens; {split.kv_capacity_tokens:,} KV tokens per engine")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
-    common.record(args.record, "RL pipeline simulation: synchronous vs asynchronous steps", command.strip(), config,
-                  common.markdown_table(header, rows))
+    common.record(args.record, f"RL pipeline simulation, weight sync by {sync}: synchronous vs asynchronous steps",
+                  command.strip(), config, common.markdown_table(header, rows))
 
 
 if __name__ == "__main__":

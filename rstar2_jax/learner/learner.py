@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
-from rstar2_jax.learner.train_step import LossConfig, TrainState, compute_logprobs, train_step
+from rstar2_jax.learner.train_step import LossConfig, TrainState, batch_logprobs, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Learner:
         self.state = self._placed(TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)))
         self.version = 0
         self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.loss), donate_argnums=(0,))
-        self._logprobs = jax.jit(partial(compute_logprobs, self.graphdef, cfg=cfg.loss), static_argnames="with_entropy")
+        self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=cfg.loss), static_argnames="with_entropy")
 
     # ------------------------------------------------------------------------------------------
     @property

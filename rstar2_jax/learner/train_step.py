@@ -49,6 +49,18 @@ def compute_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bo
                           with_entropy=with_entropy)
 
 
+def batch_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bool = False):
+    """`compute_logprobs` of a whole batch, cfg.micro_batches rows-slices at a time (a `lax.map`),
+    so the old-log-prob pass holds one micro-batch's activations, as the update does, never the
+    whole batch's (a batch whose rows do not split evenly goes in one piece)."""
+    n, m = tokens.shape[0], cfg.micro_batches
+    if m == 1 or n % m:
+        return compute_logprobs(graphdef, params, tokens, cfg, with_entropy)
+    micro = tokens.reshape((m, n // m) + tokens.shape[1:])
+    out = jax.lax.map(lambda t: compute_logprobs(graphdef, params, t, cfg, with_entropy), micro)
+    return jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), out)
+
+
 def _policy_loss(graphdef, cfg: LossConfig, params, batch):
     """(loss sum, token count, stats, log-probs) of the configured policy loss on `batch`."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg)

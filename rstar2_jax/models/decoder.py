@@ -360,6 +360,11 @@ class Decoder(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
+    @property
+    def decode_attention(self) -> str:
+        """The single-token attention every layer uses ("xla" | "pallas"; set_attention)."""
+        return self.layers[0].attn.decode_impl
+
     def set_attention(self, full: str | None = None, decode: str | None = None,
                       decode_splits: int | None = None) -> "Decoder":
         """Choose the attention implementation of every layer (see the module docstring).

@@ -128,11 +128,18 @@ class RunConfig(Section):
 
     def topology_problems(self, processes: int) -> list[ConfigProblem]:
         """What this config cannot do with `processes` trainer processes."""
-        sizes = dataclasses.asdict(self.mesh)
+        sizes = self.mesh.axes()
         devices = int(np.prod(list(sizes.values())))
+        per_process = self.mesh.devices_per_process
         if -1 not in sizes.values() and devices % processes:
             return [ConfigProblem("mesh", f"data x fsdp x tensor = {devices} devices cannot be split evenly over "
                                   f"{processes} processes (each process brings the same number of devices)")]
+        if -1 not in sizes.values() and per_process and devices % per_process:
+            return [ConfigProblem("mesh.devices_per_process", f"{per_process} does not divide the mesh's {devices} "
+                                  "devices")]
+        if -1 not in sizes.values() and per_process and processes > 1 and per_process * processes != devices:
+            return [ConfigProblem("mesh.devices_per_process", f"{processes} processes x {per_process} devices is not "
+                                  f"the mesh's {devices} devices")]
         return []
 
     def warnings(self) -> list[str]:

@@ -1,9 +1,8 @@
-"""`train --dry_run`: what a config will do, read off the config alone (no model loaded, no
+"""`train --plan`: what a config will do, read off the config alone (no model loaded, no
 engine or sandbox started), and `train --helpconfig`: every field with its documentation."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -73,7 +72,7 @@ def _model_line(cfg: RunConfig) -> str:
 
 
 def _mesh_line(cfg: RunConfig) -> str:
-    axes = dataclasses.asdict(cfg.mesh)
+    axes = cfg.mesh.axes()
     devices = jax.devices()
     try:
         mesh = sharding.make_mesh(**axes, devices=devices)

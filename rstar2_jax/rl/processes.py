@@ -56,11 +56,20 @@ def barrier(name: str):
         multihost_utils.sync_global_devices(name)
 
 
-def local_copy(tree):
-    """A copy of a (possibly sharded over processes) pytree of arrays on this process's first
-    device, whole: what a process-local engine samples with."""
-    if jax.process_count() == 1:
-        return jax.tree.map(lambda x: x.copy(), tree)
+def local_copy(tree, dtype=None, shardings=None):
+    """A copy of a (possibly sharded over processes) pytree of arrays for this process's engine:
+    cast to `dtype` (default: kept) and placed on `shardings` (this process's devices; default:
+    its first device, whole). One leaf at a time, so at most one whole tensor is in flight."""
     from rstar2_jax.sharding import gathered
 
-    return jax.tree.map(lambda x: gathered(x).addressable_data(0), tree)
+    cast = jax.jit(lambda x: x if dtype is None else x.astype(dtype))  # a fresh buffer, never the learner's
+
+    def one(x, target=None):
+        x = cast(x)
+        if jax.process_count() > 1:
+            x = gathered(x).addressable_data(0)
+        return x if target is None else jax.device_put(x, target)
+
+    if shardings is None:
+        return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, shardings)

@@ -54,7 +54,7 @@ from rstar2_jax.rl.grpo_roc import select_group
 from rstar2_jax.rl.prefilter import prefilter_solved
 from rstar2_jax.rl.run_dir import RunDirectory
 from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
-from rstar2_jax.rollout.engines import Engine, make_engine
+from rstar2_jax.rollout.engines import Engine, engine_mesh, make_engine
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.timeline import BusyLog, Timeline, exclusive_length, overlap_length
@@ -145,7 +145,7 @@ class RLRun:
                           cfg.stages, cfg.rollout.max_len)
         # The mesh exists before the weights: each tensor streams from its safetensors file straight
         # onto its shards (one host tensor at a time), and the learner then owns those arrays.
-        self.mesh = sharding.make_mesh(**dataclasses.asdict(cfg.mesh)) if jax.device_count() > 1 else None
+        self.mesh = sharding.make_mesh(**cfg.mesh.axes()) if jax.device_count() > 1 else None
         self.model = models.load_pretrained(self.model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32,
                                             mesh=self.mesh)
         self.model.remat = cfg.model.remat
@@ -340,14 +340,19 @@ class RLRun:
                     await task
 
     def engine_weights(self):
-        """The learner's parameters for this process's engine. The learner's update donates its
-        buffers, so an engine that samples while the learner trains (asynchronous rollouts) gets
-        a copy, and so does each process's engine when the parameters are sharded over processes;
-        the single-process on-policy loop shares them (the engine is idle during updates)."""
+        """The learner's parameters for this process's embedded engine: in the compute dtype (a
+        bf16 run samples with bf16 weights, as the learner computes with them) and split over
+        the engine's mesh (`engine_mesh`). The learner's update donates its buffers, so this is
+        a copy, except in the one case where sharing is safe and costs nothing: float32, one
+        process, one device, on-policy (the engine is idle during updates). vLLM servers get
+        the float32 master weights, cast on export (rollout.vllm_export_dtype)."""
         params = self.learner.model_state()
-        if self.cfg.rl.max_staleness > 0 or jax.process_count() > 1:
-            return processes.local_copy(params)
-        return params
+        dtype = DTYPES[self.cfg.model.dtype] if self.cfg.rollout.engine == "jax" else None
+        mesh = engine_mesh(self.cfg.model.decode_attention) if self.cfg.rollout.engine == "jax" else None
+        if dtype in (None, jnp.float32) and mesh is None and self.cfg.rl.max_staleness == 0 \
+                and jax.process_count() == 1 and self.mesh is None:
+            return params
+        return processes.local_copy(params, dtype, sharding.param_shardings(params, mesh) if mesh else None)
 
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""

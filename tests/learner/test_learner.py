@@ -37,6 +37,17 @@ def test_micro_batch_accumulation_is_exact():
         assert metrics["grad_norm"] == pytest.approx(results[0][1]["grad_norm"], rel=1e-4)
 
 
+def test_old_logprob_pass_by_micro_batches_equals_the_whole_batch():
+    """The old-log-prob pass runs micro-batch by micro-batch (memory), with the same result."""
+    cfg, batch = small_config("qwen3"), _batch(seed=3)
+    out = {}
+    for micro in (1, 4):
+        learner = Learner(random_model(cfg, seed=2), LearnerConfig(loss=LossConfig(micro_batches=micro)))
+        out[micro] = learner.logprobs(batch.tokens, with_entropy=True)
+    for whole, split in zip(out[1], out[4]):
+        np.testing.assert_allclose(split, whole, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_updates_reduce_the_policy_loss_on_a_fixed_batch():
     from rstar2_jax.learner.train_step import policy_loss_value

@@ -161,15 +161,15 @@ def test_rerunning_a_run_directory_is_honest(tmp_path):
     assert evals() == [("before_rl", 0), ("after_rl", 1), ("after_rl", 2)] and [l["step"] for l in rl_lines(tmp_path)] == [0, 1]
 
 
-def test_train_cli_dry_run_and_config_file_errors(tmp_path):
-    """--dry_run checks and prints the plan without touching the run directory; a missing or
+def test_train_cli_plan_and_config_file_errors(tmp_path):
+    """--plan checks and prints the plan without touching the run directory; a missing or
     broken config file is one line naming the file (and the line); a run directory trained with
     another config is refused before anything starts."""
     data = tmp_path / "problems.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     work = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", f"--config=experiments/rstar2_agent_14b.py:,{data}",
-                           f"--config.data.eval_path={data}", f"--workdir={work}", "--dry_run"],
+                           f"--config.data.eval_path={data}", f"--workdir={work}", "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "stage 2: steps 385-509: 12288 tokens, 15 turns, drop problems solved 8/8 (offline), optimizer reset" in proc.stdout

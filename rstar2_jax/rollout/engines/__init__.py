@@ -2,9 +2,10 @@
 which load when first used (`make_engine` or `engines.JaxEngine`), never on import."""
 
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
-from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, make_engine
+from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_mesh, make_engine
 
-__all__ = ["Completion", "ENGINES", "Engine", "EngineStats", "JaxEngine", "RolloutConfig", "ServerLoad", "make_engine"]
+__all__ = ["Completion", "ENGINES", "Engine", "EngineStats", "JaxEngine", "RolloutConfig", "ServerLoad", "engine_mesh",
+           "make_engine"]
 
 
 def __getattr__(name):

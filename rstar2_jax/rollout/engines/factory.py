@@ -39,7 +39,10 @@ class RolloutConfig(Section):
                           choices=ENGINES)
     reuse_kv: bool = setting(False, "jax: keep a trajectory's KV between turns (prefill only new tokens)")
     page_size: int = setting(0, "jax: 0 = one max_len KV row per slot; N = paged KV, pages of N positions", min=0)
-    kv_pages: int = setting(0, "jax, paged: pages in the pool (0 = slots x max_len / page_size)", min=0)
+    kv_pages: int = setting(0, "jax, paged: pages in the pool (0 = kv_memory_gb's, else slots x max_len / "
+                            "page_size)", min=0)
+    kv_memory_gb: float = setting(0.0, "jax, paged: the KV pool's size in GiB, all the engine's devices together "
+                                  "(0 = kv_pages); the pool holds as many pages as fit", min=0.0)
     vllm_urls: tuple[str, ...] = setting((), "vllm: server URLs (repeat --config.rollout.vllm_urls=URL); "
                                          "several go behind the scheduler")
     scheduler: str = setting("kv_aware", "policy over several vLLM servers", choices=POLICIES)
@@ -69,11 +72,41 @@ def make_engine(cfg: RolloutConfig, model, tokenizer, *, seed: int) -> Engine:
     return ENGINES[cfg.engine].build(cfg, model, tokenizer, seed)
 
 
+def engine_mesh(decode_attention: str, devices=None):
+    """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
+    split over them, as vLLM's tensor parallelism). None (one device) when there is one, or with
+    the Pallas decode kernel, which runs on a single device."""
+    import jax
+    devices = jax.local_devices() if devices is None else list(devices)
+    if len(devices) == 1 or decode_attention == "pallas":
+        return None
+    from rstar2_jax.sharding import make_mesh
+    return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
+
+
+def kv_pool_pages(cfg: RolloutConfig, model_cfg, dtype_bytes: int) -> int | None:
+    """Pages of the embedded engine's paged KV pool: kv_pages, or what kv_memory_gb holds (None:
+    unpaged, or slots x max_len's worth)."""
+    from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position, pages_in_budget
+    if cfg.kv_pages or not cfg.kv_memory_gb:
+        return cfg.kv_pages or None
+    position = kv_bytes_per_position(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype_bytes)
+    pages = pages_in_budget(cfg.kv_memory_gb * 2**30, cfg.page_size, position)
+    if pages * cfg.page_size < cfg.max_len:
+        raise ValueError(f"rollout.kv_memory_gb={cfg.kv_memory_gb} holds {pages} page(s) of {cfg.page_size} positions "
+                         f"({position} bytes each), fewer than one rollout.max_len={cfg.max_len} sequence")
+    return pages
+
+
 # ----------------------------------------------------------------------------------------------
 def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+    import jax.numpy as jnp
+
     from rstar2_jax.rollout.engines.jax_engine import JaxEngine
     return JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, seed=seed, reuse_kv=cfg.reuse_kv,
-                     page_size=cfg.page_size or None, kv_pages=cfg.kv_pages or None)
+                     page_size=cfg.page_size or None,
+                     kv_pages=kv_pool_pages(cfg, model.cfg, jnp.dtype(model.dtype).itemsize),
+                     mesh=engine_mesh(model.decode_attention))
 
 
 def _check_jax(cfg: RolloutConfig):
@@ -81,6 +114,10 @@ def _check_jax(cfg: RolloutConfig):
         yield "page_size", f"{cfg.page_size} must divide rollout.max_len={cfg.max_len}"
     if cfg.kv_pages and not cfg.page_size:
         yield "kv_pages", "needs rollout.page_size > 0 (kv_pages sizes the paged KV pool)"
+    if cfg.kv_memory_gb and not cfg.page_size:
+        yield "kv_memory_gb", "needs rollout.page_size > 0 (it sizes the paged KV pool)"
+    if cfg.kv_memory_gb and cfg.kv_pages:
+        yield "kv_memory_gb", "and rollout.kv_pages both size the pool: set one (the other 0)"
     if cfg.kv_pages and cfg.page_size and cfg.kv_pages * cfg.page_size < cfg.max_len:
         yield "kv_pages", (f"{cfg.kv_pages} x page_size={cfg.page_size} cannot hold one max_len={cfg.max_len} "
                            "sequence")
@@ -106,7 +143,7 @@ def _check_vllm(cfg: RolloutConfig):
     for i, url in enumerate(cfg.vllm_urls):
         if not url.startswith(("http://", "https://")):
             yield f"vllm_urls[{i}]", f"must be an http(s) URL, got {url!r}"
-    if cfg.page_size or cfg.kv_pages:
+    if cfg.page_size or cfg.kv_pages or cfg.kv_memory_gb:
         yield "page_size", ("pages the embedded engine's KV (rollout.engine=jax); vLLM servers page their own "
                             "(--block-size)")
     if cfg.reuse_kv:

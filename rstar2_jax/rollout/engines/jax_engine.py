@@ -54,7 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder, KVCache, init_cache, init_paged_cache
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
 from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
@@ -97,9 +99,11 @@ class _Resident:
 class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
-                 page_size: int | None = None, kv_pages: int | None = None):
+                 page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None):
         """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
-        `kv_pages` of them (None: slots x max_len / N, the rows' memory)."""
+        `kv_pages` of them (None: slots x max_len / N, the rows' memory).
+        mesh: devices the weights and KV are split over (`engine_mesh`: this process's devices on
+        the tensor axis, heads and MLP width split as vLLM's tensor parallelism); None: one device."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if kv_bucket is not None and kv_bucket < 1:
@@ -121,10 +125,12 @@ class JaxEngine(Engine):
         self._busy: list[tuple[float, float]] = []  # (start, end) of device work, time.monotonic
         self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
-        self._graphdef, self._state = nnx.split(model)
+        self.mesh = mesh
+        self._graphdef, state = nnx.split(model)
+        self._state = self._placed(state)
         if page_size is None:
             self._pages = None
-            self._cache = init_cache(model.cfg, slots, max_len, dtype=model.dtype)
+            self._cache = self._placed_cache(init_cache(model.cfg, slots, max_len, dtype=model.dtype), paged=False)
         else:
             self.pages_per_row = max_len // page_size
             kv_pages = slots * self.pages_per_row if kv_pages is None else kv_pages
@@ -132,7 +138,8 @@ class JaxEngine(Engine):
                 raise ValueError(f"kv_pages={kv_pages} cannot hold one max_len={max_len} sequence "
                                  f"({self.pages_per_row} pages of {page_size})")
             self._pages = PagePool(kv_pages)
-            self._cache = init_paged_cache(model.cfg, kv_pages, page_size, dtype=model.dtype)
+            self._cache = self._placed_cache(init_paged_cache(model.cfg, kv_pages, page_size, dtype=model.dtype),
+                                             paged=True)
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)
         self._active: list[_Request | None] = [None] * slots
@@ -226,8 +233,23 @@ class JaxEngine(Engine):
         new_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if old_shapes != new_shapes:
             raise ValueError("update_weights: the new parameters do not match the engine's model")
-        self._state = state
+        self._state = self._placed(state)
         self.version = self.version + 1 if version is None else version
+
+    def _placed(self, state):
+        """Parameters on the engine's mesh by the model's logical axes (kept where they already are)."""
+        if self.mesh is None:
+            return state
+        targets = sharding_lib.param_shardings(state, self.mesh)
+        return jax.tree.map(lambda x, t: x if x.sharding == t else jax.device_put(x, t), state, targets)
+
+    def _placed_cache(self, cache, *, paged: bool):
+        """KV split by heads over the mesh's tensor axis, as the k/v projections that write it."""
+        if self.mesh is None:
+            return cache
+        axes = ("kv_heads", None, None, None) if paged else (None, "kv_heads", None, None)
+        place = lambda x: jax.device_put(x, sharding_lib.named_sharding(self.mesh, axes, x.shape))  # noqa: E731
+        return cache._replace(keys=tuple(map(place, cache.keys)), values=tuple(map(place, cache.values)))
 
     def precompile(self, prompt_lengths: Sequence[int] = ()) -> None:
         """Compile the prefill for these prompt lengths and the decode step for every kv bucket

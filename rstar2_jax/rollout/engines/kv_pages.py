@@ -11,6 +11,16 @@ from __future__ import annotations
 from typing import Hashable
 
 
+def kv_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Keys and values of one position, all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def pages_in_budget(budget_bytes: float, page_size: int, position_bytes: int) -> int:
+    """Whole pages of `page_size` positions that fit in `budget_bytes`."""
+    return int(budget_bytes // (page_size * position_bytes))
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold positions 0..tokens-1."""
     return -(-tokens // page_size)

@@ -1,0 +1,270 @@
+"""What one device of a run holds, from the config alone: the memory plan `train --plan` prints and
+`train` checks before it loads a weight.
+
+Every line is arithmetic over the architecture (config.json), the mesh and the rollout settings,
+following what the code allocates:
+
+- parameters: float32 master weights, each tensor split by the logical-axis rules over the
+  learner's mesh (`sharding.logical_to_spec`; a dimension a mesh axis does not divide stays whole);
+- gradients: float32, the accumulator of the micro-batch scan plus one micro-batch's gradients
+  (one copy when there is one micro-batch);
+- optimizer: AdamW's two float32 moments;
+- activations: one micro-batch's rows on this device, every sequence padded to rollout.max_len
+  (the worst case), in the compute dtype. What each layer keeps for the backward pass depends on
+  model.remat (none: every intermediate; dots: the matmul outputs; full: the layer's input), plus
+  one layer's working set while its gradient is formed (values and their cotangents), plus the
+  score matrices of XLA attention (float32; cuDNN's flash attention keeps none), plus one chunk of
+  float32 logits and their cotangent (models/logprobs.py);
+- engine weights: the embedded engine's copy in the compute dtype, split over the process's devices
+  (`engine_mesh`; whole on one device with the Pallas decode kernel). None when it shares the
+  learner's (float32, one device, one process, on-policy), or when rollouts run on vLLM servers;
+- KV pool: the embedded engine's cache (paged: its pages; else slots x max_len), split by KV heads;
+- allowance: XLA's workspace, compiled programs and fragmentation, taken as 5% of the device (an
+  allowance, not a measurement: a device check of the plan against JAX's peak is in SCALING.md).
+
+The figures are the model's; `tests/rl/test_memory_plan.py` checks them against hand-computed
+numbers for Qwen3-0.6B, 1.7B and 14B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+
+import jax.numpy as jnp
+import numpy as np
+
+from rstar2_jax import sharding
+from rstar2_jax.models.config import ModelConfig
+from rstar2_jax.models.resolve import DTYPES
+from rstar2_jax.rl.config import RunConfig
+from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
+
+GiB = 2**30
+ALLOWANCE_FRACTION = 0.05
+LOGPROB_CHUNK = 512  # LossConfig.logprob_chunk
+
+# What to change when a line does not fit.
+REMEDIES = {
+    "parameters": "a larger mesh (mesh.fsdp, mesh.tensor)",
+    "gradients": "a larger mesh (mesh.fsdp, mesh.tensor)",
+    "optimizer": "a larger mesh (mesh.fsdp, mesh.tensor)",
+    "activations": "more rl.micro_batches (fewer rows at once), model.remat=full, model.attention=cudnn, or a "
+                   "larger mesh.fsdp",
+    "engine weights": "model.decode_attention=xla (splits the engine over the process's devices), or "
+                      "rollout.engine=vllm (rollouts on other GPUs)",
+    "KV pool": "a smaller rollout.kv_memory_gb (paged KV: rollout.page_size), fewer rollout.slots, or "
+               "rollout.engine=vllm",
+}
+
+
+class MemoryPlanError(ValueError):
+    """A run whose memory plan does not fit its devices (train refuses it before loading weights)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    name: str
+    bytes: float
+    how: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    lines: tuple[Line, ...]
+    capacity: float | None          # bytes per device; None: unknown (CPU), nothing is checked
+    mesh: dict[str, int]
+    engine_devices: int
+
+    @property
+    def total(self) -> float:
+        return sum(line.bytes for line in self.lines)
+
+    def line(self, name: str) -> Line:
+        return next(line for line in self.lines if line.name == name)
+
+    def overflow(self) -> Line | None:
+        """The first line at which the running total passes the device's memory (None: it fits)."""
+        if self.capacity is None:
+            return None
+        running = 0.0
+        for line in self.lines:
+            running += line.bytes
+            if running > self.capacity:
+                return line
+        return None
+
+    def table(self) -> str:
+        mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
+        out = [f"memory per device (GiB; learner mesh {mesh}, engine over {self.engine_devices} device(s)):"]
+        for line in self.lines:
+            out.append(f"  {line.name:<16}{line.bytes / GiB:>9.2f}   {line.how}")
+        out.append(f"  {'total':<16}{self.total / GiB:>9.2f}")
+        if self.capacity is None:
+            out.append("  device memory unknown (this platform reports none): not checked; "
+                       "set mesh.device_memory_gb to check")
+        else:
+            out.append(f"  {'device':<16}{self.capacity / GiB:>9.2f}")
+            out.append(f"  {'headroom':<16}{(self.capacity - self.total) / GiB:>9.2f}")
+        return "\n".join(out)
+
+    def refusal(self) -> str | None:
+        """Why the run cannot start (None: it fits, or the device's memory is unknown)."""
+        line = self.overflow()
+        if line is None:
+            return None
+        running = sum(x.bytes for x in self.lines[:self.lines.index(line) + 1])
+        return (f"memory plan: the run does not fit a {self.capacity / GiB:.1f} GiB device: at {line.name!r} "
+                f"({line.bytes / GiB:.2f} GiB) the total reaches {running / GiB:.2f} GiB (all lines: "
+                f"{self.total / GiB:.2f} GiB). Try {REMEDIES.get(line.name, 'a larger mesh')}; "
+                "train --plan prints every line")
+
+
+def mesh_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
+    """The (data, fsdp, tensor) sizes of cfg.mesh over `devices` devices (one -1 takes the rest)."""
+    axes = cfg.mesh.axes()
+    if -1 in axes.values():
+        known = int(np.prod([v for v in axes.values() if v != -1]))
+        axes[next(k for k, v in axes.items() if v == -1)] = max(devices // known, 1)
+    return axes
+
+
+def shard_bytes(arch: ModelConfig, mesh: dict[str, int], dtype_bytes: int) -> float:
+    """Bytes of one device's shard of every parameter, split by the logical-axis rules."""
+    from flax import nnx
+
+    from rstar2_jax.models.checkpoint import abstract_model
+
+    mesh_like = types.SimpleNamespace(shape=mesh)  # logical_to_spec reads only .shape
+    total = 0
+    for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)):
+        shape = var.get_value().shape
+        axes = getattr(var, "axes", None) or (None,) * len(shape)
+        spec = sharding.logical_to_spec(axes, shape, mesh_like)
+        elements = 1
+        for dim, part in zip(shape, spec):
+            parts = (part,) if isinstance(part, str) else (part or ())
+            elements *= dim // int(np.prod([mesh[a] for a in parts])) if parts else dim
+        total += elements
+    return float(total * dtype_bytes)
+
+
+def _split(size: int, ways: int) -> float:
+    """A dimension of `size` over `ways` devices: split when it divides, whole otherwise (the rules)."""
+    return size / ways if ways > 1 and size % ways == 0 else float(size)
+
+
+def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> tuple[float, str]:
+    """One micro-batch's activations on one device during the update, and how they were counted."""
+    rl, t = cfg.rl, mesh["tensor"]
+    rows = math.ceil(rl.batch_problems * rl.group_size / rl.micro_batches / (mesh["data"] * mesh["fsdp"]))
+    seq = cfg.rollout.max_len
+    tokens = rows * seq
+    b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
+    h, hd = arch.hidden_size, arch.head_dim
+    q = _split(arch.num_heads, t) * hd
+    kv = _split(arch.num_kv_heads, t) * hd
+    mlp = _split(arch.intermediate_size, t)
+    vocab = _split(arch.vocab_size, t)
+    # per-token widths of what a layer keeps for its backward pass
+    kept = {"none": 4 * h + q + 2 * kv + q + 4 * mlp,   # norms, residuals, q/k/v, attention out, gate/up/act/product
+            "dots": 2 * h + q + 2 * kv + 2 * mlp,       # matmul outputs
+            "full": h}[cfg.model.remat]                  # the layer's input
+    working = 2 * (3 * h + q + 2 * kv + q + 3 * mlp)    # one layer recomputed: values and cotangents
+    scores = 0.0
+    if cfg.model.attention == "xla":                     # [heads, S, S] float32 per row
+        per_layer_scores = rows * _split(arch.num_heads, t) * seq * seq * 4
+        scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
+    logits = 2 * rows * min(LOGPROB_CHUNK, seq) * vocab * 4
+    total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
+    how = (f"{rows} row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
+           f"attention{' (score matrices ' + f'{scores / GiB:.1f} GiB)' if scores else ''}")
+    return float(total), how
+
+
+def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_process: int,
+                capacity: float | None) -> MemoryPlan:
+    """The plan for `cfg` on `devices` devices in all, `devices_per_process` per trainer process,
+    each of `capacity` bytes (None: unknown)."""
+    mesh = mesh_sizes(cfg, devices)
+    params = shard_bytes(arch, mesh, 4)
+    n_params = f"{_param_count(arch) / 1e9:.2f}B parameters"
+    lines = [Line("parameters", params, f"float32 master weights, {n_params}, split by the logical-axis rules"),
+             Line("gradients", params * (2 if cfg.rl.micro_batches > 1 else 1),
+                  "float32: accumulator + one micro-batch's" if cfg.rl.micro_batches > 1 else "float32"),
+             Line("optimizer", 2 * params, "AdamW: two float32 moments")]
+    lines.append(Line("activations", *activation_bytes(arch, cfg, mesh)))
+
+    compute = DTYPES[cfg.model.dtype]
+    b = jnp.dtype(compute).itemsize
+    engine_devices = 1
+    if cfg.rollout.engine != "jax":
+        lines += [Line("engine weights", 0.0, "rollouts run on vLLM servers"), Line("KV pool", 0.0, "on the servers")]
+    else:
+        engine_devices = 1 if cfg.model.decode_attention == "pallas" else devices_per_process
+        engine_mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
+        shares = (compute == jnp.float32 and devices == 1 and cfg.rl.max_staleness == 0)
+        lines.append(Line("engine weights", 0.0 if shares else shard_bytes(arch, engine_mesh, b),
+                          "shares the learner's (float32, one device, on-policy)" if shares else
+                          f"{jnp.dtype(compute).name}, split over {engine_devices} device(s)" +
+                          (" (the Pallas decode kernel runs on one)" if cfg.model.decode_attention == "pallas" else "")))
+        lines.append(Line("KV pool", *_kv_pool(arch, cfg, engine_devices, b)))
+    if capacity is not None:
+        lines.append(Line("allowance", ALLOWANCE_FRACTION * capacity,
+                          f"{ALLOWANCE_FRACTION:.0%} of the device: XLA workspace, programs, fragmentation"))
+    return MemoryPlan(tuple(lines), capacity, mesh, engine_devices)
+
+
+def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> tuple[float, str]:
+    from rstar2_jax.rollout.engines.factory import kv_pool_pages
+
+    r = cfg.rollout
+    position = kv_bytes_per_position(arch.num_layers, arch.num_kv_heads, arch.head_dim, b)
+    if r.page_size:
+        pages = kv_pool_pages(r, arch, b) or r.slots * r.max_len // r.page_size
+        positions, what = pages * r.page_size, f"{pages} pages of {r.page_size}"
+    else:
+        positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
+    split = engine_devices if arch.num_kv_heads % engine_devices == 0 else 1
+    return positions * position / split, f"{what} positions x {position / 2**10:.0f} KiB, split {split} way(s)"
+
+
+def _param_count(arch: ModelConfig) -> int:
+    from rstar2_jax.models.flops import param_count
+    return param_count(arch)
+
+
+# ----------------------------------------------------------------------------------------------
+def architecture(cfg: RunConfig) -> ModelConfig:
+    """The run's architecture from config.json alone (model.path), or the tiny model's settings."""
+    if cfg.model.path:
+        return ModelConfig.from_json_file(os.path.join(cfg.model.path, "config.json"))
+    from rstar2_jax.models.tiny import tiny_config
+    return tiny_config(num_layers=cfg.model.tiny_layers, hidden_size=cfg.model.tiny_hidden,
+                       intermediate_size=3 * cfg.model.tiny_hidden)
+
+
+def device_capacity(cfg: RunConfig) -> float | None:
+    """mesh.device_memory_gb, else what the first device reports (None on CPU: no limit)."""
+    if cfg.mesh.device_memory_gb:
+        return cfg.mesh.device_memory_gb * GiB
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
+
+
+def plan_for_launch(cfg: RunConfig, processes: int) -> MemoryPlan:
+    """The plan for the topology the config declares: mesh sizes, and the devices per process
+    (mesh.devices_per_process, else the mesh's devices over `processes`)."""
+    import jax
+    declared = list(cfg.mesh.axes().values())
+    if -1 in declared:
+        devices = (cfg.mesh.devices_per_process * processes if cfg.mesh.devices_per_process
+                   else jax.device_count())
+    else:
+        devices = int(np.prod(declared))
+    per_process = cfg.mesh.devices_per_process or max(devices // processes, 1)
+    return memory_plan(architecture(cfg), cfg, devices=devices, devices_per_process=per_process,
+                       capacity=device_capacity(cfg))

@@ -1,0 +1,120 @@
+"""The memory plan (`train --plan`, and the check before launch) against hand-computed figures for
+Qwen3-0.6B, 1.7B and 14B in the repo's recipes, and a run that cannot fit refused before any
+weight is loaded. The hand computations follow rl/memory_plan.py's docstring term by term."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import qwen3_0p6b_math, rstar2_agent_14b
+from rstar2_jax.models.shapes import shape
+from rstar2_jax.rl.config import RunConfig
+from rstar2_jax.rl.memory_plan import GiB, memory_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cfg(recipe, tmp_path, **overrides) -> RunConfig:
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    c = recipe.get_config(f",{data}")
+    c.data.eval_path = str(data)
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        setattr(c[section], field, value)
+    cfg, problems = RunConfig.parse(c.to_dict())
+    assert not problems, problems
+    return cfg
+
+
+def test_qwen3_14b_on_64_gpus_hand_computed(tmp_path):
+    plan = memory_plan(shape("qwen3_14b"), _cfg(rstar2_agent_14b, tmp_path), devices=64, devices_per_process=8,
+                       capacity=76 * GiB)
+    # 14,768,307,200 parameters; the norms (40 layers x (2 x 5120 + 2 x 128) + 5120 = 424,960) stay whole,
+    # every matrix splits 64 ways (FSDP 16 x tensor 4: 40 heads, 8 KV heads, 17,408, 151,936 all divide).
+    params = ((14_768_307_200 - 424_960) // 64 + 424_960) * 4
+    assert plan.line("parameters").bytes == params == 924_692_480
+    assert plan.line("gradients").bytes == 2 * params and plan.line("optimizer").bytes == 2 * params
+    # 512 x 16 rows / 128 micro-batches / 16 = 4 rows x 13,312 = 53,248 tokens; bf16; tensor 4 splits
+    # heads 40 -> 10 (1,280 wide), KV 8 -> 2 (256), MLP 17,408 -> 4,352, vocab -> 37,984.
+    kept = 40 * 53_248 * 5120 * 2                                          # remat full: each layer's input
+    working = 53_248 * 2 * (3 * 5120 + 1280 + 2 * 256 + 1280 + 3 * 4352) * 2  # one layer, values + cotangents
+    logits = 2 * 4 * 512 * 37_984 * 4                                      # one chunk of float32 logits + grad
+    assert plan.line("activations").bytes == kept + working + logits == 29_139_402_752
+    # engine: bf16 over the host's 8 GPUs (5 heads, 1 KV head, 2,176 MLP, 18,992 vocab each)
+    assert plan.line("engine weights").bytes == ((14_768_307_200 - 424_960) // 8 + 424_960) * 2
+    # KV: 160 GiB / (256 positions x 40 layers x 2 x 8 heads x 128 x 2 bytes) = 4096 pages, 8 ways
+    assert plan.line("KV pool").bytes == 4096 * 256 * 163_840 / 8 == 20 * GiB
+    assert plan.overflow() is None and 58 * GiB < plan.total < 59 * GiB, plan.table()
+
+
+def test_qwen3_0p6b_and_1p7b_on_one_gpu_hand_computed(tmp_path):
+    cfg = _cfg(qwen3_0p6b_math, tmp_path)
+    small = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
+    assert small.line("parameters").bytes == 596_049_920 * 4
+    assert small.line("engine weights").bytes == 596_049_920 * 2  # bf16, whole (Pallas decode: one device)
+    # 16 GiB / (256 x 28 layers x 2 x 8 x 128 x 2 bytes) = 585 whole pages
+    assert small.line("KV pool").bytes == 585 * 256 * 114_688
+    # 32 x 8 rows / 32 micro-batches = 8 rows x 9,216 = 73,728 tokens, no tensor split
+    tokens = 73_728
+    act = 28 * tokens * 1024 * 2 + tokens * 2 * (3 * 1024 + 2048 + 2 * 1024 + 2048 + 3 * 3072) * 2 \
+        + 2 * 8 * 512 * 151_936 * 4
+    assert small.line("activations").bytes == act
+    assert small.overflow() is None, small.table()
+
+    large = memory_plan(shape("qwen3_1p7b"), cfg, devices=1, devices_per_process=1, capacity=40 * GiB)
+    assert large.line("parameters").bytes == 1_720_574_976 * 4
+    assert large.line("optimizer").bytes == 2 * 1_720_574_976 * 4
+    # parameters 6.4 + gradients 12.8 + optimizer 12.8 GiB = 32.0, then activations (21 GiB) pass 40
+    assert large.overflow().name == "activations"
+    assert "at 'activations'" in large.refusal() and "rl.micro_batches" in large.refusal()
+
+
+def test_unknown_device_memory_is_said_not_checked(tmp_path):
+    plan = memory_plan(shape("qwen3_0p6b"), _cfg(qwen3_0p6b_math, tmp_path), devices=1, devices_per_process=1,
+                       capacity=None)
+    assert plan.overflow() is None and plan.refusal() is None
+    assert "not checked" in plan.table()
+
+
+@pytest.fixture
+def qwen3_14b_dir(tmp_path):
+    """config.json of Qwen3-14B alone: the plan reads the architecture, never the weights."""
+    model_dir = tmp_path / "qwen3-14b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(shape("qwen3_14b").to_hf_dict()))
+    return model_dir
+
+
+def test_train_plan_prints_the_memory_per_device(tmp_path, qwen3_14b_dir):
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train",
+                           f"--config=experiments/rstar2_agent_14b.py:{qwen3_14b_dir},{data}",
+                           f"--config.data.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
+                           "--num_processes=8", "--config.mesh.device_memory_gb=76"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "learner mesh data 1 x fsdp 16 x tensor 4, engine over 8 device(s)" in proc.stdout
+    assert "parameters           0.86" in proc.stdout and "KV pool             20.00" in proc.stdout, proc.stdout
+    # the same job on 40 GiB devices: refused, naming the line that overflows
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train",
+                           f"--config=experiments/rstar2_agent_14b.py:{qwen3_14b_dir},{data}",
+                           f"--config.data.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
+                           "--num_processes=8", "--config.mesh.device_memory_gb=40"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not fit a 40.0 GiB device: at 'KV pool'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_weight_is_loaded(tmp_path):
+    work = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", "--config=experiments/tiny_arith.py",
+                           f"--workdir={work}", "--config.mesh.device_memory_gb=0.01"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "memory plan: the run does not fit a 0.0 GiB device" in proc.stderr and "Traceback" not in proc.stderr
+    assert not work.exists()  # no model built, no weight loaded, nothing written

@@ -1,0 +1,59 @@
+"""Run in a subprocess with 8 fake CPU devices (tests/fake_devices.py).
+
+The embedded engine over this process's 8 devices (weights and KV split by heads on the tensor
+axis) against the same engine on one device: greedy tokens, bf16 weights, paged KV sized by a
+memory budget (float32 for the token comparison, then bf16). Prints one JSON line.
+"""
+
+import asyncio
+import json
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rstar2_jax import models
+from rstar2_jax.models import tiny
+from rstar2_jax.models.tokenizer import Tokenizer
+from rstar2_jax.rollout.engines import JaxEngine, RolloutConfig, engine_mesh
+from rstar2_jax.rollout.engines.factory import kv_pool_pages
+from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
+from rstar2_jax.rollout.sampling import SamplingParams
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    # 8 query and 8 KV heads, MLP and vocabulary divisible by 8: every matrix really splits.
+    model_dir = tiny.build_tiny_model(tempfile.mkdtemp(), seed=11, num_heads=8, num_kv_heads=8, head_dim=32,
+                                      hidden_size=128, intermediate_size=256)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    fp32 = models.load_pretrained(model_dir)
+    bf16 = models.load_pretrained(model_dir, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    position_bytes = kv_bytes_per_position(fp32.cfg.num_layers, fp32.cfg.num_kv_heads, fp32.cfg.head_dim, 4)
+    budget_gb = 6 * 64 * position_bytes / 2**30  # 6 pages of 64 positions
+    cfg = RolloutConfig(slots=3, max_len=128, page_size=64, kv_memory_gb=budget_gb)
+    prompts = [tokenizer.encode(f"problem {i}: {'x' * i}") for i in range(5)]
+
+    async def greedy(model, devices):
+        dtype_bytes = jnp.dtype(model.dtype).itemsize
+        async with JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, page_size=cfg.page_size,
+                             kv_pages=kv_pool_pages(cfg, model.cfg, dtype_bytes), mesh=engine_mesh("xla", devices)) \
+                as engine:
+            outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
+                                          for p in prompts))
+            q = nnx.merge(engine._graphdef, engine._state).layers[0].attn.q_proj.get_value()
+            keys = engine._cache.keys[0]
+            return dict(tokens=[o.token_ids for o in outs], pages=engine._pages.num_pages,
+                        q_proj_shard_fraction=q.addressable_shards[0].data.size / q.size, q_proj_dtype=str(q.dtype),
+                        kv_shard_fraction=keys.addressable_shards[0].data.size / keys.size)
+
+    split = asyncio.run(greedy(fp32, jax.devices()))
+    single = asyncio.run(greedy(fp32, jax.devices()[:1]))
+    split_bf16 = asyncio.run(greedy(bf16, jax.devices()))
+    print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, mesh_of_8=dict(engine_mesh("xla").shape),
+                          pallas_mesh=engine_mesh("pallas") is None)))
+
+
+if __name__ == "__main__":
+    main()
