@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # the ablation, a module's fixture) stay on one worker (tests/conftest.py assigns the groups).
 TEST_WORKERS ?= 2
 
-.PHONY: demo clean-demo test test-quick venv venv-dev venv-vllm redis clean
+.PHONY: demo clean-demo test test-quick venv venv-dev venv-vllm redis clean tensorboard notebook
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,19 @@ demo: $(VENV)/.runtime
 
 clean-demo:
 	rm -rf runs/tiny_arith
+
+# The viewers, installed on first use: TensorBoard over every run under runs/ (SFT, RL and the
+# before/after evaluation), and JupyterLab on notebooks/ (RSTAR2_RUN=DIR picks the run to read).
+RUNS ?= runs
+$(VENV)/.viewers: $(VENV)/.runtime requirements-viewers.txt
+	$(PIP) install -r requirements-viewers.txt
+	@touch $@
+
+tensorboard: $(VENV)/.viewers
+	$(VENV)/bin/tensorboard --logdir $(RUNS) --bind_all
+
+notebook: $(VENV)/.viewers
+	$(VENV)/bin/jupyter lab notebooks/
 
 # The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 30 minutes
 # from a fresh clone on a 2-core machine, installs included (README, "Tests").

@@ -18,17 +18,17 @@ from rstar2_jax.traces import load_run
 
 # training-curve metrics (metrics.jsonl, one row per RL step) and what a plot calls them
 CURVES = {
-    "reward_mean": "accuracy of the step's rollouts",
-    "p_err_correct": "tool-error ratio in correct rollouts",
-    "mean_response_tokens": "response tokens",
+    "accuracy": "accuracy of the step's rollouts",
+    "tool_error_ratio_correct": "tool-error ratio in correct rollouts",
+    "mean_response_tokens": "response tokens per rollout",
 }
 # final numbers: the after-RL evaluation (results.json), sampled at the training temperature
 FINALS = {
     "greedy_accuracy": ("greedy", "accuracy"),
     "sampled_accuracy": ("sampled", "accuracy"),
     "tool_error_ratio_correct": ("sampled", "tool_error_ratio_correct"),
-    "tool_calls": ("sampled", "mean_tool_calls"),
-    "response_tokens": ("sampled", "mean_response_tokens"),
+    "mean_tool_calls": ("sampled", "mean_tool_calls"),
+    "mean_response_tokens": ("sampled", "mean_response_tokens"),
 }
 
 

@@ -10,8 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rstar2_jax.rewards import tool_error_ratio
-from rstar2_jax.rollout.scoring import Scored
+from rstar2_jax.rollout.scoring import RolloutOutcome, Scored, summarize
 
 # Multiple-choice questions already list their options; this asks for the letter in the box.
 CHOICE_INSTRUCTION = "\n\nPut only the letter of the correct option (A, B, C or D) in \\boxed{}."
@@ -45,28 +44,30 @@ def resolve_benchmark(name: str, data_dir: str | None) -> Benchmark:
     return Benchmark(name, os.path.join(data_dir, BENCHMARK_FILES[name]), name in MULTIPLE_CHOICE)
 
 
-def benchmark_summary(scored: Sequence[Scored], samples: int) -> dict[str, float]:
-    """`scored` holds `samples` consecutive rollouts per problem."""
+def benchmark_summary(scored: Sequence[Scored | RolloutOutcome], samples: int) -> dict[str, float]:
+    """`scored` holds `samples` consecutive rollouts per problem: pass@1 (the accuracy averaged over
+    each problem's samples, then over problems) with a 95% interval over problems, and the shared
+    per-rollout METRICS (rollout/scoring.py)."""
     if not scored or len(scored) % samples:
         raise ValueError(f"{len(scored)} rollouts do not split into groups of {samples}")
-    per_problem = np.array([s.reward for s in scored], dtype=np.float64).reshape(-1, samples).mean(axis=1)
+    outcomes = [RolloutOutcome.of(s) for s in scored]
+    per_problem = np.array([o.reward for o in outcomes], dtype=np.float64).reshape(-1, samples).mean(axis=1)
     n = len(per_problem)
     half = 1.96 * per_problem.std(ddof=1) / math.sqrt(n) if n > 1 else 0.0
-    statuses = [st for s in scored for st in s.trajectory.tool_statuses]
     return {
         "problems": n, "samples": samples, "pass@1": float(per_problem.mean()),
         "ci95_low": float(max(0.0, per_problem.mean() - half)), "ci95_high": float(min(1.0, per_problem.mean() + half)),
-        "mean_response_tokens": float(np.mean([s.trajectory.num_response_tokens for s in scored])),
-        "tool_calls_per_problem": len(statuses) / n,
-        "tool_error_ratio": tool_error_ratio(statuses) if statuses else 0.0,
+        **summarize(outcomes),
     }
 
 
 def markdown_table(results: dict[str, dict[str, float]]) -> str:
-    lines = ["| benchmark | pass@1 | 95% interval | response tokens | tool calls / problem | tool-error ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| benchmark | pass@1 | 95% interval | response tokens / rollout | tool calls / rollout | "
+             "tool-error ratio (correct rollouts) | tool-error ratio (all calls) |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} ({r['problems']} x {r['samples']}) | {r['pass@1']:.1%} | "
                      f"{r['ci95_low']:.1%} - {r['ci95_high']:.1%} | {r['mean_response_tokens']:.0f} | "
-                     f"{r['tool_calls_per_problem']:.2f} | {r['tool_error_ratio']:.3f} |")
+                     f"{r['mean_tool_calls']:.2f} | {r['tool_error_ratio_correct']:.3f} | "
+                     f"{r['tool_error_ratio_all']:.3f} |")
     return "\n".join(lines)

@@ -1,14 +1,19 @@
 """Evaluate a model on math benchmarks under the paper's protocol.
 
     python -m rstar2_jax.evaluate --model DIR --benchmarks aime24,aime25,math500 --data_dir ~/data/math
-    python -m rstar2_jax.evaluate --checkpoint runs/tiny_arith --benchmarks my_set.jsonl --limit 50
+    python -m rstar2_jax.evaluate --checkpoint runs/tiny_arith --benchmarks my_set.jsonl --limit 5 --samples 4
     python -m rstar2_jax.evaluate --model DIR --engine vllm --url http://127.0.0.1:8000 [--url ...] \
         --benchmarks aime24,gpqa_diamond
 
 Defaults are rStar2-Agent's protocol: 16 samples per problem at temperature 0.6, up to 30,000
-tokens and 30 turns. Prints and writes results.json and results.md (pass@1 averaged over samples
-with a 95% interval over problems, response tokens, tool calls per problem, tool-error ratio) and
-Parquet traces (--out/traces/<benchmark>/). With --engine vllm the servers at --url generate
+tokens and 30 turns; with --checkpoint the token budget and turns default to the run's last
+stage, and the budget is capped (with a warning) where the longest prompt plus it would pass the
+model's positions. Every benchmark file is read and checked before the first rollout. Each
+problem's result is kept as soon as its samples finish (--out/<benchmark>/problems.jsonl, its
+traces in --out/traces/<benchmark>/), each benchmark's summary when it finishes (results.json,
+results.md: pass@1 averaged over samples with a 95% interval over problems and the per-rollout
+metrics of README's metric table), so an interrupted evaluation (Ctrl-C, a crash) resumes where
+it stopped when the same command runs again. With --engine vllm the servers at --url generate
 (several: the KV-aware scheduler) and --model only names the tokenizer (the directory the servers
 were started with). Benchmark files (JSONL with problem/answer, question/answer, or an HF-style
 solution with a \\boxed{} answer; GPQA-Diamond graded on the option letter) are not shipped: the
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 
 from absl import app, flags, logging
 
@@ -34,8 +40,11 @@ _DATA_DIR = flags.DEFINE_string("data_dir", None, "directory of the benchmark JS
                                  "$RSTAR2_DATA_DIR); not needed when --benchmarks are .jsonl paths")
 _SAMPLES = flags.DEFINE_integer("samples", 16, "samples per problem", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature", lower_bound=0.0)
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 30000, "token budget after the prompt, all turns", lower_bound=1)
-_MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "assistant turns", lower_bound=1)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "token budget after the prompt, all turns (default: the "
+                                   "run's last stage with --checkpoint, else 30000)", lower_bound=1)
+_MAX_TURNS = flags.DEFINE_integer("max_turns", None, "assistant turns (default: the run's last stage with "
+                                  "--checkpoint, else 30)", lower_bound=1)
+PAPER_MAX_TOKENS, PAPER_MAX_TURNS = 30000, 30
 _LIMIT = flags.DEFINE_integer("limit", 0, "problems per benchmark (0 = all)", lower_bound=0)
 _FORMAT = flags.DEFINE_string("format", None, "prompt format (rstar2, compact, tiny); default: the run's with "
                                "--checkpoint, else rstar2")
@@ -65,7 +74,7 @@ ENGINE_FLAGS = {"engine": "--engine", "vllm_urls": "--url", "scheduler": "--sche
                 "page_size": "--page_size", "kv_pages": "--kv_pages", "temperature": "--temperature"}
 
 
-def rollout_config():
+def rollout_config(max_tokens: int):
     """The RolloutConfig the engine flags describe (train builds the same from rollout.*); its
     max_len is set per benchmark."""
     from rstar2_jax.rollout.engines import RolloutConfig
@@ -74,7 +83,7 @@ def rollout_config():
     values = {field: getattr(flags.FLAGS, flag[2:]) for field, flag in ENGINE_FLAGS.items()}
     # checked at the shortest max_len a benchmark can need (a one-token prompt); each benchmark's
     # own max_len is checked again when its engine is built
-    shortest = _MAX_TOKENS.value + 2
+    shortest = max_tokens + 2
     if values["page_size"]:
         shortest = pages_for(shortest, values["page_size"]) * values["page_size"]
     section, problems = RolloutConfig.parse({**values, "vllm_urls": tuple(values["vllm_urls"]), "max_len": shortest})
@@ -85,15 +94,14 @@ def rollout_config():
 
 
 def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg):
-    """A function longest_prompt -> async context manager of the engine for one benchmark (the
-    embedded engine's KV is sized to the benchmark's longest prompt + --max_tokens)."""
+    """A function max_len -> async context manager of the engine for one benchmark (the embedded
+    engine's KV is sized to the benchmark's longest prompt + its token budget)."""
     from rstar2_jax.rollout.engines import make_engine
     from rstar2_jax.rollout.engines.kv_pages import pages_for
 
     model = load_policy(model_dir, checkpoint) if cfg.engine == "jax" else None  # vllm: the servers' weights
 
-    def engine_for(longest_prompt: int):
-        max_len = longest_prompt + _MAX_TOKENS.value + 1
+    def engine_for(max_len: int):
         if cfg.page_size:  # whole pages
             max_len = pages_for(max_len, cfg.page_size) * cfg.page_size
         sized = type(cfg).from_mapping({**cfg.to_dict(), "max_len": max_len})  # ConfigValueError if the pages cannot hold it
@@ -101,61 +109,171 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg
     return engine_for
 
 
-async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench) -> dict:
-    """Rollouts of one benchmark (k samples per problem), its summary, and its traces."""
+def run_defaults(checkpoint: str | None, max_tokens: int | None, max_turns: int | None) -> tuple[int, int]:
+    """(max_tokens, max_turns): as given, else the run's last stage (--checkpoint), else the paper's."""
+    stage = {}
+    if checkpoint:
+        config_path = os.path.join(checkpoint, "config.json")
+        if os.path.exists(config_path):
+            with open(config_path) as f:
+                stages = json.load(f).get("stages") or [{}]
+            stage = stages[-1]
+    return (max_tokens or stage.get("max_response_tokens") or PAPER_MAX_TOKENS,
+            max_turns or stage.get("max_turns") or PAPER_MAX_TURNS)
+
+
+def token_budget(longest_prompt: int, max_tokens: int, positions: int, name: str) -> int:
+    """`max_tokens`, or less where the longest prompt plus it would pass the model's positions."""
+    room = positions - longest_prompt - 1
+    if max_tokens <= room:
+        return max_tokens
+    if room < 1:
+        raise app.UsageError(f"{name}: its longest prompt ({longest_prompt} tokens) leaves no room in the model's "
+                             f"{positions} positions")
+    print(f"warning: {name}: the longest prompt ({longest_prompt} tokens) + --max_tokens={max_tokens} pass the "
+          f"model's {positions} positions; the budget is capped at {room} tokens", file=sys.stderr)
+    return room
+
+
+def questions_of(bench, problems) -> list[str]:
+    """What the model is asked (multiple choice: with the instruction to box the letter)."""
+    from rstar2_jax.eval_report import CHOICE_INSTRUCTION
+    return [p.question + (CHOICE_INSTRUCTION if bench.multiple_choice else "") for p in problems]
+
+
+class BenchmarkResults:
+    """One benchmark's results on disk: a JSONL line per finished problem (its samples' outcomes),
+    written once all its samples are graded and its traces are written, so a restart skips it."""
+
+    def __init__(self, out: str, name: str):
+        from rstar2_jax.traces import TraceWriter
+
+        self.path = os.path.join(out, name, "problems.jsonl")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.traces = TraceWriter(os.path.join(out, "traces", name))
+
+    def done(self) -> dict[int, list]:
+        """problem index -> its samples' RolloutOutcomes, for the problems already finished. A last
+        line cut short by a crash is dropped (that problem runs again)."""
+        from rstar2_jax.data.jsonl import DataError
+        from rstar2_jax.rollout.scoring import RolloutOutcome
+
+        if not os.path.exists(self.path):
+            return {}
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        out, good = {}, []
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if lineno < len(lines) - 1 or line.endswith("}"):
+                    raise DataError(f"{self.path}:{lineno}: not a result line (remove the file to start again)") from None
+                break  # cut short by a crash
+            out[row["index"]] = [RolloutOutcome(r, tuple(st), n) for r, st, n in
+                                 zip(row["rewards"], row["tool_statuses"], row["response_tokens"])]
+            good.append(line)
+        if len(good) != sum(1 for line in lines if line.strip()):
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in good))
+        return out
+
+    def add(self, index: int, problem_id: str, records: list[dict], outcomes: list) -> None:
+        self.traces.write(index, records)  # traces first: a kept line always has its traces
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"index": index, "id": problem_id, "rewards": [o.reward for o in outcomes],
+                                "tool_statuses": [list(o.tool_statuses) for o in outcomes],
+                                "response_tokens": [o.response_tokens for o in outcomes]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, problems) -> dict:
+    """Rollouts of one benchmark's unfinished problems (k samples each, all in flight together),
+    each problem kept as it finishes; the summary over every problem."""
     from tqdm.auto import tqdm
 
-    from rstar2_jax.data.problems import load_problems
-    from rstar2_jax.eval_report import CHOICE_INSTRUCTION, benchmark_summary
+    from rstar2_jax.eval_report import benchmark_summary
     from rstar2_jax.rewards import answer_reward, choice_reward, extract_answer
-    from rstar2_jax.rollout.scoring import rollout_problems, stable_seed
-    from rstar2_jax.traces import TraceWriter, trajectory_record
+    from rstar2_jax.rollout.scoring import RolloutOutcome, rollout_problems, stable_seed
+    from rstar2_jax.traces import trajectory_record
 
-    problems = load_problems(bench.path, limit=_LIMIT.value or None)
-    questions = [p.question + (CHOICE_INSTRUCTION if bench.multiple_choice else "") for p in problems]
-    longest = max(len(tokenizer.encode(fmt.prompt(q))) for q in questions)
+    kept = BenchmarkResults(_OUT.value, bench.name)
+    done = kept.done()
+    questions = questions_of(bench, problems)
+    todo = [i for i in range(len(problems)) if i not in done]
     k = _SAMPLES.value
-    with tqdm(total=len(problems) * k, desc=bench.name, dynamic_ncols=True) as bar:
-        async with make_engine(longest) as engine:
-            scored = await rollout_problems(
-                engine, sb, tokenizer, [q for q in questions for _ in range(k)],
-                [p.answer for p in problems for _ in range(k)], cfg,
-                [stable_seed(_SEED.value, bench.name, i, j) for i in range(len(problems)) for j in range(k)],
-                grader=choice_reward if bench.multiple_choice else answer_reward, progress=bar)
-    TraceWriter(os.path.join(_OUT.value, "traces", bench.name)).write(0, [
-        trajectory_record(s.trajectory, run=f"eval:{bench.name}", step=0, problem_id=problems[i // k].id,
-                          sample_index=i % k, problem=questions[i // k], gold=problems[i // k].answer,
-                          engine=_ENGINE.value, extracted_answer=extract_answer(s.trajectory.response_text),
-                          reward=s.reward)
-        for i, s in enumerate(scored)])
-    return benchmark_summary(scored, k)
+    if todo:
+        if done:
+            print(f"{bench.name}: {len(done)} of {len(problems)} problems kept from an earlier run", flush=True)
+        longest = max(len(tokenizer.encode(fmt.prompt(questions[i]))) for i in todo)
+        grader = choice_reward if bench.multiple_choice else answer_reward
+
+        async def problem(engine, i: int, bar):
+            scored = await rollout_problems(engine, sb, tokenizer, [questions[i]] * k, [problems[i].answer] * k, cfg,
+                                            [stable_seed(_SEED.value, bench.name, i, j) for j in range(k)],
+                                            grader=grader, progress=bar)
+            records = [trajectory_record(s.trajectory, run=f"eval:{bench.name}", step=0, problem_id=problems[i].id,
+                                         sample_index=j, problem=questions[i], gold=problems[i].answer,
+                                         engine=_ENGINE.value, extracted_answer=extract_answer(s.trajectory.response_text),
+                                         reward=s.reward) for j, s in enumerate(scored)]
+            outcomes = [RolloutOutcome.of(s) for s in scored]
+            kept.add(i, problems[i].id, records, outcomes)
+            done[i] = outcomes
+
+        with tqdm(total=len(todo) * k, desc=bench.name, dynamic_ncols=True) as bar:
+            async with make_engine(longest + cfg.max_response_tokens + 1) as engine:
+                await asyncio.gather(*(problem(engine, i, bar) for i in todo))
+    return benchmark_summary([o for i in range(len(problems)) for o in done[i]], k)
 
 
-async def run_eval(make_engine, tokenizer, benchmarks, fmt) -> dict:
+async def run_eval(make_engine, tokenizer, benchmarks, fmt, budgets: dict[str, int], max_turns: int,
+                   on_result) -> dict:
     import sandbox
     from rstar2_jax.rollout import AgentConfig
 
-    cfg = AgentConfig(format=fmt, max_turns=_MAX_TURNS.value, max_response_tokens=_MAX_TOKENS.value,
-                      temperature=_TEMPERATURE.value)
     results = {}
     async with sandbox.LocalSandbox(workers=max(2, os.cpu_count() or 2)) as sb:
-        for bench in benchmarks:
-            results[bench.name] = await evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench)
+        for bench, problems in benchmarks:
+            cfg = AgentConfig(format=fmt, max_turns=max_turns, max_response_tokens=budgets[bench.name],
+                              temperature=_TEMPERATURE.value)
+            results[bench.name] = await evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, problems)
             print(f"{bench.name}: pass@1 {results[bench.name]['pass@1']:.1%}", flush=True)
+            on_result(results)
     return results
+
+
+def check_protocol(protocol: dict) -> None:
+    """--out keeps one protocol's results: a resumed evaluation must be the same one."""
+    path = os.path.join(_OUT.value, "protocol.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        differs = sorted(k for k in set(earlier) | set(protocol) if earlier.get(k) != protocol.get(k))
+        if differs:
+            raise app.UsageError(f"--out={_OUT.value} holds the results of another evaluation (it differs in "
+                                 f"{', '.join(differs)}): give another --out, or remove it to start again")
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(protocol, f, indent=2)
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from rstar2_jax.checkpoints import run_info
+    from rstar2_jax.data.problems import load_problems
     from rstar2_jax.eval_report import markdown_table, resolve_benchmark
+    from rstar2_jax.models.config import ModelConfig
     from rstar2_jax.models.tokenizer import Tokenizer
     from rstar2_jax.rollout import make_format
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")
-    engine_cfg = rollout_config()
+    max_tokens, max_turns = run_defaults(_CHECKPOINT.value, _MAX_TOKENS.value, _MAX_TURNS.value)
+    engine_cfg = rollout_config(max_tokens)
     cli.check_model_dir(_MODEL.value)
     run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
     format_name = _FORMAT.value or run.get("format", "rstar2")
@@ -168,20 +286,33 @@ def main(argv):
     for bench in benchmarks:
         if not os.path.exists(bench.path):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
+    # every file read and checked (a malformed line: DataError with file and line) before any rollout
+    loaded = [(bench, load_problems(bench.path, limit=_LIMIT.value or None)) for bench in benchmarks]
     model_dir = _MODEL.value or run["model_dir"]
     tokenizer = Tokenizer.from_pretrained(model_dir)
+    positions = ModelConfig.from_json_file(os.path.join(model_dir, "config.json")).max_position_embeddings
+    budgets = {bench.name: token_budget(max(len(tokenizer.encode(fmt.prompt(q))) for q in questions_of(bench, problems)),
+                                        max_tokens, positions, bench.name)
+               for bench, problems in loaded}
+    protocol = {"samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": max_tokens,
+                "max_turns": max_turns, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
+                "urls": _URL.value, "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value}
+    check_protocol(protocol)
+
+    def write(results):
+        with open(os.path.join(_OUT.value, "results.json"), "w") as f:
+            json.dump({"protocol": {**protocol, "token_budgets": budgets}, "results": results}, f, indent=2)
+        with open(os.path.join(_OUT.value, "results.md"), "w") as f:
+            f.write(markdown_table(results) + "\n")
+
     make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer, engine_cfg)
-    results = asyncio.run(run_eval(make_engine, tokenizer, benchmarks, fmt))  # a malformed line: DataError
-    os.makedirs(_OUT.value, exist_ok=True)
-    protocol = {"samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": _MAX_TOKENS.value,
-                "max_turns": _MAX_TURNS.value, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
-                "urls": _URL.value, "format": format_name, "seed": _SEED.value}
-    with open(os.path.join(_OUT.value, "results.json"), "w") as f:
-        json.dump({"protocol": protocol, "results": results}, f, indent=2)
-    table = markdown_table(results)
-    with open(os.path.join(_OUT.value, "results.md"), "w") as f:
-        f.write(table + "\n")
-    print("\n" + table)
+    try:
+        results = asyncio.run(run_eval(make_engine, tokenizer, loaded, fmt, budgets, max_turns, write))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: every finished problem is kept in {_OUT.value}; the same command resumes there",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+    print("\n" + markdown_table(results))
 
 
 if __name__ == "__main__":

@@ -59,11 +59,11 @@ def test_ablate_summary_is_mean_and_spread_over_seeds(ablation_dir):
     summary = pd.read_csv(ablation_dir / "summary.csv").set_index("cell")
     assert list(summary.index) == CELLS and (summary["seeds"] == 2).all()
     for cell in CELLS:
-        for metric in ("greedy_accuracy", "sampled_accuracy", "tool_error_ratio_correct", "response_tokens"):
+        for metric in ("greedy_accuracy", "sampled_accuracy", "tool_error_ratio_correct", "mean_response_tokens"):
             values = [json.loads((ablation_dir / cell / f"seed{s}" / "results.json").read_text())["after"]
                       ["greedy" if metric == "greedy_accuracy" else "sampled"]
-                      [{"greedy_accuracy": "accuracy", "sampled_accuracy": "accuracy",
-                        "response_tokens": "mean_response_tokens"}.get(metric, metric)] for s in (0, 1)]
+                      [{"greedy_accuracy": "accuracy", "sampled_accuracy": "accuracy"}.get(metric, metric)]
+                      for s in (0, 1)]
             assert sorted(runs[runs.cell == cell][metric]) == pytest.approx(sorted(values))
             assert summary.loc[cell, f"{metric}_mean"] == pytest.approx(np.mean(values))
             assert summary.loc[cell, f"{metric}_std"] == pytest.approx(np.std(values, ddof=1))

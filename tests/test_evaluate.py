@@ -34,7 +34,10 @@ def test_pass_at_1_is_averaged_over_samples_with_an_interval():
     per_problem = np.array([1.0, 0.5, 0.0])
     half = 1.96 * per_problem.std(ddof=1) / np.sqrt(3)
     assert s["pass@1"] == pytest.approx(0.5) and s["ci95_low"] == pytest.approx(max(0, 0.5 - half))
-    assert s["tool_calls_per_problem"] == pytest.approx(13 / 3) and s["tool_error_ratio"] == pytest.approx(1 / 13)
+    # per rollout: 13 calls over 12 rollouts; 1 failed of 13 calls; correct rollouts with calls:
+    # the first (1 of 2 failed) and five with none failed
+    assert s["mean_tool_calls"] == pytest.approx(13 / 12) and s["tool_error_ratio_all"] == pytest.approx(1 / 13)
+    assert s["tool_error_ratio_correct"] == pytest.approx(0.5 / 6) and s["accuracy"] == pytest.approx(0.5)
     assert "| 50.0% |" in markdown_table({"x": s})
     with pytest.raises(ValueError, match="groups of 5"):
         benchmark_summary(scored, samples=5)
@@ -57,6 +60,72 @@ def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
         assert r["problems"] == 2 and 0 <= r["pass@1"] <= 1
         assert os.listdir(out / "traces" / name)
     assert "| aime24 (2 x 2) |" in (out / "results.md").read_text()
+
+
+def test_every_metric_has_one_definition_in_the_readme():
+    """train, evaluate, traces and the notebooks use the names of rollout.scoring.METRICS; the README
+    defines each once, in its metric table."""
+    from rstar2_jax.rollout.scoring import METRICS
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = readme[readme.index("| metric | definition |"):]
+    table = table[:table.index("\n\n")]
+    for name in METRICS:
+        assert f"| `{name}` |" in table, name
+    assert set(benchmark_summary([_scored(1, ("ok",))], samples=1)) >= set(METRICS)
+
+
+def test_run_defaults_come_from_the_checkpoint_s_last_stage(tmp_path):
+    from rstar2_jax.evaluate import PAPER_MAX_TOKENS, run_defaults
+    (tmp_path / "config.json").write_text(json.dumps({"stages": [{"max_response_tokens": 100, "max_turns": 3},
+                                                                 {"max_response_tokens": 200, "max_turns": 4}]}))
+    assert run_defaults(str(tmp_path), None, None) == (200, 4)
+    assert run_defaults(str(tmp_path), 50, None) == (50, 4)
+    assert run_defaults(None, None, 7) == (PAPER_MAX_TOKENS, 7)
+
+
+def _many_problems(path, n):
+    path.write_text("".join(json.dumps({"problem": f"{i} + {i}", "answer": str(2 * i)}) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.slow
+def test_an_interrupted_evaluation_keeps_its_problems_and_resumes(tmp_path):
+    """Ctrl-C once a problem is kept: exit 130, no traceback; the same command then runs only the
+    problems not kept, and the summary covers all of them. Another protocol in the same --out is
+    refused. A budget past the model's positions is capped with a warning."""
+    import signal
+    import time
+
+    model = tiny.build_tiny_model(tmp_path / "m")
+    bench = _many_problems(tmp_path / "sums.jsonl", 12)
+    out = tmp_path / "eval"
+    args = [sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", f"--benchmarks={bench}", "--samples=2",
+            "--max_tokens=9000", "--max_turns=2", "--format=tiny", f"--out={out}", "--slots=2"]
+    kept = out / "sums" / "problems.jsonl"
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not (kept.exists() and kept.read_text().strip()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: every finished problem is kept" in err and "Traceback" not in err, err[-2000:]
+    assert "capped at" in err and "4096 positions" in err
+    first = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert 1 <= len(first) < 12
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{len(first)} of 12 problems kept from an earlier run" in done.stdout
+    rows = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert sorted(r["index"] for r in rows) == list(range(12))
+    assert rows[:len(first)] == first  # the kept problems were not run again
+    results = json.loads((out / "results.json").read_text())
+    assert results["results"]["sums"]["problems"] == 12
+    assert results["protocol"]["token_budgets"]["sums"] < 4096
+    assert len(os.listdir(out / "traces" / "sums")) == 12
+    other = subprocess.run(args[:-1] + ["--samples=3", "--slots=2"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert other.returncode == 2 and "holds the results of another evaluation (it differs in samples)" in other.stderr
 
 
 def test_evaluate_cli_rejects_unknown_benchmarks(tmp_path, benchmark_dir):
@@ -112,9 +181,13 @@ def test_evaluate_cli_reports_a_malformed_file_by_file_and_line(tmp_path):
     model = tiny.build_tiny_model(tmp_path / "m")
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + '{"problem": "2+2", "answer"' + "\n")
-    proc = _evaluate(tmp_path, f"--model={model}", f"--benchmarks={path}", "--format=tiny", f"--out={tmp_path / 'e'}")
+    good = _many_problems(tmp_path / "good.jsonl", 2)
+    # the broken file comes second: it is still found before the first benchmark runs
+    proc = _evaluate(tmp_path, f"--model={model}", f"--benchmarks={good},{path}", "--format=tiny",
+                     f"--out={tmp_path / 'e'}")
     assert proc.returncode != 0 and f"{path}:2: invalid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "e" / "good").exists()  # no rollout ran
 
 
 def test_evaluate_cli_needs_urls_for_vllm(tmp_path, benchmark_dir):

@@ -68,10 +68,10 @@ def test_step_stats_split_by_outcome_and_roc(tmp_path):
     df = _frame(tmp_path, {0: [_row(0, 0, 1.0, ["ok"], True), _row(0, 1, 1.0, ["error", "ok"], False),
                                _row(0, 2, 0.0, ["error"], True), _row(0, 3, 0.0, [], True)]})
     s = traces.step_stats(df).set_index(["outcome", "roc"])
-    assert s.loc[("positive", "kept"), "tool_error_ratio"] == 0.0
-    assert s.loc[("positive", "dropped"), "tool_error_ratio"] == pytest.approx(0.5)
+    assert s.loc[("positive", "kept"), "tool_error_ratio_all"] == 0.0
+    assert s.loc[("positive", "dropped"), "tool_error_ratio_all"] == pytest.approx(0.5)
     assert s.loc[("negative", "kept"), "rollouts"] == 2
-    assert s.loc[("negative", "kept"), "tool_error_ratio"] == pytest.approx(1.0)  # 1 error / 1 call, pooled
+    assert s.loc[("negative", "kept"), "tool_error_ratio_all"] == pytest.approx(1.0)  # 1 error / 1 call, pooled
     assert s.loc[("negative", "kept"), "tool_calls_per_turn"] == pytest.approx((1 / 2 + 0) / 2)
     assert (s["accuracy"] == s.index.get_level_values("outcome").map({"positive": 1.0, "negative": 0.0})).all()
 

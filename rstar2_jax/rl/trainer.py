@@ -156,7 +156,8 @@ class RLRun:
         self.learner: Learner | None = None
         self.engine_busy = BusyLog()  # the engine's busy intervals, shared by overlapping steps' windows
         self._solved_after: dict[int, list[str]] = {}  # step -> problems solved k/k once it trained (online filter)
-        self._tb = None  # TensorBoard writer (primary process), opened by the first RL step's _log
+        self._tb = None  # TensorBoard writer (primary process), opened on first use (tensorboard())
+        self._evaluated = False  # an evaluation ran in this call of run()
 
     @property
     def train_problems(self):
@@ -194,25 +195,40 @@ class RLRun:
         out = {}
         for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
             seeds = [stable_seed(self.cfg.seed, label, name, i) for i in range(len(probs))]
-            scored = await rollout_problems(engine, sb, self.tokenizer, [p.question for p in probs],
-                                            [p.answer for p in probs], self.agent_config(step, temperature), seeds)
+            with tqdm(total=len(probs), desc=f"eval {label} ({name})", dynamic_ncols=True, leave=False,
+                      disable=not processes.is_primary()) as bar:
+                scored = await rollout_problems(engine, sb, self.tokenizer, [p.question for p in probs],
+                                                [p.answer for p in probs], self.agent_config(step, temperature), seeds,
+                                                progress=bar)
             out[name] = summarize(scored)
+        self._evaluated = True
         self._log({"phase": "eval", "label": label, "step": step, **{f"{k}/{m}": v for k, s in out.items()
                                                                          for m, v in s.items()}})
         return out
 
     def _log(self, record: dict[str, Any]):
+        """metrics.jsonl, and TensorBoard: RL steps under their names, SFT steps under sft/, the
+        before/after evaluations under eval/<label>/ (at the RL step they ran at)."""
         if not processes.is_primary():
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"time": time.time(), **record}) + "\n")
-        if record.get("phase") == "rl":
-            if self._tb is None:  # opened on the first step logged: a re-run with nothing to train adds no event file
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(k, v, record["step"])
+        phase = record.get("phase")
+        prefix = {"rl": "", "sft": "sft/", "eval": f"eval/{record.get('label', '')}/"}.get(phase)
+        if prefix is None:
+            return
+        tb = self.tensorboard()
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                tb.add_scalar(prefix + k, v, record["step"])
+
+    def tensorboard(self):
+        """The run's TensorBoard writer (primary process), opened on first use: a re-run with
+        nothing to log adds no event file."""
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
+        return self._tb
 
     def learner_config(self) -> LearnerConfig:
         rl = self.cfg.rl
@@ -227,19 +243,28 @@ class RLRun:
         """Evaluate before RL, train to rl.steps, evaluate after; a re-run of a finished run
         reports its results without evaluating again."""
         cfg = self.cfg
-        async with self.session() as (engine, sb, meta):
-            results = dict(meta.get("results", {}))
-            finished = self.run_dir.load_results()
-            if meta["rl_step"] >= cfg.rl.steps and "after" in finished:  # evaluated at this step already
-                results["after"] = finished["after"]
-            if cfg.eval.before_and_after and "before" not in results:
-                results["before"] = await self.evaluate(engine, sb, meta["rl_step"], "before_rl")
-                meta["results"] = results
-            await self.train_steps(engine, sb, meta)
-            if cfg.eval.before_and_after and "after" not in results:
-                results["after"] = await self.evaluate(engine, sb, cfg.rl.steps, "after_rl")
-        if processes.is_primary():
-            self.run_dir.save_results(results)
+        try:
+            async with self.session() as (engine, sb, meta):
+                results = dict(meta.get("results", {}))
+                finished = self.run_dir.load_results()
+                if meta["rl_step"] >= cfg.rl.steps and "after" in finished:  # evaluated at this step already
+                    results["after"] = finished["after"]
+                if cfg.eval.before_and_after and "before" not in results:
+                    results["before"] = await self.evaluate(engine, sb, meta["rl_step"], "before_rl")
+                    meta["results"] = results
+                await self.train_steps(engine, sb, meta)
+                if cfg.eval.before_and_after and "after" not in results:
+                    results["after"] = await self.evaluate(engine, sb, cfg.rl.steps, "after_rl")
+            if processes.is_primary():
+                self.run_dir.save_results(results)
+                if self._evaluated:  # the before/after table as text, once per evaluation that ran
+                    self.tensorboard().add_text(
+                        "results", "\n".join("    " + line for line in format_results(results).splitlines()),
+                        cfg.rl.steps)
+        finally:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
         return results
 
     @contextlib.asynccontextmanager
@@ -269,9 +294,6 @@ class RLRun:
                 await self.push_weights(engine, weights, self.learner.version)
                 yield engine, sb, meta
         finally:
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
             self.checkpoints.close()
 
     async def train_steps(self, engine: Engine, sb, meta: dict[str, Any]):
@@ -322,7 +344,7 @@ class RLRun:
                 last_end = time.monotonic()
                 self._log(metrics)
                 bar.write(format_breakdown(metrics))
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", p_err=f"{metrics['p_err_correct']:.2f}",
+                bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", p_err=f"{metrics['tool_error_ratio_correct']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 meta.update({k: v for k, v in out.data_meta.items() if k != "solved"})  # as of the step's draw
                 meta["rl_step"] = step + 1
@@ -569,9 +591,8 @@ class RLRun:
         cache = ({"engine/prefix_cache_hit_rate": (load.prefix_cache_hits - out.load_before.prefix_cache_hits) / queries}
                  if queries > 0 else {})  # servers that report their prefix cache (vLLM)
         return {
-            "reward_mean": summary["accuracy"], "p_err_correct": summary["tool_error_ratio_correct"],
+            **summary,  # the shared METRICS (rollout/scoring.py; README's metric table), over the step's rollouts
             "kept_rollouts": kept, "rollout_s": out.rollout_s, "tokens_per_s": gen_tokens / max(out.rollout_s, 1e-9),
-            "mean_response_tokens": summary["mean_response_tokens"], "mean_tool_calls": summary["mean_tool_calls"],
             **step_breakdown(out.timeline, out.rollout_s, step_s, out.stats_before, engine.stats), **cache,
         }
 

@@ -41,15 +41,42 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
         return [Scored(t, grader(t.response_text, g)) for t, g in zip(trajs, golds)]
 
 
-def summarize(scored: Sequence[Scored]) -> dict[str, float]:
-    """accuracy, tool-error ratio in correct trajectories, mean tool calls, mean response tokens."""
-    rewards = np.array([s.reward for s in scored])
-    correct = [s.trajectory for s in scored if s.reward > 0]
-    with_tools = [t for t in correct if t.tool_statuses]
+@dataclasses.dataclass(frozen=True)
+class RolloutOutcome:
+    """What the summaries read off one rollout (so results kept on disk summarize alike)."""
+    reward: float
+    tool_statuses: tuple[str, ...]
+    response_tokens: int
+
+    @classmethod
+    def of(cls, s: "Scored | RolloutOutcome") -> "RolloutOutcome":
+        if isinstance(s, RolloutOutcome):
+            return s
+        return cls(float(s.reward), tuple(s.trajectory.tool_statuses), int(s.trajectory.num_response_tokens))
+
+
+# One definition per metric, the same names in train (eval records), evaluate, traces and the
+# notebooks; README's metric table lists them (tests/test_evaluate.py checks it does).
+METRICS = {
+    "accuracy": "share of rollouts whose answer is right (reward 1), over rollouts",
+    "tool_error_ratio_correct": "mean over correct rollouts with at least one tool call of that rollout's "
+                                "share of failed calls (the quantity RoC ranks by)",
+    "tool_error_ratio_all": "failed calls / all calls, pooled over every rollout",
+    "mean_tool_calls": "tool calls per rollout, mean over rollouts",
+    "mean_response_tokens": "tokens after the prompt (model and tool output) per rollout, mean over rollouts",
+}
+
+
+def summarize(scored: Sequence["Scored | RolloutOutcome"]) -> dict[str, float]:
+    """The METRICS of a set of rollouts."""
+    outcomes = [RolloutOutcome.of(s) for s in scored]
+    correct_with_tools = [o for o in outcomes if o.reward > 0 and o.tool_statuses]
+    calls = [st for o in outcomes for st in o.tool_statuses]
     return {
-        "accuracy": float(rewards.mean()) if len(rewards) else 0.0,
-        "tool_error_ratio_correct": float(np.mean([tool_error_ratio(t.tool_statuses) for t in with_tools]))
-        if with_tools else 0.0,
-        "mean_tool_calls": float(np.mean([len(s.trajectory.tool_statuses) for s in scored])) if scored else 0.0,
-        "mean_response_tokens": float(np.mean([s.trajectory.num_response_tokens for s in scored])) if scored else 0.0,
+        "accuracy": float(np.mean([o.reward for o in outcomes])) if outcomes else 0.0,
+        "tool_error_ratio_correct": float(np.mean([tool_error_ratio(o.tool_statuses) for o in correct_with_tools]))
+        if correct_with_tools else 0.0,
+        "tool_error_ratio_all": tool_error_ratio(calls) if calls else 0.0,
+        "mean_tool_calls": float(np.mean([len(o.tool_statuses) for o in outcomes])) if outcomes else 0.0,
+        "mean_response_tokens": float(np.mean([o.response_tokens for o in outcomes])) if outcomes else 0.0,
     }

@@ -38,6 +38,22 @@ def small_config(**rl):
     return c
 
 
+def tensorboard_tags(directory) -> set[str]:
+    """Every tag in a TensorBoard directory's event files (TFRecord: length, CRC, event, CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    tags = set()
+    for name in os.listdir(directory):
+        data, pos = (directory / name).read_bytes(), 0
+        while pos < len(data):
+            n = struct.unpack("<Q", data[pos:pos + 8])[0]
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            tags.update(v.tag for v in event.summary.value)
+            pos += 12 + n + 4
+    return tags
+
+
 @pytest.mark.slow
 def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, benchmark_dir):
     cfg = small_config()
@@ -63,7 +79,10 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
         assert 0 < rl["engine/busy"] <= 1 and 0 < rl["engine/slot_utilization"] <= 1
         assert 0 <= rl["time/tool_wait_s"] <= rl["time/tool_s"] <= rl["time/rollout_s"]
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
-    assert os.listdir(tmp_path / "tensorboard")
+    tags = tensorboard_tags(tmp_path / "tensorboard")
+    for tag in ("accuracy", "tool_error_ratio_correct", "sft/loss", "eval/before_rl/greedy/accuracy",
+                "eval/after_rl/sampled/mean_tool_calls", "results/text_summary"):
+        assert tag in tags, sorted(tags)
     # the trained policy evaluates straight from the run directory
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--checkpoint={tmp_path}", "--benchmarks=aime24",
                            f"--data_dir={benchmark_dir}", "--limit=1", "--samples=1",
@@ -84,7 +103,7 @@ def rl_lines(workdir) -> list[dict]:
     return [l for l in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if l["phase"] == "rl"]
 
 
-COMPARED = ("reward_mean", "kept_rollouts", "mean_response_tokens", "mean_tool_calls", "grad_norm", "update_norm",
+COMPARED = ("accuracy", "kept_rollouts", "mean_response_tokens", "mean_tool_calls", "grad_norm", "update_norm",
             "logprob_mismatch_max")
 
 

@@ -1,14 +1,16 @@
 """HTTP to one vLLM server: JSON calls with failures sorted into retryable (ServerUnavailable)
 and not (ServerRequestError), and its Prometheus /metrics read as a ServerLoad.
 
-Blocking (urllib): async callers run these in threads.
+Two clients with the same errors: `AsyncVLLMClient` (aiohttp) for the generation path, where
+hundreds of requests are in flight at once, and the blocking `VLLMClient` (urllib) for the
+control plane the Engine interface calls synchronously (weight reloads, probes, /metrics).
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
-import re
 import urllib.error
 import urllib.request
 from typing import Any
@@ -25,20 +27,12 @@ class ServerRequestError(ValueError):
     """The server rejected the request (4xx): retrying it would not help."""
 
 
-_METRIC_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) for each sample line of Prometheus text exposition."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _METRIC_LINE.match(line)
-        if m:
-            out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
-    return out
+    """(name, labels, value) for each sample of Prometheus text exposition (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, dict(s.labels), float(s.value)) for family in text_string_to_metric_families(text)
+            for s in family.samples]
 
 
 def server_load(metrics_text: str) -> ServerLoad:
@@ -92,3 +86,47 @@ class VLLMClient:
 
     def alive(self) -> bool:
         return is_ready(self.url)
+
+
+class AsyncVLLMClient:
+    """The same JSON calls over aiohttp, for coroutines: one connection pool per event loop."""
+
+    def __init__(self, url: str, timeout: float = 600.0, max_connections: int = 256):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._session = None
+        self._loop = None
+
+    def _session_for_this_loop(self):
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
+            self._loop = loop
+        return self._session
+
+    async def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        import aiohttp
+
+        session = self._session_for_this_loop()
+        try:
+            async with session.request(method, self.url + path, json=body,
+                                       timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)) as r:
+                text = await r.text(errors="replace")
+                if r.status >= 500:
+                    raise ServerUnavailable(f"{method} {self.url}{path}: HTTP {r.status}: {text[:2000]}")
+                if r.status >= 400:
+                    raise ServerRequestError(f"{method} {self.url}{path}: HTTP {r.status}: {text[:2000]}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError) as e:
+            raise ServerUnavailable(f"{method} {self.url}{path}: {e!r}") from e
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+
+    async def close(self):
+        if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None

@@ -49,7 +49,8 @@ from rstar2_jax.models.checkpoint import model_params_hf, save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
-from rstar2_jax.rollout.engines.vllm_client import ServerRequestError, ServerUnavailable, VLLMClient, server_load
+from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
+                                                    server_load)
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class VLLMEngine(Engine):
             raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
         self.fetch_url = fetch_url
         self.sync_host = sync_host
-        self.client = VLLMClient(url, timeout=request_timeout)
+        self.client = VLLMClient(url, timeout=request_timeout)  # control plane (the Engine's sync calls)
+        self.async_client = AsyncVLLMClient(url, timeout=request_timeout, max_connections=max_concurrency)
         self.url = self.client.url
         self.version = 0
         self.restart_timeout = restart_timeout
@@ -104,7 +106,8 @@ class VLLMEngine(Engine):
         self._nccl = None
         vocab = model.cfg.vocab_size if model is not None else 256
         self._probe_tokens = np.random.default_rng(1234).integers(0, vocab, probe_length).tolist()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-client")
+        # the control plane's blocking calls made from coroutines (recovery after a restart)
+        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-control")
         self._busy: list[tuple[float, float]] = []  # (start, end) of each answered request
         self._up: asyncio.Event | None = None
         self._recovery: asyncio.Task | None = None
@@ -156,8 +159,7 @@ class VLLMEngine(Engine):
         return out
 
     async def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: self.client.request(method, path, body, timeout))
+        return await self.async_client.request(method, path, body, timeout)
 
     def load(self) -> ServerLoad:
         return server_load(self.client.get_text("/metrics"))
@@ -323,6 +325,7 @@ class VLLMEngine(Engine):
     async def close(self):
         if self._recovery is not None:
             self._recovery.cancel()
+        await self.async_client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._sync_root, ignore_errors=True)
 
