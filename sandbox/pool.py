@@ -51,9 +51,27 @@ async def _read_msg(reader: asyncio.StreamReader):
     return json.loads(await reader.readexactly(n))
 
 
+async def _read_result(reader: asyncio.StreamReader) -> dict:
+    """A worker's result: its header, then the stdout and stderr bytes it announces (decoded here,
+    in the service: the worker never holds them), with the worker's notes after stderr."""
+    msg = await _read_msg(reader)
+    stdout = (await reader.readexactly(msg.get("stdout", 0))).decode("utf-8", "replace")
+    stderr = (await reader.readexactly(msg.get("stderr", 0))).decode("utf-8", "replace")
+    for note in msg.pop("notes", ()):
+        stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n"
+    msg["stdout"], msg["stderr"] = stdout, stderr
+    return msg
+
+
 def _encode(obj) -> bytes:
     body = json.dumps(obj).encode()
     return struct.pack(">I", len(body)) + body
+
+
+def _encode_job(header: dict, code: str | None = None, stdin: str | None = None) -> bytes:
+    """A job header and its body (the code and stdin), which the worker moves without reading."""
+    body = b"" if code is None else json.dumps({"code": code, "stdin": stdin or ""}).encode()
+    return _encode({**header, "body": len(body)}) + body
 
 
 HEAVY_MODULES = ("numpy", "sympy")
@@ -271,8 +289,8 @@ class ZygotePool:
         slot.busy_kind = kind = slot.pick(code, extra.get("op", "run"))  # sessions: always heavy
         reader, writer = slot.channels[kind]
         try:
-            writer.write(_encode({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout, **extra}))
-            msg = await _read_msg(reader)
+            writer.write(_encode_job({"id": job_id, "timeout": timeout, **extra}, code, stdin))
+            msg = await _read_result(reader)
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError) as e:
             raise _ZygoteDied() from e
         if msg.get("id") != job_id:
@@ -289,7 +307,7 @@ class ZygotePool:
         reader, writer = slot.channels[slot.busy_kind]
         try:
             writer.write(_encode({"cancel": job_id}))
-            while (await _read_msg(reader)).get("id") != job_id:
+            while (await _read_result(reader)).get("id") != job_id:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError):
             await self._restart(generation)

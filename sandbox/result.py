@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed", "internal")
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed", "internal", "worker_died")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecResult:
     """status: ok | error (exception or non-zero exit) | timeout (wall or CPU) | memory |
     output_limit (stdout/stderr over the cap: the call was stopped) | killed (died by a signal
-    it did not get from the sandbox, e.g. a segfault) | internal (the sandbox failed, not the code).
+    it did not get from the sandbox, e.g. a segfault) | internal (the sandbox failed, not the code) |
+    worker_died (the sandbox process running the call was killed from outside, e.g. by the kernel's
+    OOM killer: the call did not complete; running it again may succeed).
     """
     status: str
     stdout: str = ""

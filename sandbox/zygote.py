@@ -29,8 +29,25 @@ Why this shape:
   status, rusage, the cgroup's OOM counter) and a setup pipe closed before user code starts;
   nothing the code prints or exits with can forge a status.
 
-Wire format on every pipe: 4-byte big-endian length + UTF-8 JSON. Messages to a worker: a job
-{"id", "code", "stdin", "timeout"}, or {"cancel": id} (stop that job if it is still running).
+Wire format on every pipe: 4-byte big-endian length + UTF-8 JSON, a header that holds no user
+data, followed by raw bytes it announces. To a worker: a job header {"id", "op", "timeout", "body": n,
+...} and n bytes of body (JSON {"code", "stdin"}), or {"cancel": id} (stop that job if it is still
+running). From a worker: a result header {"id", "status", "exit_code", "duration_s", "truncated",
+"notes", "stdout": n1, "stderr": n2} and n1 + n2 bytes of output.
+
+No process that forks calls ever holds a call's data (an earlier call's code, stdin or output
+would otherwise be in every later call's memory, which the call can read): a worker moves a
+job's body from its job pipe into a memfd with splice(2), kernel to kernel, and the call reads
+its code and stdin from there after the fork; the call's output goes through pipes into memfds,
+and from there onto the result pipe, by splice as well. A cell goes to a session the same way.
+The bytes never pass through the worker's (Python) memory.
+
+A worker that dies (the OOM killer's first choice; every sandbox process volunteers) is noticed at
+once by the master (wait(2)), which answers the call it was running with status "worker_died" on
+its result pipe and starts a new worker on the same pipes: the slot keeps serving. Each worker
+publishes what it is doing in a page shared with the master (idle, reading a job, running job id,
+writing its result); a death while reading or writing could leave half a message on a pipe, so
+then the master exits and the service starts a new zygote instead (the window is microseconds).
 """
 
 import ast
@@ -39,6 +56,7 @@ import fcntl
 import io
 import json
 import linecache
+import mmap
 import os
 import resource
 import select
@@ -96,6 +114,93 @@ def write_msg(fd, obj):
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def splice_exact(src, dst, n, *, offset_src=None):
+    """Move n bytes from src to dst in the kernel (one end a pipe). Never through this process."""
+    moved = 0
+    while moved < n:
+        if offset_src is None:
+            step = os.splice(src, dst, n - moved)
+        else:
+            step = os.splice(src, dst, n - moved, offset_src=offset_src + moved)
+        if step == 0:
+            raise EOFError(f"end of input after {moved} of {n} bytes")
+        moved += step
+
+
+def _forward(job_fd, dst, n):
+    """A framed body of n bytes from the job pipe to `dst` (a pipe), by splice. If `dst` is gone,
+    the rest is dropped so the job pipe stays at a message boundary; False then."""
+    moved = 0
+    try:
+        os.write(dst, struct.pack(">I", n))
+        while moved < n:
+            step = os.splice(job_fd, dst, n - moved)
+            if step == 0:
+                raise EOFError("the job pipe closed mid-body")
+            moved += step
+        return True
+    except OSError:
+        splice_exact(job_fd, _devnull(), n - moved)
+        return False
+
+
+def read_job(job_fd):
+    """The next job header (None at EOF); its body stays on the pipe for the caller to move."""
+    return read_msg(job_fd)
+
+
+def send_result(result_fd, header, out=(None, 0), err=(None, 0)):
+    """A result header, then the bytes of each (memfd, length): spliced, never read here."""
+    write_msg(result_fd, {**header, "stdout": out[1], "stderr": err[1]})
+    for fd, n in (out, err):
+        if n:
+            splice_exact(fd, result_fd, n, offset_src=0)
+
+
+class _Sink:
+    """A call's stream: its pipe's bytes spliced into a memfd, kept up to cap + 1 (the byte past the
+    cap proves the overflow); past that, spliced into /dev/null so the writer never blocks."""
+
+    def __init__(self, pipe_r, cap):
+        self.pipe_r, self.cap = pipe_r, cap
+        os.set_blocking(pipe_r, False)
+        self.memfd = os.memfd_create("out", 0)
+        self.size = 0
+        self.open = True
+
+    def drain(self):
+        """Move what the pipe holds now; True once over the cap."""
+        while self.open:
+            room = self.cap + 1 - self.size
+            dst = self.memfd if room > 0 else _devnull()
+            try:
+                step = os.splice(self.pipe_r, dst, room if room > 0 else 1 << 16, flags=os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                break
+            if step == 0:
+                self.open = False
+                break
+            if room > 0:
+                self.size += step
+        return self.size > self.cap
+
+    @property
+    def kept(self):
+        return (self.memfd, min(self.size, self.cap))
+
+    def close(self):
+        os.close(self.memfd)
+
+
+_DEVNULL = []
+
+
+def _devnull():
+    if not _DEVNULL:
+        _DEVNULL.append(os.open("/dev/null", os.O_WRONLY))
+    return _DEVNULL[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,17 +268,38 @@ def run_user_code(code, namespace=None):
     return exit_code
 
 
-def _enter_call(job, cfg, slot, stdin_fd, out_w, err_w, setup_w):
-    """In the cloned child, as root: confine, drop privileges, run the code. Never returns.
+def _enter_call(job, cfg, slot, body_fd, out_w, err_w, setup_w):
+    """In the cloned child, as root: read the code and stdin (spliced into `body_fd` by the worker,
+    which never read them), confine, drop privileges, run the code. Never returns.
 
     Any failure before user code starts exits without having written to the setup pipe: the
     supervisor reports it as "internal". Once the pipe is closed, nothing the code does can.
     """
-    code = job["code"]
+    try:
+        body = json.loads(_read_all(body_fd))
+        stdin_fd = os.memfd_create("stdin", 0)
+        # surrogatepass: a lone surrogate (valid JSON, invalid UTF-8) must not fail the call
+        os.write(stdin_fd, body["stdin"].encode("utf-8", "surrogatepass"))
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        code = body["code"]
+        body = None
+    except BaseException as e:  # noqa: BLE001
+        os.write(err_w, f"sandbox setup failed: unreadable job ({type(e).__name__})\n".encode())
+        os._exit(1)
     _confine_or_exit(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=_cpu_seconds(job),
                      fds=(stdin_fd, out_w, err_w, setup_w))
     cfg = job = None  # the supervisor's data is not the code's business
     os._exit(run_user_code(code))
+
+
+def _read_all(fd):
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
@@ -277,14 +403,6 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
 # ------------------------------------------------------------------------------------------------
 # worker: one call at a time
 
-def _append_capped(buffer, chunk, cap):
-    """Keep at most cap + 1 bytes (one past the cap: proof of overflow); True once over the cap."""
-    room = cap + 1 - len(buffer)
-    if room > 0:
-        buffer += chunk[:room]
-    return len(buffer) > cap
-
-
 def _cpu_seconds(job):
     """A call's RLIMIT_CPU (soft): its wall-clock timeout plus one second."""
     return int(job["timeout"]) + 1
@@ -298,23 +416,23 @@ def _signal_name(sig):
 
 
 def execute(job, cfg, slot, counter, job_fd):
-    """Run one job; every fd and directory it makes is released whatever happens."""
+    """Run one job; every fd and directory it makes is released whatever happens. Returns the
+    result header and the output sinks (the caller sends them, then closes them)."""
     fds = []
     workdir = None
     try:
         if cfg["isolation"] != "strict":
             workdir = cfg["workdir"] = os.path.join(cfg["work_root"], f"w{slot}-{counter}")
             os.mkdir(workdir, 0o700)
-        stdin_fd = os.memfd_create("stdin", 0)
-        fds.append(stdin_fd)
-        # surrogatepass: a lone surrogate (valid JSON, invalid UTF-8) must not fail the worker
-        os.write(stdin_fd, job["stdin"].encode("utf-8", "surrogatepass"))
-        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        body_fd = os.memfd_create("job", 0)
+        fds.append(body_fd)
+        splice_exact(job_fd, body_fd, int(job.get("body", 0)))  # kernel to kernel: never in this process
+        job["body_moved"] = True
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         setup_r, setup_w = os.pipe()
         fds += [out_r, out_w, err_r, err_w, setup_r, setup_w]
-        return _supervise(job, cfg, slot, job_fd, stdin_fd, (out_r, out_w), (err_r, err_w), (setup_r, setup_w), fds)
+        return _supervise(job, cfg, slot, job_fd, body_fd, (out_r, out_w), (err_r, err_w), (setup_r, setup_w), fds)
     finally:
         for fd in fds:
             try:
@@ -325,81 +443,80 @@ def execute(job, cfg, slot, counter, job_fd):
             remove_tree(workdir)
 
 
-def _supervise(job, cfg, slot, job_fd, stdin_fd, out, err, setup, fds):
+def _supervise(job, cfg, slot, job_fd, body_fd, out, err, setup, fds):
     limits = cfg["limits"]
     started = time.monotonic()
     oom_before = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) if cfg["cgroup_fds"] else 0
     flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS if cfg["isolation"] == "strict" else 0
     pid = confine.clone(flags)
     if pid == 0:
-        _enter_call(job, cfg, slot, stdin_fd, out[1], err[1], setup[1])
-    for fd in (stdin_fd, out[1], err[1], setup[1]):
+        _enter_call(job, cfg, slot, body_fd, out[1], err[1], setup[1])
+    for fd in (body_fd, out[1], err[1], setup[1]):
         os.close(fd)
         fds.remove(fd)
-    out_r, err_r = out[0], err[0]
-    caps = {out_r: limits["stdout_bytes"], err_r: limits["stderr_bytes"]}
-    buffers = {out_r: bytearray(), err_r: bytearray()}
-    open_fds = {out_r, err_r}
-    pidfd = os.pidfd_open(pid)
-    fds.append(pidfd)
-    deadline = started + float(job["timeout"])
-    reason = None  # why we killed it: "timeout" | "output_limit" | "cancelled"
-    wait_status = rusage = None
-    eof_deadline = None
-    watch_jobs = True
-    while True:
-        now = time.monotonic()
-        if wait_status is None:
-            if reason is None and now >= deadline:
-                reason = "timeout"
-                _kill_call(pid, cfg)
-            watch = [pidfd, *open_fds] + ([job_fd] if watch_jobs else [])
-            wait_s = max(0.0, deadline - now) if reason is None else 0.1
-        else:
-            # The call is gone (and with it its PID namespace); collect what is left in the pipes.
-            if not open_fds or now >= eof_deadline:
-                break
-            watch, wait_s = list(open_fds), eof_deadline - now
-        ready, _, _ = select.select(watch, [], [], wait_s)
-        for fd in ready:
-            if fd == pidfd:
-                _, wait_status, rusage = os.wait4(pid, 0)
-                eof_deadline = time.monotonic() + EOF_GRACE_S
-                continue
-            if fd == job_fd:
-                msg = read_msg(job_fd)
-                if msg is None or msg.get("cancel") == job["id"]:
-                    if reason is None:
-                        reason = "cancelled"
-                        _kill_call(pid, cfg)
-                    watch_jobs = msg is not None
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                open_fds.discard(fd)
-                continue
-            if _append_capped(buffers[fd], chunk, caps[fd]) and reason is None and wait_status is None:
-                reason = "output_limit"
-                _kill_call(pid, cfg)
-    duration = time.monotonic() - started
-    os.set_blocking(setup[0], False)  # never wait here, whoever might still hold the write end
+    sinks = {out[0]: _Sink(out[0], limits["stdout_bytes"]), err[0]: _Sink(err[0], limits["stderr_bytes"])}
     try:
-        setup_done = os.read(setup[0], 1) == b"R"
-    except BlockingIOError:
-        setup_done = False
-    oom = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) - oom_before if cfg["cgroup_fds"] else 0
-    cpu_s = rusage.ru_utime + rusage.ru_stime
-    return _result(wait_status, reason, job, buffers[out_r], buffers[err_r], caps[out_r], caps[err_r],
-                   duration, setup_done=setup_done, oom_kills=oom, cpu_s=cpu_s)
+        pidfd = os.pidfd_open(pid)
+        fds.append(pidfd)
+        deadline = started + float(job["timeout"])
+        reason = None  # why we killed it: "timeout" | "output_limit" | "cancelled"
+        wait_status = rusage = None
+        eof_deadline = None
+        watch_jobs = True
+        while True:
+            now = time.monotonic()
+            open_fds = [fd for fd, sink in sinks.items() if sink.open]
+            if wait_status is None:
+                if reason is None and now >= deadline:
+                    reason = "timeout"
+                    _kill_call(pid, cfg)
+                watch = [pidfd, *open_fds] + ([job_fd] if watch_jobs else [])
+                wait_s = max(0.0, deadline - now) if reason is None else 0.1
+            else:
+                # The call is gone (and with it its PID namespace); collect what is left in the pipes.
+                if not open_fds or now >= eof_deadline:
+                    break
+                watch, wait_s = open_fds, eof_deadline - now
+            ready, _, _ = select.select(watch, [], [], wait_s)
+            for fd in ready:
+                if fd == pidfd:
+                    _, wait_status, rusage = os.wait4(pid, 0)
+                    eof_deadline = time.monotonic() + EOF_GRACE_S
+                    continue
+                if fd == job_fd:
+                    msg = read_msg(job_fd)
+                    if msg is None or msg.get("cancel") == job["id"]:
+                        if reason is None:
+                            reason = "cancelled"
+                            _kill_call(pid, cfg)
+                        watch_jobs = msg is not None
+                    continue
+                if sinks[fd].drain() and reason is None and wait_status is None:
+                    reason = "output_limit"
+                    _kill_call(pid, cfg)
+        duration = time.monotonic() - started
+        os.set_blocking(setup[0], False)  # never wait here, whoever might still hold the write end
+        try:
+            setup_done = os.read(setup[0], 1) == b"R"
+        except BlockingIOError:
+            setup_done = False
+        oom = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) - oom_before if cfg["cgroup_fds"] else 0
+        cpu_s = rusage.ru_utime + rusage.ru_stime
+        out_sink, err_sink = sinks[out[0]], sinks[err[0]]
+        header = _result(wait_status, reason, job, duration, setup_done=setup_done, oom_kills=oom, cpu_s=cpu_s,
+                         over_cap=out_sink.size > out_sink.cap or err_sink.size > err_sink.cap)
+        return header, out_sink, err_sink
+    except BaseException:
+        for sink in sinks.values():
+            sink.close()
+        raise
 
 
-def _result(wait_status, reason, job, out, err, out_cap, err_cap, duration, *, setup_done, oom_kills, cpu_s):
-    truncated = len(out) > out_cap or len(err) > err_cap
-    stdout = bytes(out[:out_cap]).decode("utf-8", "replace")
-    stderr = bytes(err[:err_cap]).decode("utf-8", "replace")
+def _result(wait_status, reason, job, duration, *, setup_done, oom_kills, cpu_s, over_cap):
+    """The result header of a finished call: status and notes from what the kernel reported."""
     notes = []
     if not setup_done and reason is None:
-        return _fail(stderr, duration)
+        return _fail("the call could not start (its stderr says why)", duration)
     if os.WIFEXITED(wait_status):
         exit_code = os.WEXITSTATUS(wait_status)
         status = "ok" if exit_code == 0 else "error"
@@ -425,10 +542,7 @@ def _result(wait_status, reason, job, out, err, out_cap, err_cap, duration, *, s
     elif reason == "cancelled":
         status = "killed"
         notes.append("cancelled: the client went away")
-    for note in notes:
-        stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n"
-    return {"status": status, "stdout": stdout, "stderr": stderr, "exit_code": exit_code,
-            "duration_s": duration, "truncated": truncated}
+    return {"status": status, "exit_code": exit_code, "duration_s": duration, "truncated": over_cap, "notes": notes}
 
 
 def _kill_call(pid, cfg):
@@ -503,9 +617,9 @@ class _Session:
 
 
 def _fail(message, duration=0.0):
-    """The result of a job the sandbox (not the code) failed."""
-    return {"status": "internal", "stdout": "", "stderr": f"sandbox internal error: {message}", "exit_code": None,
-            "duration_s": duration, "truncated": False}
+    """The result header of a job the sandbox (not the code) failed."""
+    return {"status": "internal", "exit_code": None, "duration_s": duration, "truncated": False,
+            "notes": [f"sandbox internal error: {message}"]}
 
 
 def open_session(job, cfg, slot, sessions):
@@ -539,29 +653,16 @@ def open_session(job, cfg, slot, sessions):
     ok = bool(ready) and os.read(setup_r, 1) == b"R"
     os.close(setup_r)
     session = _Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
-    for fd in (out_r, err_r):
-        os.set_blocking(fd, False)
     if not ok:
-        err = _read_available(err_r)
+        os.set_blocking(err_r, False)
+        try:  # our own setup code's message (no code has run): small, and not user data
+            err = os.read(err_r, 4096).decode(errors="replace")
+        except BlockingIOError:
+            err = ""
         _close_session(session, cfg)
-        return _fail(f"the session did not start: {err.decode(errors='replace')}", time.monotonic() - started)
+        return _fail(f"the session did not start: {err}", time.monotonic() - started)
     sessions[job["session"]] = session
-    return {"status": "ok", "stdout": "", "stderr": "", "exit_code": 0,
-            "duration_s": time.monotonic() - started, "truncated": False}
-
-
-def _read_available(fd, cap=1 << 20):
-    """What a non-blocking fd has now, up to `cap` bytes."""
-    data = bytearray()
-    try:
-        while len(data) < cap:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            data += chunk
-    except BlockingIOError:
-        pass
-    return bytes(data)
+    return {"status": "ok", "exit_code": 0, "duration_s": time.monotonic() - started, "truncated": False, "notes": []}
 
 
 def _close_session(session, cfg):
@@ -578,26 +679,26 @@ def _close_session(session, cfg):
 
 def run_cell(job, cfg, sessions, job_fd):
     """One cell in a live session. A timeout, output flood, OOM or cancellation ends the session
-    (its state is gone: the result says so); the next cell on it gets a fresh one from the service."""
+    (its state is gone: the result says so); the next cell on it gets a fresh one from the service.
+    The cell's body goes from the job pipe to the session's cell pipe and its output into memfds,
+    by splice: never through this process. Returns (header, stdout sink, stderr sink)."""
+    body = int(job.get("body", 0))
     session = sessions.get(job["session"])
     if session is None:
-        return _fail("no such session (it was closed or its worker restarted)")
+        splice_exact(job_fd, _devnull(), body)
+        job["body_moved"] = True
+        return _fail("no such session (it was closed or its worker restarted)"), None, None
     limits = cfg["limits"]
     started = time.monotonic()
     oom_before = cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) if session.cgroup_fds else 0
-    caps = {session.out_r: limits["stdout_bytes"], session.err_r: limits["stderr_bytes"]}
-    buffers = {session.out_r: bytearray(), session.err_r: bytearray()}
+    out, err = _Sink(session.out_r, limits["stdout_bytes"]), _Sink(session.err_r, limits["stderr_bytes"])
+    sinks = {session.out_r: out, session.err_r: err}
     reason = wait_status = done = None
-    try:
-        write_msg(session.cell_w, {"code": job["code"], "stdin": job["stdin"]})
-    except OSError:
+    if not _forward(job_fd, session.cell_w, body):
         reason = "ended"
+    job["body_moved"] = True
     deadline = started + float(job["timeout"])
     watch_jobs = True
-
-    def take(fd):
-        return _append_capped(buffers[fd], _read_available(fd, caps[fd] + 1), caps[fd])
-
     while reason is None and done is None:
         now = time.monotonic()
         if now >= deadline:
@@ -617,16 +718,15 @@ def run_cell(job, cfg, sessions, job_fd):
                 if msg is None or msg.get("cancel") == job["id"]:
                     reason = "cancelled"
                 watch_jobs = msg is not None
-            elif take(fd):
+            elif sinks[fd].drain():
                 reason = "output_limit"
-    for fd in (session.out_r, session.err_r):
-        take(fd)  # what was written before the cell finished (or the session died)
+    for sink in sinks.values():
+        sink.drain()  # what was written before the cell finished (or the session died)
     duration = time.monotonic() - started
     if done in (b"0", b"1") and reason is None:
         code = 0 if done == b"0" else 1
-        return {"status": "ok" if code == 0 else "error", "stdout": _text(buffers[session.out_r], caps[session.out_r]),
-                "stderr": _text(buffers[session.err_r], caps[session.err_r]), "exit_code": code,
-                "duration_s": duration, "truncated": False}
+        return ({"status": "ok" if code == 0 else "error", "exit_code": code, "duration_s": duration,
+                 "truncated": False, "notes": []}, out, err)
     # The session is over: kill it (if still alive), collect how it ended, free it.
     try:
         os.kill(session.pid, signal.SIGKILL)
@@ -634,20 +734,15 @@ def run_cell(job, cfg, sessions, job_fd):
         pass
     _, wait_status, rusage = os.wait4(session.pid, 0)
     oom = (cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) - oom_before) if session.cgroup_fds else 0
-    result = _result(wait_status, None if reason == "ended" else reason, job, buffers[session.out_r], buffers[session.err_r],
-                     caps[session.out_r], caps[session.err_r], duration, setup_done=True, oom_kills=oom,
-                     cpu_s=0.0)
+    header = _result(wait_status, None if reason == "ended" else reason, job, duration, setup_done=True,
+                     oom_kills=oom, cpu_s=0.0, over_cap=out.size > out.cap or err.size > err.cap)
     if reason == "ended" and os.WIFEXITED(wait_status):
-        result["status"] = "error"  # the code ended its own interpreter (exit(), os._exit)
-    result["stderr"] += "[the session's interpreter has ended: earlier variables are gone]\n"
-    result["session_ended"] = True
+        header["status"] = "error"  # the code ended its own interpreter (exit(), os._exit)
+    header["notes"].append("[the session's interpreter has ended: earlier variables are gone]")
+    header["session_ended"] = True
     sessions.pop(job["session"])
     _close_session_fds(session, cfg)
-    return result
-
-
-def _text(buf, cap):
-    return bytes(buf[:cap]).decode("utf-8", "replace")
+    return header, out, err
 
 
 def _close_session_fds(session, cfg):
@@ -666,10 +761,10 @@ def close_session(job, cfg, sessions):
     session = sessions.pop(job["session"], None)
     if session is not None:
         _close_session(session, cfg)
-    return {"status": "ok", "stdout": "", "stderr": "", "exit_code": 0, "duration_s": 0.0, "truncated": False}
+    return {"status": "ok", "exit_code": 0, "duration_s": 0.0, "truncated": False, "notes": []}
 
 
-def worker_loop(slot, job_fd, result_fd, cfg):
+def worker_loop(slot, kind, job_fd, result_fd, cfg):
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if cfg["isolation"] == "strict":
         confine.unshare(CLONE_NEWNET)  # abstract unix sockets are per network namespace: one per slot
@@ -684,8 +779,12 @@ def worker_loop(slot, job_fd, result_fd, cfg):
     cfg["cgroup_fds"] = slot_fds
     counter = 0
     sessions = {}
+    state = WorkerState(cfg["state_page"], slot, kind)
     while True:
-        job = read_msg(job_fd)
+        state.set(IDLE)
+        select.select([job_fd], [], [])  # idle until a job arrives: nothing of it consumed yet
+        state.set(READING)
+        job = read_job(job_fd)
         if job is None:
             for session in list(sessions.values()):
                 _close_session(session, cfg)
@@ -693,29 +792,58 @@ def worker_loop(slot, job_fd, result_fd, cfg):
         if "cancel" in job:
             continue  # for a job that already finished
         counter += 1
-        _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions)
+        state.set(RUNNING, job.get("id"))
+        _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions, state)
         job = None  # the next call is forked from this frame: it must not find this job here
 
 
-def _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions):
-    """Run one job and send its result. The result lives only in this frame, which is gone before
-    the next call is forked (its stack frames would otherwise hand it the previous output)."""
+def _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions, state):
+    """Run one job and send its result. Its header lives only in this frame; its data never in
+    this process (module docstring)."""
     op = job.get("op", "run")
+    out = err = None
     try:
         if op == "run":
-            result = execute(job, cfg, slot, counter, job_fd)
+            header, out, err = execute(job, cfg, slot, counter, job_fd)
         elif op == "session_open":
-            result = open_session(job, cfg, slot, sessions)
+            header = open_session(job, cfg, slot, sessions)
         elif op == "session_run":
-            result = run_cell(job, cfg, sessions, job_fd)
+            header, out, err = run_cell(job, cfg, sessions, job_fd)
         elif op == "session_close":
-            result = close_session(job, cfg, sessions)
+            header = close_session(job, cfg, sessions)
         else:
-            result = _fail(f"unknown op {op!r}")
+            header = _fail(f"unknown op {op!r}")
     except Exception as e:  # noqa: BLE001 - a broken call must not take the worker down
-        result = _fail(repr(e))
-    result["id"] = job.get("id")
-    write_msg(result_fd, result)
+        if job.get("body") and not job.get("body_moved"):
+            state.set(READING)  # its body may still be on the job pipe: the master restarts the zygote
+            os._exit(3)
+        header = _fail(repr(e))
+    header["id"] = job.get("id")
+    state.set(WRITING)
+    try:
+        send_result(result_fd, header, out.kept if out else (None, 0), err.kept if err else (None, 0))
+    finally:
+        for sink in (out, err):
+            if sink is not None:
+                sink.close()
+
+
+# What a worker is doing, in a page it shares with the master (which reads it when the worker dies).
+IDLE, READING, RUNNING, WRITING = 0, 1, 2, 3
+KINDS = ("light", "heavy")
+_STATE = struct.Struct("<qB")
+
+
+class WorkerState:
+    def __init__(self, page, slot, kind):
+        self.page, self.offset = page, 16 * (2 * slot + KINDS.index(kind))
+
+    def set(self, phase, job_id=-1):
+        _STATE.pack_into(self.page, self.offset, -1 if job_id is None else int(job_id), phase)
+
+    def get(self):
+        job_id, phase = _STATE.unpack_from(self.page, self.offset)
+        return phase, job_id
 
 
 def _vm_size(status_fd):
@@ -771,6 +899,7 @@ def main():
     os.environ.update({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     facts = {}
     workers = {}  # pid -> (slot, kind)
+    cfg["state_page"] = mmap.mmap(-1, 16 * 2 * len(channels))  # MAP_SHARED: seen by every worker
 
     def spawn(slot, kind):
         pid = os.fork()
@@ -782,9 +911,25 @@ def main():
                         os.close(result_fd)
             os.close(status_fd)
             os.close(own_status)
-            worker_loop(slot, channels[slot][kind][0], channels[slot][kind][1], cfg)
+            worker_loop(slot, kind, channels[slot][kind][0], channels[slot][kind][1], cfg)
             os._exit(0)
         return pid
+
+    def worker_died(slot, kind, status):
+        """Answer the call the dead worker was running (if any) and give its slot a new worker; if
+        it died half-way through a message, stop: the service starts a new zygote."""
+        phase, job_id = WorkerState(cfg["state_page"], slot, kind).get()
+        if phase in (READING, WRITING):
+            os._exit(1)
+        if phase == RUNNING:
+            how = (f"killed by {_signal_name(os.WTERMSIG(status))}" if os.WIFSIGNALED(status)
+                   else f"exit status {os.WEXITSTATUS(status)}")
+            write_msg(channels[slot][kind][1], {
+                "id": job_id, "status": "worker_died", "exit_code": None, "duration_s": 0.0, "truncated": False,
+                "stdout": 0, "stderr": 0,
+                "notes": [f"WorkerDied: the sandbox process running this code died ({how}; e.g. the kernel's "
+                          "OOM killer); the call was not completed"]})
+        workers[spawn(slot, kind)] = (slot, kind)
 
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -832,7 +977,7 @@ def main():
             if not workers:
                 os._exit(0)
             continue  # its job pipe closed: the service is shutting down
-        workers[spawn(*slot_kind)] = slot_kind  # a worker died (it never runs user code): replace it
+        worker_died(*slot_kind, status)  # it never runs user code: killed from outside (OOM killer, kill)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import re
 from typing import Sequence
 
 FAILED_TOOL_STATUSES = frozenset({"parse_error", "error", "timeout", "memory", "output_limit", "killed",
-                                  "internal"})
+                                  "internal", "worker_died"})
 
 
 def tool_error_ratio(tool_statuses: Sequence[str]) -> float:
