@@ -251,21 +251,64 @@ def run_user_code(code, namespace=None):
             if value is not None and not raw_stdout.wrote:
                 sys.stdout.write(repr(value) + "\n")
     except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            exit_code = e.code or 0
-        else:
-            sys.stderr.write(f"{e.code}\n")
-            exit_code = 1
+        exit_code = _exit_status(e)
     except BaseException as e:  # noqa: BLE001 - the user's exception is the result
-        te = _filter_user_frames(traceback.TracebackException.from_exception(e))
-        sys.stderr.write("".join(te.format()))
         exit_code = 1
+        _report(e)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BaseException:  # noqa: BLE001 - e.g. the output pipe was closed by the supervisor
             pass
     return exit_code
+
+
+# The code's objects may raise from __str__, __format__, __repr__, __bool__, __index__, and
+# sys.stderr may be anything by now: what follows reports them without calling into the code's
+# objects where it can, writes to fd 2 directly, and never lets an exception out (which would
+# unwind into the sandbox's own frames and print them).
+
+def _emit(text):
+    try:
+        data = text.encode("utf-8", "backslashreplace")
+        while data:
+            data = data[os.write(2, data):]
+    except BaseException:  # noqa: BLE001 - stderr closed: nothing to report to
+        pass
+
+
+def _exit_status(e):
+    """The exit status of SystemExit(code), as Python's own exit would give it."""
+    try:
+        code = e.code
+        if code is None:
+            return 0
+        if isinstance(code, int):  # int.__and__ reads the value, never a subclass's methods
+            return int.__and__(code, 0xFF)
+        _emit(_safe_str(code) + "\n")
+    except BaseException:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _safe_str(obj):
+    try:
+        text = str(obj)
+        return text if type(text) is str else "<unprintable>"
+    except BaseException:  # noqa: BLE001
+        return f"<unprintable {type(obj).__name__} object>"
+
+
+def _report(e):
+    """The traceback of the code's exception, its own frames only (by where they were compiled)."""
+    try:
+        te = _filter_user_frames(traceback.TracebackException.from_exception(e))
+        _emit("".join(te.format()))
+    except BaseException:  # noqa: BLE001 - a hostile exception: its type's name is all we say
+        try:
+            _emit(f"{type(e).__name__}: <the exception could not be formatted>\n")
+        except BaseException:  # noqa: BLE001
+            pass
 
 
 def _enter_call(job, cfg, slot, body_fd, out_w, err_w, setup_w):
@@ -289,7 +332,11 @@ def _enter_call(job, cfg, slot, body_fd, out_w, err_w, setup_w):
     _confine_or_exit(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=_cpu_seconds(job),
                      fds=(stdin_fd, out_w, err_w, setup_w))
     cfg = job = None  # the supervisor's data is not the code's business
-    os._exit(run_user_code(code))
+    exit_code = 1
+    try:
+        exit_code = run_user_code(code)
+    finally:  # whatever escapes, this process ends here: never in the sandbox's own code
+        os._exit(exit_code)
 
 
 def _read_all(fd):
@@ -323,7 +370,10 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
         os.lseek(stdin, 0, os.SEEK_SET)
         os.dup2(stdin, 0)
         os.close(stdin)
-        exit_code = run_user_code(cell["code"], namespace)
+        try:
+            exit_code = run_user_code(cell["code"], namespace)
+        except BaseException:  # noqa: BLE001 - nothing of the cell runs on in the session's loop
+            os._exit(1)
         cell = None
         if os.getpid() == 1:  # strict: kill(-1) is every other process of the session's own namespace
             try:  # (never without that namespace: there kill(-1) would reach every process of the uid)

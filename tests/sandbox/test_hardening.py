@@ -357,6 +357,36 @@ def test_forging_attempts(sb, code, status):
     assert r.status == status, r
 
 
+HOSTILE_REPORTS = {  # (code, status, exit code, what stderr says)
+    "SystemExit whose __format__ and __str__ raise": (
+        "class C:\n    def __format__(self, spec): raise ValueError\n    def __str__(self): raise ValueError\n"
+        "raise SystemExit(C())", 1, "<unprintable C object>"),
+    "SystemExit of an int whose __bool__ raises": (
+        "class I(int):\n    def __bool__(self): raise ValueError\nraise SystemExit(I(3))", 3, ""),
+    "sys.stderr replaced by an object that raises": (
+        "import sys\nclass W:\n    def write(self, s): raise OSError\n    def flush(self): raise OSError\n"
+        "sys.stderr = W()\n1/0", 1, "ZeroDivisionError"),
+    "an exception whose __str__ raises": (
+        "class E(Exception):\n    def __str__(self): raise ValueError\nraise E()", 1, "E: <exception str() failed>"),
+    "an exception whose type name lookup raises in the traceback": (
+        "class M(type):\n    def __getattribute__(cls, name):\n        if name in ('__qualname__', '__module__'):\n"
+        "            raise RuntimeError\n        return type.__getattribute__(cls, name)\n"
+        "class E(Exception, metaclass=M): pass\nraise E()", 1, ""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_REPORTS))
+def test_hostile_exit_and_exception_objects_show_no_sandbox_frames(one_slot, case):
+    """Reporting the code's SystemExit or exception never runs into the sandbox's own frames
+    (issue 24, item 5): the call ends with its status and says what it can."""
+    code, exit_code, says = HOSTILE_REPORTS[case]
+    r = one_slot.run(code)
+    assert r.status == "error" and r.exit_code == exit_code, r
+    assert says in r.stderr, r.stderr
+    assert "zygote" not in r.stderr and "sandbox/" not in r.stderr and "Bad file descriptor" not in r.stderr, r.stderr
+    assert one_slot.run("print('next')").stdout == "next\n"
+
+
 # ------------------------------------------------------------------------------------------------
 # 6. HTTP on aiohttp
 
