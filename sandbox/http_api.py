@@ -11,15 +11,24 @@ code-judge compatible (rStar2-Agent's tool client and verl setups work unchanged
 A body with "solution" instead of "code" is read as code-judge's. Bad requests get a 4xx with a
 message and never reach a worker.
 
-Limits: body size (413), batch size (400), connections (503 past `max_connections`), idle and
+Limits: body size (413), batch size and the batch's worst-case response size (400), JSON depth
+and number length (400: no input gives a 500), connections (503 past `max_connections`), idle and
 body-read timeouts; a client that goes away has its batch's calls cancelled (queued ones never
-run, running ones are killed). With `token`, every route but /ping needs
-`Authorization: Bearer <token>`; a non-loopback address is refused without one.
+run, running ones are killed). Calls of different requests take turns for the workers (round
+robin over requests), so a single call is not queued behind another client's large batch.
+
+With `token`, every route needs `Authorization: Bearer <token>`, checked on the headers before
+any body is read (a refused request's connection is closed, its body never read); a non-loopback
+address is refused without one. A connection that has not yet made an authorised request has a
+short deadline to send its headers (`auth_timeout_s`) and is the first to go when the connection
+limit is reached, so connections without the token cannot starve those with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -30,7 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
-from sandbox.result import ExecResult, validate_request
+from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox.http")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -65,11 +74,14 @@ class _Refuse(asyncio.Protocol):
 
 class _Deadline(asyncio.Protocol):
     """aiohttp's protocol with a read deadline: from the first byte a client sends (or from
-    connecting) until its request is read, at most `timeout_s`; otherwise the connection is
-    closed. aiohttp times out idle connections between requests, not slow heads or bodies."""
+    connecting) until its request is read, at most `timeout_s`, or `auth_timeout_s` while the
+    connection has made no authorised request; otherwise the connection is closed. aiohttp times
+    out idle connections between requests, not slow heads or bodies."""
 
-    def __init__(self, inner, timeout_s, connections):
+    def __init__(self, inner, timeout_s, connections, *, auth_timeout_s=None):
         self.inner, self.timeout_s, self.connections = inner, timeout_s, connections
+        self.auth_timeout_s = auth_timeout_s
+        self.authenticated = auth_timeout_s is None  # no token: every connection is
         self.timer = None
         self.transport = None
 
@@ -81,7 +93,8 @@ class _Deadline(asyncio.Protocol):
 
     def arm(self):
         if self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.timeout_s, self.transport.abort)
+            limit = self.timeout_s if self.authenticated else min(self.timeout_s, self.auth_timeout_s)
+            self.timer = asyncio.get_running_loop().call_later(limit, self.transport.abort)
 
     def request_read(self):
         if self.timer is not None:
@@ -113,6 +126,77 @@ class HTTPError(Exception):
         self.status = status
 
 
+MAX_NUMBER_CHARS = 100  # a JSON number longer than this is refused (Python's int() of 4,300+ digits raises)
+
+
+def _bounded_number(text: str):
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    return text
+
+
+def parse_body(raw: bytes):
+    """The JSON of a request body; every malformed body is an HTTPError 400 naming why."""
+    try:
+        return json.loads(raw, parse_int=lambda t: int(_bounded_number(t)),
+                          parse_float=lambda t: float(_bounded_number(t))) if raw else None
+    except json.JSONDecodeError as e:
+        raise HTTPError(400, f"invalid JSON body: line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise HTTPError(400, "invalid JSON body: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HTTPError(400, f"invalid JSON body: {e}") from None
+
+
+class FairTurns:
+    """At most `capacity` calls at once, granted round robin over requests: each request (key) gets
+    one call in before any request gets a second, whatever order they queued in."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.running = 0
+        self.queues: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key):
+        if self.running < self.capacity and not self.queues:
+            self.running += 1
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            self.queues.setdefault(key, collections.deque()).append(waiter)
+            try:
+                await waiter  # running was counted for us by whoever handed the turn over
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._release()  # granted as we were cancelled: pass it on
+                else:
+                    self._forget(key, waiter)
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _forget(self, key, waiter):
+        queue = self.queues.get(key)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self.queues[key]
+
+    def _release(self):
+        self.running -= 1
+        while self.queues and self.running < self.capacity:
+            key, queue = next(iter(self.queues.items()))
+            waiter = queue.popleft()
+            del self.queues[key]
+            if queue:
+                self.queues[key] = queue  # to the back of the rotation
+            if not waiter.done():
+                self.running += 1
+                waiter.set_result(None)
+
+
 class Metrics:
     def __init__(self):
         self.in_flight = 0
@@ -123,6 +207,7 @@ class Metrics:
         self.bad_requests = 0
         self.cancelled = 0             # calls whose client went away
         self.refused_connections = 0   # connections past max_connections
+        self.evicted_connections = 0   # connections without an authorised request, closed for others
 
     def observe(self, result: ExecResult, seconds: float):
         self.by_status[result.status] = self.by_status.get(result.status, 0) + 1
@@ -146,6 +231,9 @@ class Metrics:
                   "# HELP sandbox_refused_connections_total Connections refused past the limit.",
                   "# TYPE sandbox_refused_connections_total counter",
                   f"sandbox_refused_connections_total {self.refused_connections}",
+                  "# HELP sandbox_evicted_connections_total Unauthenticated connections closed to admit others.",
+                  "# TYPE sandbox_evicted_connections_total counter",
+                  f"sandbox_evicted_connections_total {self.evicted_connections}",
                   "# HELP sandbox_latency_seconds Time from request to result.",
                   "# TYPE sandbox_latency_seconds histogram"]
         lines += [f'sandbox_latency_seconds_bucket{{le="{b}"}} {n}' for b, n in zip(LATENCY_BUCKETS, self.bucket_counts)]
@@ -168,9 +256,12 @@ def code_judge_result(sub_id: str, result: ExecResult, expected_output: str | No
 
 class SandboxHTTPServer:
     def __init__(self, backend, *, default_timeout: float = 10.0, max_timeout: float = 300.0,
-                 max_body_bytes: int = 16 << 20, max_batch: int = 100_000, workers: int | None = None,
+                 max_body_bytes: int = 16 << 20, max_batch: int = 2048, workers: int | None = None,
                  max_connections: int = 1024, read_timeout_s: float = 30.0, idle_timeout_s: float = 75.0,
-                 token: str | None = None):
+                 token: str | None = None, auth_timeout_s: float = 5.0, max_response_bytes: int = 1 << 30):
+        """max_response_bytes: the most a batch's answer may hold in the worst case (every call at
+        its stdout and stderr caps, 3 bytes per character after replacing undecodable bytes); a
+        batch that could exceed it is refused before it runs."""
         self.backend = backend  # LocalSandbox or RedisSandbox: async run(code, stdin, timeout)
         self.default_timeout = default_timeout
         self.max_timeout = max_timeout
@@ -181,6 +272,11 @@ class SandboxHTTPServer:
         self.read_timeout_s = read_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.token = token
+        self.auth_timeout_s = auth_timeout_s
+        self.max_response_bytes = max_response_bytes
+        limits = getattr(backend, "limits", None) or Limits()
+        self.worst_result_bytes = 3 * (limits.stdout_bytes + limits.stderr_bytes) + 512
+        self.turns = FairTurns(workers or (1 << 30))  # Redis: its queue orders the calls
         self.metrics = Metrics()
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -200,9 +296,16 @@ class SandboxHTTPServer:
 
         def factory():
             if len(self._deadlines) >= self.max_connections:
-                self.metrics.refused_connections += 1
-                return _Refuse()
-            return _Deadline(protocol(), self.read_timeout_s, self._deadlines)
+                # the oldest connection that has made no authorised request goes (token set)
+                idle = next((d for d in self._deadlines.values() if not d.authenticated), None)
+                if idle is None:
+                    self.metrics.refused_connections += 1
+                    return _Refuse()
+                self.metrics.evicted_connections += 1
+                self._deadlines.pop(idle.transport, None)
+                idle.transport.abort()
+            return _Deadline(protocol(), self.read_timeout_s, self._deadlines,
+                             auth_timeout_s=self.auth_timeout_s if self.token else None)
 
         self._server = await asyncio.get_running_loop().create_server(factory, host, port, backlog=1024)
         return self._server.sockets[0].getsockname()[1]
@@ -215,11 +318,17 @@ class SandboxHTTPServer:
 
     # -------------------------------------------------------------------------------------------
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        body_read = request.method != "POST"
         try:
-            if self.token and request.path != "/ping":
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            if self.token:  # on the headers alone, before anything else
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
                     raise HTTPError(401, "missing or wrong bearer token")
+                deadline = self._deadlines.get(request.transport)
+                if deadline is not None:
+                    deadline.authenticated = True
+            path = request.path.rstrip("/") or "/"
+            self._check_route(request.method, path)
             body = None
             if request.method == "POST":
                 try:
@@ -228,30 +337,41 @@ class SandboxHTTPServer:
                     raise HTTPError(408, f"the body did not arrive within {self.read_timeout_s} s") from None
                 except web.HTTPRequestEntityTooLarge:
                     raise HTTPError(413, f"body is over the {self.max_body_bytes}-byte limit") from None
-                try:
-                    body = json.loads(raw) if raw else None
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
-                    raise HTTPError(400, f"invalid JSON body: {where}") from None
+                body_read = True
+                body = parse_body(raw)
             self._request_read(request)
-            status, kind, payload = await self._route(request.method, request.path, body)
+            status, kind, payload = await self._route(request, path, body)
         except HTTPError as e:
             self.metrics.bad_requests += 1
             status, kind, payload = e.status, "json", {"error": str(e)}
         if kind == "json":
-            return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json")
-        return web.Response(status=status, text=payload, content_type="text/plain")
+            # ensure_ascii=False: a replacement character is 3 bytes of UTF-8, not 6 of "\ufffd"
+            response = web.Response(status=status, body=json.dumps(payload, ensure_ascii=False).encode(),
+                                    content_type="application/json")
+        else:
+            response = web.Response(status=status, text=payload, content_type="text/plain")
+        if not body_read:  # its body is never read: the connection cannot carry another request
+            response.force_close()
+        return response
+
+    def _check_route(self, method: str, path: str):
+        if path not in GETS | POSTS:
+            raise HTTPError(404, f"no route {path}")
+        if (method == "GET") != (path in GETS) or method not in ("GET", "POST"):
+            raise HTTPError(405, f"{method} not allowed on {path}")
 
     def _request_read(self, request):
         deadline = self._deadlines.get(request.transport)
         if deadline is not None:
             deadline.request_read()
 
-    async def _run(self, code, stdin, timeout) -> ExecResult:
+    async def _run(self, code, stdin, timeout, key=None) -> ExecResult:
+        """One call, when its request's turn comes (FairTurns: requests take turns for workers)."""
         self.metrics.in_flight += 1
         start = time.monotonic()
         try:
-            result = await self.backend.run(code, stdin, timeout)
+            async with self.turns.turn(key):
+                result = await self.backend.run(code, stdin, timeout)
         except asyncio.CancelledError:
             self.metrics.cancelled += 1
             raise
@@ -288,21 +408,26 @@ class SandboxHTTPServer:
         invalid = None if sub.get("type", "python") == "python" else f"unsupported type {sub.get('type')!r}"
         return sub["solution"], stdin, expected, invalid
 
-    async def _judge_one(self, sub: dict, *, with_output: bool) -> dict:
+    async def _judge_one(self, sub: dict, *, with_output: bool, key=None) -> dict:
         code, stdin, expected, invalid = self._judge_args(sub)
         sub_id = str(sub.get("sub_id") or uuid.uuid4())
         if invalid:
             return {"sub_id": sub_id, "success": False, "run_success": False, "cost": 0.0,
                     "reason": "invalid_input", **({"stdout": "", "stderr": invalid} if with_output else {})}
-        result = await self._run(code, stdin, self.default_timeout)
+        result = await self._run(code, stdin, self.default_timeout, key)
         return code_judge_result(sub_id, result, expected, with_output=with_output)
 
-    async def _route(self, method: str, path: str, body: Any) -> tuple[int, str, Any]:
-        path = path.rstrip("/") or "/"
-        if path not in GETS | POSTS:
-            raise HTTPError(404, f"no route {path}")
-        if (method == "GET") != (path in GETS) or method not in ("GET", "POST"):
-            raise HTTPError(405, f"{method} not allowed on {path}")
+    def _check_batch(self, n: int, what: str):
+        if not 1 <= n <= self.max_batch:
+            raise HTTPError(400, f"'{what}' must be a list of 1..{self.max_batch} entries, got {n} (at most "
+                                 f"{self.max_batch} per request)")
+        if n * self.worst_result_bytes > self.max_response_bytes:
+            most = max(1, self.max_response_bytes // self.worst_result_bytes)
+            raise HTTPError(400, f"a batch of {n} calls may answer up to {n * self.worst_result_bytes} bytes, over the "
+                                 f"{self.max_response_bytes}-byte response budget: send at most {most} per request")
+
+    async def _route(self, request, path: str, body: Any) -> tuple[int, str, Any]:
+        key = id(request)  # the unit of fairness: one request
         if path == "/health":
             protections = getattr(self.backend, "protections", None)
             return 200, "json", {"status": "ok", "in_flight": self.metrics.in_flight,
@@ -317,23 +442,27 @@ class SandboxHTTPServer:
             raise HTTPError(400, "the body must be a JSON object")
         if path in ("/run", "/judge"):
             if "solution" in body or path == "/judge":
-                return 200, "json", await self._judge_one(body, with_output=path == "/run")
+                return 200, "json", await self._judge_one(body, with_output=path == "/run", key=key)
             code, stdin, timeout = self._native_args(body)
-            return 200, "json", (await self._run(code, stdin, timeout)).to_dict()
+            return 200, "json", (await self._run(code, stdin, timeout, key)).to_dict()
         # batches: every request is checked before any runs
         if "submissions" in body:
             subs = body["submissions"]
-            if not isinstance(subs, list) or not subs or len(subs) > self.max_batch:
-                raise HTTPError(400, f"'submissions' must be a list of 1..{self.max_batch} submissions")
+            if not isinstance(subs, list):
+                raise HTTPError(400, "'submissions' must be a list")
+            self._check_batch(len(subs), "submissions")
             for sub in subs:
                 self._judge_args(sub)
-            results = await asyncio.gather(*(self._judge_one(s, with_output=path != "/judge/batch") for s in subs))
+            results = await asyncio.gather(*(self._judge_one(s, with_output=path != "/judge/batch", key=key)
+                                             for s in subs))
             return 200, "json", {"sub_id": str(body.get("sub_id") or uuid.uuid4()), "results": list(results)}
         reqs = body.get("requests")
-        if not isinstance(reqs, list) or len(reqs) > self.max_batch:
-            raise HTTPError(400, f"'requests' must be a list of at most {self.max_batch} requests")
+        if not isinstance(reqs, list):
+            raise HTTPError(400, "'requests' must be a list")
+        if reqs:
+            self._check_batch(len(reqs), "requests")
         args = [self._native_args(r) for r in reqs]
-        results = await asyncio.gather(*(self._run(*a) for a in args))
+        results = await asyncio.gather(*(self._run(*a, key) for a in args))
         return 200, "json", {"results": [r.to_dict() for r in results]}
 
     async def _queue_depth(self) -> int:

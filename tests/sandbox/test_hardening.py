@@ -292,6 +292,10 @@ def test_lone_surrogate_stdin_leaks_nothing(one_slot):
     for _ in range(60):
         r = one_slot.call(one_slot.sb._pool.run("import sys\nprint(len(sys.stdin.read()))", "a\ud800b", 5))
         assert r.status == "ok", r
+    # a worker closes a call's output memfds just after sending them: allow it that moment
+    deadline = time.monotonic() + 2
+    while sum(_fd_count(w) for w in workers) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert sum(_fd_count(w) for w in workers) <= before and _worker_pids(one_slot) == workers
     with pytest.raises(ValueError, match=r"stdin is not valid Unicode text: lone surrogate '\\ud800' at index 1"):
         one_slot.run("print(1)", stdin="a\ud800b")
@@ -493,12 +497,153 @@ def test_bearer_token_and_refusal_to_listen_openly_without_one(sb):
         assert _raw(port, _post("/run", body, b"Authorization: Bearer wrong\r\nConnection: close\r\n")).startswith(b"HTTP/1.1 401")
         ok = _raw(port, _post("/run", body, b"Authorization: Bearer s3cret\r\nConnection: close\r\n"))
         assert ok.startswith(b"HTTP/1.1 200") and b'"stdout": "2\\n"' in ok
-        assert _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
+        # every route needs the token, /ping included (issue 24, item 2)
+        assert _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 401")
+        assert _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nConnection: close\r\n\r\n"
+                    ).startswith(b"HTTP/1.1 200")
+        # bytes that are not UTF-8 in the header: a 401, never a 500 (issue 28, item 5)
+        assert _raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n"
+                    ).startswith(b"HTTP/1.1 401")
     finally:
         sb.call(server.close())
     open_server = SandboxHTTPServer(sb.sb, token="s3cret")
     sb.call(open_server.start("0.0.0.0", 0))
     sb.call(open_server.close())
+
+
+@pytest.fixture
+def token_api(sb):
+    from sandbox.http_api import SandboxHTTPServer
+    server = SandboxHTTPServer(sb.sb, token="s3cret", max_connections=4, auth_timeout_s=2.0, read_timeout_s=10.0)
+    port = sb.call(server.start("127.0.0.1", 0))
+    yield port, server
+    sb.call(server.close())
+
+
+AUTH = b"Authorization: Bearer s3cret\r\n"
+
+
+def test_a_request_without_the_token_is_refused_before_its_body_is_read(token_api):
+    """POST /ping announcing 14 MB, without the token, sending none of it: the 401 comes at once
+    (the body is never waited for, nor read) and the connection is closed."""
+    port, _ = token_api
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        start = time.monotonic()
+        s.sendall(b"POST /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 14000000\r\n\r\n")
+        first = s.recv(65536)
+        answered = time.monotonic() - start
+        s.settimeout(5)
+        rest = b""
+        try:
+            while chunk := s.recv(65536):
+                rest += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+        closed = time.monotonic() - start
+    assert first.startswith(b"HTTP/1.1 401") and b"Connection: close" in first + rest
+    assert answered < 1.0, answered
+    assert closed < 2.0 + 1.0, closed  # then closed, at the latest after auth_timeout_s
+
+
+def test_connections_without_the_token_cannot_starve_those_with_it(token_api):
+    """Four (the limit) connections that never send a header: an authorised request still gets in
+    (the oldest unauthenticated connection makes room), and they are cut after auth_timeout_s."""
+    port, server = token_api
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        out = _raw(port, _post("/run", {"code": "print(3)"}, AUTH + b"Connection: close\r\n"))
+        assert out.startswith(b"HTTP/1.1 200") and b'"stdout": "3\\n"' in out
+        assert server.metrics.evicted_connections >= 1
+        time.sleep(2.5)
+        for s in idle:  # closed by the server: reading gives EOF (or a reset)
+            s.settimeout(1)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for s in idle:
+            s.close()
+
+
+@pytest.mark.parametrize("body,why", [
+    (b"[" * 100_000 + b"]" * 100_000, b"nested too deeply"),
+    (b'{"code": "1", "timeout": ' + b"9" * 5000 + b"}", b"a number of 5000 characters"),
+    (b'{"code": "1", "timeout": 1e' + b"9" * 400 + b"}", b"a number of"),
+    (b"\xff\xfe{}", b"invalid JSON body"),
+])
+def test_every_malformed_body_is_a_400_with_its_reason(token_api, body, why):
+    port, _ = token_api
+    head = (f"POST /run HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            ).encode() + AUTH + b"Connection: close\r\n\r\n"
+    out = _raw(port, head + body)
+    assert out.startswith(b"HTTP/1.1 400") and why in out, out[:300]
+
+
+def test_a_batch_whose_answer_could_pass_the_response_budget_is_refused(sb):
+    """Undecodable bytes become U+FFFD: 3 bytes of UTF-8 each in the answer (not 6 of an escape);
+    a batch that could answer more than max_response_bytes in the worst case never runs."""
+    from sandbox.http_api import SandboxHTTPServer
+    server = SandboxHTTPServer(sb.sb, max_response_bytes=2 << 20)
+    port = sb.call(server.start("127.0.0.1", 0))
+    try:
+        flood = {"code": "import sys\nsys.stdout.buffer.write(b'\\xff' * 60000)"}
+        out = _raw(port, _post("/run/batch", {"requests": [flood] * 6}, b"Connection: close\r\n"))
+        assert out.startswith(b"HTTP/1.1 400") and b"response budget: send at most 5 per request" in out
+        out = _raw(port, _post("/run/batch", {"requests": [flood] * 2}, b"Connection: close\r\n"), wait_s=20)
+        body = out.split(b"\r\n\r\n", 1)[1]
+        assert out.startswith(b"HTTP/1.1 200") and len(body) < 2 * 3 * 60000 + 4096
+        assert json.loads(body)["results"][0]["stdout"] == "\ufffd" * 60000
+    finally:
+        sb.call(server.close())
+
+
+def test_requests_take_turns_round_robin():
+    from sandbox.http_api import FairTurns
+
+    async def go():
+        turns, order = FairTurns(1), []
+
+        async def call(key, i):
+            async with turns.turn(key):
+                order.append((key, i))
+                await asyncio.sleep(0.01)
+
+        big = [asyncio.create_task(call("batch", i)) for i in range(6)]
+        await asyncio.sleep(0)
+        small = [asyncio.create_task(call(f"single{j}", 0)) for j in range(2)]
+        await asyncio.gather(*big, *small)
+        return order
+
+    order = asyncio.run(go())
+    keys = [k for k, _ in order]
+    assert keys[:5] == ["batch", "batch", "single0", "single1", "batch"], keys  # each request one call per round
+    assert sorted(order) == sorted([("batch", i) for i in range(6)] + [("single0", 0), ("single1", 0)])
+
+
+def test_a_single_call_is_not_stuck_behind_another_client_s_large_batch(sb):
+    """3 workers, another client's 24 x 0.5 s batch (4 s of queue) already running: single calls
+    sent meanwhile each finish in about one call's time, not after the batch (p99 of 6)."""
+    from sandbox.http_api import SandboxHTTPServer
+    server = SandboxHTTPServer(sb.sb, workers=sb.sb.workers)
+    port = sb.call(server.start("127.0.0.1", 0))
+    try:
+        batch = threading.Thread(target=_raw, args=(port, _post(
+            "/run/batch", {"requests": [{"code": "import time\ntime.sleep(0.5)"}] * 24}, b"Connection: close\r\n")),
+            kwargs={"wait_s": 30})
+        batch.start()
+        time.sleep(0.3)
+        latencies = []
+        for _ in range(6):
+            start = time.monotonic()
+            out = _raw(port, _post("/run", {"code": "print(1)"}, b"Connection: close\r\n"))
+            assert out.startswith(b"HTTP/1.1 200")
+            latencies.append(time.monotonic() - start)
+        batch.join()
+        assert max(latencies) < 1.5, latencies
+    finally:
+        sb.call(server.close())
 
 
 def test_health_reports_the_protections(sb, strict_api):
