@@ -65,7 +65,7 @@ async def _worker(args):
     from sandbox.distributed import RedisWorker
 
     worker = RedisWorker(args.redis, concurrency=args.concurrency, visibility_timeout_s=args.visibility_timeout,
-                         isolation=args.isolation, limits=_limits(args), uid_base=args.uid_base)
+                         max_deliveries=args.max_deliveries, isolation=args.isolation, limits=_limits(args), uid_base=args.uid_base)
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, worker.stop)
     print(f"sandbox worker {worker.name}: {args.concurrency} slots on {args.redis}", flush=True)
@@ -100,6 +100,8 @@ def main(argv=None):
     worker.add_argument("--concurrency", type=int, default=4)
     worker.add_argument("--visibility-timeout", type=float, default=30.0,
                         help="seconds before a dead worker's job is redelivered")
+    worker.add_argument("--max-deliveries", type=int, default=3,
+                        help="deliveries of a job before it is dead-lettered (sandbox:dead) and answered 'internal'")
     _add_sandbox_args(worker)
     bench = sub.add_parser("bench", help="throughput / latency benchmark")
     from sandbox import bench as bench_mod

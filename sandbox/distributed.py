@@ -3,21 +3,31 @@ any number of hosts run them in their own LocalSandbox and post the results back
 
 Delivery is at least once, results exactly once:
 - Jobs live in a stream read through a consumer group. A worker acknowledges a job only after
-  its result is stored, and keeps claiming the jobs it is running (a heartbeat). A job whose
+  its result is posted, and keeps claiming the jobs it is running (a heartbeat). A job whose
   worker died stops being claimed and is taken over by another worker after
-  `visibility_timeout_s` (XAUTOCLAIM).
-- A job may therefore run twice, but its result is stored with SET NX: the first result wins and
-  is the only one pushed to the client's reply list. Results expire after `result_ttl_s`.
-- Clients never wait forever: each call has a deadline (timeout + queue_timeout_s). If Redis
-  restarts or disappears, the call returns status "internal" saying so once the deadline passes.
+  `visibility_timeout_s` (XAUTOCLAIM). A job delivered `max_deliveries` times without a result
+  (one that kills its workers) goes to the dead-letter list, and its client gets an "internal"
+  result saying so.
+- A job may therefore run twice, but its result is marked done with SET NX: the first result
+  wins and is the only one pushed to the client.
+- A job is known by its stream entry id, which Redis makes: no client can choose another's, and a
+  result reaches only the client whose entry it is (its reply list, read by one listener per
+  client over one connection; a pooled, bounded set of connections for everything else).
+- Clients never wait forever: each call has a deadline (timeout + queue_timeout_s), carried in the
+  job. Workers skip a job past its deadline or cancelled by its client (a client that goes away
+  deletes its queued jobs and marks them cancelled); replies expire a few seconds after the
+  deadline. If Redis restarts or disappears, the call returns status "internal" saying so once
+  the deadline passes.
 
-Keys (prefix "sandbox" by default): {p}:jobs (stream), {p}:workers (group),
-{p}:result:{job_id} (reply list), {p}:done:{job_id} (exactly-once marker).
+Keys (prefix "sandbox" by default): {p}:jobs (stream), {p}:workers (group), {p}:replies:{client}
+(a client's reply list), {p}:done:{entry} (exactly-once marker), {p}:cancelled:{entry},
+{p}:dead (dead-letter list, newest 1,000).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +45,7 @@ from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox.distributed")
 
-# Store the result once (SET NX) and only then hand it to the waiting client.
+# Mark the result done once (SET NX) and only then hand it to the waiting client's reply list.
 _FINISH = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
   redis.call('RPUSH', KEYS[2], ARGV[1])
@@ -44,6 +54,7 @@ if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
 end
 return 0
 """
+DEAD_LETTERS_KEPT = 1000
 _RETRYABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
@@ -51,27 +62,39 @@ class Keys:
     def __init__(self, prefix: str = "sandbox"):
         self.jobs = f"{prefix}:jobs"
         self.group = f"{prefix}:workers"
+        self.dead = f"{prefix}:dead"
         self.prefix = prefix
 
-    def result(self, job_id: str) -> str:
-        return f"{self.prefix}:result:{job_id}"
+    def replies(self, client_id: str) -> str:
+        return f"{self.prefix}:replies:{client_id}"
 
-    def done(self, job_id: str) -> str:
-        return f"{self.prefix}:done:{job_id}"
+    def done(self, entry_id: str) -> str:
+        return f"{self.prefix}:done:{entry_id}"
+
+    def cancelled(self, entry_id: str) -> str:
+        return f"{self.prefix}:cancelled:{entry_id}"
 
 
 class RedisSandbox:
     """Client: same `run` / `run_many` as LocalSandbox, executed by remote workers."""
 
     def __init__(self, url: str, *, prefix: str = "sandbox", default_timeout: float = 5.0,
-                 queue_timeout_s: float = 300.0, max_timeout_s: float = Limits().max_timeout_s):
+                 queue_timeout_s: float = 300.0, max_timeout_s: float = Limits().max_timeout_s,
+                 max_connections: int = 16):
         self.url = url
         self.keys = Keys(prefix)
         self.default_timeout = default_timeout
         self.queue_timeout_s = queue_timeout_s
         self.max_timeout_s = max_timeout_s
-        self._redis = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=2,
-                                        socket_keepalive=True)
+        self.client_id = uuid.uuid4().hex
+        self.reply_key = self.keys.replies(self.client_id)
+        pool = aioredis.BlockingConnectionPool.from_url(url, decode_responses=True, socket_connect_timeout=2,
+                                                        socket_keepalive=True, max_connections=max_connections,
+                                                        timeout=None, client_name=f"sandbox-client-{self.client_id}")
+        self._redis = aioredis.Redis(connection_pool=pool)
+        self._waiting: dict[str, asyncio.Future] = {}  # stream entry id -> its result
+        self._listener: asyncio.Task | None = None
+        self._reconnects = 0  # bumped by the listener after a connection failure
 
     async def __aenter__(self) -> "RedisSandbox":
         return self
@@ -80,42 +103,93 @@ class RedisSandbox:
         await self.close()
 
     async def close(self):
+        if self._listener is not None:
+            self._listener.cancel()
+            try:
+                await self._listener
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the caller is being cancelled: pass it on
+                    raise
+            except Exception:  # noqa: BLE001 - the listener's own failure: nothing left to read
+                pass
         await self._redis.aclose()
+
+    async def _listen(self):
+        """One BLPOP loop for all of this client's calls: each reply goes to its entry's future
+        (a reply for an entry this client is not waiting for, late or forged, is dropped)."""
+        while True:
+            try:
+                reply = await self._redis.blpop([self.reply_key], timeout=1)
+            except _RETRYABLE:
+                self._reconnects += 1
+                await asyncio.sleep(0.2)
+                continue
+            if reply is None:
+                continue
+            try:
+                msg = json.loads(reply[1])
+                future = self._waiting.get(msg["entry"])
+                if future is not None and not future.done():
+                    future.set_result(ExecResult.from_dict(msg["result"]))
+            except (ValueError, KeyError, TypeError):
+                log.warning("dropped a malformed reply on %s", self.reply_key)
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         timeout = validate_request(code, stdin, timeout, default_timeout=self.default_timeout,
                                    max_timeout=self.max_timeout_s)
-        job_id = uuid.uuid4().hex
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen())
         deadline = time.monotonic() + timeout + self.queue_timeout_s
-        job = json.dumps({"id": job_id, "code": code, "stdin": stdin, "timeout": timeout})
+        job = json.dumps({"code": code, "stdin": stdin, "timeout": timeout, "reply_to": self.reply_key,
+                          "deadline": time.time() + timeout + self.queue_timeout_s})
+        future = asyncio.get_running_loop().create_future()
         last_error = None
-        entry_id = None          # the job's stream entry, once queued
-        reconnected = False      # the connection failed since it was queued: is the job still known?
-        while time.monotonic() < deadline:
-            try:
-                if entry_id is not None and reconnected and await self._lost(entry_id, job_id):
-                    entry_id = None  # Redis restarted without it: queue it again (one result still: _FINISH)
-                reconnected = False
-                if entry_id is None:
-                    entry_id = await self._redis.xadd(self.keys.jobs, {"job": job})
-                wait = max(0.1, min(1.0, deadline - time.monotonic()))
-                reply = await self._redis.blpop([self.keys.result(job_id)], timeout=wait)
-                if reply is not None:
-                    return ExecResult.from_dict(json.loads(reply[1]))
-            except _RETRYABLE as e:  # Redis restarting or unreachable: retry until the deadline
-                last_error = e
-                reconnected = True
-                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        why = f"redis unavailable: {last_error!r}" if last_error else "no worker returned a result"
-        return ExecResult.internal(f"no result within {timeout + self.queue_timeout_s:.0f} s ({why})")
+        entry_id = None          # the job's stream entry (its id), once queued
+        seen_reconnects = self._reconnects
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    if entry_id is not None and self._reconnects != seen_reconnects:
+                        seen_reconnects = self._reconnects
+                        if await self._lost(entry_id):  # Redis restarted without it: queue it again
+                            self._waiting.pop(entry_id, None)
+                            entry_id = None
+                    if entry_id is None:
+                        entry_id = await self._redis.xadd(self.keys.jobs, {"job": job})
+                        self._waiting[entry_id] = future
+                    wait = max(0.1, min(1.0, deadline - time.monotonic()))
+                    return await asyncio.wait_for(asyncio.shield(future), wait)
+                except asyncio.TimeoutError:
+                    continue
+                except _RETRYABLE as e:  # Redis restarting or unreachable: retry until the deadline
+                    last_error = e
+                    self._reconnects += 1
+                    await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            why = f"redis unavailable: {last_error!r}" if last_error else "no worker returned a result"
+            return ExecResult.internal(f"no result within {timeout + self.queue_timeout_s:.0f} s ({why})")
+        except asyncio.CancelledError:
+            if entry_id is not None and not future.done():  # the caller went away: withdraw the job
+                task = asyncio.ensure_future(self._cancel(entry_id))
+                task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+            raise
+        finally:
+            if entry_id is not None:
+                self._waiting.pop(entry_id, None)
 
-    async def _lost(self, entry_id: str, job_id: str) -> bool:
+    async def _cancel(self, entry_id: str):
+        """Delete a departed caller's job from the queue, and mark it cancelled for a worker that
+        took it already (it skips it, or it finishes unheard)."""
+        with contextlib.suppress(RedisError, *_RETRYABLE):
+            await self._redis.set(self.keys.cancelled(entry_id), "1", ex=int(self.max_timeout_s + 60))
+            await self._redis.xdel(self.keys.jobs, entry_id)
+
+    async def _lost(self, entry_id: str) -> bool:
         """After a connection failure: True when Redis no longer has the job (it restarted without
-        persistence) and no result is waiting. A worker deletes an entry only after posting its
-        result, so an entry that is gone with no result posted was lost, not finished."""
+        persistence) and it was not finished. A worker deletes an entry only after marking it done,
+        so an entry that is gone without its done marker was lost, not finished."""
         if await self._redis.xrange(self.keys.jobs, entry_id, entry_id):
             return False
-        return not await self._redis.exists(self.keys.result(job_id), self.keys.done(job_id))
+        return not await self._redis.exists(self.keys.done(entry_id))
 
     async def run_many(self, requests: Iterable[dict[str, Any]]) -> list[ExecResult]:
         return list(await asyncio.gather(*(self.run(r["code"], r.get("stdin", ""), r.get("timeout"))
@@ -133,13 +207,18 @@ class RedisWorker:
     """Takes jobs from Redis and runs them in a LocalSandbox of `concurrency` slots."""
 
     def __init__(self, url: str, *, concurrency: int = 4, prefix: str = "sandbox",
-                 visibility_timeout_s: float = 30.0, result_ttl_s: int = 600,
+                 visibility_timeout_s: float = 30.0, result_ttl_s: int = 600, max_deliveries: int = 3,
                  name: str | None = None, **sandbox_kwargs):
+        """result_ttl_s: the longest a reply waits for its client (it expires 5 s after the client's
+        deadline, sooner than this when that is earlier); max_deliveries: deliveries of a job
+        before it is dead-lettered."""
         self.url = url
         self.keys = Keys(prefix)
         self.concurrency = concurrency
         self.visibility_timeout_s = visibility_timeout_s
         self.result_ttl_s = result_ttl_s
+        self.max_deliveries = max_deliveries
+        self.dead_lettered = 0
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.sandbox = LocalSandbox(workers=concurrency, **sandbox_kwargs)
         self._redis = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=2)
@@ -187,7 +266,12 @@ class RedisWorker:
         idle_ms = int(self.visibility_timeout_s * 1000)
         _, claimed, _ = await self._redis.xautoclaim(self.keys.jobs, self.keys.group, self.name,
                                                      min_idle_time=idle_ms, start_id="0-0", count=free)
-        entries = [e for e in claimed if e and e[1]]
+        entries = []
+        for entry in (e for e in claimed if e and e[1]):
+            if await self._deliveries(entry[0]) > self.max_deliveries:
+                await self._dead_letter(*entry)
+            else:
+                entries.append(entry)
         if not entries:
             reply = await self._redis.xreadgroup(self.keys.group, self.name, {self.keys.jobs: ">"},
                                                  count=free, block=500)
@@ -201,13 +285,18 @@ class RedisWorker:
         try:
             try:
                 job = json.loads(fields["job"])
+                if not isinstance(job, dict):
+                    raise TypeError("a job must be a JSON object")
                 timeout = validate_request(job["code"], job.get("stdin", ""), job.get("timeout"),
                                            default_timeout=5.0, max_timeout=self.sandbox.limits.max_timeout_s)
-                result = await self.sandbox.run(job["code"], job.get("stdin", ""), timeout)
+                if await self._redis.exists(self.keys.cancelled(entry_id)) or time.time() > self._deadline(job):
+                    result = None  # its client went away or gave up: nobody to answer
+                else:
+                    result = await self.sandbox.run(job["code"], job.get("stdin", ""), timeout)
             except (KeyError, ValueError, TypeError, AttributeError) as e:
                 result = ExecResult.internal(f"malformed job: {e}")
-            if isinstance(job, dict) and "id" in job:
-                await self._finish(job["id"], result)
+            if result is not None:
+                await self._finish(entry_id, job, result)
             await self._redis.xack(self.keys.jobs, self.keys.group, entry_id)
             await self._redis.xdel(self.keys.jobs, entry_id)
             self.completed += 1
@@ -217,9 +306,41 @@ class RedisWorker:
         finally:
             self._running.pop(entry_id, None)
 
-    async def _finish(self, job_id: str, result: ExecResult):
-        await self._redis.eval(_FINISH, 2, self.keys.done(job_id), self.keys.result(job_id),
-                               json.dumps(result.to_dict()), str(self.result_ttl_s))
+    def _deadline(self, job: dict) -> float:
+        deadline = job.get("deadline")
+        return float(deadline) if isinstance(deadline, (int, float)) else float("inf")
+
+    async def _finish(self, entry_id: str, job: dict, result: ExecResult):
+        """Post the result once (the done marker), to the reply list the job names."""
+        reply_to = job.get("reply_to") if isinstance(job, dict) else None
+        if not isinstance(reply_to, str) or not reply_to.startswith(self.keys.prefix + ":replies:"):
+            return  # nobody to answer (a malformed job): acknowledged, never redelivered
+        ttl = int(min(self.result_ttl_s, max(5.0, self._deadline(job) - time.time() + 5.0)))
+        await self._redis.eval(_FINISH, 2, self.keys.done(entry_id), reply_to,
+                               json.dumps({"entry": entry_id, "result": result.to_dict()}), str(ttl))
+
+    async def _deliveries(self, entry_id: str) -> int:
+        pending = await self._redis.xpending_range(self.keys.jobs, self.keys.group, min=entry_id, max=entry_id,
+                                                   count=1)
+        return int(pending[0]["times_delivered"]) if pending else 0
+
+    async def _dead_letter(self, entry_id: str, fields: dict[str, str]):
+        """A job delivered max_deliveries times without a result (it kills its workers): kept in
+        the dead-letter list, answered with an error, acknowledged."""
+        self.dead_lettered += 1
+        log.warning("dead-lettering %s after %d deliveries", entry_id, self.max_deliveries)
+        await self._redis.lpush(self.keys.dead, json.dumps({"entry": entry_id, "fields": fields,
+                                                            "worker": self.name, "time": time.time()}))
+        await self._redis.ltrim(self.keys.dead, 0, DEAD_LETTERS_KEPT - 1)
+        try:
+            job = json.loads(fields.get("job", ""))
+        except ValueError:
+            job = {}
+        await self._finish(entry_id, job if isinstance(job, dict) else {}, ExecResult.internal(
+            f"dead-lettered: delivered {self.max_deliveries} times without a result (the job may kill the "
+            "workers that run it)"))
+        await self._redis.xack(self.keys.jobs, self.keys.group, entry_id)
+        await self._redis.xdel(self.keys.jobs, entry_id)
 
     async def _heartbeat(self):
         """Re-claim running jobs so their idle time stays below the visibility timeout."""

@@ -251,7 +251,10 @@ def device_capacity(cfg: RunConfig) -> float | None:
     if cfg.mesh.device_memory_gb:
         return cfg.mesh.device_memory_gb * GiB
     import jax
-    stats = jax.devices()[0].memory_stats() or {}
+    try:  # this process's own device (another process's cannot be asked)
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a platform without memory statistics: unknown
+        stats = {}
     return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 

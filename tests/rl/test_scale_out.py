@@ -35,6 +35,8 @@ def get_config():
     c.sft.steps, c.sft.batch_size, c.sft.examples = 4, 4, 16
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.rollout.slots, c.rollout.max_len = 8, 256
+    c.rollout.page_size, c.rollout.kv_memory_gb = 0, 0.0                 # the recipe's 160 GiB pool, shrunk away
+    c.mesh.devices_per_process = 0                                       # two 1-device processes, not 8-GPU hosts
     c.rl.steps, c.rl.batch_problems, c.rl.group_size, c.rl.oversample = 4, 2, 2, 2
     c.rl.micro_batches, c.rl.lr, c.rl.warmup_steps = 1, 1e-4, 1
     c.rl.max_staleness, c.rl.tis_cap = 1, 2.0

@@ -2,6 +2,7 @@
 expiry, and clients that never hang when Redis goes away."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -104,7 +105,7 @@ def test_killed_worker_job_is_redelivered_and_client_gets_exactly_one_result(red
         stop(first)  # already dead unless the scenario failed before killing it
     assert (result.status, result.stdout) == ("ok", "done\n")
     assert wait_no_processes({KILLED_WORKER_UID_BASE, KILLED_WORKER_UID_BASE + 1}) == []  # the killed worker's calls died with it
-    assert [r.llen(k) for k in r.scan_iter("sandbox:result:*")] in ([], [0])  # nothing left to deliver twice
+    assert [r.llen(k) for k in r.scan_iter("sandbox:replies:*")] in ([], [0])  # nothing left to deliver twice
     assert r.xlen(Keys().jobs) == 0
 
 
@@ -152,15 +153,126 @@ def test_client_rejects_bad_requests_before_queueing(redis_server):
 
 def test_a_job_finished_twice_delivers_one_result(redis_server):
     """Redelivery can run a job twice; only the first result reaches the client."""
+    job = {"reply_to": Keys().replies("c1"), "deadline": time.time() + 60}
+
     async def scenario():
         worker = RedisWorker(redis_server.url, concurrency=1, preload=())
-        await worker._finish("job1", ExecResult("ok", stdout="first\n"))
-        await worker._finish("job1", ExecResult("ok", stdout="second\n"))
+        await worker._finish("1-0", job, ExecResult("ok", stdout="first\n"))
+        await worker._finish("1-0", job, ExecResult("ok", stdout="second\n"))
         await worker._redis.aclose()
 
     asyncio.run(scenario())
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    assert r.llen(Keys().result("job1")) == 1 and "first" in r.lindex(Keys().result("job1"), 0)
+    assert r.llen(Keys().replies("c1")) == 1 and "first" in r.lindex(Keys().replies("c1"), 0)
+    assert 0 < r.ttl(Keys().replies("c1")) <= 65  # expires a few seconds after the client's deadline
+
+
+def test_a_job_that_keeps_killing_its_workers_is_dead_lettered_and_answered(redis_server):
+    """A job already delivered max_deliveries times (each worker that took it died: the counter is
+    Redis's own, bumped here by claims as a dying worker's successors would) is not run again: it
+    goes to the dead-letter list and its client gets an internal result saying so."""
+    async def scenario():
+        async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+            task = asyncio.create_task(sb.run("print('poison')", timeout=5.0))
+            r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+            deadline = time.monotonic() + 10
+            while not r.xlen(Keys().jobs) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            try:
+                r.xgroup_create(Keys().jobs, Keys().group, id="0")
+            except redis.ResponseError:
+                pass
+            [(_, [(entry, _)])] = r.xreadgroup(Keys().group, "doomed", {Keys().jobs: ">"}, count=1)
+            for _ in range(3):  # three more deliveries, each to a worker that "died"
+                r.xclaim(Keys().jobs, Keys().group, "doomed", min_idle_time=0, message_ids=[entry])
+            worker = start_worker(redis_server.url, visibility=0.5)
+            try:
+                return await task, r, entry
+            finally:
+                stop(worker)
+
+    result, r, entry = asyncio.run(scenario())
+    assert result.status == "internal" and "dead-lettered: delivered 3 times" in result.stderr
+    dead = [json.loads(x) for x in r.lrange(Keys().dead, 0, -1)]
+    assert [d["entry"] for d in dead] == [entry] and "poison" in dead[0]["fields"]["job"]
+    assert r.xlen(Keys().jobs) == 0
+
+
+def test_a_result_reaches_only_the_client_whose_job_it_is(redis_server):
+    """Job ids are Redis's entry ids, not the client's: another client that names this client's
+    reply list gets its own job run, and its result is dropped by this client, never taken for
+    this client's answer."""
+    worker = start_worker(redis_server.url)
+    try:
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as victim:
+                mine = asyncio.create_task(victim.run("import time\ntime.sleep(0.8)\nprint('mine')"))
+                await asyncio.sleep(0.1)
+                forged = json.dumps({"code": "print('forged')", "stdin": "", "timeout": 5.0,
+                                     "reply_to": victim.reply_key, "deadline": time.time() + 60})
+                redis.Redis.from_url(redis_server.url).xadd(Keys().jobs, {"job": forged})
+                return await mine
+
+        result = asyncio.run(scenario())
+        assert (result.status, result.stdout) == ("ok", "mine\n")
+    finally:
+        stop(worker)
+
+
+def test_a_departed_client_s_queued_jobs_never_run(redis_server):
+    """Calls cancelled while queued (the client went away) are withdrawn: deleted from the stream,
+    and marked cancelled for a worker that already took them; a worker started later runs none."""
+    async def scenario():
+        async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+            tasks = [asyncio.create_task(sb.run(f"print({i})")) for i in range(10)]
+            r = redis.Redis.from_url(redis_server.url)
+            deadline = time.monotonic() + 10
+            while r.xlen(Keys().jobs) < 10 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.sleep(0.5)  # the withdrawals are sent in the background
+            return r
+
+    r = asyncio.run(scenario())
+    assert r.xlen(Keys().jobs) == 0 and len(list(r.scan_iter("sandbox:cancelled:*"))) == 10
+    worker = start_worker(redis_server.url)
+    try:
+        time.sleep(2)
+        assert list(r.scan_iter("sandbox:done:*")) == []  # nothing ran
+    finally:
+        stop(worker)
+
+
+def test_many_calls_share_a_bounded_set_of_connections(redis_server):
+    """100 calls in flight from one client: one reply listener and a pool of at most
+    max_connections, not a connection per call (Redis's own client list, sampled throughout)."""
+    worker = start_worker(redis_server.url, concurrency=2)
+    try:
+        watcher = redis.Redis.from_url(redis_server.url)
+
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=60, max_connections=4) as sb:
+                peak = 0
+                mine = f"sandbox-client-{sb.client_id}"
+
+                async def watch():
+                    nonlocal peak
+                    while True:
+                        peak = max(peak, sum(c["name"] == mine for c in watcher.client_list()))
+                        await asyncio.sleep(0.05)
+
+                w = asyncio.create_task(watch())
+                results = await asyncio.gather(*(sb.run(f"print({i})") for i in range(100)))
+                w.cancel()
+                return results, peak
+
+        results, peak = asyncio.run(scenario())
+        assert [x.stdout for x in results] == [f"{i}\n" for i in range(100)]
+        assert 1 <= peak <= 4, peak
+    finally:
+        stop(worker)
 
 
 def test_the_trainer_sandbox_config_builds_a_redis_client_that_reaches_workers(redis_server):
@@ -205,7 +317,7 @@ def test_a_call_in_flight_when_redis_restarts_empty_is_queued_again_and_answered
         result = asyncio.run(scenario())
         assert (result.status, result.stdout) == ("ok", "once\n") and time.monotonic() - start < 30
         r = redis.Redis.from_url(redis_server.url)
-        assert r.xlen(Keys().jobs) == 0 and [r.llen(k) for k in r.scan_iter("sandbox:result:*")] in ([], [0])
+        assert r.xlen(Keys().jobs) == 0 and [r.llen(k) for k in r.scan_iter("sandbox:replies:*")] in ([], [0])
     finally:
         if worker is not None:
             stop(worker)

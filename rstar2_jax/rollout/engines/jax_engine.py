@@ -278,7 +278,8 @@ class JaxEngine(Engine):
             try:
                 await self._loop_task
             except asyncio.CancelledError:
-                pass
+                if asyncio.current_task().cancelling():  # we are being cancelled too: not ours to swallow
+                    raise
             self._loop_task = None
         self._executor.shutdown(wait=True)
 
