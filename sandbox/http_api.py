@@ -78,9 +78,11 @@ class _Deadline(asyncio.Protocol):
     connection has made no authorised request; otherwise the connection is closed. aiohttp times
     out idle connections between requests, not slow heads or bodies."""
 
-    def __init__(self, inner, timeout_s, connections, *, auth_timeout_s=None):
+    def __init__(self, inner, timeout_s, connections, *, auth_timeout_s=None, write_timeout_s=30.0, metrics=None):
         self.inner, self.timeout_s, self.connections = inner, timeout_s, connections
         self.auth_timeout_s = auth_timeout_s
+        self.write_timeout_s, self.metrics = write_timeout_s, metrics
+        self.write_timer = None
         self.authenticated = auth_timeout_s is None  # no token: every connection is
         self.timer = None
         self.transport = None
@@ -110,14 +112,27 @@ class _Deadline(asyncio.Protocol):
 
     def connection_lost(self, exc):
         self.request_read()
+        if self.write_timer is not None:
+            self.write_timer.cancel()
         self.connections.pop(self.transport, None)
         self.inner.connection_lost(exc)
 
     def pause_writing(self):
+        # the client stopped reading and the send buffer is full: it has write_timeout_s to resume
+        if self.write_timer is None:
+            self.write_timer = asyncio.get_running_loop().call_later(self.write_timeout_s, self._write_timed_out)
         self.inner.pause_writing()
 
     def resume_writing(self):
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
         self.inner.resume_writing()
+
+    def _write_timed_out(self):
+        if self.metrics is not None:
+            self.metrics.write_timeouts += 1
+        self.transport.abort()  # frees the unsent response at once
 
 
 class HTTPError(Exception):
@@ -137,8 +152,8 @@ def _bounded_number(text: str):
 
 def parse_body(raw: bytes):
     """The JSON of a request body; every malformed body is an HTTPError 400 naming why."""
-    try:
-        return json.loads(raw, parse_int=lambda t: int(_bounded_number(t)),
+    try:  # UTF-8 only (json.loads of bytes would also take UTF-16 and UTF-32)
+        return json.loads(raw.decode("utf-8"), parse_int=lambda t: int(_bounded_number(t)),
                           parse_float=lambda t: float(_bounded_number(t))) if raw else None
     except json.JSONDecodeError as e:
         raise HTTPError(400, f"invalid JSON body: line {e.lineno} column {e.colno}: {e.msg}") from None
@@ -208,6 +223,7 @@ class Metrics:
         self.cancelled = 0             # calls whose client went away
         self.refused_connections = 0   # connections past max_connections
         self.evicted_connections = 0   # connections without an authorised request, closed for others
+        self.write_timeouts = 0        # connections closed because their client stopped reading
 
     def observe(self, result: ExecResult, seconds: float):
         self.by_status[result.status] = self.by_status.get(result.status, 0) + 1
@@ -234,6 +250,8 @@ class Metrics:
                   "# HELP sandbox_evicted_connections_total Unauthenticated connections closed to admit others.",
                   "# TYPE sandbox_evicted_connections_total counter",
                   f"sandbox_evicted_connections_total {self.evicted_connections}",
+                  "# HELP sandbox_write_timeouts_total Connections closed because the client stopped reading.",
+                  "# TYPE sandbox_write_timeouts_total counter", f"sandbox_write_timeouts_total {self.write_timeouts}",
                   "# HELP sandbox_latency_seconds Time from request to result.",
                   "# TYPE sandbox_latency_seconds histogram"]
         lines += [f'sandbox_latency_seconds_bucket{{le="{b}"}} {n}' for b, n in zip(LATENCY_BUCKETS, self.bucket_counts)]
@@ -258,7 +276,8 @@ class SandboxHTTPServer:
     def __init__(self, backend, *, default_timeout: float = 10.0, max_timeout: float = 300.0,
                  max_body_bytes: int = 16 << 20, max_batch: int = 2048, workers: int | None = None,
                  max_connections: int = 1024, read_timeout_s: float = 30.0, idle_timeout_s: float = 75.0,
-                 token: str | None = None, auth_timeout_s: float = 5.0, max_response_bytes: int = 1 << 30):
+                 token: str | None = None, auth_timeout_s: float = 5.0, max_response_bytes: int = 1 << 30,
+                 write_timeout_s: float = 30.0):
         """max_response_bytes: the most a batch's answer may hold in the worst case (every call at
         its stdout and stderr caps, 3 bytes per character after replacing undecodable bytes); a
         batch that could exceed it is refused before it runs."""
@@ -273,6 +292,7 @@ class SandboxHTTPServer:
         self.idle_timeout_s = idle_timeout_s
         self.token = token
         self.auth_timeout_s = auth_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.max_response_bytes = max_response_bytes
         limits = getattr(backend, "limits", None) or Limits()
         self.worst_result_bytes = 3 * (limits.stdout_bytes + limits.stderr_bytes) + 512
@@ -305,7 +325,8 @@ class SandboxHTTPServer:
                 self._deadlines.pop(idle.transport, None)
                 idle.transport.abort()
             return _Deadline(protocol(), self.read_timeout_s, self._deadlines,
-                             auth_timeout_s=self.auth_timeout_s if self.token else None)
+                             auth_timeout_s=self.auth_timeout_s if self.token else None,
+                             write_timeout_s=self.write_timeout_s, metrics=self.metrics)
 
         self._server = await asyncio.get_running_loop().create_server(factory, host, port, backlog=1024)
         return self._server.sockets[0].getsockname()[1]
@@ -345,8 +366,11 @@ class SandboxHTTPServer:
             self.metrics.bad_requests += 1
             status, kind, payload = e.status, "json", {"error": str(e)}
         if kind == "json":
-            # ensure_ascii=False: a replacement character is 3 bytes of UTF-8, not 6 of "\ufffd"
-            response = web.Response(status=status, body=json.dumps(payload, ensure_ascii=False).encode(),
+            # ensure_ascii=False: a replacement character is 3 bytes of UTF-8, not 6 of "\ufffd". A
+            # batch's answer is serialised off the event loop: other clients are not held up.
+            encode = lambda: json.dumps(payload, ensure_ascii=False).encode()  # noqa: E731
+            big = isinstance(payload, dict) and len(payload.get("results") or ()) > 8
+            response = web.Response(status=status, body=await asyncio.to_thread(encode) if big else encode(),
                                     content_type="application/json")
         else:
             response = web.Response(status=status, text=payload, content_type="text/plain")

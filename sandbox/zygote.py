@@ -65,6 +65,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves out the script's dir
 import cgroups  # noqa: E402 - siblings, imported as top-level modules (no package inside the zygote)
@@ -224,6 +225,18 @@ class _TrackingFileIO(io.FileIO):
         return super().write(b)
 
 
+def main_namespace():
+    """The globals of a fresh script: those of a real `__main__` module in sys.modules, so that
+    pickle finds the code's own functions by reference (multiprocessing.Pool.map over a function
+    the snippet defines, ProcessPoolExecutor) as it would in `python script.py`."""
+    module = types.ModuleType("__main__")
+    # no __file__, as for `python -c`: a "spawn" child would otherwise try to re-run a file that
+    # does not exist (and fail in a loop); it is a plain missing-attribute error instead
+    module.__dict__.update({"__builtins__": builtins})
+    sys.modules["__main__"] = module
+    return module.__dict__
+
+
 def run_user_code(code, namespace=None):
     """Run `code` as a script; repr of a last expression when nothing was printed. Returns exit code.
 
@@ -237,7 +250,7 @@ def run_user_code(code, namespace=None):
     sys.argv = [USER_FILE]
     linecache.cache[USER_FILE] = (len(code), None, code.splitlines(True), USER_FILE)
     if namespace is None:
-        namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": USER_FILE}
+        namespace = main_namespace()
     exit_code = 0
     try:
         tree = ast.parse(code, USER_FILE)
@@ -360,7 +373,7 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
     _confine_or_exit(cfg, uid=uid, cgroup_fds=cgroup_fds, cpu_seconds=None,
                      fds=(os.open("/dev/null", os.O_RDONLY), out_w, err_w, setup_w, cell_r, done_w))
     cfg = None
-    namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": USER_FILE}
+    namespace = main_namespace()
     while True:
         cell = read_msg(CELL_FD)
         if cell is None:

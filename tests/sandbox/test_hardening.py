@@ -272,6 +272,25 @@ def test_threads_subprocesses_and_multiprocessing_still_work(sb):
     assert r.stdout == "thread\nchild\n[1, 2]\n", r
 
 
+@pytest.mark.parametrize("pool", ["multiprocessing.Pool(2)", "concurrent.futures.ProcessPoolExecutor(2)"])
+def test_process_pools_over_the_snippet_s_own_functions_work(sb, pool):
+    """Generated brute-force code maps a function it defines over a process pool: its __main__ is a
+    real module, so pickle finds the function (issue 28, item 6)."""
+    code = (f"import multiprocessing, concurrent.futures\ndef square(x):\n    return x * x\n"
+            f"with {pool} as p:\n    print(list(p.map(square, range(6))))")
+    r = sb.run(code, timeout=20)
+    assert (r.status, r.stdout) == ("ok", "[0, 1, 4, 9, 16, 25]\n"), r
+
+
+def test_a_spawn_pool_over_the_snippet_s_functions_fails_plainly(sb):
+    """"spawn" children re-import __main__, which a snippet (like `python -c`) does not have as a
+    file: they cannot find the function and say so; no loop of failing children, no flood."""
+    code = ("import multiprocessing as mp\ndef square(x):\n    return x * x\n"
+            "with mp.get_context('spawn').Pool(1) as p:\n    print(p.map(square, range(3)))")
+    r = sb.run(code, timeout=4)
+    assert r.status == "timeout" and "Can't get attribute 'square'" in r.stderr and not r.truncated, r
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. a supervisor no input can break
 
@@ -572,6 +591,8 @@ def test_connections_without_the_token_cannot_starve_those_with_it(token_api):
     (b'{"code": "1", "timeout": ' + b"9" * 5000 + b"}", b"a number of 5000 characters"),
     (b'{"code": "1", "timeout": 1e' + b"9" * 400 + b"}", b"a number of"),
     (b"\xff\xfe{}", b"invalid JSON body"),
+    ('{"code": "print(1)"}'.encode("utf-16"), b"invalid JSON body"),   # UTF-8 only (issue 28, item 5)
+    ('{"code": "print(1)"}'.encode("utf-32-le"), b"invalid JSON body"),
 ])
 def test_every_malformed_body_is_a_400_with_its_reason(token_api, body, why):
     port, _ = token_api
@@ -595,6 +616,29 @@ def test_a_batch_whose_answer_could_pass_the_response_budget_is_refused(sb):
         body = out.split(b"\r\n\r\n", 1)[1]
         assert out.startswith(b"HTTP/1.1 200") and len(body) < 2 * 3 * 60000 + 4096
         assert json.loads(body)["results"][0]["stdout"] == "\ufffd" * 60000
+    finally:
+        sb.call(server.close())
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_off(sb):
+    """A large answer to a client that never reads it: once the send buffer is full the client has
+    write_timeout_s to read on, then the connection and its unsent answer are dropped (issue 28,
+    item 4)."""
+    from sandbox.http_api import SandboxHTTPServer
+    server = SandboxHTTPServer(sb.sb, write_timeout_s=1.0)
+    port = sb.call(server.start("127.0.0.1", 0))
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        big = {"code": "print('x' * 60000)"}
+        s.sendall(_post("/run/batch", {"requests": [big] * 200}))  # 12 MB: past any kernel buffer
+        deadline = time.monotonic() + 30
+        while server.metrics.write_timeouts == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.metrics.write_timeouts == 1
+        s.close()
+        assert "sandbox_write_timeouts_total 1" in server.metrics.render(0)
     finally:
         sb.call(server.close())
 
