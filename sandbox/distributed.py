@@ -95,6 +95,7 @@ class RedisSandbox:
         self._waiting: dict[str, asyncio.Future] = {}  # stream entry id -> its result
         self._listener: asyncio.Task | None = None
         self._reconnects = 0  # bumped by the listener after a connection failure
+        self._closing = False
 
     async def __aenter__(self) -> "RedisSandbox":
         return self
@@ -104,20 +105,20 @@ class RedisSandbox:
 
     async def close(self):
         if self._listener is not None:
-            self._listener.cancel()
-            try:
-                await self._listener
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # the caller is being cancelled: pass it on
-                    raise
-            except Exception:  # noqa: BLE001 - the listener's own failure: nothing left to read
-                pass
+            # The listener ends by itself within a second (its BLPOP's timeout). Cancelling it
+            # mid-BLPOP can leave it waiting inside redis-py for good, so that is the last resort.
+            self._closing = True
+            done, _ = await asyncio.wait([self._listener], timeout=3.0)
+            if not done:
+                self._listener.cancel()
+                await asyncio.wait([self._listener], timeout=1.0)
+            self._listener = None
         await self._redis.aclose()
 
     async def _listen(self):
         """One BLPOP loop for all of this client's calls: each reply goes to its entry's future
         (a reply for an entry this client is not waiting for, late or forged, is dropped)."""
-        while True:
+        while not self._closing:
             try:
                 reply = await self._redis.blpop([self.reply_key], timeout=1)
             except _RETRYABLE:
