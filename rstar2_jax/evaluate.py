@@ -155,30 +155,12 @@ class BenchmarkResults:
     def done(self) -> dict[int, list]:
         """problem index -> its samples' RolloutOutcomes, for the problems already finished. A last
         line cut short by a crash is dropped (that problem runs again)."""
-        from rstar2_jax.data.jsonl import DataError
+        from rstar2_jax.data.jsonl import read_appended_jsonl
         from rstar2_jax.rollout.scoring import RolloutOutcome
 
-        if not os.path.exists(self.path):
-            return {}
-        with open(self.path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-        out, good = {}, []
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if lineno < len(lines) - 1 or line.endswith("}"):
-                    raise DataError(f"{self.path}:{lineno}: not a result line (remove the file to start again)") from None
-                break  # cut short by a crash
-            out[row["index"]] = [RolloutOutcome(r, tuple(st), n) for r, st, n in
-                                 zip(row["rewards"], row["tool_statuses"], row["response_tokens"])]
-            good.append(line)
-        if len(good) != sum(1 for line in lines if line.strip()):
-            with open(self.path, "w", encoding="utf-8") as f:
-                f.write("".join(line + "\n" for line in good))
-        return out
+        return {row["index"]: [RolloutOutcome(r, tuple(st), n) for r, st, n in
+                               zip(row["rewards"], row["tool_statuses"], row["response_tokens"])]
+                for row in read_appended_jsonl(self.path, "evaluation results")}
 
     def add(self, index: int, problem_id: str, records: list[dict], outcomes: list) -> None:
         self.traces.write(index, records)  # traces first: a kept line always has its traces

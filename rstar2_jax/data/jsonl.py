@@ -24,3 +24,29 @@ def iter_jsonl(path: str | os.PathLike, what: str = "data file") -> Iterator[tup
                 yield path, lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+
+
+def read_appended_jsonl(path: str | os.PathLike, what: str = "results file") -> list[Any]:
+    """The rows of a JSONL file that a run appends to line by line (missing file: none). A last
+    line cut short by a crash (no newline after it) is dropped, and cut from the file too, so the
+    next append starts a fresh line; any other bad line is a DataError naming file and line."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    rows = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # the last line, without its newline: a write cut short
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text[:len(text) - len(line)])
+                break
+            raise DataError(f"{path}:{lineno}: invalid JSON in the {what} (remove the file to start "
+                            "again)") from None
+    return rows

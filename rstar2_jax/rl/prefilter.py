@@ -20,27 +20,12 @@ from typing import Awaitable, Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from rstar2_jax.data.jsonl import DataError
+from rstar2_jax.data.jsonl import read_appended_jsonl
 
 
 def read_results(path: str) -> dict[str, int]:
     """problem id -> rollouts solved, from a pre-filter file (missing file: nothing yet)."""
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    out = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if lineno == len(lines):  # no newline after it: a write cut short by a crash
-                continue
-            raise DataError(f"{path}:{lineno}: invalid JSON in the pre-filter results") from None
-        out[str(row["id"])] = int(row["solved"])
-    return out
+    return {str(row["id"]): int(row["solved"]) for row in read_appended_jsonl(path, "pre-filter results")}
 
 
 async def prefilter_solved(problems: Sequence, k: int, path: str,
