@@ -102,7 +102,11 @@ def test_an_interrupted_evaluation_keeps_its_problems_and_resumes(tmp_path):
     args = [sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", f"--benchmarks={bench}", "--samples=2",
             "--max_tokens=9000", "--max_turns=2", "--format=tiny", f"--out={out}", "--slots=2"]
     kept = out / "sums" / "problems.jsonl"
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's Ctrl-C delivers it: a pytest-xdist worker ignores SIGINT and a child
+    # inherits that, so the evaluation starts through a shim that restores it, then execs
+    shim = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                                  "os.execv(sys.executable, sys.argv[1:])"]
+    proc = subprocess.Popen(shim + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not (kept.exists() and kept.read_text().strip()):
         time.sleep(0.2)
