@@ -137,37 +137,41 @@ def shard_bytes(arch: ModelConfig, mesh: dict[str, int], dtype_bytes: int) -> fl
 
     from rstar2_jax.models.checkpoint import abstract_model
 
-    mesh_like = types.SimpleNamespace(shape=mesh)  # logical_to_spec reads only .shape
     total = 0
     for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)):
         shape = var.get_value().shape
-        axes = getattr(var, "axes", None) or (None,) * len(shape)
-        spec = sharding.logical_to_spec(axes, shape, mesh_like)
-        elements = 1
-        for dim, part in zip(shape, spec):
-            parts = (part,) if isinstance(part, str) else (part or ())
-            elements *= dim // int(np.prod([mesh[a] for a in parts])) if parts else dim
-        total += elements
+        total += int(np.prod(_shard_shape(getattr(var, "axes", None) or (None,) * len(shape), shape, mesh)))
     return float(total * dtype_bytes)
 
 
-def _split(size: int, ways: int) -> float:
-    """A dimension of `size` over `ways` devices: split when it divides, whole otherwise (the rules)."""
-    return size / ways if ways > 1 and size % ways == 0 else float(size)
+def _shard_shape(axes, shape, mesh: dict[str, int]) -> tuple[int, ...]:
+    """One device's part of a tensor with logical `axes`, by the same rules that place it
+    (`sharding.logical_to_spec`: a dimension a mesh axis does not divide stays whole)."""
+    spec = sharding.logical_to_spec(axes, shape, types.SimpleNamespace(shape=mesh))  # reads only .shape
+    out = []
+    for dim, part in zip(shape, spec):
+        parts = (part,) if isinstance(part, str) else (part or ())
+        out.append(dim // int(np.prod([mesh[a] for a in parts])) if parts else dim)
+    return tuple(out)
+
+
+def _split(size: int, axis: str, mesh: dict[str, int]) -> int:
+    """A dimension of logical `axis` on one device."""
+    return _shard_shape((axis,), (size,), mesh)[0]
 
 
 def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> tuple[float, str]:
     """One micro-batch's activations on one device during the update, and how they were counted."""
-    rl, t = cfg.rl, mesh["tensor"]
+    rl = cfg.rl
     rows = math.ceil(rl.batch_problems * rl.group_size / rl.micro_batches / (mesh["data"] * mesh["fsdp"]))
     seq = cfg.rollout.max_len
     tokens = rows * seq
     b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
     h, hd = arch.hidden_size, arch.head_dim
-    q = _split(arch.num_heads, t) * hd
-    kv = _split(arch.num_kv_heads, t) * hd
-    mlp = _split(arch.intermediate_size, t)
-    vocab = _split(arch.vocab_size, t)
+    q = _split(arch.num_heads, "q_heads", mesh) * hd
+    kv = _split(arch.num_kv_heads, "kv_heads", mesh) * hd
+    mlp = _split(arch.intermediate_size, "mlp", mesh)
+    vocab = _split(arch.vocab_size, "vocab", mesh)
     # per-token widths of what a layer keeps for its backward pass
     kept = {"none": 4 * h + q + 2 * kv + q + 4 * mlp,   # norms, residuals, q/k/v, attention out, gate/up/act/product
             "dots": 2 * h + q + 2 * kv + 2 * mlp,       # matmul outputs
@@ -175,7 +179,7 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
     working = 2 * (3 * h + q + 2 * kv + q + 3 * mlp)    # one layer recomputed: values and cotangents
     scores = 0.0
     if cfg.model.attention == "xla":                     # [heads, S, S] float32 per row
-        per_layer_scores = rows * _split(arch.num_heads, t) * seq * seq * 4
+        per_layer_scores = rows * _split(arch.num_heads, "q_heads", mesh) * seq * seq * 4
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = 2 * rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
@@ -227,7 +231,7 @@ def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> 
         positions, what = pages * r.page_size, f"{pages} pages of {r.page_size}"
     else:
         positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
-    split = engine_devices if arch.num_kv_heads % engine_devices == 0 else 1
+    split = arch.num_kv_heads // _split(arch.num_kv_heads, "kv_heads", {"data": 1, "fsdp": 1, "tensor": engine_devices})
     return positions * position / split, f"{what} positions x {position / 2**10:.0f} KiB, split {split} way(s)"
 
 
