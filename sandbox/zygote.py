@@ -147,11 +147,6 @@ def _forward(job_fd, dst, n):
         return False
 
 
-def read_job(job_fd):
-    """The next job header (None at EOF); its body stays on the pipe for the caller to move."""
-    return read_msg(job_fd)
-
-
 def send_result(result_fd, header, out=(None, 0), err=(None, 0)):
     """A result header, then the bytes of each (memfd, length): spliced, never read here."""
     write_msg(result_fd, {**header, "stdout": out[1], "stderr": err[1]})
@@ -847,7 +842,7 @@ def worker_loop(slot, kind, job_fd, result_fd, cfg):
         state.set(IDLE)
         select.select([job_fd], [], [])  # idle until a job arrives: nothing of it consumed yet
         state.set(READING)
-        job = read_job(job_fd)
+        job = read_msg(job_fd)  # the header only: its body stays on the pipe, moved by splice
         if job is None:
             for session in list(sessions.values()):
                 _close_session(session, cfg)
