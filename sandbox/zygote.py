@@ -995,10 +995,9 @@ def main():
         own_status = os.open("/proc/self/status", os.O_RDONLY)  # still readable after pivot_root
         for name in cfg["light_preload"]:
             __import__(name)
-        program = confine.seccomp_program()
-        cfg["seccomp"] = program
-        cfg["worker_seccomp"] = confine.seccomp_program(for_worker=True)
-        facts["seccomp"] = program is not None
+        for name in ("seccomp", "worker_seccomp"):  # built by the service (see ZygotePool.start)
+            cfg[name] = bytes.fromhex(cfg[name]) if cfg[name] else None
+        facts["seccomp"] = cfg["seccomp"] is not None
         tree = cfg.get("cgroups")
         cfg["cgroup_version"] = tree["version"] if tree else None
         cfg["cgroup_slot_fds"] = [cgroups.open_dirs(s) for s in tree["slots"]] if tree else None
