@@ -70,9 +70,15 @@ def _encode(obj) -> bytes:
 
 
 def _encode_job(header: dict, code: str | None = None, stdin: str | None = None) -> bytes:
-    """A job header and its body (the code and stdin), which the worker moves without reading."""
-    body = b"" if code is None else json.dumps({"code": code, "stdin": stdin or ""}).encode()
-    return _encode({**header, "body": len(body)}) + body
+    """A job header and its body, which the worker moves without reading: the code's UTF-8 bytes,
+    then stdin's ("body": the total, "stdin": the second part's length). surrogatepass: a lone
+    surrogate (valid JSON from a client, invalid UTF-8) must not fail the call."""
+    if code is None:
+        return _encode({**header, "body": 0, "stdin": 0})
+    code_bytes = code.encode("utf-8", "surrogatepass")
+    stdin_bytes = (stdin or "").encode("utf-8", "surrogatepass")
+    sizes = {"body": len(code_bytes) + len(stdin_bytes), "stdin": len(stdin_bytes)}
+    return _encode({**header, **sizes}) + code_bytes + stdin_bytes
 
 
 HEAVY_MODULES = ("numpy", "sympy")
