@@ -31,6 +31,7 @@ MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_MODE_FILTER = 2
@@ -65,6 +66,12 @@ def umount(target):
 
 def prctl(option, arg, arg3=0):
     _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(arg3),
+                       ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
+
+
+def set_process_name(name):
+    """This process's name in /proc/<pid>/comm (at most 15 bytes)."""
+    _check(_libc.prctl(ctypes.c_int(PR_SET_NAME), ctypes.c_char_p(name.encode()[:15]), ctypes.c_ulong(0),
                        ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
 
 

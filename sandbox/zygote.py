@@ -61,6 +61,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -534,9 +535,11 @@ def _supervise(job, cfg, slot, job_fd, body_fds, out, err, setup, fds):
         os.close(fd)
         fds.remove(fd)
     sinks = {out[0]: _Sink(out[0], limits["stdout_bytes"]), err[0]: _Sink(err[0], limits["stderr_bytes"])}
+    mount_ns = None
     try:
         pidfd = os.pidfd_open(pid)
         fds.append(pidfd)
+        mount_ns = hold_mount_namespace(pidfd) if flags & CLONE_NEWNS else None
         deadline = started + float(job["timeout"])
         reason = None  # why we killed it: "timeout" | "output_limit" | "cancelled"
         wait_status = rusage = None
@@ -589,6 +592,8 @@ def _supervise(job, cfg, slot, job_fd, body_fds, out, err, setup, fds):
         for sink in sinks.values():
             sink.close()
         raise
+    finally:
+        release_mount_namespace(mount_ns)
 
 
 def _result(wait_status, reason, job, duration, *, setup_done, oom_kills, cpu_s, over_cap):
@@ -680,6 +685,65 @@ def remove_tree(path):
                               dst_dir_fd=parent_fd)
                 except OSError:
                     pass
+
+
+# ------------------------------------------------------------------------------------------------
+# a call's mount namespace, freed off the call's path
+#
+# Freeing a mount namespace unmounts its mounts, and the kernel then waits for an RCU grace
+# period (namespace_unlock: synchronize_rcu_expedited), 0.1-1 ms of sleep on a loaded machine.
+# When the call's PID 1 exits holding the last reference, that wait comes before the worker can
+# reap it, on every call's path. So the worker takes a reference while the call runs, and
+# after the call hands it to the zygote's closer process, which drops it (and waits) there.
+# Measured: +9% calls/s for trivial calls over HTTP on 2 cores.
+
+PIDFD_GET_MNT_NAMESPACE = 0xFF03  # ioctl on a pidfd (Linux 6.11+): an fd of that process's mount namespace
+CLOSER_BATCH = 256
+CLOSER_NAME = "sandbox-closer"  # its /proc/<pid>/comm: the zygote's one child that is not a worker
+_CLOSER = []  # the worker's end of the closer's socket (socket.socket), if there is a closer
+
+
+def hold_mount_namespace(pidfd):
+    """An fd of the call's mount namespace, or None (a kernel without the ioctl: the call's own
+    exit frees it, as before)."""
+    try:
+        return fcntl.ioctl(pidfd, PIDFD_GET_MNT_NAMESPACE)
+    except OSError:
+        return None
+
+
+def release_mount_namespace(ns_fd):
+    """Hand the reference to the closer (or, if it is gone, drop it here); never raises."""
+    if ns_fd is None:
+        return
+    try:
+        if _CLOSER:
+            socket.send_fds(_CLOSER[0], [b"n"], [ns_fd])
+    except OSError:
+        _CLOSER.clear()  # the closer died: from now on this worker drops its references itself
+    os.close(ns_fd)
+
+
+def closer_loop(sock_fd, batch=CLOSER_BATCH, idle_s=0.05):
+    """The closer process: drop the mount-namespace references the workers send, `batch` at a time
+    (or whatever it holds after `idle_s` without new ones). Never returns."""
+    sock = socket.socket(fileno=sock_fd)
+    held = []
+    while True:
+        if held and (len(held) >= batch or not select.select([sock], [], [], idle_s)[0]):
+            for fd in held:
+                os.close(fd)
+            held.clear()
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 16, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            os._exit(0)
+        held += fds
+        if not data and not fds:  # every worker's end is closed
+            os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -856,6 +920,8 @@ def worker_loop(slot, kind, job_fd, result_fd, cfg):
             for fd in fds.values():
                 os.close(fd)
     cfg["cgroup_fds"] = slot_fds
+    if cfg.get("closer_fd") is not None:
+        _CLOSER.append(socket.socket(fileno=cfg["closer_fd"]))
     global _CALL_STREAMS
     _CALL_STREAMS = make_streams()
     counter = 0
@@ -967,6 +1033,20 @@ def isolate_master(cfg):
     confine.enter_root(root)
 
 
+def start_closer():
+    """Fork the closer (see release_mount_namespace); the fd of the socket workers send to."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        confine.set_process_name(CLOSER_NAME)
+        os.dup2(theirs.detach(), 3)
+        os.closerange(4, 1 << 16)  # nothing of the service's pipes: they close when the zygote's do
+        closer_loop(3)
+    theirs.close()
+    return ours.detach()
+
+
 def main():
     """Start-up order matters: namespaces and the minimal root first, then light workers (forked
     while only the light modules are imported), then numpy/sympy (imported from inside the
@@ -1030,6 +1110,7 @@ def main():
         else:
             os.makedirs(cfg["work_root"], mode=0o700, exist_ok=True)
         facts["minimal_root"] = cfg["isolation"] == "strict"
+        cfg["closer_fd"] = start_closer() if cfg["isolation"] == "strict" else None
         for kind in channels[0]:  # "light" first, then (if any) "heavy"
             if kind == "heavy":
                 for name in cfg["heavy_preload"]:
