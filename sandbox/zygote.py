@@ -597,10 +597,14 @@ def _supervise(job, cfg, slot, job_fd, body_fds, out, err, setup, fds):
 
 
 def _result(wait_status, reason, job, duration, *, setup_done, oom_kills, cpu_s, over_cap):
-    """The result header of a finished call: status and notes from what the kernel reported."""
+    """The result header of a finished call: status and notes from what the kernel reported, and
+    the output's size: over the cap is "output_limit" whether or not the kill landed before the
+    call ended by itself (a race that would otherwise give the same code different statuses)."""
     notes = []
     if not setup_done and reason is None:
         return _fail("the call could not start (its stderr says why)", duration)
+    if over_cap and reason != "cancelled":
+        reason = "output_limit"
     if os.WIFEXITED(wait_status):
         exit_code = os.WEXITSTATUS(wait_status)
         status = "ok" if exit_code == 0 else "error"
@@ -865,6 +869,8 @@ def run_cell(job, cfg, sessions, job_fd):
                 reason = "output_limit"
     for sink in sinks.values():
         sink.drain()  # what was written before the cell finished (or the session died)
+    if reason is None and any(sink.size > sink.cap for sink in sinks.values()):
+        reason = "output_limit"  # decided by the bytes, as for calls (see _result), even if it finished
     duration = time.monotonic() - started
     if done in (b"0", b"1") and reason is None:
         code = 0 if done == b"0" else 1

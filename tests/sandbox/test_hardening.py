@@ -750,3 +750,46 @@ def test_an_interpreter_reached_through_a_symbolic_link_still_imports_its_packag
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[:2] == ["ok", "3"], proc.stdout
+
+
+@pytest.mark.parametrize("ending", ["", "\nraise ValueError('after')", "\nimport os\nos._exit(3)"])
+def test_output_cap_status_is_decided_by_bytes_every_time(one_slot, ending):
+    """Exactly the cap is "ok"/"error" as the code ends; one byte more is "output_limit", run after
+    run, however the code ends (before, the status depended on whether the kill landed first)."""
+    cap = one_slot.sb.limits.stdout_bytes
+    for size, over in ((cap, False), (cap + 1, True)):
+        code = f"import sys\nsys.stdout.write('x' * {size})\nsys.stdout.flush(){ending}"
+        statuses = {one_slot.run(code).status for _ in range(8)}
+        expected = "output_limit" if over else ("ok" if not ending else "error")
+        assert statuses == {expected}, (size, statuses)
+
+
+def test_session_cell_over_the_output_cap_is_output_limit_every_time(one_slot):
+    cap = one_slot.sb.limits.stdout_bytes
+
+    async def cells():
+        async with await one_slot.sb.session() as session:
+            return [(await session.run(code)).status for code in
+                    [f"print('y' * {cap - 1})", f"print('y' * {cap})"] * 4]  # print adds a newline
+
+    assert one_slot.call(cells()) == ["ok", "output_limit"] * 4
+
+
+def test_calls_and_cells_cannot_lower_their_oom_score(one_slot):
+    """Every sandbox process is the OOM killer's first choice (oom_score_adj 1000, set by root, which
+    also sets the floor an unprivileged process may lower it to): a call or a cell that tries to
+    make itself a lesser victim than the service is refused."""
+    code = ("import os\nfor value in ('0', '-1000', '999'):\n    try:\n"
+            "        with open('/proc/self/oom_score_adj', 'w') as f:\n            f.write(value)\n"
+            "    except OSError as e:\n        print(value, 'refused', e.errno)\n"
+            "print(open('/proc/self/oom_score_adj').read().strip())")
+    expected = "0 refused 13\n-1000 refused 13\n999 refused 13\n1000\n"
+    assert one_slot.run(code).stdout == expected
+
+    async def cell():
+        async with await one_slot.sb.session() as session:
+            return (await session.run(code)).stdout
+
+    assert one_slot.call(cell()) == expected
+    with open("/proc/self/oom_score_adj") as f:
+        assert int(f.read()) < 1000  # the test process (the service) stays a lesser victim
