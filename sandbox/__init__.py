@@ -9,12 +9,12 @@
         ...
 """
 
-from sandbox.local import ISOLATION_MODES, LocalSandbox, Session
+from sandbox.local import ISOLATION_MODES, LocalSandbox, Session, SessionLimitError
 from sandbox.pool import SandboxStartError
 from sandbox.result import STATUSES, ExecResult, Limits
 
 __all__ = ["ExecResult", "HTTPSandbox", "ISOLATION_MODES", "Limits", "LocalSandbox", "RedisSandbox", "STATUSES",
-           "SandboxStartError", "Session"]
+           "SandboxStartError", "Session", "SessionLimitError"]
 
 
 def __getattr__(name):  # the remote clients' libraries (redis, aiohttp) load only for those who use them

@@ -21,6 +21,10 @@ from typing import Any, Iterable, Sequence
 
 from sandbox import uids
 from sandbox.pool import DEFAULT_PRELOAD, SandboxStartError, SessionLost, ZygotePool
+
+
+class SessionLimitError(RuntimeError):
+    """max_sessions sessions are open and none closed within the wait."""
 from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox")
@@ -43,7 +47,7 @@ class LocalSandbox:
     def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits = Limits(),
                  preload: Sequence[str] = DEFAULT_PRELOAD, default_timeout: float = 5.0,
                  max_pending: int = 4096, uid_base: int | None = None, max_sessions: int = 256,
-                 session_idle_timeout_s: float = 600.0):
+                 session_idle_timeout_s: float = 600.0, session_wait_s: float = 5.0):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if isolation not in ISOLATION_MODES:
@@ -63,6 +67,7 @@ class LocalSandbox:
         # Sessions: each gets its own uid (after the slots' uids), returned when it closes.
         self.max_sessions = max_sessions
         self.session_idle_timeout_s = session_idle_timeout_s
+        self.session_wait_s = session_wait_s  # at the cap: how long session() waits for one to close
         self._session_uids: asyncio.Queue[int] | None = None
         self._sessions: dict[int, "Session"] = {}
         self._session_ids = itertools.count()
@@ -90,14 +95,33 @@ class LocalSandbox:
         self._started = True
         return self
 
-    async def session(self) -> "Session":
-        """A stateful interpreter for one trajectory (see Session); waits if max_sessions are open."""
+    async def session(self, wait_s: float | None = None) -> "Session":
+        """A stateful interpreter for one trajectory (see Session). If max_sessions are open, waits
+        up to `wait_s` (default: session_wait_s) for one to close, then raises SessionLimitError."""
         if not self._started:
             raise RuntimeError("LocalSandbox is not started: use `async with LocalSandbox(...) as sb`")
-        uid = await self._session_uids.get()
+        wait_s = self.session_wait_s if wait_s is None else wait_s
+        try:
+            uid = await asyncio.wait_for(self._session_uids.get(), wait_s)
+        except asyncio.TimeoutError:
+            raise SessionLimitError(
+                f"all {self.max_sessions} sessions of this sandbox are open (waited {wait_s:g} s for one to "
+                f"close): close finished ones (`async with await sb.session() as s:`), raise max_sessions, "
+                f"or lower session_idle_timeout_s (now {self.session_idle_timeout_s:g} s)") from None
         session = Session(self, uid, next(self._session_ids))
         self._sessions[session.id] = session
         return session
+
+    def _least_loaded_slot(self) -> int:
+        """Where a new session's interpreter goes: the slot holding the fewest live ones (sessions
+        pin their slot for every cell), a free one among those if any."""
+        counts = [0] * self.workers
+        for session in self._sessions.values():
+            if session._slot is not None:
+                counts[session._slot] += 1
+        fewest = [i for i, n in enumerate(counts) if n == min(counts)]
+        free = [i for i in fewest if self._pool.slot_is_free(i)]
+        return (free or fewest)[0]
 
     def _release_session(self, session: "Session"):
         if self._sessions.pop(session.id, None) is not None:
@@ -221,7 +245,8 @@ class Session:
             return ExecResult.internal("the sandbox restarted twice while running this session's call")
 
     async def _open(self):
-        msg, slot, generation = await self._sb._pool.session_op("session_open", None, None, session=self.id, uid=self.uid)
+        msg, slot, generation = await self._sb._pool.session_op("session_open", self._sb._least_loaded_slot(), None,
+                                                                session=self.id, uid=self.uid)
         if msg["status"] != "ok":
             raise SandboxStartError(msg["stderr"])
         self._slot, self._generation = slot, generation

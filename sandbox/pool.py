@@ -272,6 +272,9 @@ class ZygotePool:
             return result
         raise AssertionError("unreachable")
 
+    def slot_is_free(self, index: int) -> bool:
+        return index in self._idle.free
+
     async def session_op(self, op: str, slot_index: int | None, generation: int | None, **fields) -> tuple[dict, int, int]:
         """One session job on the slot that owns the session (any slot to open one).
 

@@ -410,7 +410,22 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
                 break
             except InterruptedError:
                 continue
+        if _thread_count() > 1:
+            # A thread the cell started would keep running (and writing) into later cells, and a
+            # thread cannot be killed alone: the interpreter ends here, with the cell's result.
+            os.write(DONE_FD, CELL_LEFT_THREADS[exit_code != 0])
+            os._exit(0)
         os.write(DONE_FD, b"0" if exit_code == 0 else b"1")
+
+
+CELL_LEFT_THREADS = (b"2", b"3")  # a session's done byte (ran / raised) when the cell left threads running
+
+
+def _thread_count():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc: assume the worst
+        return 2
 
 
 def _confine_or_exit(cfg, **kwargs):
@@ -876,6 +891,13 @@ def run_cell(job, cfg, sessions, job_fd):
         code = 0 if done == b"0" else 1
         return ({"status": "ok" if code == 0 else "error", "exit_code": code, "duration_s": duration,
                  "truncated": False, "notes": []}, out, err)
+    if done in CELL_LEFT_THREADS and reason in (None, "ended"):  # it ended itself, as it said: the cell's result
+        code = CELL_LEFT_THREADS.index(done)
+        _close_session(sessions.pop(job["session"]), cfg)
+        return ({"status": "ok" if code == 0 else "error", "exit_code": code, "duration_s": duration,
+                 "truncated": False, "session_ended": True,
+                 "notes": ["[the cell left threads running; the session's interpreter was ended so that they cannot "
+                           "write into later cells: earlier variables are gone]"]}, out, err)
     # The session is over: kill it (if still alive), collect how it ended, free it.
     try:
         os.kill(session.pid, signal.SIGKILL)

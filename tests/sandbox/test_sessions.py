@@ -122,3 +122,48 @@ def test_basic_isolation_sessions_keep_state_and_never_kill_outside_themselves()
         first, second = scenario(fn, isolation="basic")
     assert first.ok and second.stdout == "9\n"
     assert os.getppid() > 1 and os.path.exists(f"/proc/{os.getppid()}")  # we (and our parent) are alive
+
+
+def test_a_thread_left_running_ends_the_session_and_never_writes_into_the_next_cell():
+    """A cell's result holds what it wrote while it ran: a thread it leaves behind would write into
+    later cells, so the interpreter ends with that cell (its result intact, the next cell fresh)."""
+    async def fn(sb):
+        async with await sb.session() as s:
+            await s.run("x = 1")
+            left = await s.run("import threading, time\n"
+                               "def chatter():\n    while True:\n        print('late', flush=True)\n"
+                               "        time.sleep(0.01)\n"
+                               "threading.Thread(target=chatter, daemon=True).start()\nprint('cell')")
+            await asyncio.sleep(0.3)
+            after = await s.run("print('x' in globals())")
+            joined = await s.run("import threading\nt = threading.Thread(target=print, args=('inner',))\n"
+                                 "t.start(); t.join()\ny = 2")
+            kept = await s.run("print(y)")
+            return left, after, joined, kept
+
+    left, after, joined, kept = scenario(fn)
+    assert left.status == "ok" and "cell\n" in left.stdout and "threads running" in left.stderr
+    assert after.status == "ok" and after.stdout == "False\n"  # a fresh interpreter: no "late" lines
+    assert joined.status == "ok" and joined.stdout == "inner\n" and "threads" not in joined.stderr
+    assert kept.stdout == "2\n"  # a thread that finished within its cell costs the session nothing
+
+
+def test_sessions_are_spread_over_the_slots_and_the_cap_fails_fast():
+    async def fn(sb):
+        sessions = [await sb.session() for _ in range(4)]
+        for s in sessions:
+            await s.run("pass")
+        slots = sorted(s._slot for s in sessions)
+        start = time.monotonic()
+        with pytest.raises(sandbox.SessionLimitError, match="all 4 sessions of this sandbox are open"):
+            await sb.session(wait_s=0.2)
+        waited = time.monotonic() - start
+        await sessions[0].close()
+        fifth = await sb.session(wait_s=0.2)  # a closed session's place is free again
+        await fifth.run("pass")
+        return slots, waited, fifth._slot
+
+    slots, waited, fifth_slot = scenario(fn, max_sessions=4)
+    assert slots == [0, 0, 1, 1]
+    assert waited < 2.0
+    assert fifth_slot == 0  # where the closed one was: the least-loaded slot
