@@ -5,7 +5,10 @@ memfd / SysV shm pages escape RLIMIT_AS altogether. A cgroup counts all of it (s
 
 Layout: one cgroup per worker slot, `<own cgroup>/rstar2-sandbox-<id>/slot<i>`, reused by the
 slot's calls one after another (a call's processes are all dead before the next one starts, so
-the cgroup holds exactly one call at a time; its OOM counter is read before and after).
+the cgroup holds exactly one call at a time; its OOM counter is read before and after). Sessions
+each get their own, `.../sessions/session-<uid>`, with a call's limits; `sessions` itself caps
+the memory of all of them together (idle ones included): past it the kernel's OOM killer ends
+one of them (its next cell says so), never a call or the service.
 
 cgroup v1 (separate memory, pids and cpu hierarchies, as on this project's CI machines) and v2
 (unified; needs the controllers delegated to the service's cgroup) are both handled.
@@ -92,6 +95,16 @@ def limit_writes(version, memory_bytes, processes, cpus):
             ("", "cpu.max", f"{quota} {CPU_PERIOD_US}")]
 
 
+def sessions_limit_writes(version, memory_bytes):
+    """[(controller, file, value)] for the parent of all sessions: their memory together; in v2 it
+    also passes the controllers on to each session's own cgroup."""
+    if version == "v1":
+        return [("memory", "memory.limit_in_bytes", memory_bytes),
+                ("memory", "memory.memsw.limit_in_bytes", memory_bytes)]
+    return [("", "memory.max", memory_bytes), ("", "memory.swap.max", 0),
+            ("", "cgroup.subtree_control", "+memory +pids +cpu")]
+
+
 def _write(directory, name, value):
     with open(os.path.join(directory, name), "w") as f:
         f.write(str(value))
@@ -100,13 +113,14 @@ def _write(directory, name, value):
 class CgroupTree:
     """The sandbox's cgroups: created by the service before the zygote starts, removed after."""
 
-    def __init__(self, version, tops, slots):
+    def __init__(self, version, tops, slots, sessions=None):
         self.version = version
-        self.tops = tops    # {controller: <parent>/rstar2-sandbox-<id>}
-        self.slots = slots  # [{controller: slot dir}, ...]
+        self.tops = tops          # {controller: <parent>/rstar2-sandbox-<id>}
+        self.slots = slots        # [{controller: slot dir}, ...]
+        self.sessions = sessions  # {controller: <top>/sessions}: the parent of every session's cgroup
 
     @classmethod
-    def create(cls, n_slots, *, memory_bytes, processes, cpus, name=None):
+    def create(cls, n_slots, *, memory_bytes, processes, cpus, sessions_memory_bytes, name=None):
         """The tree, or (None, reason) where cgroups cannot be used here (no error: a fallback)."""
         version, parents = find_parents()
         if version is None:
@@ -129,6 +143,12 @@ class CgroupTree:
                     os.mkdir(d, 0o755)
                 tree.slots.append(slot)
                 tree._limit(slot, memory_bytes, processes, cpus)
+            tree.sessions = {c: os.path.join(top, "sessions") for c, top in tops.items()}
+            for d in tree.sessions.values():
+                os.mkdir(d, 0o755)
+            for controller, file, value in sessions_limit_writes(version, sessions_memory_bytes):
+                if os.path.exists(os.path.join(tree.sessions[controller], file)):
+                    _write(tree.sessions[controller], file, value)
         except OSError as e:
             tree.remove()
             return None, f"cannot set up cgroups under {', '.join(parents.values())}: {e.strerror or e}"
@@ -140,12 +160,23 @@ class CgroupTree:
                 _write(slot[controller], name, value)
 
     def to_dict(self):
-        return {"version": self.version, "slots": self.slots, "tops": self.tops}
+        return {"version": self.version, "slots": self.slots, "tops": self.tops, "sessions": self.sessions}
+
+    def sessions_peak_bytes(self):
+        """The most memory all sessions together have held (None where the kernel does not say)."""
+        directory, name = ((self.sessions["memory"], "memory.max_usage_in_bytes") if self.version == "v1"
+                           else (self.sessions[""], "memory.peak"))
+        try:
+            with open(os.path.join(directory, name)) as f:
+                return int(f.read())
+        except OSError:
+            return None
 
     def remove(self, timeout_s=5.0):
-        """rmdir every slot and the top (empty once the zygote and its calls are gone)."""
+        """rmdir every slot, the sessions' parent and the top (empty once the zygote and its calls are gone)."""
         deadline = time.monotonic() + timeout_s
-        for d in [d for slot in self.slots for d in slot.values()] + list(self.tops.values()):
+        dirs = [d for slot in self.slots for d in slot.values()] + list((self.sessions or {}).values())
+        for d in dirs + list(self.tops.values()):
             _rmdir_when_empty(d, None, deadline)
 
 
@@ -174,9 +205,13 @@ def _remove_stale(parent):
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             top = os.path.join(parent, name)
             try:
-                for slot in os.listdir(top):
-                    if os.path.isdir(os.path.join(top, slot)):
-                        os.rmdir(os.path.join(top, slot))
+                for slot in os.listdir(top):  # slot<i>, and sessions (with its session-<uid>s)
+                    path = os.path.join(top, slot)
+                    if os.path.isdir(path):
+                        for child in os.listdir(path):
+                            if os.path.isdir(os.path.join(path, child)):
+                                os.rmdir(os.path.join(path, child))
+                        os.rmdir(path)
                 os.rmdir(top)
             except OSError:
                 pass

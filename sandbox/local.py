@@ -47,7 +47,8 @@ class LocalSandbox:
     def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits = Limits(),
                  preload: Sequence[str] = DEFAULT_PRELOAD, default_timeout: float = 5.0,
                  max_pending: int = 4096, uid_base: int | None = None, max_sessions: int = 256,
-                 session_idle_timeout_s: float = 600.0, session_wait_s: float = 5.0):
+                 session_idle_timeout_s: float = 600.0, session_wait_s: float = 5.0,
+                 sessions_memory_bytes: int | None = None):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if isolation not in ISOLATION_MODES:
@@ -56,7 +57,12 @@ class LocalSandbox:
         self.isolation = isolation
         self.limits = limits
         self.default_timeout = default_timeout
-        self._pool = ZygotePool(workers, isolation=isolation, preload=preload, limits=limits)
+        # All sessions' memory together, idle ones included (cgroups only): a quarter of the host's
+        # memory unless given. Past it the kernel ends one session (its next cell says so).
+        if sessions_memory_bytes is None:
+            sessions_memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        self._pool = ZygotePool(workers, isolation=isolation, preload=preload, limits=limits,
+                                sessions_memory_bytes=sessions_memory_bytes)
         # The slots' uids, then one per session: a block no other sandbox on this host holds,
         # claimed at start and freed at close (sandbox/uids.py); uid_base pins where it starts.
         self._uid_base = uid_base

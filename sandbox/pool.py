@@ -148,13 +148,14 @@ class SessionLost(RuntimeError):
 
 class ZygotePool:
     def __init__(self, workers: int, *, isolation: str, preload: Sequence[str], limits: Limits,
-                 uid_base: int | None = None, warmup: str = DEFAULT_WARMUP,
+                 uid_base: int | None = None, warmup: str = DEFAULT_WARMUP, sessions_memory_bytes: int = 8 << 30,
                  startup_timeout_s: float = 120.0):
         self.workers = workers
         self.isolation = isolation
         self.preload = tuple(preload)
         self.limits = limits
         self.uid_base = uid_base
+        self.sessions_memory_bytes = sessions_memory_bytes
         self.warmup = warmup if "sympy" in self.preload else ""
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -174,7 +175,8 @@ class ZygotePool:
         if self.isolation != "strict":
             return None, "cgroups are used with strict isolation only"
         return CgroupTree.create(self.workers, memory_bytes=self.limits.memory_bytes,
-                                 processes=self.limits.processes, cpus=self.limits.cpus)
+                                 processes=self.limits.processes, cpus=self.limits.cpus,
+                                 sessions_memory_bytes=self.sessions_memory_bytes)
 
     async def start(self):
         loop = asyncio.get_running_loop()

@@ -421,11 +421,18 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
 CELL_LEFT_THREADS = (b"2", b"3")  # a session's done byte (ran / raised) when the cell left threads running
 
 
-def _thread_count():
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # no /proc: assume the worst
-        return 2
+def _thread_count(settle_s=0.1):
+    """Threads of this process, once those that are finishing have gone (a joined thread's OS
+    thread exits just after join() returns), waiting at most `settle_s`."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            n = len(os.listdir("/proc/self/task"))
+        except OSError:  # no /proc: assume the worst
+            return 2
+        if n == 1 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.002)
 
 
 def _confine_or_exit(cfg, **kwargs):
@@ -1132,7 +1139,7 @@ def main():
         tree = cfg.get("cgroups")
         cfg["cgroup_version"] = tree["version"] if tree else None
         cfg["cgroup_slot_fds"] = [cgroups.open_dirs(s) for s in tree["slots"]] if tree else None
-        cfg["cgroup_top_fds"] = cgroups.open_dirs(tree["tops"]) if tree else None
+        cfg["cgroup_top_fds"] = cgroups.open_dirs(tree["sessions"]) if tree else None  # sessions' parent
         if cfg["isolation"] == "strict":
             isolate_master(cfg)
         else:

@@ -82,16 +82,18 @@ def test_close_and_idle_timeout_leave_no_process_or_cgroup():
         await s.run("x = 1")
         idle = await sb.session()
         await idle.run("y = 2")
-        tops = dict(sb._pool._cgroups.tops)
+        parents = dict(sb._pool._cgroups.sessions)
+        during = sorted(n for p in parents.values() for n in os.listdir(p) if os.path.isdir(os.path.join(p, n)))
         await s.close()
         deadline = time.monotonic() + 5
         while idle.id in sb._sessions and time.monotonic() < deadline:  # released once fully closed
             await asyncio.sleep(0.1)
-        names = sorted(n for top in tops.values() for n in os.listdir(top) if os.path.isdir(os.path.join(top, n)))
-        return idle.closed, names, {s.uid, idle.uid}
+        names = sorted(n for p in parents.values() for n in os.listdir(p) if os.path.isdir(os.path.join(p, n)))
+        return idle.closed, during, names, {s.uid, idle.uid}
 
-    closed, names, uids = scenario(fn, session_idle_timeout_s=0.5)
-    assert closed and set(names) == {"slot0", "slot1"}  # the sessions' own cgroups are gone
+    closed, during, names, uids = scenario(fn, session_idle_timeout_s=0.5)
+    assert len(set(during)) == 2  # each session had its own cgroup, under the sessions' parent
+    assert closed and names == []  # the sessions' own cgroups are gone
     assert processes_of(uids) == []
 
 
@@ -167,3 +169,25 @@ def test_sessions_are_spread_over_the_slots_and_the_cap_fails_fast():
     assert slots == [0, 0, 1, 1]
     assert waited < 2.0
     assert fifth_slot == 0  # where the closed one was: the least-loaded slot
+
+
+def test_all_sessions_together_stay_within_their_memory_budget():
+    """Idle sessions hold memory between cells; all of them together are capped (one cgroup over
+    every session's): past the budget the kernel ends a session, never the service or a call."""
+    budget = 400 << 20
+
+    async def fn(sb):
+        assert sb.protections["cgroups"], "this test needs cgroups (the suite runs as root with them)"
+        sessions = [await sb.session() for _ in range(5)]
+        fills = [await s.run("buf = b'x' * (100 * 2**20)\nprint('held')", timeout=20) for s in sessions]
+        alive = [await s.run("print(len(buf))") for s in sessions]
+        call = await sb.run("print(sum(range(10)))")
+        return fills, alive, call, sb._pool._cgroups.sessions_peak_bytes()
+
+    fills, alive, call, peak = scenario(fn, sessions_memory_bytes=budget, max_sessions=8)
+    holding = [r for r in alive if r.stdout == f"{100 * 2**20}\n"]
+    assert 1 <= len(holding) <= 3, [(r.status, r.stdout, r.stderr[-80:]) for r in alive]
+    ended = [f for f in fills if f.status == "memory"] + [r for r in alive if "has ended" in r.stderr]
+    assert ended  # the budget was enforced on a session, with a result that says so
+    assert call.status == "ok" and call.stdout == "45\n"
+    assert peak is not None and peak <= budget
