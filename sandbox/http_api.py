@@ -4,6 +4,13 @@ Native:
   POST /run        {"code", "stdin"?, "timeout"?}      -> ExecResult as JSON
   POST /run/batch  {"requests": [{...}, ...]}         -> {"results": [...]} in request order
   GET  /health (with what isolation is active), GET /metrics (Prometheus text)
+Sessions (a live interpreter per trajectory; a LocalSandbox backend only):
+  POST   /session           {}                                   -> {"session": id}
+  POST   /session/<id>/run  {"code", "stdin"?, "timeout"?}     -> ExecResult as JSON
+  DELETE /session/<id>                                          -> {"closed": true}
+  An id is unguessable (it is the session's only key); an unknown, closed or idle-expired one is a
+  404; at the service's session cap a 503 says so. A cell that ended its interpreter says so in
+  its stderr, and the next cell on that id starts a fresh one.
 code-judge compatible (rStar2-Agent's tool client and verl setups work unchanged):
   POST /run, /judge               {"type": "python", "solution", "input"?, "expected_output"?}
   POST /run/batch, /run/long-batch, /judge/batch   {"type": "batch", "submissions": [...]}
@@ -33,6 +40,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import time
 import uuid
 from typing import Any
@@ -301,6 +309,7 @@ class SandboxHTTPServer:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self._deadlines: dict[asyncio.BaseTransport, _Deadline] = {}
+        self._sessions: dict[str, Any] = {}  # id -> the backend's Session
 
     async def start(self, host: str = "127.0.0.1", port: int = 8088) -> int:
         if not is_loopback(host) and not self.token:
@@ -332,6 +341,9 @@ class SandboxHTTPServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self):
+        for session in list(self._sessions.values()):
+            await session.close()
+        self._sessions.clear()
         if self._server is not None:
             self._server.close()
         if self._runner is not None:
@@ -351,7 +363,7 @@ class SandboxHTTPServer:
             path = request.path.rstrip("/") or "/"
             self._check_route(request.method, path)
             body = None
-            if request.method == "POST":
+            if request.method == "POST" or (request.method == "DELETE" and request.can_read_body):
                 try:
                     raw = await asyncio.wait_for(request.read(), self.read_timeout_s)
                 except asyncio.TimeoutError:
@@ -379,6 +391,14 @@ class SandboxHTTPServer:
         return response
 
     def _check_route(self, method: str, path: str):
+        if path == "/session" or path.startswith("/session/"):
+            parts = path.split("/")  # ["", "session"] | ["", "session", id] | ["", "session", id, "run"]
+            allowed = {2: "POST", 3: "DELETE", 4: "POST"}.get(len(parts))
+            if allowed is None or (len(parts) == 4 and parts[3] != "run"):
+                raise HTTPError(404, f"no route {path}")
+            if method != allowed:
+                raise HTTPError(405, f"{method} not allowed on {path}")
+            return
         if path not in GETS | POSTS:
             raise HTTPError(404, f"no route {path}")
         if (method == "GET") != (path in GETS) or method not in ("GET", "POST"):
@@ -462,6 +482,8 @@ class SandboxHTTPServer:
             return 200, "text", self.metrics.render(await self._queue_depth())
         if path == "/status":
             return 200, "json", {"queue": await self._queue_depth(), "num_workers": self.workers}
+        if path == "/session" or path.startswith("/session/"):
+            return await self._session_route(request.method, path.split("/")[2:], body, key)
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
         if path in ("/run", "/judge"):
@@ -488,6 +510,44 @@ class SandboxHTTPServer:
         args = [self._native_args(r) for r in reqs]
         results = await asyncio.gather(*(self._run(*a, key) for a in args))
         return 200, "json", {"results": [r.to_dict() for r in results]}
+
+    async def _session_route(self, method: str, parts: list[str], body: Any, key) -> tuple[int, str, Any]:
+        """parts: [] (open), [id] (DELETE: close), [id, "run"] (a cell)."""
+        open_session = getattr(self.backend, "session", None)
+        if open_session is None:
+            raise HTTPError(501, "this service's backend has no sessions (serve without --redis for them)")
+        if not parts:
+            from sandbox.local import SessionLimitError
+            try:
+                session = await open_session()
+            except SessionLimitError as e:
+                raise HTTPError(503, str(e)) from None
+            session_id = secrets.token_urlsafe(18)
+            self._sessions[session_id] = session
+            return 200, "json", {"session": session_id}
+        session = self._sessions.get(parts[0])
+        if session is not None and session.closed:  # closed by the backend (idle timeout, shutdown)
+            self._sessions.pop(parts[0], None)
+            session = None
+        if session is None:
+            raise HTTPError(404, "no such session: it was closed, it expired after being idle, or the service "
+                                 "restarted; open a new one (POST /session)")
+        if method == "DELETE":
+            self._sessions.pop(parts[0], None)
+            await session.close()
+            return 200, "json", {"closed": True}
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        code, stdin, timeout = self._native_args(body)
+        self.metrics.in_flight += 1
+        start = time.monotonic()
+        try:
+            async with self.turns.turn(key):
+                result = await session.run(code, stdin, timeout)
+        finally:
+            self.metrics.in_flight -= 1
+        self.metrics.observe(result, time.monotonic() - start)
+        return 200, "json", result.to_dict()
 
     async def _queue_depth(self) -> int:
         depth = getattr(self.backend, "queue_depth", None)

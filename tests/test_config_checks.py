@@ -187,3 +187,13 @@ def test_the_values_validate_once_let_through_are_refused(path, value):
     tree = tiny_arith.get_config().to_dict()
     set_path(tree, path, value)
     assert path in problems_of(tree)
+
+
+def test_session_tool_state_needs_a_backend_with_sessions(tmp_path):
+    """Sessions live on one host: local and http have them, redis (any worker takes any call) not."""
+    tree = shipped_configs(tmp_path)["tiny_arith"]
+    for backend, url, refused in (("local", "", False), ("http", "http://127.0.0.1:8088", False),
+                                  ("redis", "redis://127.0.0.1:6379/0", True)):
+        t = copy.deepcopy(tree)
+        t["sandbox"].update(backend=backend, url=url, tool_state="session")
+        assert ("sandbox.tool_state" in problems_of(t)) == refused, backend

@@ -154,3 +154,59 @@ def test_serve_cli_end_to_end():
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+
+
+def test_sessions_over_http_keep_state_per_id_and_refuse_unknown_ids(api):
+    url, server = api
+    status, opened = request(url + "/session", "POST")
+    assert status == 200 and len(opened["session"]) >= 24  # unguessable: the id is the only key
+    other = request(url + "/session", "POST")[1]["session"]
+    cell = f"{url}/session/{opened['session']}/run"
+    assert request(cell, "POST", {"code": "x = 20"})[1]["status"] == "ok"
+    status, body = request(cell, "POST", {"code": "x += 1\nprint(input() * x)", "stdin": "ab"})
+    assert status == 200 and body["stdout"] == "ab" * 21 + "\n"
+    assert request(f"{url}/session/{other}/run", "POST", {"code": "print('x' in globals())"})[1]["stdout"] == "False\n"
+    assert request(cell, "POST", {"code": 42})[0] == 400
+    assert request(cell, "GET")[0] == 405
+    assert request(f"{url}/session/{opened['session']}/stop", "POST", {})[0] == 404
+    assert request(f"{url}/session/{opened['session']}", "DELETE") == (200, {"closed": True})
+    status, body = request(cell, "POST", {"code": "print(x)"})
+    assert status == 404 and "open a new one" in body["error"]
+    assert request(f"{url}/session/not-an-id/run", "POST", {"code": "1"})[0] == 404
+    request(f"{url}/session/{other}", "DELETE")
+    assert server._sessions == {}
+
+
+def test_http_session_cap_is_a_503_saying_why():
+    from tests.sandbox.helpers import SyncSandbox
+    box = SyncSandbox(workers=1, preload=("math",), max_sessions=1, session_wait_s=0.1)
+    server = SandboxHTTPServer(box.sb, workers=1)
+    port = box.call(server.start("127.0.0.1", 0))
+    try:
+        assert request(f"http://127.0.0.1:{port}/session", "POST")[0] == 200
+        status, body = request(f"http://127.0.0.1:{port}/session", "POST")
+        assert status == 503 and "all 1 sessions of this sandbox are open" in body["error"]
+    finally:
+        box.call(server.close())
+        box.close()
+
+
+def test_http_sandbox_client_sessions_and_a_lost_session_is_reopened_with_a_note(api, sb):
+    import sandbox
+    url, server = api
+
+    async def trajectory():
+        async with sandbox.HTTPSandbox(url) as client:
+            async with await client.session() as s:
+                first = [await s.run("x = 1"), await s.run("x + 1")]
+                for live in list(server._sessions.values()):  # the service loses it (e.g. it expired)
+                    await live.close()
+                lost = await s.run("print('x' in globals())")
+                again = await s.run("y = 5\ny")
+            return first, lost, again, s.restarts
+
+    first, lost, again, restarts = sb.call(trajectory())
+    assert [r.status for r in first] == ["ok", "ok"] and first[1].stdout == "2\n"
+    assert lost.stdout == "False\n" and "lost this session" in lost.stderr and restarts == 1
+    assert again.stdout == "5\n"
+    assert server._sessions == {}  # closed at the end of the `async with`
