@@ -20,7 +20,9 @@ message and never reach a worker.
 
 Limits: body size (413), batch size and the batch's worst-case response size (400), JSON depth
 and number length (400: no input gives a 500), connections (503 past `max_connections`), idle and
-body-read timeouts; a client that goes away has its batch's calls cancelled (queued ones never
+body-read timeouts (a connection has `read_timeout_s` from its previous response, or its first
+byte, until its next request is read: a partial request pipelined behind a whole one is cut
+then too); a client that goes away has its batch's calls cancelled (queued ones never
 run, running ones are killed). Calls of different requests take turns for the workers (round
 robin over requests), so a single call is not queued behind another client's large batch.
 
@@ -110,6 +112,13 @@ class _Deadline(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+    def response_ready(self):
+        """The next request's deadline starts now: bytes of it may already be here (pipelined in
+        the same packet as this one), and no more may ever come to re-arm it. So a connection
+        gets `timeout_s`, not aiohttp's longer keep-alive, to send its next request whole."""
+        self.request_read()
+        self.arm()
 
     def data_received(self, data):
         self.arm()
@@ -388,6 +397,9 @@ class SandboxHTTPServer:
             response = web.Response(status=status, text=payload, content_type="text/plain")
         if not body_read:  # its body is never read: the connection cannot carry another request
             response.force_close()
+        deadline = self._deadlines.get(request.transport)
+        if deadline is not None:
+            deadline.response_ready()
         return response
 
     def _check_route(self, method: str, path: str):

@@ -475,6 +475,23 @@ def test_unread_get_body_does_not_desync_the_connection(strict_api):
     assert out.count(b"HTTP/1.1 200 OK") == 2 and b"404" not in out and b'"stdout": "5\\n"' in out
 
 
+def test_a_partial_request_pipelined_behind_a_whole_one_is_cut_at_the_read_deadline(sb):
+    """One packet: a whole request and the start of another, then silence. The second's deadline
+    runs from the first's response (no more bytes will ever re-arm it): the connection closes
+    after read_timeout_s, not after the (much longer) keep-alive."""
+    from sandbox.http_api import SandboxHTTPServer
+    server = SandboxHTTPServer(sb.sb, workers=sb.sb.workers, read_timeout_s=1.0, idle_timeout_s=60.0)
+    port = sb.call(server.start("127.0.0.1", 0))
+    try:
+        start = time.monotonic()
+        out = _raw(port, _post("/run", {"code": "print(7)"}) + b"POST /run HTTP/1.1\r\nHost: x\r\nContent-Le",
+                   wait_s=10)
+        assert out.count(b"HTTP/1.1 200 OK") == 1 and b'"stdout": "7\\n"' in out
+        assert time.monotonic() - start < 4  # closed by the server well before the 10 s client wait
+    finally:
+        sb.call(server.close())
+
+
 def test_negative_content_length_is_a_400(strict_api):
     port, _ = strict_api
     out = _raw(port, b"POST /run HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
