@@ -19,15 +19,23 @@ Delivery is at least once, results exactly once:
   deadline. If Redis restarts or disappears, the call returns status "internal" saying so once
   the deadline passes.
 
+Sessions (a live interpreter per trajectory) stay on the worker that opened them: the open goes
+on the shared stream, and the worker that takes it answers with the session's id (unguessable)
+and its own session stream, {p}:sessions:{worker}, where the session's cells then go. A worker
+keeps {p}:alive:{worker} fresh while it serves; a client waiting for a cell of a worker whose
+key is gone (it died) opens a new session, and that cell says the earlier variables are gone, as
+it does when the session expired on an idle worker.
+
 Keys (prefix "sandbox" by default): {p}:jobs (stream), {p}:workers (group), {p}:replies:{client}
 (a client's reply list), {p}:done:{entry} (exactly-once marker), {p}:cancelled:{entry},
-{p}:dead (dead-letter list, newest 1,000).
+{p}:dead (dead-letter list, newest 1,000), {p}:sessions:{worker} (stream), {p}:alive:{worker}.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -73,6 +81,16 @@ class Keys:
 
     def cancelled(self, entry_id: str) -> str:
         return f"{self.prefix}:cancelled:{entry_id}"
+
+    def sessions(self, worker: str) -> str:
+        return f"{self.prefix}:sessions:{worker}"
+
+    def alive(self, worker: str) -> str:
+        return f"{self.prefix}:alive:{worker}"
+
+
+class _WorkerGone(Exception):
+    """The worker holding a session stopped serving (its alive key expired)."""
 
 
 class RedisSandbox:
@@ -131,17 +149,31 @@ class RedisSandbox:
                 msg = json.loads(reply[1])
                 future = self._waiting.get(msg["entry"])
                 if future is not None and not future.done():
-                    future.set_result(ExecResult.from_dict(msg["result"]))
+                    ExecResult.from_dict(msg["result"])  # malformed: dropped here, not in the caller
+                    future.set_result(msg)
             except (ValueError, KeyError, TypeError):
                 log.warning("dropped a malformed reply on %s", self.reply_key)
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         timeout = validate_request(code, stdin, timeout, default_timeout=self.default_timeout,
                                    max_timeout=self.max_timeout_s)
+        msg = await self._call(self.keys.jobs, {"code": code, "stdin": stdin}, timeout)
+        return msg if isinstance(msg, ExecResult) else ExecResult.from_dict(msg["result"])
+
+    async def session(self) -> "RedisSession":
+        """A live interpreter on one worker for one trajectory (as LocalSandbox.session)."""
+        session = RedisSession(self)
+        await session._open()
+        return session
+
+    async def _call(self, stream: str, payload: dict, timeout: float, *, alive_key: str | None = None):
+        """Queue one job on `stream` and wait for its reply: the reply message, or an "internal"
+        ExecResult when none came by the deadline. alive_key: the worker that must serve it (a
+        session's); raises _WorkerGone once that key has expired."""
         if self._listener is None or self._listener.done():
             self._listener = asyncio.create_task(self._listen())
         deadline = time.monotonic() + timeout + self.queue_timeout_s
-        job = json.dumps({"code": code, "stdin": stdin, "timeout": timeout, "reply_to": self.reply_key,
+        job = json.dumps({**payload, "timeout": timeout, "reply_to": self.reply_key,
                           "deadline": time.time() + timeout + self.queue_timeout_s})
         future = asyncio.get_running_loop().create_future()
         last_error = None
@@ -152,11 +184,13 @@ class RedisSandbox:
                 try:
                     if entry_id is not None and self._reconnects != seen_reconnects:
                         seen_reconnects = self._reconnects
-                        if await self._lost(entry_id):  # Redis restarted without it: queue it again
+                        if await self._lost(stream, entry_id):  # Redis restarted without it: queue it again
                             self._waiting.pop(entry_id, None)
                             entry_id = None
+                    if alive_key is not None and not await self._redis.exists(alive_key):
+                        raise _WorkerGone(alive_key)
                     if entry_id is None:
-                        entry_id = await self._redis.xadd(self.keys.jobs, {"job": job})
+                        entry_id = await self._redis.xadd(stream, {"job": job})
                         self._waiting[entry_id] = future
                     wait = max(0.1, min(1.0, deadline - time.monotonic()))
                     return await asyncio.wait_for(asyncio.shield(future), wait)
@@ -170,25 +204,25 @@ class RedisSandbox:
             return ExecResult.internal(f"no result within {timeout + self.queue_timeout_s:.0f} s ({why})")
         except asyncio.CancelledError:
             if entry_id is not None and not future.done():  # the caller went away: withdraw the job
-                task = asyncio.ensure_future(self._cancel(entry_id))
+                task = asyncio.ensure_future(self._cancel(stream, entry_id))
                 task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
             raise
         finally:
             if entry_id is not None:
                 self._waiting.pop(entry_id, None)
 
-    async def _cancel(self, entry_id: str):
+    async def _cancel(self, stream: str, entry_id: str):
         """Delete a departed caller's job from the queue, and mark it cancelled for a worker that
         took it already (it skips it, or it finishes unheard)."""
         with contextlib.suppress(RedisError, *_RETRYABLE):
             await self._redis.set(self.keys.cancelled(entry_id), "1", ex=int(self.max_timeout_s + 60))
-            await self._redis.xdel(self.keys.jobs, entry_id)
+            await self._redis.xdel(stream, entry_id)
 
-    async def _lost(self, entry_id: str) -> bool:
+    async def _lost(self, stream: str, entry_id: str) -> bool:
         """After a connection failure: True when Redis no longer has the job (it restarted without
         persistence) and it was not finished. A worker deletes an entry only after marking it done,
         so an entry that is gone without its done marker was lost, not finished."""
-        if await self._redis.xrange(self.keys.jobs, entry_id, entry_id):
+        if await self._redis.xrange(stream, entry_id, entry_id):
             return False
         return not await self._redis.exists(self.keys.done(entry_id))
 
@@ -202,6 +236,66 @@ class RedisSandbox:
             return int(await self._redis.xlen(self.keys.jobs))
         except RedisError:
             return -1
+
+
+class RedisSession:
+    """A session on one `python -m sandbox worker`: `run` / `close` as sandbox.Session.
+
+    If its worker lost the interpreter (it died, restarted, or closed the session after it sat
+    idle), the next call opens a new one, on any worker, and says so in its stderr."""
+
+    def __init__(self, sb: RedisSandbox):
+        self._sb = sb
+        self.id: str | None = None
+        self.stream = self.alive_key = None
+        self.closed = False
+        self.restarts = 0
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> "RedisSession":
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def _open(self):
+        msg = await self._sb._call(self._sb.keys.jobs, {"op": "session_open"}, self._sb.default_timeout)
+        info = None if isinstance(msg, ExecResult) else msg.get("session")
+        if not isinstance(info, dict):
+            why = msg.stderr if isinstance(msg, ExecResult) else ExecResult.from_dict(msg["result"]).stderr
+            raise RuntimeError(f"no sandbox worker could open a session: {why}")
+        self.id, self.stream, self.alive_key = info["id"], info["stream"], info["alive"]
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        timeout = validate_request(code, stdin, timeout, default_timeout=self._sb.default_timeout,
+                                   max_timeout=self._sb.max_timeout_s)
+        if self.closed:
+            raise RuntimeError("the session is closed")
+        async with self._lock:
+            note = ""
+            for _ in range(2):
+                try:
+                    msg = await self._sb._call(self.stream, {"op": "session_run", "session": self.id, "code": code,
+                                                             "stdin": stdin}, timeout, alive_key=self.alive_key)
+                except _WorkerGone:
+                    msg = {"session_lost": True}
+                if not isinstance(msg, ExecResult) and msg.get("session_lost"):
+                    await self._open()
+                    self.restarts += 1
+                    note = "[the sandbox worker lost this session: its earlier variables are gone]\n"
+                    continue
+                result = msg if isinstance(msg, ExecResult) else ExecResult.from_dict(msg["result"])
+                return dataclasses.replace(result, stderr=note + result.stderr) if note else result
+            return ExecResult.internal("the sandbox lost this session twice in one call")
+
+    async def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        if self.stream is not None:  # best effort, briefly: an unclosed session ends after its idle timeout
+            with contextlib.suppress(RedisError, *_RETRYABLE, _WorkerGone, asyncio.TimeoutError):
+                await asyncio.wait_for(self._sb._call(self.stream, {"op": "session_close", "session": self.id},
+                                                      5.0, alive_key=self.alive_key), 10.0)
 
 
 class RedisWorker:
@@ -226,13 +320,18 @@ class RedisWorker:
         self._running: dict[str, asyncio.Task] = {}  # stream entry id -> task
         self._stop = asyncio.Event()
         self.completed = 0
+        self.session_stream = self.keys.sessions(self.name)  # the cells of the sessions opened here
+        self.alive_key = self.keys.alive(self.name)
+        self._sessions: dict[str, Any] = {}  # session id -> the LocalSandbox Session
 
     async def _ensure_group(self):
-        try:
-            await self._redis.xgroup_create(self.keys.jobs, self.keys.group, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        for stream in (self.keys.jobs, self.session_stream):
+            try:
+                await self._redis.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        await self._redis.set(self.alive_key, "1", ex=max(1, int(self.visibility_timeout_s)))
 
     def stop(self):
         self._stop.set()
@@ -256,6 +355,8 @@ class RedisWorker:
                 heartbeat.cancel()
                 if self._running:
                     await asyncio.gather(*self._running.values(), return_exceptions=True)
+                with contextlib.suppress(RedisError, *_RETRYABLE):  # its sessions end with it: say so at once
+                    await self._redis.delete(self.alive_key, self.session_stream)
                 await self._redis.aclose()
 
     async def _take_jobs(self):
@@ -272,34 +373,34 @@ class RedisWorker:
             if await self._deliveries(entry[0]) > self.max_deliveries:
                 await self._dead_letter(*entry)
             else:
-                entries.append(entry)
-        if not entries:
-            reply = await self._redis.xreadgroup(self.keys.group, self.name, {self.keys.jobs: ">"},
+                entries.append((self.keys.jobs, *entry))
+        if not entries:  # new jobs, and cells of the sessions opened here (never claimed by others)
+            reply = await self._redis.xreadgroup(self.keys.group, self.name,
+                                                 {self.keys.jobs: ">", self.session_stream: ">"},
                                                  count=free, block=500)
-            entries = [e for _, stream_entries in reply or [] for e in stream_entries]
-        for entry_id, fields in entries:
+            entries = [(stream, *e) for stream, stream_entries in reply or [] for e in stream_entries]
+        for stream, entry_id, fields in entries:
             if entry_id not in self._running:
-                self._running[entry_id] = asyncio.create_task(self._execute(entry_id, fields))
+                self._running[entry_id] = asyncio.create_task(self._execute(stream, entry_id, fields))
 
-    async def _execute(self, entry_id: str, fields: dict[str, str]):
+    async def _execute(self, stream: str, entry_id: str, fields: dict[str, str]):
         job: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         try:
             try:
                 job = json.loads(fields["job"])
                 if not isinstance(job, dict):
                     raise TypeError("a job must be a JSON object")
-                timeout = validate_request(job["code"], job.get("stdin", ""), job.get("timeout"),
-                                           default_timeout=5.0, max_timeout=self.sandbox.limits.max_timeout_s)
                 if await self._redis.exists(self.keys.cancelled(entry_id)) or time.time() > self._deadline(job):
                     result = None  # its client went away or gave up: nobody to answer
                 else:
-                    result = await self.sandbox.run(job["code"], job.get("stdin", ""), timeout)
+                    result, extra = await self._run_job(job)
             except (KeyError, ValueError, TypeError, AttributeError) as e:
                 result = ExecResult.internal(f"malformed job: {e}")
             if result is not None:
-                await self._finish(entry_id, job, result)
-            await self._redis.xack(self.keys.jobs, self.keys.group, entry_id)
-            await self._redis.xdel(self.keys.jobs, entry_id)
+                await self._finish(entry_id, job, result, extra)
+            await self._redis.xack(stream, self.keys.group, entry_id)
+            await self._redis.xdel(stream, entry_id)
             self.completed += 1
         except _RETRYABLE as e:
             # Not acknowledged: after the visibility timeout another worker (or this one) reruns it.
@@ -307,18 +408,48 @@ class RedisWorker:
         finally:
             self._running.pop(entry_id, None)
 
+    async def _run_job(self, job: dict) -> tuple[ExecResult, dict]:
+        """(the result, extra reply fields) of one job: a stateless call or a session operation."""
+        op = job.get("op", "run")
+        if op == "session_open":
+            from sandbox.local import SessionLimitError
+            try:
+                session = await self.sandbox.session()
+            except SessionLimitError as e:
+                return ExecResult.internal(str(e)), {}
+            session_id = uuid.uuid4().hex + uuid.uuid4().hex  # unguessable: the session's only key
+            self._sessions[session_id] = session
+            info = {"id": session_id, "stream": self.session_stream, "alive": self.alive_key}
+            return ExecResult(status="ok"), {"session": info}
+        if op == "session_close":
+            session = self._sessions.pop(job.get("session"), None)
+            if session is not None:
+                await session.close()
+            return ExecResult(status="ok"), {}
+        timeout = validate_request(job["code"], job.get("stdin", ""), job.get("timeout"),
+                                   default_timeout=5.0, max_timeout=self.sandbox.limits.max_timeout_s)
+        if op == "run":
+            return await self.sandbox.run(job["code"], job.get("stdin", ""), timeout), {}
+        if op == "session_run":
+            session = self._sessions.get(job.get("session"))
+            if session is None or session.closed:  # closed after being idle, or never here
+                self._sessions.pop(job.get("session"), None)
+                return ExecResult.internal("no such session on this worker"), {"session_lost": True}
+            return await session.run(job["code"], job.get("stdin", ""), timeout), {}
+        raise ValueError(f"unknown op {op!r}")
+
     def _deadline(self, job: dict) -> float:
         deadline = job.get("deadline")
         return float(deadline) if isinstance(deadline, (int, float)) else float("inf")
 
-    async def _finish(self, entry_id: str, job: dict, result: ExecResult):
+    async def _finish(self, entry_id: str, job: dict, result: ExecResult, extra: dict | None = None):
         """Post the result once (the done marker), to the reply list the job names."""
         reply_to = job.get("reply_to") if isinstance(job, dict) else None
         if not isinstance(reply_to, str) or not reply_to.startswith(self.keys.prefix + ":replies:"):
             return  # nobody to answer (a malformed job): acknowledged, never redelivered
         ttl = int(min(self.result_ttl_s, max(5.0, self._deadline(job) - time.time() + 5.0)))
         await self._redis.eval(_FINISH, 2, self.keys.done(entry_id), reply_to,
-                               json.dumps({"entry": entry_id, "result": result.to_dict()}), str(ttl))
+                               json.dumps({"entry": entry_id, "result": result.to_dict(), **(extra or {})}), str(ttl))
 
     async def _deliveries(self, entry_id: str) -> int:
         pending = await self._redis.xpending_range(self.keys.jobs, self.keys.group, min=entry_id, max=entry_id,
@@ -344,9 +475,12 @@ class RedisWorker:
         await self._redis.xdel(self.keys.jobs, entry_id)
 
     async def _heartbeat(self):
-        """Re-claim running jobs so their idle time stays below the visibility timeout."""
+        """Re-claim running jobs so their idle time stays below the visibility timeout, and keep
+        this worker's alive key (its sessions' clients read it) from expiring."""
         while True:
             await asyncio.sleep(self.visibility_timeout_s / 3)
+            with contextlib.suppress(RedisError, *_RETRYABLE):
+                await self._redis.set(self.alive_key, "1", ex=max(1, int(self.visibility_timeout_s)))
             ids = list(self._running)
             if not ids:
                 continue

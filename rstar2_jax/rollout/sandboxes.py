@@ -54,19 +54,16 @@ def _check_local(cfg: SandboxConfig):
         yield "url", "is only read with sandbox.backend=redis or http"
 
 
-def _remote_check(schemes: tuple[str, ...], *, sessions: bool):
+def _remote_check(schemes: tuple[str, ...]):
     def check(cfg: SandboxConfig):
         if not cfg.url.startswith(schemes):
             yield "url", f"sandbox.backend={cfg.backend} needs a {schemes[0]} URL, got {cfg.url!r}"
-        if cfg.tool_state == "session" and not sessions:
-            yield "tool_state", (f"sandbox.backend={cfg.backend} has no sessions (a live interpreter must stay on "
-                                 "one host): use sandbox.backend=local or http")
     return check
 
 
 SANDBOXES.register("local", SandboxBackend(
     lambda cfg: sandbox.LocalSandbox(workers=cfg.workers, isolation=cfg.isolation), _check_local))
 SANDBOXES.register("redis", SandboxBackend(lambda cfg: sandbox.RedisSandbox(cfg.url),
-                                           _remote_check(("redis://", "rediss://", "unix://"), sessions=False)))
+                                           _remote_check(("redis://", "rediss://", "unix://"))))
 SANDBOXES.register("http", SandboxBackend(lambda cfg: sandbox.HTTPSandbox(cfg.url),
-                                          _remote_check(("http://", "https://"), sessions=True)))
+                                          _remote_check(("http://", "https://"))))

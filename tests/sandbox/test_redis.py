@@ -321,3 +321,53 @@ def test_a_call_in_flight_when_redis_restarts_empty_is_queued_again_and_answered
     finally:
         if worker is not None:
             stop(worker)
+
+
+def test_sessions_over_redis_stay_on_their_worker_and_survive_its_death_with_a_note(redis_server):
+    """Two real workers: a session's cells all run where it was opened (its variables persist); when
+    that worker is SIGKILLed the next cell opens a fresh session on the other and says why."""
+    workers = [start_worker(redis_server.url, concurrency=1, visibility=1.5) for _ in range(2)]
+    try:
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+                async with await sb.session() as s, await sb.session() as t:
+                    first = [await s.run("x = 20"), await s.run("x += 1\nprint(x * 2)"),
+                             await t.run("print('x' in globals())")]
+                    home = s.stream
+                    victim = next(p for p in workers if home.endswith(f"-{p.pid}"))
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait()
+                    start = time.monotonic()
+                    lost = await s.run("print('x' in globals())")
+                    waited = time.monotonic() - start
+                    again = [await s.run("y = 3"), await s.run("print(y)")]
+                    return first, lost, waited, again, s.stream != home, s.restarts
+
+        first, lost, waited, again, moved, restarts = asyncio.run(scenario())
+        assert [r.status for r in first] == ["ok", "ok", "ok"]
+        assert first[1].stdout == "42\n" and first[2].stdout == "False\n"  # sessions do not share state
+        assert lost.status == "ok" and lost.stdout == "False\n" and "lost this session" in lost.stderr
+        assert waited < 10  # noticed by the worker's expired alive key, not the 30 s queue timeout
+        assert again[1].stdout == "3\n" and moved and restarts == 1
+    finally:
+        for w in workers:
+            stop(w)
+
+
+def test_a_session_cell_for_an_unknown_id_is_answered_as_lost(redis_server):
+    async def scenario():
+        worker = RedisWorker(redis_server.url, concurrency=1, preload=())
+        serving = asyncio.create_task(worker.serve())
+        try:
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+                s = await sb.session()
+                forged = await sb._call(s.stream, {"op": "session_run", "session": "guessed", "code": "1"}, 5.0)
+                closed = [await s.run("z = 1"), await s.close()]
+                return forged, closed
+        finally:
+            worker.stop()
+            await serving
+
+    forged, closed = asyncio.run(scenario())
+    assert forged["session_lost"] and forged["result"]["status"] == "internal"
+    assert closed[0].status == "ok"
