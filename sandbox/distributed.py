@@ -15,7 +15,8 @@ Delivery is at least once, results exactly once:
   client over one connection; a pooled, bounded set of connections for everything else).
 - Clients never wait forever: each call has a deadline (timeout + queue_timeout_s), carried in the
   job. Workers skip a job past its deadline or cancelled by its client (a client that goes away
-  deletes its queued jobs and marks them cancelled); replies expire a few seconds after the
+  deletes its queued jobs and marks them cancelled), and stop one they are running within half a
+  second of either (the call is killed, its slot freed); replies expire a few seconds after the
   deadline. If Redis restarts or disappears, the call returns status "internal" saying so once
   the deadline passes.
 
@@ -394,7 +395,7 @@ class RedisWorker:
                 if await self._redis.exists(self.keys.cancelled(entry_id)) or time.time() > self._deadline(job):
                     result = None  # its client went away or gave up: nobody to answer
                 else:
-                    result, extra = await self._run_job(job)
+                    result, extra = await self._run_unless_cancelled(entry_id, job)
             except (KeyError, ValueError, TypeError, AttributeError) as e:
                 result = ExecResult.internal(f"malformed job: {e}")
             if result is not None:
@@ -407,6 +408,27 @@ class RedisWorker:
             log.warning("could not post result of %s (%r); it will be redelivered", entry_id, e)
         finally:
             self._running.pop(entry_id, None)
+
+    async def _run_unless_cancelled(self, entry_id: str, job: dict, poll_s: float = 0.5):
+        """_run_job, stopped (its call killed, its slot freed) once the client withdraws the job
+        (it went away: RedisSandbox._cancel marks it) or its deadline passes; (None, {}) then."""
+        task = asyncio.ensure_future(self._run_job(job))
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=poll_s)
+                if done:
+                    return task.result()
+                try:
+                    withdrawn = await self._redis.exists(self.keys.cancelled(entry_id))
+                except _RETRYABLE:
+                    withdrawn = False  # Redis unreachable: keep running; the answer is posted when it is back
+                if withdrawn or time.time() > self._deadline(job):
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    return None, {}
+        finally:
+            if not task.done():  # this worker is stopping: the call goes with it
+                task.cancel()
 
     async def _run_job(self, job: dict) -> tuple[ExecResult, dict]:
         """(the result, extra reply fields) of one job: a stateless call or a session operation."""

@@ -371,3 +371,30 @@ def test_a_session_cell_for_an_unknown_id_is_answered_as_lost(redis_server):
     forged, closed = asyncio.run(scenario())
     assert forged["session_lost"] and forged["result"]["status"] == "internal"
     assert closed[0].status == "ok"
+
+
+def test_a_departed_client_s_running_call_is_killed_and_its_slot_freed(redis_server):
+    """A client that goes away while its call runs: the worker kills the call within a second or
+    so and takes the next job (one slot: a 30 s call left running would hold it)."""
+    worker = start_worker(redis_server.url, concurrency=1)
+    try:
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=60) as sb:
+                long = asyncio.create_task(sb.run("import time\nprint('started', flush=True)\ntime.sleep(30)",
+                                                  timeout=40))
+                r = redis.Redis.from_url(redis_server.url)
+                deadline = time.monotonic() + 20
+                while not _pending(r) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)  # taken by the worker
+                await asyncio.sleep(1.0)  # and running
+                long.cancel()
+                await asyncio.gather(long, return_exceptions=True)
+                start = time.monotonic()
+                after = await sb.run("print('next')", timeout=5)
+                return after, time.monotonic() - start
+
+        after, waited = asyncio.run(scenario())
+        assert after.stdout == "next\n"
+        assert waited < 8  # not the 29 s the abandoned call had left
+    finally:
+        stop(worker)
