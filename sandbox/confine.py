@@ -37,6 +37,7 @@ PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_MODE_FILTER = 2
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
+SYS_READ = {"x86_64": 0, "aarch64": 63}.get(os.uname().machine)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = ctypes.PyDLL(None).syscall  # PyDLL: keeps the GIL across clone, as os.fork does
@@ -52,6 +53,10 @@ def _check(ret, what):
 
 def unshare(flags):
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd, nstype):
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
 
 
 def mount(source, target, fstype, flags=0, data=None):

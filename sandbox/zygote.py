@@ -780,9 +780,68 @@ class _Session:
         self.pid, self.pidfd, self.cell_w, self.done_r = pid, pidfd, cell_w, done_r
         self.out_r, self.err_r = out_r, err_r
         self.cgroup_name, self.cgroup_fds = cgroup_name, cgroup_fds
+        self.proc_fd = None  # its /proc/<pid> directory (see open_proc_dir), where the kernel allows
 
     def fds(self):
-        return (self.pidfd, self.cell_w, self.done_r, self.out_r, self.err_r)
+        return tuple(fd for fd in (self.pidfd, self.cell_w, self.done_r, self.out_r, self.err_r, self.proc_fd)
+                     if fd is not None)
+
+
+# The end of a cell is the byte the session's loop writes to DONE_FD, which the cell's own code
+# could write too (same process). So the worker believes it only once the kernel agrees: the
+# interpreter has one thread and is blocked reading its next cell (/proc/<pid>/syscall: read on
+# CELL_FD). A cell that writes the byte early is waited for; its late output stays its own.
+
+def open_proc_dir(pid, pidfd, strict):
+    """An O_DIRECTORY fd of the session process's /proc entry, or None. Strict: its /proc is only
+    mounted in its own mount namespace (the worker has none), so the worker steps into that
+    namespace to open /proc/1 (the session is PID 1 there) and straight back."""
+    if not strict:
+        try:
+            return os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return None
+    own_pidfd = os.pidfd_open(os.getpid())
+    try:
+        own = fcntl.ioctl(own_pidfd, PIDFD_GET_MNT_NAMESPACE)
+    except OSError:
+        return None  # a kernel without the ioctl: the done byte is trusted as before
+    finally:
+        os.close(own_pidfd)
+    try:
+        theirs = fcntl.ioctl(pidfd, PIDFD_GET_MNT_NAMESPACE)
+        confine.setns(theirs, CLONE_NEWNS)
+        os.close(theirs)
+        try:
+            return os.open("/proc/1", os.O_RDONLY | os.O_DIRECTORY)
+        finally:
+            try:
+                confine.setns(own, CLONE_NEWNS)
+            except OSError:
+                os._exit(3)  # never serve another call from a session's file system
+    except OSError:
+        return None
+    finally:
+        os.close(own)
+
+
+def idle_between_cells(proc_fd):
+    """True when the session's interpreter is single-threaded and blocked reading CELL_FD."""
+    try:
+        task = os.open("task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
+        try:
+            if len(os.listdir(task)) != 1:
+                return False
+        finally:
+            os.close(task)
+        fd = os.open("syscall", os.O_RDONLY, dir_fd=proc_fd)
+        try:
+            fields = os.read(fd, 256).split()
+        finally:
+            os.close(fd)
+        return len(fields) > 1 and fields[0] == str(confine.SYS_READ).encode() and int(fields[1], 16) == CELL_FD
+    except (OSError, ValueError):
+        return False
 
 
 def _fail(message, duration=0.0):
@@ -822,6 +881,8 @@ def open_session(job, cfg, slot, sessions):
     ok = bool(ready) and os.read(setup_r, 1) == b"R"
     os.close(setup_r)
     session = _Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
+    if ok:
+        session.proc_fd = open_proc_dir(pid, pidfd, cfg["isolation"] == "strict")
     if not ok:
         os.set_blocking(err_r, False)
         try:  # our own setup code's message (no code has run): small, and not user data
@@ -889,6 +950,8 @@ def run_cell(job, cfg, sessions, job_fd):
                 watch_jobs = msg is not None
             elif sinks[fd].drain():
                 reason = "output_limit"
+    if done in (b"0", b"1") and reason is None and session.proc_fd is not None:
+        done, reason = _confirm_done(session, sinks, deadline, done)
     for sink in sinks.values():
         sink.drain()  # what was written before the cell finished (or the session died)
     if reason is None and any(sink.size > sink.cap for sink in sinks.values()):
@@ -921,6 +984,28 @@ def run_cell(job, cfg, sessions, job_fd):
     sessions.pop(job["session"])
     _close_session_fds(session, cfg)
     return header, out, err
+
+
+def _confirm_done(session, sinks, deadline, done):
+    """(done byte, reason) once the kernel agrees the cell is over (idle_between_cells), draining
+    its output meanwhile; the done byte is the last one written (earlier ones were the cell's)."""
+    while not idle_between_cells(session.proc_fd):
+        if time.monotonic() >= deadline:
+            return None, "timeout"
+        ready, _, _ = select.select([session.pidfd, session.out_r, session.err_r], [], [], 0.001)
+        if session.pidfd in ready:
+            return None, "ended"
+        for fd in ready:
+            if fd != session.pidfd and sinks[fd].drain():
+                return None, "output_limit"
+    os.set_blocking(session.done_r, False)
+    try:
+        written = os.read(session.done_r, 4096)
+    except BlockingIOError:
+        written = b""
+    finally:
+        os.set_blocking(session.done_r, True)
+    return written[-1:] or done, None
 
 
 def _close_session_fds(session, cfg):

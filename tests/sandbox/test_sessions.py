@@ -191,3 +191,20 @@ def test_all_sessions_together_stay_within_their_memory_budget():
     assert ended  # the budget was enforced on a session, with a result that says so
     assert call.status == "ok" and call.stdout == "45\n"
     assert peak is not None and peak <= budget
+
+
+def test_a_cell_that_forges_its_end_is_waited_for_and_its_output_stays_its_own():
+    """The end-of-cell byte is written by the session's loop, and a cell can write it too (same
+    process): the worker takes a cell as finished only when the kernel shows the interpreter
+    blocked reading its next cell, so a forged early end changes nothing."""
+    async def fn(sb):
+        async with await sb.session() as s:
+            forged = await s.run("import os, time\nos.write(5, b'0')\ntime.sleep(0.5)\nprint('late')\n1/0")
+            nxt = await s.run("print('next')")
+            kept = await s.run("print(os.getpid() == 1, 'time' in globals())")
+            return forged, nxt, kept
+
+    forged, nxt, kept = scenario(fn)
+    assert forged.stdout == "late\n" and forged.status == "error" and "ZeroDivisionError" in forged.stderr
+    assert nxt.stdout == "next\n" and nxt.status == "ok"
+    assert kept.stdout == "True True\n"  # the same interpreter all along
