@@ -83,7 +83,7 @@ class Scheduler(Engine):
         from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
 
         version = self.version + 1 if version is None else version
-        shared = [e for e in self.engines if isinstance(e, VLLMEngine) and e.sync in ("safetensors", "pull")]
+        shared = [e for e in self.engines if isinstance(e, VLLMEngine) and e.sync in ("files", "pull")]
         if len(shared) > 1 and len({e.export_dtype for e in shared}) == 1:
             push_to_servers(shared, params, version)
         else:

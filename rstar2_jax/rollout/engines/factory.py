@@ -128,10 +128,9 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
     from rstar2_jax.rollout.scheduler import Scheduler
     export_dtype = DTYPES[cfg.vllm_export_dtype] if cfg.vllm_export_dtype else None
-    sync = {"files": "safetensors", "pull": "pull", "nccl": "nccl"}[cfg.vllm_sync]
     fetchers = cfg.vllm_fetch_urls or (None,) * len(cfg.vllm_urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance,
-                          sync_dir=cfg.vllm_sync_dir or None, sync=sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host)
+                          sync_dir=cfg.vllm_sync_dir or None, sync=cfg.vllm_sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host)
                for url, fetch in zip(cfg.vllm_urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
 

@@ -71,9 +71,9 @@ class VLLMEngine(Engine):
     def __init__(self, url: str, model: Decoder | None = None, *, model_name: str | None = None,
                  sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
-                 max_concurrency: int = 256, sync: str = "safetensors", nccl_server_ranks: int = 1,
+                 max_concurrency: int = 256, sync: str = "files", nccl_server_ranks: int = 1,
                  fetch_url: str | None = None, sync_host: str = "127.0.0.1"):
-        """sync: "safetensors" (the server reads the export from sync_dir: this host's /dev/shm by
+        """sync: "files" (safetensors files; the server reads the export from sync_dir: this host's /dev/shm by
         default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
         `fetch_url`, beside the server, copies the export from this process's file server at
         `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast)."""
@@ -283,15 +283,15 @@ class VLLMEngine(Engine):
         self.version = version
 
     def _sync_nccl(self, model: Decoder, version: int) -> bool:
-        """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the safetensors path."""
+        """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the files path."""
         from rstar2_jax.rollout.engines.nccl_sync import NcclUnavailable, NcclWeightSender
         try:
             if self._nccl is None:
                 self._nccl = NcclWeightSender(self.client, server_ranks=self._nccl_server_ranks)
             self._nccl.send(model_params_hf(model, self.export_dtype), version)
         except NcclUnavailable as e:
-            log.warning("NCCL weight sync unavailable (%s); using safetensors", e)
-            self.sync = "safetensors"
+            log.warning("NCCL weight sync unavailable (%s); using safetensors files", e)
+            self.sync = "files"
             return False
         if self._synced_dir:
             shutil.rmtree(self._synced_dir, ignore_errors=True)
@@ -343,7 +343,7 @@ def _completion(choice: dict, version_start: int, version_end: int) -> Completio
     return Completion(token_ids, logprobs, "eos", version_start, version_end)
 
 
-SYNC_METHODS = ("safetensors", "pull", "nccl")
+SYNC_METHODS = ("files", "pull", "nccl")  # the names of rollout.vllm_sync
 _FILE_SERVERS: dict[tuple[str, str], Any] = {}
 
 
