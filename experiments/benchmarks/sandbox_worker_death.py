@@ -84,6 +84,7 @@ async def phase(sb, clients: int, seconds: float, answers: list):
 async def main_async(args):
     async with sandbox.LocalSandbox(workers=args.workers) as sb:
         await sb.run_many([{"code": CALL}] * (2 * args.workers))  # warm
+        zygote = sb._pool.zygote_pid
         calm_rate, calm = await phase(sb, args.clients, args.seconds, [])
         loop = KillLoop(sb._pool.zygote_pid, args.kill_every_s)
         answers: list[float] = []
@@ -94,7 +95,7 @@ async def main_async(args):
         start = time.monotonic()
         after = await sb.run_many([{"code": "import time\ntime.sleep(1)\nprint('x')"}] * args.workers)
         side_by_side = time.monotonic() - start
-        zygote_kept = sb._pool.zygote_pid is not None
+        zygote_kept = sb._pool.zygote_pid == zygote  # workers were replaced, never the whole zygote
     # each answer goes with the latest kill before it
     answer_s = [a - max(k for k in loop.kills if k <= a) for a in answers if any(k <= a for k in loop.kills)]
     return {"calm_rate": calm_rate, "calm": calm, "killed_rate": killed_rate, "killed": killed,
@@ -128,7 +129,8 @@ def main(argv=None):
     notes = (f"After the kill loop, {args.workers} one-second calls side by side took {out['side_by_side_s']:.2f} s "
              f"(statuses {out['after']}): every slot serves. Every killed call was answered once "
              f"({out['killed'].get('worker_died', 0)} worker_died for {out['kills']} kills; a kill that lands between "
-             "calls answers none); the zygote itself was never restarted.")
+             "calls answers none); " + ("the zygote itself was never restarted." if out["zygote_kept"]
+                                         else "the zygote was restarted (a kill landed mid-message)."))
     record(args.record, "Sandbox: a dying worker (kill loop)",
            " ".join(["python -m experiments.benchmarks.sandbox_worker_death", *(sys.argv[1:] if argv is None else argv)]),
            f"LocalSandbox(workers={args.workers}), every protection on; {args.clients} callers of a 20 ms call; "
