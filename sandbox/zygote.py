@@ -825,6 +825,16 @@ def open_proc_dir(pid, pidfd, strict):
         os.close(own)
 
 
+def _settles_idle(proc_fd, within_s=1.0):
+    """True once a fresh session shows as idle_between_cells (it is about to wait for its first cell)."""
+    deadline = time.monotonic() + within_s
+    while not idle_between_cells(proc_fd):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def idle_between_cells(proc_fd):
     """True when the session's interpreter is single-threaded and blocked reading CELL_FD."""
     try:
@@ -883,6 +893,11 @@ def open_session(job, cfg, slot, sessions):
     session = _Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
     if ok:
         session.proc_fd = open_proc_dir(pid, pidfd, cfg["isolation"] == "strict")
+        if session.proc_fd is not None and not _settles_idle(session.proc_fd):
+            # the kernel does not show it waiting for its first cell (no /proc/<pid>/syscall, say):
+            # the check cannot be made here, and the done byte is trusted as before
+            os.close(session.proc_fd)
+            session.proc_fd = None
     if not ok:
         os.set_blocking(err_r, False)
         try:  # our own setup code's message (no code has run): small, and not user data
