@@ -110,6 +110,13 @@ def _write(directory, name, value):
         f.write(str(value))
 
 
+def _apply(dirs, writes):
+    """Write each (controller, file, value) into dirs[controller], skipping files this kernel lacks."""
+    for controller, name, value in writes:
+        if os.path.exists(os.path.join(dirs[controller], name)):
+            _write(dirs[controller], name, value)
+
+
 class CgroupTree:
     """The sandbox's cgroups: created by the service before the zygote starts, removed after."""
 
@@ -142,22 +149,15 @@ class CgroupTree:
                 for d in slot.values():
                     os.mkdir(d, 0o755)
                 tree.slots.append(slot)
-                tree._limit(slot, memory_bytes, processes, cpus)
+                _apply(slot, limit_writes(version, memory_bytes, processes, cpus))
             tree.sessions = {c: os.path.join(top, "sessions") for c, top in tops.items()}
             for d in tree.sessions.values():
                 os.mkdir(d, 0o755)
-            for controller, file, value in sessions_limit_writes(version, sessions_memory_bytes):
-                if os.path.exists(os.path.join(tree.sessions[controller], file)):
-                    _write(tree.sessions[controller], file, value)
+            _apply(tree.sessions, sessions_limit_writes(version, sessions_memory_bytes))
         except OSError as e:
             tree.remove()
             return None, f"cannot set up cgroups under {', '.join(parents.values())}: {e.strerror or e}"
         return tree, ""
-
-    def _limit(self, slot, memory_bytes, processes, cpus):
-        for controller, name, value in limit_writes(self.version, memory_bytes, processes, cpus):
-            if os.path.exists(os.path.join(slot[controller], name)):
-                _write(slot[controller], name, value)
 
     def to_dict(self):
         return {"version": self.version, "slots": self.slots, "tops": self.tops, "sessions": self.sessions}

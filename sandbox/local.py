@@ -21,13 +21,13 @@ from typing import Any, Iterable, Sequence
 
 from sandbox import uids
 from sandbox.pool import DEFAULT_PRELOAD, SandboxStartError, SessionLost, ZygotePool
+from sandbox.result import ExecResult, Limits, validate_request
+
+log = logging.getLogger("sandbox")
 
 
 class SessionLimitError(RuntimeError):
     """max_sessions sessions are open and none closed within the wait."""
-from sandbox.result import ExecResult, Limits, validate_request
-
-log = logging.getLogger("sandbox")
 
 
 def check_strict_isolation_available() -> str | None:

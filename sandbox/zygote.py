@@ -730,8 +730,8 @@ _CLOSER = []  # the worker's end of the closer's socket (socket.socket), if ther
 
 
 def hold_mount_namespace(pidfd):
-    """An fd of the call's mount namespace, or None (a kernel without the ioctl: the call's own
-    exit frees it, as before)."""
+    """An fd of the process's mount namespace (a reference that keeps it alive), or None on a
+    kernel without the ioctl (a call's own exit then frees its namespace, as before)."""
     try:
         return fcntl.ioctl(pidfd, PIDFD_GET_MNT_NAMESPACE)
     except OSError:
@@ -802,14 +802,14 @@ def open_proc_dir(pid, pidfd, strict):
         except OSError:
             return None
     own_pidfd = os.pidfd_open(os.getpid())
-    try:
-        own = fcntl.ioctl(own_pidfd, PIDFD_GET_MNT_NAMESPACE)
-    except OSError:
+    own = hold_mount_namespace(own_pidfd)
+    os.close(own_pidfd)
+    if own is None:
         return None  # a kernel without the ioctl: the done byte is trusted as before
-    finally:
-        os.close(own_pidfd)
     try:
-        theirs = fcntl.ioctl(pidfd, PIDFD_GET_MNT_NAMESPACE)
+        theirs = hold_mount_namespace(pidfd)
+        if theirs is None:
+            return None
         confine.setns(theirs, CLONE_NEWNS)
         os.close(theirs)
         try:
@@ -866,9 +866,9 @@ def open_session(job, cfg, slot, sessions):
     uid = job["uid"]
     name = f"session-{uid}"
     cgroup_fds = None
-    if cfg["cgroup_top_fds"]:
-        cgroups.remove_child(cfg["cgroup_top_fds"], name, {})  # a leftover of a killed worker, if any
-        cgroup_fds = cgroups.make_child(cfg["cgroup_version"], cfg["cgroup_top_fds"], name, cfg["limits"])
+    if cfg["cgroup_sessions_fds"]:
+        cgroups.remove_child(cfg["cgroup_sessions_fds"], name, {})  # a leftover of a killed worker, if any
+        cgroup_fds = cgroups.make_child(cfg["cgroup_version"], cfg["cgroup_sessions_fds"], name, cfg["limits"])
     mine, theirs = [], []
     for _ in range(4):  # out, err, setup, cell (ours: read, read, read, write)
         r, w = os.pipe()
@@ -973,16 +973,12 @@ def run_cell(job, cfg, sessions, job_fd):
         reason = "output_limit"  # decided by the bytes, as for calls (see _result), even if it finished
     duration = time.monotonic() - started
     if done in (b"0", b"1") and reason is None:
-        code = 0 if done == b"0" else 1
-        return ({"status": "ok" if code == 0 else "error", "exit_code": code, "duration_s": duration,
-                 "truncated": False, "notes": []}, out, err)
+        return _cell_header(done == b"1", duration), out, err
     if done in CELL_LEFT_THREADS and reason in (None, "ended"):  # it ended itself, as it said: the cell's result
-        code = CELL_LEFT_THREADS.index(done)
         _close_session(sessions.pop(job["session"]), cfg)
-        return ({"status": "ok" if code == 0 else "error", "exit_code": code, "duration_s": duration,
-                 "truncated": False, "session_ended": True,
-                 "notes": ["[the cell left threads running; the session's interpreter was ended so that they cannot "
-                           "write into later cells: earlier variables are gone]"]}, out, err)
+        note = ("[the cell left threads running; the session's interpreter was ended so that they cannot write "
+                "into later cells: earlier variables are gone]")
+        return _cell_header(done == CELL_LEFT_THREADS[1], duration, note, session_ended=True), out, err
     # The session is over: kill it (if still alive), collect how it ended, free it.
     try:
         os.kill(session.pid, signal.SIGKILL)
@@ -999,6 +995,12 @@ def run_cell(job, cfg, sessions, job_fd):
     sessions.pop(job["session"])
     _close_session_fds(session, cfg)
     return header, out, err
+
+
+def _cell_header(raised, duration, *notes, **extra):
+    """The result header of a cell that ran to its end (ok, or error when it raised)."""
+    return {"status": "error" if raised else "ok", "exit_code": int(raised), "duration_s": duration,
+            "truncated": False, "notes": list(notes), **extra}
 
 
 def _confirm_done(session, sinks, deadline, done):
@@ -1030,7 +1032,7 @@ def _close_session_fds(session, cfg):
         except OSError:
             pass
     if session.cgroup_fds is not None:
-        cgroups.remove_child(cfg["cgroup_top_fds"], session.cgroup_name, session.cgroup_fds)
+        cgroups.remove_child(cfg["cgroup_sessions_fds"], session.cgroup_name, session.cgroup_fds)
     if cfg["isolation"] != "strict":
         remove_tree(os.path.join(cfg["work_root"], session.cgroup_name))
 
@@ -1239,7 +1241,7 @@ def main():
         tree = cfg.get("cgroups")
         cfg["cgroup_version"] = tree["version"] if tree else None
         cfg["cgroup_slot_fds"] = [cgroups.open_dirs(s) for s in tree["slots"]] if tree else None
-        cfg["cgroup_top_fds"] = cgroups.open_dirs(tree["sessions"]) if tree else None  # sessions' parent
+        cfg["cgroup_sessions_fds"] = cgroups.open_dirs(tree["sessions"]) if tree else None
         if cfg["isolation"] == "strict":
             isolate_master(cfg)
         else:
