@@ -4,7 +4,7 @@ Native:
   POST /run        {"code", "stdin"?, "timeout"?}      -> ExecResult as JSON
   POST /run/batch  {"requests": [{...}, ...]}         -> {"results": [...]} in request order
   GET  /health (with what isolation is active), GET /metrics (Prometheus text)
-Sessions (a live interpreter per trajectory; a LocalSandbox backend only):
+Sessions (a live interpreter per trajectory; over a LocalSandbox or a RedisSandbox):
   POST   /session           {}                                   -> {"session": id}
   POST   /session/<id>/run  {"code", "stdin"?, "timeout"?}     -> ExecResult as JSON
   DELETE /session/<id>                                          -> {"closed": true}
@@ -421,13 +421,14 @@ class SandboxHTTPServer:
         if deadline is not None:
             deadline.request_read()
 
-    async def _run(self, code, stdin, timeout, key=None) -> ExecResult:
-        """One call, when its request's turn comes (FairTurns: requests take turns for workers)."""
+    async def _run(self, code, stdin, timeout, key=None, on=None) -> ExecResult:
+        """One call, when its request's turn comes (FairTurns: requests take turns for workers).
+        on: a session to run it in (default: a stateless call on the backend)."""
         self.metrics.in_flight += 1
         start = time.monotonic()
         try:
             async with self.turns.turn(key):
-                result = await self.backend.run(code, stdin, timeout)
+                result = await (on or self.backend).run(code, stdin, timeout)
         except asyncio.CancelledError:
             self.metrics.cancelled += 1
             raise
@@ -527,12 +528,11 @@ class SandboxHTTPServer:
         """parts: [] (open), [id] (DELETE: close), [id, "run"] (a cell)."""
         open_session = getattr(self.backend, "session", None)
         if open_session is None:
-            raise HTTPError(501, "this service's backend has no sessions (serve without --redis for them)")
+            raise HTTPError(501, "this service's backend has no sessions")
         if not parts:
-            from sandbox.local import SessionLimitError
             try:
                 session = await open_session()
-            except SessionLimitError as e:
+            except RuntimeError as e:  # at the session cap (SessionLimitError), or no Redis worker could open one
                 raise HTTPError(503, str(e)) from None
             session_id = secrets.token_urlsafe(18)
             self._sessions[session_id] = session
@@ -551,15 +551,7 @@ class SandboxHTTPServer:
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
         code, stdin, timeout = self._native_args(body)
-        self.metrics.in_flight += 1
-        start = time.monotonic()
-        try:
-            async with self.turns.turn(key):
-                result = await session.run(code, stdin, timeout)
-        finally:
-            self.metrics.in_flight -= 1
-        self.metrics.observe(result, time.monotonic() - start)
-        return 200, "json", result.to_dict()
+        return 200, "json", (await self._run(code, stdin, timeout, key, on=session)).to_dict()
 
     async def _queue_depth(self) -> int:
         depth = getattr(self.backend, "queue_depth", None)

@@ -23,6 +23,16 @@ import aiohttp
 from sandbox.result import ExecResult, Limits, validate_request
 
 
+# A stateless call may be sent again after any failure to get its answer (restarting or
+# unreachable service, a dropped connection, an unreadable answer); a session's cell may not.
+RESENDABLE = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+
+
+def _refused(status: int, answer) -> str:
+    return (f"sandbox service refused the call: HTTP {status} "
+            f"{answer.get('error', answer) if isinstance(answer, dict) else answer}")
+
+
 class HTTPSandbox:
     def __init__(self, url: str, *, token: str | None = None, default_timeout: float = 5.0,
                  queue_timeout_s: float = 300.0, max_timeout_s: float = Limits().max_timeout_s):
@@ -51,27 +61,14 @@ class HTTPSandbox:
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         timeout = validate_request(code, stdin, timeout, default_timeout=self.default_timeout,
                                    max_timeout=self.max_timeout_s)
-        if self._session is None:
-            raise RuntimeError("use HTTPSandbox as `async with HTTPSandbox(url) as sb`")
-        deadline = time.monotonic() + timeout + self.queue_timeout_s
-        last_error = "no attempt"
-        while time.monotonic() < deadline:
-            try:
-                wait = aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))
-                async with self._session.post(f"{self.url}/run", json={"code": code, "stdin": stdin,
-                                                                       "timeout": timeout}, timeout=wait) as resp:
-                    body = await resp.json(content_type=None)
-                    if resp.status == 200:
-                        return ExecResult.from_dict(body)
-                    if resp.status != 503:  # a refused request does not get better by retrying
-                        return ExecResult.internal(f"sandbox service refused the call: HTTP {resp.status} "
-                                                   f"{body.get('error', body) if isinstance(body, dict) else body}")
-                    last_error = "HTTP 503 (busy)"
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # restarting or unreachable
-                last_error = repr(e)
-            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        return ExecResult.internal(f"no result from {self.url} within {timeout + self.queue_timeout_s:.0f} s "
-                                   f"({last_error})")
+        try:
+            status, body = await self._post("/run", {"code": code, "stdin": stdin, "timeout": timeout},
+                                            timeout + self.queue_timeout_s, resend=RESENDABLE)
+        except ConnectionError as e:
+            return ExecResult.internal(str(e))
+        if status == 200:
+            return ExecResult.from_dict(body)
+        return ExecResult.internal(_refused(status, body))  # a refused request does not get better by retrying
 
     async def run_many(self, requests: Iterable[dict[str, Any]]) -> list[ExecResult]:
         return list(await asyncio.gather(*(self.run(r["code"], r.get("stdin", ""), r.get("timeout"))
@@ -83,9 +80,12 @@ class HTTPSandbox:
         await session._open()
         return session
 
-    async def _post(self, path: str, body: dict | None, wait_s: float, *, method: str = "POST") -> tuple[int, Any]:
-        """One request, retried while the service cannot take it (unreachable, 503 past its
-        connection limit) until wait_s has passed; (status, JSON body). Raises ConnectionError then."""
+    async def _post(self, path: str, body: dict | None, wait_s: float, *, method: str = "POST",
+                    resend=(aiohttp.ClientConnectorError,)) -> tuple[int, Any]:
+        """One request, retried while the service cannot take it (503 past its connection limit,
+        or one of `resend`: by default only a request that never reached the service, which is
+        safe for a session's cell) until wait_s has passed; (status, JSON body). Raises
+        ConnectionError then."""
         if self._session is None:
             raise RuntimeError("use HTTPSandbox as `async with HTTPSandbox(url) as sb`")
         deadline = time.monotonic() + wait_s
@@ -98,10 +98,10 @@ class HTTPSandbox:
                     if resp.status != 503 or "too many connections" not in str(answer):
                         return resp.status, answer
                     last_error = "HTTP 503 (busy)"
-            except aiohttp.ClientConnectorError as e:  # the request never reached the service: safe to retry
+            except resend as e:
                 last_error = repr(e)
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        raise ConnectionError(f"no answer from {self.url}{path} within {wait_s:.0f} s ({last_error})")
+        raise ConnectionError(f"no result from {self.url}{path} within {wait_s:.0f} s ({last_error})")
 
 
 class HTTPSession:
@@ -127,8 +127,7 @@ class HTTPSession:
     async def _open(self):
         status, answer = await self._sb._post("/session", None, self._sb.queue_timeout_s)
         if status != 200:
-            raise RuntimeError(f"the sandbox service could not open a session: HTTP {status} "
-                               f"{answer.get('error', answer) if isinstance(answer, dict) else answer}")
+            raise RuntimeError(f"the sandbox service could not open a session: {_refused(status, answer)}")
         self.id = answer["session"]
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
@@ -148,8 +147,7 @@ class HTTPSession:
                     note = "[the sandbox service lost this session: its earlier variables are gone]\n"
                     continue
                 if status != 200:
-                    return ExecResult.internal(f"sandbox service refused the call: HTTP {status} "
-                                               f"{answer.get('error', answer) if isinstance(answer, dict) else answer}")
+                    return ExecResult.internal(_refused(status, answer))
                 result = ExecResult.from_dict(answer)
                 return dataclasses.replace(result, stderr=note + result.stderr) if note else result
         except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError, ValueError, RuntimeError) as e:
