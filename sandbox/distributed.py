@@ -332,7 +332,6 @@ class RedisWorker:
             except ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
-        await self._redis.set(self.alive_key, "1", ex=max(1, int(self.visibility_timeout_s)))
 
     def stop(self):
         self._stop.set()
@@ -441,6 +440,7 @@ class RedisWorker:
                 return ExecResult.internal(str(e)), {}
             session_id = uuid.uuid4().hex + uuid.uuid4().hex  # unguessable: the session's only key
             self._sessions[session_id] = session
+            await self._mark_alive()  # before its client first looks (the heartbeat keeps it fresh)
             info = {"id": session_id, "stream": self.session_stream, "alive": self.alive_key}
             return ExecResult(status="ok"), {"session": info}
         if op == "session_close":
@@ -459,6 +459,10 @@ class RedisWorker:
                 return ExecResult.internal("no such session on this worker"), {"session_lost": True}
             return await session.run(job["code"], job.get("stdin", ""), timeout), {}
         raise ValueError(f"unknown op {op!r}")
+
+    async def _mark_alive(self):
+        """This worker serves: its sessions' clients wait for their cells while this key lasts."""
+        await self._redis.set(self.alive_key, "1", ex=max(1, int(self.visibility_timeout_s)))
 
     def _deadline(self, job: dict) -> float:
         deadline = job.get("deadline")
@@ -500,9 +504,9 @@ class RedisWorker:
         """Re-claim running jobs so their idle time stays below the visibility timeout, and keep
         this worker's alive key (its sessions' clients read it) from expiring."""
         while True:
-            await asyncio.sleep(self.visibility_timeout_s / 3)
             with contextlib.suppress(RedisError, *_RETRYABLE):
-                await self._redis.set(self.alive_key, "1", ex=max(1, int(self.visibility_timeout_s)))
+                await self._mark_alive()
+            await asyncio.sleep(self.visibility_timeout_s / 3)
             ids = list(self._running)
             if not ids:
                 continue
