@@ -12,7 +12,10 @@ import signal
 import socket
 import struct
 
+CLONE_VFORK = 0x00004000
+CLONE_PARENT = 0x00008000
 CLONE_NEWNS = 0x00020000
+CLONE_PARENT_SETTID = 0x00100000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -84,18 +87,21 @@ def pivot_root(new_root, put_old):
     _check(_syscall(ctypes.c_long(SYS_PIVOT_ROOT), new_root.encode(), put_old.encode()), "pivot_root")
 
 
-def clone(flags):
+def clone(flags, parent_tid=None):
     """fork() that also takes CLONE_* flags (CLONE_NEWPID: the child is PID 1 of a new namespace).
 
     Python cannot unshare(CLONE_NEWPID) twice in one process, and a fork per call plus a fork
     inside it doubles the cost; the raw clone syscall with the interpreter's own before/after-fork
     hooks (what os.fork runs) gives one fork per call.
+
+    parent_tid: with CLONE_PARENT_SETTID, the address (an int) where the kernel stores the child's
+    pid before the child runs (and, with CLONE_VFORK, before this call returns).
     """
     if SYS_CLONE is None:
         raise OSError(errno.ENOSYS, f"clone: unsupported machine {os.uname().machine}")
     ctypes.pythonapi.PyOS_BeforeFork()
     pid = _syscall(ctypes.c_long(SYS_CLONE), ctypes.c_ulong(flags | signal.SIGCHLD),
-                   None, None, None, None)
+                   None, None if parent_tid is None else ctypes.c_void_p(parent_tid), None, None)
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
         return 0

@@ -28,8 +28,9 @@ from sandbox.cgroups import CgroupTree
 from sandbox.result import ExecResult, Limits
 
 log = logging.getLogger("sandbox")
-ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_start.py")
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
+CALL_NAME = "sandbox-call"  # /proc/<pid>/comm of a running call (zygote.CALL_NAME)
 DEFAULT_WARMUP = """
 import sympy
 x, y = sympy.symbols("x y")
@@ -366,3 +367,26 @@ class ZygotePool:
         if self._cgroups is not None:
             await asyncio.to_thread(self._cgroups.remove)
             self._cgroups = None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of a process's children (its main thread's), [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def running_calls(worker_pid: int) -> list[int]:
+    """The calls a zygote worker is running now: its children named CALL_NAME (its forker, the
+    one other child, is not one). For tests and benchmarks that inject faults."""
+    calls = []
+    for pid in child_pids(worker_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == CALL_NAME:
+                    calls.append(pid)
+        except FileNotFoundError:
+            pass
+    return calls

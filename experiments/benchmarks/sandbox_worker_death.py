@@ -24,16 +24,9 @@ import time
 
 import sandbox
 from experiments.benchmarks.common import record
+from sandbox.pool import child_pids, running_calls
 
 CALL = "import time\ntime.sleep(0.02)\nprint(sum(range(100)))"
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
 
 
 class KillLoop(threading.Thread):
@@ -49,15 +42,15 @@ class KillLoop(threading.Thread):
 
     def run(self):
         while not self.stop.wait(self.every_s):
-            before = set(children(self.zygote))
-            busy = [w for w in before if children(w)]
+            before = set(child_pids(self.zygote))
+            busy = [w for w in before if running_calls(w)]
             if not busy:
                 continue
             os.kill(busy[0], signal.SIGKILL)
             killed_at = time.monotonic()
             self.kills.append(killed_at)
             while time.monotonic() - killed_at < 5:
-                if set(children(self.zygote)) - before:
+                if set(child_pids(self.zygote)) - before:
                     self.recoveries.append(time.monotonic() - killed_at)
                     break
                 time.sleep(0.0005)

@@ -11,21 +11,14 @@ import time
 import pytest
 
 import sandbox
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
+from sandbox.pool import child_pids, running_calls
 
 
 def kill_a_busy_worker(zygote_pid: int, deadline: float) -> int | None:
-    """SIGKILL a worker (a child of the master zygote) while it supervises a call (has a child)."""
+    """SIGKILL a worker (a child of the master zygote) while it supervises a call."""
     while time.monotonic() < deadline:
-        for worker in _children(zygote_pid):
-            if _children(worker):
+        for worker in child_pids(zygote_pid):
+            if running_calls(worker):
                 os.kill(worker, signal.SIGKILL)
                 return worker
         time.sleep(0.02)
@@ -64,3 +57,65 @@ def test_killed_workers_lose_no_call_and_no_capacity():
             assert x.status == "worker_died" or x.stdout == f"done {r}-{i}\n", (i, x)
     assert [x.stdout for x in after] == ["after\n"] * workers
     assert wall < 3.5, wall
+
+
+def _forkers(zygote_pid: int) -> dict[int, int]:
+    """{worker: its forker} for every worker of the zygote."""
+    found = {}
+    for worker in child_pids(zygote_pid):
+        for pid in child_pids(worker):
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "sandbox-forker":
+                    found[worker] = pid
+    return found
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_calls_are_the_workers_children_cloned_by_a_forker_that_sleeps_while_they_run():
+    """The worker supervises a call it did not fork (zygote.Forker): the call is the worker's child,
+    and the forker that cloned it waits in the kernel (vfork) until it is gone."""
+
+    async def go():
+        async with sandbox.LocalSandbox(workers=1, preload=("math",), default_timeout=30.0) as sb:
+            (worker, forker), = _forkers(sb._pool.zygote_pid).items()
+            call = asyncio.ensure_future(sb.run("import time\ntime.sleep(1.0)\nprint('slept')"))
+            deadline = time.monotonic() + 10
+            while not running_calls(worker) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            calls, forker_state = running_calls(worker), _state(forker)
+            result = await call
+            after = await sb.run("print('after')")
+            return calls, forker_state, child_pids(forker), result, after, _state(forker)
+
+    calls, forker_state_during, forker_children, result, after, forker_state_after = asyncio.run(go())
+    assert len(calls) == 1 and forker_children == []  # the call is the worker's child, not the forker's
+    assert forker_state_during == "D"  # asleep in clone(CLONE_VFORK) while the call runs
+    assert forker_state_after == "S"   # back to waiting for the next request
+    assert (result.status, result.stdout, after.stdout) == ("ok", "slept\n", "after\n")
+
+
+def test_a_killed_forker_is_replaced_and_no_call_is_lost():
+    """SIGKILL every forker (the OOM killer's choice as much as any sandbox process): each worker
+    starts a new one for its next call, which runs normally; the zygote stays."""
+
+    async def go():
+        async with sandbox.LocalSandbox(workers=2, preload=("math",), default_timeout=30.0) as sb:
+            zygote = sb._pool.zygote_pid
+            first = await sb.run_many([{"code": "print('before')"}] * 2)
+            old = _forkers(zygote)
+            for forker in old.values():
+                os.kill(forker, signal.SIGKILL)
+            await asyncio.sleep(0.2)
+            results = await sb.run_many([{"code": f"print({i})"} for i in range(6)])
+            return old, _forkers(zygote), first, results, sb._pool.zygote_pid == zygote
+
+    old, new, first, results, same_zygote = asyncio.run(go())
+    assert len(old) == 2 and set(new) == set(old)  # the same workers ...
+    assert not set(new.values()) & set(old.values())  # ... with new forkers
+    assert [r.stdout for r in first] == ["before\n"] * 2
+    assert [(r.status, r.stdout) for r in results] == [("ok", f"{i}\n") for i in range(6)]
+    assert same_zygote
