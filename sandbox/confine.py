@@ -72,6 +72,11 @@ def umount(target):
     _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
 
 
+def madvise(address, length, advice):
+    """madvise(2); False where the kernel refuses (advice only: never an error)."""
+    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0
+
+
 def prctl(option, arg, arg3=0):
     _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(arg3),
                        ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")

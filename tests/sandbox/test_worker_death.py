@@ -59,15 +59,23 @@ def test_killed_workers_lose_no_call_and_no_capacity():
     assert wall < 3.5, wall
 
 
-def _forkers(zygote_pid: int) -> dict[int, int]:
-    """{worker: its forker} for every worker of the zygote."""
-    found = {}
-    for worker in child_pids(zygote_pid):
-        for pid in child_pids(worker):
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == "sandbox-forker":
-                    found[worker] = pid
-    return found
+def _forkers(zygote_pid: int, expected: int) -> dict[int, int]:
+    """{worker: its forker} once every one of the `expected` workers has one (each worker forks
+    its forker as it starts, just after the zygote reports ready)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = {}
+        for worker in child_pids(zygote_pid):
+            for pid in child_pids(worker):
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        if f.read().strip() == "sandbox-forker":
+                            found[worker] = pid
+                except FileNotFoundError:
+                    pass
+        if len(found) == expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
 
 
 def _state(pid: int) -> str:
@@ -81,7 +89,7 @@ def test_calls_are_the_workers_children_cloned_by_a_forker_that_sleeps_while_the
 
     async def go():
         async with sandbox.LocalSandbox(workers=1, preload=("math",), default_timeout=30.0) as sb:
-            (worker, forker), = _forkers(sb._pool.zygote_pid).items()
+            (worker, forker), = _forkers(sb._pool.zygote_pid, 1).items()
             call = asyncio.ensure_future(sb.run("import time\ntime.sleep(1.0)\nprint('slept')"))
             deadline = time.monotonic() + 10
             while not running_calls(worker) and time.monotonic() < deadline:
@@ -106,12 +114,12 @@ def test_a_killed_forker_is_replaced_and_no_call_is_lost():
         async with sandbox.LocalSandbox(workers=2, preload=("math",), default_timeout=30.0) as sb:
             zygote = sb._pool.zygote_pid
             first = await sb.run_many([{"code": "print('before')"}] * 2)
-            old = _forkers(zygote)
+            old = _forkers(zygote, 2)
             for forker in old.values():
                 os.kill(forker, signal.SIGKILL)
             await asyncio.sleep(0.2)
             results = await sb.run_many([{"code": f"print({i})"} for i in range(6)])
-            return old, _forkers(zygote), first, results, sb._pool.zygote_pid == zygote
+            return old, _forkers(zygote, 2), first, results, sb._pool.zygote_pid == zygote
 
     old, new, first, results, same_zygote = asyncio.run(go())
     assert len(old) == 2 and set(new) == set(old)  # the same workers ...
