@@ -30,6 +30,10 @@ from sandbox.result import ExecResult, Limits
 log = logging.getLogger("sandbox")
 ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_start.py")
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
+# The zygote's whole environment (calls clear theirs). glibc's malloc then asks for transparent huge
+# pages for its heap (where the kernel offers them "madvise"), so the processes forked per call
+# copy and tear down fewer page-table entries: +3-5% trivial calls/s over HTTP, measured alternating.
+ZYGOTE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 CALL_NAME = "sandbox-call"  # /proc/<pid>/comm of a running call (zygote.CALL_NAME)
 DEFAULT_WARMUP = """
 import sympy
@@ -209,7 +213,7 @@ class ZygotePool:
                    work_root=self.work_root, warmup=self.warmup,
                    limits=self.limits.to_dict(), cgroups=self._cgroups.to_dict() if self._cgroups else None)
         self.proc = subprocess.Popen([sys.executable, "-I", ZYGOTE_SCRIPT, json.dumps(cfg)],
-                                     pass_fds=child_fds + [status_w], env={}, stdin=subprocess.DEVNULL,
+                                     pass_fds=child_fds + [status_w], env=ZYGOTE_ENV, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
         for fd in child_fds + [status_w]:
             os.close(fd)

@@ -54,6 +54,7 @@ writing its result); a death while reading or writing could leave half a message
 then the master exits and the service starts a new zygote instead (the window is microseconds).
 """
 
+import _signal  # signal's C module: signal.signal's enum conversions cost ~30 copied pages a call
 import ast
 import builtins
 import fcntl
@@ -354,9 +355,8 @@ def _enter_call(cpu_seconds, cfg, slot, code_fd, stdin_fd, out_w, err_w, setup_w
     except BaseException as e:  # noqa: BLE001
         os.write(err_w, f"sandbox setup failed: unreadable job ({type(e).__name__})\n".encode())
         os._exit(1)
-    confine.set_process_name(CALL_NAME)
-    _confine_or_exit(cfg, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"], cpu_seconds=cpu_seconds,
-                     fds=(stdin_fd, out_w, err_w, setup_w))
+    _confine_or_exit(cfg, name=CALL_NAME, uid=cfg["uid_base"] + slot, cgroup_fds=cfg["cgroup_fds"],
+                     cpu_seconds=cpu_seconds, fds=(stdin_fd, out_w, err_w, setup_w))
     cfg = None  # the forker's data is not the code's business
     exit_code = 1
     try:
@@ -383,7 +383,7 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
     b"0" (ran) or b"1" (raised). Both fds are the code's to misuse, which can only confuse its
     own session; statuses other than ok/error still come from the kernel.
     """
-    _confine_or_exit(cfg, uid=uid, cgroup_fds=cgroup_fds, cpu_seconds=None,
+    _confine_or_exit(cfg, name=SESSION_NAME, uid=uid, cgroup_fds=cgroup_fds, cpu_seconds=None,
                      fds=(os.open("/dev/null", os.O_RDONLY), out_w, err_w, setup_w, cell_r, done_w))
     cfg = None
     namespace = main_namespace()
@@ -454,10 +454,27 @@ def _confine_or_exit(cfg, **kwargs):
             os._exit(1)
 
 
-def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
+def _set_name(name):
+    """This process's name in /proc/<pid>/comm (its own /proc, in strict isolation)."""
+    try:
+        fd = os.open("/proc/self/comm", os.O_WRONLY)
+        try:
+            os.write(fd, name.encode())
+        finally:
+            os.close(fd)
+    except OSError:  # no /proc here
+        confine.set_process_name(name)
+
+
+def _confine(cfg, *, name, uid, cgroup_fds, cpu_seconds, fds):
     """The confinement of a call or session process (runs as root in the fresh child).
 
+    name: the process's name (/proc/<pid>/comm), CALL_NAME or SESSION_NAME.
     fds: (stdin, stdout, stderr, setup pipe, extra...) placed at 0, 1, 2, SETUP_FD, SETUP_FD + 1, ...
+
+    Each ctypes call here costs ~20 copied pages in every call (its machinery's objects), so the
+    name is written through /proc and no_new_privs is set only where the worker has not already
+    (it is inherited, and cannot be unset).
     """
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     strict = cfg["isolation"] == "strict"
@@ -468,6 +485,7 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
         workdir = "/tmp"
     else:
         workdir = cfg["workdir"]
+    _set_name(name)
     os.setsid()  # own session and process group: kill(0, ...) reaches only this call
     # Move the fds up first: a source may already sit on a target number (e.g. a pipe on fd 4).
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
@@ -475,7 +493,8 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
         os.dup2(fd, target)
     os.closerange(len(fds), 1 << 16)
     os.chdir(workdir)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if _signal.getsignal(_signal.SIGPIPE) != _signal.SIG_DFL:  # a call inherits the forker's default
+        _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
     limits = cfg["limits"]
     rl = [
         (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
@@ -495,10 +514,12 @@ def _confine(cfg, *, uid, cgroup_fds, cpu_seconds, fds):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if not (strict and cfg["worker_seccomp"] is not None):  # else the worker set it (worker_loop)
+        confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
     if cfg["seccomp"] is not None and not strict:  # strict: the worker's filter, inherited (see confine)
         confine.load_seccomp(cfg["seccomp"])
-    os.environ.clear()
+    if os.environ:  # a call inherits the forker's, already empty
+        os.environ.clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -732,7 +753,8 @@ def remove_tree(path):
 # warm_up and starting the zygote from bytecode (zygote_start.py).
 
 FORKER_NAME = "sandbox-forker"  # /proc/<pid>/comm of a worker's forker
-CALL_NAME = "sandbox-call"      # ... and of a call (a worker's other children)
+CALL_NAME = "sandbox-call"      # ... of a call (a worker's other children), and of a session
+SESSION_NAME = "sandbox-session"
 _FORKER_REQUEST = struct.Struct(">I")  # the call's CPU seconds; then its workdir (not strict), UTF-8
 _FORKER = []  # the worker's Forker
 
@@ -795,6 +817,10 @@ def forker_loop(sock, cfg, slot, pid_page):
     for low, high in zip(keep, keep[1:] + [1 << 16]):
         os.closerange(low + 1, high)
     _DEVNULL.clear()
+    # what every call would otherwise set for itself (see _confine), inherited: its environment
+    # (the OpenBLAS thread settings were read when numpy was imported) and SIGPIPE's default
+    os.environ.clear()
+    _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
     global _CALL_STREAMS
     warm_up()
     _CALL_STREAMS = make_streams()
