@@ -5,7 +5,12 @@ memfd / SysV shm pages escape RLIMIT_AS altogether. A cgroup counts all of it (s
 
 Layout: one cgroup per worker slot, `<own cgroup>/rstar2-sandbox-<id>/slot<i>`, reused by the
 slot's calls one after another (a call's processes are all dead before the next one starts, so
-the cgroup holds exactly one call at a time; its OOM counter is read before and after). Sessions
+the cgroup holds exactly one call at a time; its OOM counter is read before and after). The
+slot's forker (zygote.forker_loop) lives there too, asleep while a call runs, so that each call
+is born in the cgroup instead of moving into it (a move waits for an RCU grace period after
+any pause: ~7 ms); its pids limit has one more for it. An OOM in the slot may end the forker
+(v2 kills the whole cgroup; v1 the largest process, normally the call): its worker starts a new
+one for the next call. Sessions
 each get their own, `.../sessions/session-<uid>`, with a call's limits; `sessions` itself caps
 the memory of all of them together (idle ones included): past it the kernel's OOM killer ends
 one of them (its next cell says so), never a call or the service.
@@ -149,7 +154,8 @@ class CgroupTree:
                 for d in slot.values():
                     os.mkdir(d, 0o755)
                 tree.slots.append(slot)
-                _apply(slot, limit_writes(version, memory_bytes, processes, cpus))
+                # + 1: the slot's forker lives in its cgroup too (every call is born there)
+                _apply(slot, limit_writes(version, memory_bytes, processes + 1, cpus))
             tree.sessions = {c: os.path.join(top, "sessions") for c, top in tops.items()}
             for d in tree.sessions.values():
                 os.mkdir(d, 0o755)

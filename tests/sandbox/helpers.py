@@ -85,10 +85,25 @@ def ls(path: str) -> str:
     return f"sorted(set(__import__('os').listdir({path!r})) - {INTERPRETER_ENTRIES!r})"
 
 
+def _calls_in(cgroup_dir: str) -> list[str]:
+    """The pids in a slot's cgroup but its forker's."""
+    procs = []
+    for pid in open(os.path.join(cgroup_dir, "cgroup.procs")).read().split():
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "sandbox-forker":
+                    continue
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        procs.append(pid)
+    return procs
+
+
 def leftover_work_files(sb: SyncSandbox) -> list[str]:
     """What is left of calls where the zygote's calls could write: its root's /tmp and /dev/shm
     (seen from the host through /proc/PID/root; each call mounts its own tmpfs over them, which
-    must vanish with the call), and processes still charged to the slots' cgroups."""
+    must vanish with the call), and processes still in the slots' cgroups other than the slot's
+    forker (which lives there: each call is born in the cgroup)."""
     root = f"/proc/{sb.sb.zygote_pid}/root"
     left = [f"/tmp/{n}" for n in os.listdir(f"{root}/tmp") if n not in INTERPRETER_ENTRIES]
     left += [f"/dev/shm/{n}" for n in os.listdir(f"{root}/dev/shm") if n not in INTERPRETER_ENTRIES]
@@ -97,9 +112,9 @@ def leftover_work_files(sb: SyncSandbox) -> list[str]:
         deadline = time.monotonic() + 5
         for slot in tree.slots:
             for d in slot.values():
-                procs = open(os.path.join(d, "cgroup.procs")).read().split()
+                procs = _calls_in(d)
                 while procs and time.monotonic() < deadline:
                     time.sleep(0.05)
-                    procs = open(os.path.join(d, "cgroup.procs")).read().split()
+                    procs = _calls_in(d)
                 left += [f"{d}: pid {p}" for p in procs]
     return sorted(left)

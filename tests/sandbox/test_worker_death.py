@@ -127,3 +127,32 @@ def test_a_killed_forker_is_replaced_and_no_call_is_lost():
     assert [r.stdout for r in first] == ["before\n"] * 2
     assert [(r.status, r.stdout) for r in results] == [("ok", f"{i}\n") for i in range(6)]
     assert same_zygote
+
+
+def test_each_call_is_born_in_its_slots_cgroup_where_its_forker_lives():
+    """The forker sits in its slot's cgroup, so a call starts there instead of moving in (a move
+    waits for an RCU grace period after any pause, ~7 ms a call); the cgroup holds the forker and
+    the call, and the pids limit counts one more for the forker."""
+
+    async def go():
+        async with sandbox.LocalSandbox(workers=1, preload=("math",), default_timeout=30.0) as sb:
+            tree = sb._pool._cgroups
+            if tree is None:
+                pytest.fail("this test needs the cgroups the sandbox uses on CI machines (v1 or v2)")
+            (worker, forker), = _forkers(sb._pool.zygote_pid, 1).items()
+            call = asyncio.ensure_future(sb.run("import time\ntime.sleep(1.0)\nprint(open('/proc/self/cgroup').read())"))
+            deadline = time.monotonic() + 10
+            while not running_calls(worker) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            calls = running_calls(worker)
+            slot = tree.slots[0]
+            members = {c: set(map(int, open(os.path.join(d, "cgroup.procs")).read().split())) for c, d in slot.items()}
+            pids_max = open(os.path.join(slot["pids" if "pids" in slot else ""], "pids.max")).read().strip()
+            return calls, forker, members, pids_max, await call, sb.limits.processes
+
+    calls, forker, members, pids_max, result, processes = asyncio.run(go())
+    assert len(calls) == 1
+    for controller, pids in members.items():
+        assert {forker, calls[0]} <= pids, (controller, pids)
+    assert int(pids_max) == processes + 1
+    assert result.status == "ok" and "slot0" in result.stdout
