@@ -43,7 +43,7 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
 SYS_READ = {"x86_64": 0, "aarch64": 63}.get(os.uname().machine)
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_syscall = ctypes.PyDLL(None).syscall  # PyDLL: keeps the GIL across clone, as os.fork does
+_syscall = ctypes.PyDLL(None, use_errno=True).syscall  # PyDLL: keeps the GIL across clone, as os.fork does
 _syscall.restype = ctypes.c_long
 
 

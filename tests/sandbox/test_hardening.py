@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import sys
 import threading
 import time
 
@@ -810,3 +811,15 @@ def test_calls_and_cells_cannot_lower_their_oom_score(one_slot):
     assert one_slot.call(cell()) == expected
     with open("/proc/self/oom_score_adj") as f:
         assert int(f.read()) < 1000  # the test process (the service) stays a lesser victim
+
+
+def test_a_refused_clone_reports_the_kernels_reason():
+    """confine.clone reads errno from the syscall itself (use_errno): a clone the kernel refuses
+    says why (here EINVAL: CLONE_THREAD without CLONE_SIGHAND), not "Success". Run in a child
+    interpreter: the test process keeps its own fork hooks untouched."""
+    code = ("import errno\nfrom sandbox import confine\ntry:\n    confine.clone(0x00010000)\n"
+            "except OSError as e:\n    print(e.errno == errno.EINVAL, e)\nelse:\n    print('cloned')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.stdout.startswith("True "), (out.stdout, out.stderr)
+    assert "Invalid argument" in out.stdout
