@@ -97,6 +97,9 @@ def test_calls_are_the_workers_children_cloned_by_a_forker_that_sleeps_while_the
             calls, forker_state = running_calls(worker), _state(forker)
             result = await call
             after = await sb.run("print('after')")
+            deadline = time.monotonic() + 5  # it closes the call's fds, then waits for the next request
+            while _state(forker) != "S" and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             return calls, forker_state, child_pids(forker), result, after, _state(forker)
 
     calls, forker_state_during, forker_children, result, after, forker_state_after = asyncio.run(go())
