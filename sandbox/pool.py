@@ -382,15 +382,16 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
+def process_name(pid: int) -> str | None:
+    """A process's name (/proc/<pid>/comm: zygote.CALL_NAME, FORKER_NAME, ...), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
 def running_calls(worker_pid: int) -> list[int]:
     """The calls a zygote worker is running now: its children named CALL_NAME (its forker, the
     one other child, is not one). For tests and benchmarks that inject faults."""
-    calls = []
-    for pid in child_pids(worker_pid):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == CALL_NAME:
-                    calls.append(pid)
-        except FileNotFoundError:
-            pass
-    return calls
+    return [pid for pid in child_pids(worker_pid) if process_name(pid) == CALL_NAME]

@@ -9,6 +9,8 @@ import threading
 import time
 
 import sandbox
+from sandbox import zygote
+from sandbox.pool import process_name
 from sandbox.zygote import interpreter_dirs  # the directories the sandbox binds, links included
 
 
@@ -87,16 +89,8 @@ def ls(path: str) -> str:
 
 def _calls_in(cgroup_dir: str) -> list[str]:
     """The pids in a slot's cgroup but its forker's."""
-    procs = []
-    for pid in open(os.path.join(cgroup_dir, "cgroup.procs")).read().split():
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == "sandbox-forker":
-                    continue
-        except FileNotFoundError:
-            continue  # gone meanwhile
-        procs.append(pid)
-    return procs
+    pids = open(os.path.join(cgroup_dir, "cgroup.procs")).read().split()
+    return [pid for pid in pids if process_name(int(pid)) not in (zygote.FORKER_NAME, None)]  # None: gone meanwhile
 
 
 def leftover_work_files(sb: SyncSandbox) -> list[str]:

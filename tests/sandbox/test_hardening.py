@@ -21,6 +21,7 @@ import pytest
 
 import sandbox
 from sandbox import cgroups, zygote
+from sandbox.pool import child_pids, process_name
 from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls
 from tests.sandbox.test_hostile import run_beside_benign
 
@@ -297,15 +298,8 @@ def test_a_spawn_pool_over_the_snippet_s_functions_fails_plainly(sb):
 # 4. a supervisor no input can break
 
 def _worker_pids(box):
-    """The zygote's workers: its children but the closer (zygote.CLOSER_NAME)."""
-    with open(f"/proc/{box.sb.zygote_pid}/task/{box.sb.zygote_pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    return [p for p in children if _comm(p) != "sandbox-closer"]
-
-
-def _comm(pid):
-    with open(f"/proc/{pid}/comm") as f:
-        return f.read().strip()
+    """The zygote's workers: its children but the closer."""
+    return [p for p in child_pids(box.sb.zygote_pid) if process_name(p) != zygote.CLOSER_NAME]
 
 
 def _fd_count(pid):
@@ -315,8 +309,7 @@ def _fd_count(pid):
 def test_calls_mount_namespaces_are_all_freed_and_calls_survive_the_closers_death(one_slot):
     """Each call's mount namespace is handed to the closer (zygote.release_mount_namespace), which
     drops them in batches: none may be kept once it is idle; without a closer, calls still work."""
-    with open(f"/proc/{one_slot.sb.zygote_pid}/task/{one_slot.sb.zygote_pid}/children") as f:
-        closers = [int(p) for p in f.read().split() if _comm(int(p)) == "sandbox-closer"]
+    closers = [p for p in child_pids(one_slot.sb.zygote_pid) if process_name(p) == zygote.CLOSER_NAME]
     assert len(closers) == 1
     closer = closers[0]
     idle = 4  # its own: stdin, stdout, stderr and the socket the workers send on (zygote.start_closer)
@@ -819,7 +812,6 @@ def test_a_refused_clone_reports_the_kernels_reason():
     interpreter: the test process keeps its own fork hooks untouched."""
     code = ("import errno\nfrom sandbox import confine\ntry:\n    confine.clone(0x00010000)\n"
             "except OSError as e:\n    print(e.errno == errno.EINVAL, e)\nelse:\n    print('cloned')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.startswith("True "), (out.stdout, out.stderr)
     assert "Invalid argument" in out.stdout

@@ -11,7 +11,8 @@ import time
 import pytest
 
 import sandbox
-from sandbox.pool import child_pids, running_calls
+from sandbox import zygote
+from sandbox.pool import child_pids, process_name, running_calls
 
 
 def kill_a_busy_worker(zygote_pid: int, deadline: float) -> int | None:
@@ -67,12 +68,8 @@ def _forkers(zygote_pid: int, expected: int) -> dict[int, int]:
         found = {}
         for worker in child_pids(zygote_pid):
             for pid in child_pids(worker):
-                try:
-                    with open(f"/proc/{pid}/comm") as f:
-                        if f.read().strip() == "sandbox-forker":
-                            found[worker] = pid
-                except FileNotFoundError:
-                    pass
+                if process_name(pid) == zygote.FORKER_NAME:
+                    found[worker] = pid
         if len(found) == expected or time.monotonic() > deadline:
             return found
         time.sleep(0.01)
