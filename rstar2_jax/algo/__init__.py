@@ -1,8 +1,12 @@
-"""GRPO-RoC as pure functions: RoC selections, advantages, policy losses (registries of names)."""
+"""The algorithms as pure functions in registries: RoC selections, advantages, policy losses
+(one module each under losses/), loss aggregations, KL estimators."""
 
 from rstar2_jax.algo.advantages import ADVANTAGES, advantages, grpo_advantages
-from rstar2_jax.algo.losses import LOSSES, PolicyLossConfig, clip_higher_loss, kl_penalty, loss_fn
+from rstar2_jax.algo.aggregation import AGGREGATIONS, aggregate
+from rstar2_jax.algo.kl import KL_ESTIMATORS, KLConfig
+from rstar2_jax.algo.losses import LOSSES, LossInputs, LossTerms, PolicyLossConfig, policy_loss_terms, register_loss
 from rstar2_jax.algo.roc import SELECTIONS, group_is_informative, roc_select
 
-__all__ = ["ADVANTAGES", "LOSSES", "PolicyLossConfig", "SELECTIONS", "advantages", "clip_higher_loss", "grpo_advantages",
-           "group_is_informative", "kl_penalty", "loss_fn", "roc_select"]
+__all__ = ["ADVANTAGES", "AGGREGATIONS", "KLConfig", "KL_ESTIMATORS", "LOSSES", "LossInputs", "LossTerms",
+           "PolicyLossConfig", "SELECTIONS", "advantages", "aggregate", "grpo_advantages", "group_is_informative",
+           "policy_loss_terms", "register_loss", "roc_select"]

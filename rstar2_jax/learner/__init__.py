@@ -2,6 +2,6 @@
 
 from rstar2_jax.learner.batching import TrainBatch, make_batch
 from rstar2_jax.learner.learner import Learner, LearnerConfig, sampler_mismatch
-from rstar2_jax.learner.train_step import LossConfig, TrainState
+from rstar2_jax.learner.train_step import TrainState, UpdateConfig
 
-__all__ = ["Learner", "LearnerConfig", "LossConfig", "TrainBatch", "TrainState", "make_batch", "sampler_mismatch"]
+__all__ = ["Learner", "LearnerConfig", "TrainBatch", "TrainState", "UpdateConfig", "make_batch", "sampler_mismatch"]

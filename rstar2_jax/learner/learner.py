@@ -2,9 +2,17 @@
 
     learner = Learner(model, LearnerConfig(...), mesh=mesh)
     batch.old_logprobs = learner.logprobs(batch.tokens)
-    metrics = learner.update(batch)          # one optimizer step (micro-batches inside); fills
-                                             # batch.old_logprobs and batch.entropy when missing
+    metrics = learner.update(batch)          # mini_batches x epochs optimizer steps (micro-batches
+                                             # inside each); fills batch.old_logprobs and
+                                             # batch.entropy when missing
     engine.update_weights(learner.model_state(), learner.version)
+
+One update is one new weights version, whatever number of optimizer steps it takes: the batch
+is split into `mini_batches` row slices, and every epoch takes one step on each (verl's
+ppo_mini_batch_size / ppo_epochs); the old (proximal) log-probs are those of the weights before
+the update, so the ratio departs from 1 from the second step on and the clip can bind. 1 x 1 is
+the paper's setting. With a KL term, the learner keeps the frozen reference weights (the ones it
+was built with) and computes their log-probs once per update.
 
 Parameters stay float32 (master weights); the model's compute dtype (e.g. bf16) is the one it
 was built with. With a mesh, parameters live on their NamedShardings and batches are sharded
@@ -27,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
-from rstar2_jax.learner.train_step import LossConfig, TrainState, batch_logprobs, train_step
+from rstar2_jax.learner.train_step import TrainState, UpdateConfig, batch_logprobs, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +46,9 @@ class LearnerConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
-    loss: LossConfig = LossConfig()
+    update: UpdateConfig = UpdateConfig()
+    mini_batches: int = 1   # optimizer steps per epoch of one update (row slices of the batch)
+    epochs: int = 1         # passes over the batch per update
     # update() also returns per-token entropies from its old-log-prob pass, for the forking /
     # reflection analysis; one more reduction over the logits: +15-22% on that pass on CPU
     # (BENCHMARKS.md, "Entropy in the old-log-prob pass").
@@ -61,15 +71,18 @@ class Learner:
             params = _placed_on(params, sharding_lib.param_shardings(params, mesh))
         self.state = self._placed(TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)))
         self.version = 0
-        self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.loss), donate_argnums=(0,))
-        self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=cfg.loss), static_argnames="with_entropy")
+        # The frozen reference of a KL term: the weights the learner starts from (after SFT).
+        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.update.kl.enabled else None
+        self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.update), donate_argnums=(0,))
+        self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=cfg.update), static_argnames="with_entropy")
 
     # ------------------------------------------------------------------------------------------
     @property
     def rows_multiple(self) -> int:
-        """Batch rows must be a multiple of this: micro-batches x the devices the batch is split over."""
+        """Batch rows must be a multiple of this: mini-batches x micro-batches x the devices the
+        batch is split over."""
         width = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        return self.cfg.loss.micro_batches * width
+        return self.cfg.mini_batches * self.cfg.update.micro_batches * width
 
     def _placed(self, state: TrainState) -> TrainState:
         """Leaves made on one device (the step, optimizer counters) replicated over the mesh: a
@@ -89,17 +102,19 @@ class Learner:
     def _ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def logprobs(self, tokens: np.ndarray, with_entropy: bool = False):
-        """Log-probs [N, T] of `tokens` under the current weights; with `with_entropy`, the pair
-        (log-probs, entropy), both computed in the same vocabulary chunks."""
+    def logprobs(self, tokens: np.ndarray, with_entropy: bool = False, params=None):
+        """Log-probs [N, T] of `tokens` under the current weights (or `params`); with
+        `with_entropy`, the pair (log-probs, entropy), both computed in the same vocabulary chunks."""
         with self._ctx():
-            out = self._logprobs(self.state.params, self._put(tokens), with_entropy=with_entropy)
+            out = self._logprobs(self.state.params if params is None else params, self._put(tokens),
+                                 with_entropy=with_entropy)
             host = lambda x: np.asarray(sharding_lib.gathered(x))  # noqa: E731 - sharded over processes too
             return tuple(map(host, out)) if with_entropy else host(out)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on `batch` (old log-probs, and with cfg.token_entropy the token
-        entropies, recomputed here when missing)."""
+        """One update on `batch`: mini_batches x epochs optimizer steps, one new version (old
+        log-probs, and with cfg.token_entropy the token entropies, recomputed here when missing).
+        Metrics are means over the optimizer steps taken."""
         rows = batch.tokens.shape[0]
         padded = pad_rows(batch, self.rows_multiple)
         if padded.old_logprobs is None and self.cfg.token_entropy:
@@ -110,12 +125,21 @@ class Learner:
             batch.old_logprobs = padded.old_logprobs[:rows]
         arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages,
                   "old_logprobs": padded.old_logprobs}
-        if self.cfg.loss.tis_cap is not None:
+        if self.cfg.update.needs_sampler_logprobs:
             arrays["sampler_logprobs"] = padded.sampler_logprobs
-        with self._ctx():
-            self.state, metrics = self._train(self.state, {k: self._put(v) for k, v in arrays.items()})
+        if self.ref_params is not None:
+            arrays["ref_logprobs"] = self.logprobs(padded.tokens, params=self.ref_params)
+        steps = []
+        for _ in range(self.cfg.epochs):
+            for part in mini_batches(arrays, self.cfg.mini_batches):
+                if not part["loss_mask"].any():  # only padding rows: an optimizer step would still move Adam
+                    continue
+                with self._ctx():
+                    self.state, metrics = self._train(self.state, {k: self._put(v) for k, v in part.items()})
+                steps.append({k: float(v) for k, v in metrics.items()})
         self.version += 1
-        out = {k: float(v) for k, v in metrics.items()}
+        out = {k: float(np.mean([m[k] for m in steps])) for k in steps[0]} if steps else {}
+        out["optimizer_steps"] = float(len(steps))
         out.update(sampler_mismatch(batch))
         if batch.entropy is not None and batch.num_tokens:
             out["entropy_mean"] = float((batch.entropy * batch.loss_mask).sum() / batch.num_tokens)
@@ -131,6 +155,14 @@ class Learner:
 
     def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state.params)
+
+
+def mini_batches(arrays: dict[str, np.ndarray], count: int):
+    """`count` consecutive row slices of every array (rows divide evenly: the learner pads)."""
+    rows = next(iter(arrays.values())).shape[0]
+    size = rows // count
+    for k in range(count):
+        yield {name: x[k * size:(k + 1) * size] for name, x in arrays.items()}
 
 
 def _placed_on(params, shardings):

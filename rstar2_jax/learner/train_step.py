@@ -1,8 +1,11 @@
-"""The jitted GRPO-RoC update: a pure function of (state, batch).
+"""The jitted policy update: a pure function of (state, mini-batch).
 
-Gradient accumulation over micro-batches is a `lax.scan` of gradients of each micro-batch's loss
-*sum*, divided once by the token count of the whole batch, so M micro-batches give the same
-update as one (token-level mean over the batch).
+The loss is the registered policy loss (algo/losses) on one `LossInputs`, optionally weighted
+by truncated importance weights (TIS) and plus a KL term to a frozen reference, then aggregated
+(algo/aggregation.py). Gradient accumulation over micro-batches is a `lax.scan` of gradients of
+each micro-batch's *scaled sum*, divided once by the aggregation's count of the whole
+mini-batch (computed from the mask before any gradient), so M micro-batches give the same
+update as one, in every aggregation mode. Statistics are token means over the mini-batch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from rstar2_jax.algo.losses import loss_fn, truncated_importance_weights
+from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, LossInputs, PolicyLossConfig,
+                             policy_loss_terms)
 from rstar2_jax.models.logprobs import token_logprobs
 
 
@@ -28,20 +32,35 @@ class TrainState:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
-    name: str = "clip_higher"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = None
+class UpdateConfig:
+    """What the jitted update reads: the run's `rl.loss` and `rl.kl` sections as they are, and the
+    learner-side settings of `rl.*` (rl/trainer.py builds it; tests build it directly)."""
+    loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    kl: KLConfig = KLConfig()
     temperature: float = 1.0
     logprob_chunk: int = 512
     micro_batches: int = 1
     # Truncated importance sampling between the sampler's log-probs and the learner's recomputed
     # ones (None: off, the paper's setting; the batch then needs no sampler_logprobs).
     tis_cap: float | None = None
+    # aggregation=constant: C (rl.loss.constant_tokens, resolved by the trainer when 0).
+    constant_tokens: float = 1.0
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        return self.tis_cap is not None or LOSSES[self.loss.name].needs_sampler_logprobs
 
 
-def compute_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bool = False):
+def truncated_importance_weights(old_logprobs, sampler_logprobs, cap: float):
+    """Per-token weights min(pi_learner / pi_sampler, cap) for truncated importance sampling
+    (TIS): the engine samples with its own numerics (another kernel, bf16, or weights some
+    versions old under asynchronous rollouts), so its distribution is not the learner's; the
+    clipped ratio corrects the policy gradient toward the learner's policy while bounding the
+    variance. Constants of the update: no gradient flows through them."""
+    return jnp.minimum(jnp.exp(jnp.clip(old_logprobs - sampler_logprobs, -20.0, 20.0)), cap)
+
+
+def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
     """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs); with
     `with_entropy`, also the entropy of the distribution each token was drawn from [N, T]."""
     model = nnx.merge(graphdef, params)
@@ -49,7 +68,7 @@ def compute_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bo
                           with_entropy=with_entropy)
 
 
-def batch_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bool = False):
+def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
     """`compute_logprobs` of a whole batch, cfg.micro_batches rows-slices at a time (a `lax.map`),
     so the old-log-prob pass holds one micro-batch's activations, as the update does, never the
     whole batch's (a batch whose rows do not split evenly goes in one piece)."""
@@ -61,69 +80,73 @@ def batch_logprobs(graphdef, params, tokens, cfg: LossConfig, with_entropy: bool
     return jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), out)
 
 
-def _policy_loss(graphdef, cfg: LossConfig, params, batch):
-    """(loss sum, token count, stats, log-probs) of the configured policy loss on `batch`."""
+def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
+    """(scaled loss sum, {statistic: token sum}, log-probs) of one (micro-)batch: the policy
+    loss, TIS weights and the KL term, masked and scaled per row by the aggregation."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg)
-    mask = batch["loss_mask"]
-    weights, stats = None, {}
+    mask = batch["loss_mask"] > 0
+    inputs = LossInputs(lp, batch["old_logprobs"], batch["advantages"], mask, batch.get("sampler_logprobs"),
+                        batch.get("ref_logprobs"), log_ratio_clamp=cfg.loss.log_ratio_clamp).sanitized()
+    terms = policy_loss_terms(cfg.loss.name, inputs, cfg.loss.settings())
+    per_token, stats = terms.per_token, dict(terms.stats)
     if cfg.tis_cap is not None:
-        weights = jax.lax.stop_gradient(truncated_importance_weights(batch["old_logprobs"], batch["sampler_logprobs"],
+        weights = jax.lax.stop_gradient(truncated_importance_weights(inputs.old_logprobs, inputs.sampler_logprobs,
                                                                      cfg.tis_cap))
-        stats = {"tis_weight_sum": jnp.sum(weights * mask),
-                 "tis_truncated_sum": jnp.sum((weights >= cfg.tis_cap).astype(jnp.float32) * mask)}
-    loss_sum, count, loss_stats = loss_fn(cfg.name)(lp, batch["old_logprobs"], batch["advantages"], mask,
-                                                    eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                                    dual_clip=cfg.dual_clip, token_weights=weights)
-    return loss_sum, count, {**loss_stats, **stats}, lp
+        per_token = per_token * weights
+        stats["tis_weight_mean"] = jnp.where(mask, weights, 0.0)
+        stats["tis_truncated_fraction"] = jnp.where(mask, (weights >= cfg.tis_cap).astype(jnp.float32), 0.0)
+    if cfg.kl.enabled:
+        kl = jnp.where(mask, KL_ESTIMATORS[cfg.kl.estimator](inputs.logprobs, inputs.ref_logprobs), 0.0)
+        per_token = per_token + cfg.kl.coef * kl
+        stats[f"kl_ref_{cfg.kl.estimator}"] = kl
+    stats["nll_per_token"] = -inputs.logprobs
+    row_scale = AGGREGATIONS[cfg.loss.aggregation_name()].row_scale(mask)
+    loss_sum = jnp.sum(jnp.sum(jnp.where(mask, per_token, 0.0), axis=-1) * row_scale)
+    return loss_sum, {k: jnp.sum(v) for k, v in stats.items()}, lp
 
 
-def train_step(graphdef, tx: optax.GradientTransformation, cfg: LossConfig, state: TrainState, batch: dict):
-    """batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs [N, T] (and
-    sampler_logprobs [N, T] with cfg.tis_cap)."""
+def loss_count(cfg: UpdateConfig, mask) -> jax.Array:
+    """The aggregation's normaliser of a whole (mini-)batch: depends on the mask alone."""
+    return jnp.maximum(AGGREGATIONS[cfg.loss.aggregation_name()].count(mask > 0, cfg.constant_tokens), 1e-9)
+
+
+def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, state: TrainState, batch: dict):
+    """One optimizer step. batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs
+    [N, T] (sampler_logprobs [N, T] with TIS, ref_logprobs [N, T] with a KL term)."""
     n = batch["tokens"].shape[0]
     m = cfg.micro_batches
     if n % m:
         raise ValueError(f"batch of {n} rows does not split into {m} micro-batches")
     micro = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
+    count = loss_count(cfg, batch["loss_mask"])
     total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
 
     def micro_loss(params, mb):
-        loss_sum, _, stats, lp = _policy_loss(graphdef, cfg, params, mb)
-        nll = -jnp.sum(lp * mb["loss_mask"])
-        return loss_sum / total_tokens, (stats, nll)
+        loss_sum, stats, _ = _loss_terms(graphdef, cfg, params, mb)
+        return loss_sum / count, {**stats, "policy_loss": loss_sum}
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
     def accumulate(carry, mb):
         grads, stats_sum = carry
-        g, (stats, nll) = grad_fn(state.params, mb)
-        grads = jax.tree.map(jnp.add, grads, g)
-        stats_sum = {k: stats_sum[k] + v for k, v in {**stats, "nll_sum": nll}.items()}
-        return (grads, stats_sum), None
+        g, stats = grad_fn(state.params, mb)
+        return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, stats_sum, stats)), None
 
+    # The statistics' names come from the loss and the options in use (nothing hard-coded here).
+    first = jax.tree.map(lambda x: x[0], micro)
+    stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, state.params, first)[1])
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    stats0 = {"clip_fraction_sum": 0.0, "approx_kl_sum": 0.0, "nll_sum": 0.0}
-    if cfg.tis_cap is not None:
-        stats0.update(tis_weight_sum=0.0, tis_truncated_sum=0.0)
-    (grads, stats), _ = jax.lax.scan(accumulate, (zeros, jax.tree.map(jnp.float32, stats0)), micro)
+    (grads, stats), _ = jax.lax.scan(accumulate, (zeros, stats0), micro)
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {
-        "grad_norm": optax.global_norm(grads),
-        "update_norm": optax.global_norm(updates),
-        "clip_fraction": stats["clip_fraction_sum"] / total_tokens,
-        "approx_kl": stats["approx_kl_sum"] / total_tokens,
-        "nll_per_token": stats["nll_sum"] / total_tokens,
-        "tokens": total_tokens,
-    }
-    if cfg.tis_cap is not None:
-        metrics["tis_weight_mean"] = stats["tis_weight_sum"] / total_tokens
-        metrics["tis_truncated_fraction"] = stats["tis_truncated_sum"] / total_tokens
+    metrics = {k: v / total_tokens for k, v in stats.items() if k != "policy_loss"}
+    metrics.update(policy_loss=stats["policy_loss"] / count, grad_norm=optax.global_norm(grads),
+                   update_norm=optax.global_norm(updates), tokens=total_tokens)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def policy_loss_value(graphdef, cfg: LossConfig, params, batch) -> jax.Array:
-    """The token-mean policy loss of a batch (no gradient): for tests and logging."""
-    s, c, _, _ = _policy_loss(graphdef, cfg, params, batch)
-    return s / jnp.maximum(c, 1.0)
+def policy_loss_value(graphdef, cfg: UpdateConfig, params, batch) -> jax.Array:
+    """The aggregated loss of a batch (no gradient): for tests and logging."""
+    s, _, _ = _loss_terms(graphdef, cfg, params, batch)
+    return s / loss_count(cfg, batch["loss_mask"])

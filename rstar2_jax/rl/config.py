@@ -20,8 +20,7 @@ from typing import Any, Mapping
 import ml_collections
 import numpy as np
 
-from rstar2_jax.algo import ADVANTAGES
-from rstar2_jax.algo.losses import PolicyLossConfig
+from rstar2_jax.algo import ADVANTAGES, KLConfig, PolicyLossConfig
 from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
 from rstar2_jax.data.tasks import TASKS, DataConfig
@@ -66,7 +65,10 @@ class RLConfig(Section):
     warmup_steps: int = setting(2, "linear warm-up steps", min=0)
     weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
     grad_clip: float = setting(1.0, "global-norm gradient clip (0: off)", min=0.0)
-    micro_batches: int = setting(1, "micro-batches per update (gradients accumulated; memory)", min=1)
+    micro_batches: int = setting(1, "micro-batches per optimizer step (gradients accumulated; memory)", min=1)
+    mini_batches: int = setting(1, "optimizer steps per epoch of an update: the kept rollouts split in this many "
+                                "row slices (1: the paper; verl's ppo_mini_batch_size)", min=1)
+    epochs: int = setting(1, "passes over the kept rollouts per update (1: the paper; verl's ppo_epochs)", min=1)
     advantage: str = setting("grpo", "group-relative advantage", choices=ADVANTAGES)
     token_entropy: bool = setting(True, "per-token entropies of kept rollouts into the traces (learner pass)")
     max_staleness: int = setting(0, "async rollouts: versions a sampled token may lag the learner (0: on-policy, "
@@ -75,6 +77,7 @@ class RLConfig(Section):
                              min=0.0)
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
     loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
+    kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
 
     def rules(self):
         if 0 < self.tis_cap < 1:

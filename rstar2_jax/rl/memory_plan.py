@@ -44,7 +44,7 @@ from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05
-LOGPROB_CHUNK = 512  # LossConfig.logprob_chunk
+LOGPROB_CHUNK = 512  # UpdateConfig.logprob_chunk
 
 # What to change when a line does not fit.
 REMEDIES = {

@@ -43,7 +43,7 @@ from rstar2_jax import models, sharding
 from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.config_types import ConfigValueError
 from rstar2_jax.data.tasks import make_task
-from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
+from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.tokenizer import Tokenizer
@@ -232,11 +232,12 @@ class RLRun:
 
     def learner_config(self) -> LearnerConfig:
         rl = self.cfg.rl
+        constant = rl.loss.constant_tokens or max(s.max_response_tokens for s in self.cfg.stages)
+        update = UpdateConfig(loss=rl.loss, kl=rl.kl, temperature=self.cfg.rollout.temperature,
+                              micro_batches=rl.micro_batches, tis_cap=rl.tis_cap or None, constant_tokens=constant)
         return LearnerConfig(lr=rl.lr, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
-                             grad_clip=rl.grad_clip, token_entropy=rl.token_entropy,
-                             loss=LossConfig(rl.loss.name, rl.loss.eps_low, rl.loss.eps_high, rl.loss.dual_clip,
-                                             temperature=self.cfg.rollout.temperature,
-                                             micro_batches=rl.micro_batches, tis_cap=rl.tis_cap or None))
+                             grad_clip=rl.grad_clip, token_entropy=rl.token_entropy, update=update,
+                             mini_batches=rl.mini_batches, epochs=rl.epochs)
 
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from rstar2_jax.learner import Learner, LearnerConfig, LossConfig, make_batch
+from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig, make_batch
 from tests.models.conftest import random_model, small_config
 
 
@@ -29,7 +29,7 @@ def test_micro_batch_accumulation_is_exact():
     results = []
     for micro in (1, 2, 4):
         learner = Learner(random_model(cfg, seed=1), LearnerConfig(lr=1e-3, warmup_steps=1,
-                                                                   loss=LossConfig(micro_batches=micro)))
+                                                                   update=UpdateConfig(micro_batches=micro)))
         metrics = learner.update(_batch())
         results.append((_params_flat(learner), metrics))
     for params, metrics in results[1:]:
@@ -42,7 +42,7 @@ def test_old_logprob_pass_by_micro_batches_equals_the_whole_batch():
     cfg, batch = small_config("qwen3"), _batch(seed=3)
     out = {}
     for micro in (1, 4):
-        learner = Learner(random_model(cfg, seed=2), LearnerConfig(loss=LossConfig(micro_batches=micro)))
+        learner = Learner(random_model(cfg, seed=2), LearnerConfig(update=UpdateConfig(micro_batches=micro)))
         out[micro] = learner.logprobs(batch.tokens, with_entropy=True)
     for whole, split in zip(out[1], out[4]):
         np.testing.assert_allclose(split, whole, atol=1e-6)
@@ -57,10 +57,10 @@ def test_updates_reduce_the_policy_loss_on_a_fixed_batch():
     batch.old_logprobs = learner.logprobs(batch.tokens)
     arrays = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
               "old_logprobs": batch.old_logprobs}
-    before = float(policy_loss_value(learner.graphdef, learner.cfg.loss, learner.state.params, arrays))
+    before = float(policy_loss_value(learner.graphdef, learner.cfg.update, learner.state.params, arrays))
     for _ in range(5):
         learner.update(dataclasses.replace(batch))
-    after = float(policy_loss_value(learner.graphdef, learner.cfg.loss, learner.state.params, arrays))
+    after = float(policy_loss_value(learner.graphdef, learner.cfg.update, learner.state.params, arrays))
     assert after < before - 0.01
     assert learner.version == 5 and int(learner.state.step) == 5
 
@@ -120,7 +120,7 @@ def test_make_batch_pads_and_aligns():
 
 
 def test_truncated_importance_weights_hand_computed():
-    from rstar2_jax.algo.losses import truncated_importance_weights
+    from rstar2_jax.learner.train_step import truncated_importance_weights
     old = np.log(np.array([[0.5, 0.2, 0.9]], np.float32))
     sampler = np.log(np.array([[0.25, 0.4, 0.1]], np.float32))
     np.testing.assert_allclose(truncated_importance_weights(old, sampler, 2.0), [[2.0, 0.5, 2.0]], rtol=1e-6)
@@ -130,7 +130,7 @@ def test_truncated_importance_weights_hand_computed():
 def _update_with(tis_cap, sampler_shift=0.0, seed=11):
     cfg = small_config("qwen3")
     learner = Learner(random_model(cfg, seed=seed), LearnerConfig(lr=1e-3, warmup_steps=1,
-                                                                  loss=LossConfig(tis_cap=tis_cap)))
+                                                                  update=UpdateConfig(tis_cap=tis_cap)))
     batch = _batch(seed=12)
     lp = learner.logprobs(batch.tokens)
     # the sampler's log-probs: the learner's own (same weights, on-policy), optionally shifted
@@ -158,3 +158,54 @@ def test_correction_reweights_tokens_when_the_sampler_differs():
     assert np.abs(plain - corrected).max() > 1e-6  # the update moved
     assert 0.0 < m["tis_truncated_fraction"] < 1.0 and m["tis_weight_mean"] <= 2.0
     assert m["importance_ratio_max"] > 2.0  # the mismatch metrics see what the cap cut
+
+
+def _learner(seed=21, lr=1e-3, **kw):
+    update = {k: kw.pop(k) for k in ("loss", "kl", "micro_batches") if k in kw}
+    return Learner(random_model(small_config("qwen3"), seed=seed),
+                   LearnerConfig(lr=lr, warmup_steps=1, update=UpdateConfig(**update), **kw))
+
+
+def test_one_mini_batch_and_one_epoch_is_one_step_where_the_clip_cannot_bind():
+    """The paper's setting: the old log-probs are the weights being updated, so every ratio is 1."""
+    m = _learner().update(_batch(seed=22))
+    assert m["optimizer_steps"] == 1
+    assert m["clip_low_fraction"] == m["clip_high_fraction"] == 0.0 and abs(m["ppo_kl"]) < 1e-6
+
+
+def test_mini_batches_times_epochs_steps_and_the_clip_binds_after_the_first():
+    learner = _learner(lr=3e-2, mini_batches=2, epochs=2)
+    m = learner.update(_batch(seed=22))
+    assert m["optimizer_steps"] == 4 and learner.version == 1  # one update, one version
+    assert m["clip_low_fraction"] + m["clip_high_fraction"] > 0 and m["ppo_kl"] != 0.0
+
+
+def test_an_all_padding_mini_batch_takes_no_optimizer_step():
+    b = _batch(seed=23, rows=2, rows_multiple=1)  # 2 rows over 4 mini-batches: two are padding only
+    assert _learner(mini_batches=4).update(b)["optimizer_steps"] == 2
+
+
+def test_kl_term_is_zero_against_itself_then_grows_and_the_reference_stays_frozen():
+    from rstar2_jax.algo import KLConfig
+    learner = _learner(lr=3e-2, kl=KLConfig(coef=0.5, estimator="k3"))
+    ref = [np.asarray(x).copy() for x in jax.tree.leaves(learner.ref_params)]
+    first = learner.update(_batch(seed=24))
+    second = learner.update(_batch(seed=24))
+    assert first["kl_ref_k3"] == pytest.approx(0.0, abs=1e-7) and second["kl_ref_k3"] > 1e-6
+    for before, after in zip(ref, jax.tree.leaves(learner.ref_params)):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    assert _learner().ref_params is None  # no KL term: no reference copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_micro_batch_accumulation_is_exact_for_every_aggregation(loss):
+    from rstar2_jax.algo import PolicyLossConfig
+    results = []
+    for micro in (1, 4):
+        learner = _learner(seed=1, loss=PolicyLossConfig(name=loss), micro_batches=micro)
+        metrics = learner.update(_batch())
+        results.append((_params_flat(learner), metrics))
+    # Adam divides by sqrt(v): summation-order noise of ~1e-9 in a near-zero gradient shows as ~2e-6
+    np.testing.assert_allclose(results[1][0], results[0][0], atol=1e-5)
+    assert results[1][1]["policy_loss"] == pytest.approx(results[0][1]["policy_loss"], rel=1e-5, abs=1e-7)
