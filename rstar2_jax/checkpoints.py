@@ -1,6 +1,7 @@
-"""Orbax checkpoints of the whole run: train state (params, optimizer, step) and loop metadata
-(RL step, stage, data position, weights version). The last `keep` are kept; a killed run resumes
-from the newest complete one (orbax writes to a temporary directory and renames when done)."""
+"""Orbax checkpoints of the whole run: train state (params, optimizer, step), loop metadata
+(the run state as JSON: RL step, stage, data position, weights version) and, for runs with a KL
+term, the frozen reference weights. The last `keep` are kept; a killed run resumes from the
+newest complete one (orbax writes to a temporary directory and renames when done)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ class RunCheckpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]):
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)))
+    def save(self, step: int, state: Any, meta: dict[str, Any], reference: Any = None):
+        items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if reference is not None:  # the KL term's frozen reference: saved with the run, never recomputed
+            items["reference"] = ocp.args.StandardSave(reference)
+        self.manager.save(step, args=ocp.args.Composite(**items))
         self.manager.wait_until_finished()
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
@@ -41,6 +44,16 @@ class RunCheckpoints:
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                  meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
+
+    def restore_reference(self, step: int, like: Any) -> Any:
+        """The reference weights saved at `step` (shaped and placed like `like`); a
+        checkpoint saved without a KL term has none: ValueError saying so."""
+        if "reference" not in self.manager.item_metadata(step):
+            raise ValueError(f"checkpoint {self.directory} step {step} holds no reference weights (saved by a run "
+                             "without rl.kl.coef); resume with rl.kl.coef=0 or start a new run directory")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        out = self.manager.restore(step, args=ocp.args.Composite(reference=ocp.args.StandardRestore(abstract)))
+        return out["reference"]
 
     def close(self):
         self.manager.close()

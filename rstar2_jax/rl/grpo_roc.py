@@ -1,4 +1,5 @@
-"""One GRPO-RoC step's data path: rewards and penalties -> RoC selection -> advantages -> batch.
+"""One GRPO-RoC step's data path: rewards and penalties -> RoC selection -> advantages -> kept
+rollouts and trace records (select_step).
 
 A RoC mode (`rl.roc.mode`, the ROC_MODES registry) is a pair: the selection (algo/roc.py:
 SELECTIONS) and the penalties it ranks positives by:
@@ -13,7 +14,7 @@ Pure given its inputs (the numpy Generator included), so an RL step is reproduci
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -21,9 +22,10 @@ from rstar2_jax.algo import SELECTIONS, group_is_informative, roc_select
 from rstar2_jax.algo import advantages as compute_advantages
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.registry import Registry
-from rstar2_jax.rewards import format_penalty, tool_error_ratio
+from rstar2_jax.rewards import extract_answer, format_penalty, tool_error_ratio
 from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
 from rstar2_jax.rollout.scoring import Scored
+from rstar2_jax.traces import trajectory_record
 
 Penalties = Callable[[Sequence[Scored]], tuple[np.ndarray, np.ndarray]]
 
@@ -88,3 +90,35 @@ def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *
 
 
 assert all(mode.selection in SELECTIONS for mode in ROC_MODES.values()), "a RoC mode names an unknown selection"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptRollout:
+    trajectory: Any        # rollout.Trajectory
+    advantage: float
+    record: int            # index of its trace record
+
+
+def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored]) -> tuple[list[KeptRollout], list[dict]]:
+    """RoC on every group of a step (`cfg`: the RunConfig; `scored`: every process's rollouts,
+    problem-major): the kept rollouts with their advantages, and the trace record of every
+    rollout (kept or not). The RoC draws come from (seed, step), so a rerun keeps the same."""
+    n_roll = cfg.rl.rollouts_per_problem
+    rng = np.random.default_rng([cfg.seed, step])
+    kept, records = [], []
+    for b, problem in enumerate(problems):
+        group = scored[b * n_roll:(b + 1) * n_roll]
+        sel = select_group(group, cfg.rl.group_size, rng, mode=cfg.rl.roc.mode, eps=cfg.rl.roc.eps,
+                           min_neg=cfg.rl.roc.min_neg, min_pos=cfg.rl.roc.min_pos, advantage=cfg.rl.advantage,
+                           reject_uniform=cfg.rl.roc.reject_uniform_groups)
+        adv_of = dict(zip(sel.kept.tolist(), sel.advantages.tolist()))
+        for j, s in enumerate(group):
+            t = s.trajectory
+            if j in adv_of:
+                kept.append(KeptRollout(t, adv_of[j], len(records)))
+            records.append(trajectory_record(
+                t, run=cfg.run_name, step=step, problem_id=problem.id, sample_index=j, problem=problem.question,
+                gold=problem.answer, extracted_answer=extract_answer(t.response_text), reward=s.reward,
+                p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
+                advantage=float(adv_of.get(j, 0.0))))
+    return kept, records

@@ -163,7 +163,9 @@ def _split(size: int, axis: str, mesh: dict[str, int]) -> int:
 def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> tuple[float, str]:
     """One micro-batch's activations on one device during the update, and how they were counted."""
     rl = cfg.rl
-    rows = math.ceil(rl.batch_problems * rl.group_size / rl.micro_batches / (mesh["data"] * mesh["fsdp"]))
+    # one optimizer step takes a mini-batch (rl.mini_batches of them per epoch), micro-batch by micro-batch
+    rows = math.ceil(rl.batch_problems * rl.group_size / rl.mini_batches / rl.micro_batches /
+                     (mesh["data"] * mesh["fsdp"]))
     seq = cfg.rollout.max_len
     tokens = rows * seq
     b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
@@ -199,6 +201,8 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
              Line("gradients", params * (2 if cfg.rl.micro_batches > 1 else 1),
                   "float32: accumulator + one micro-batch's" if cfg.rl.micro_batches > 1 else "float32"),
              Line("optimizer", 2 * params, "AdamW: two float32 moments")]
+    if cfg.rl.kl.enabled:
+        lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
     lines.append(Line("activations", *activation_bytes(arch, cfg, mesh)))
 
     compute = DTYPES[cfg.model.dtype]

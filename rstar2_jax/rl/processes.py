@@ -7,10 +7,18 @@ the whole step in the same order; selection, advantages and the batch are then t
 everywhere, and the update is one sharded step over the global mesh. Only the primary process
 (index 0) writes run files (metrics, traces, TensorBoard); checkpoints are written by all
 processes together (orbax). With one process every function here is the identity.
+
+Collectives (`gather_shares`, `barrier`) must be issued by every process in the same order. The
+rollout producer of an asynchronous run interleaves with the trainer differently in each
+process, so it may issue none: the pipeline marks its task with `no_collectives`, and a
+collective called there raises `CollectiveInProducerError` (with one process too, so a test on
+one machine catches what would deadlock several).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import pickle
 from typing import Any, Sequence, TypeVar
 
@@ -18,6 +26,31 @@ import jax
 import numpy as np
 
 T = TypeVar("T")
+
+
+class CollectiveInProducerError(RuntimeError):
+    """A collective called where the processes may not all call it in the same order."""
+
+
+_NO_COLLECTIVES: contextvars.ContextVar[str | None] = contextvars.ContextVar("no_collectives", default=None)
+
+
+@contextlib.contextmanager
+def no_collectives(where: str | None):
+    """Within this context (and the tasks it creates) collectives raise, naming `where`; None
+    allows them again (a producer that has waited until the trainer is idle)."""
+    token = _NO_COLLECTIVES.set(where)
+    try:
+        yield
+    finally:
+        _NO_COLLECTIVES.reset(token)
+
+
+def _check_collective(name: str):
+    where = _NO_COLLECTIVES.get()
+    if where is not None:
+        raise CollectiveInProducerError(f"{name} called in {where}: processes would issue collectives in different "
+                                        "orders (a deadlock with several); gather in the consumer instead")
 
 
 def is_primary() -> bool:
@@ -32,6 +65,7 @@ def my_share(n: int) -> list[int]:
 def gather_shares(local: Sequence[T], n: int) -> list[T]:
     """Every process's `local` results (its my_share(n), in that order) as one list of n, in the
     global order, on every process."""
+    _check_collective("gather_shares")
     if jax.process_count() == 1:
         return list(local)
     from jax.experimental import multihost_utils
@@ -51,6 +85,7 @@ def gather_shares(local: Sequence[T], n: int) -> list[T]:
 
 def barrier(name: str):
     """Wait until every process gets here (e.g. after the primary wrote a file the others read)."""
+    _check_collective(f"barrier({name!r})")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)

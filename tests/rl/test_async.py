@@ -59,12 +59,11 @@ def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loo
     sequential = RLRun(cfg, str(tmp_path / "sequential"))
 
     async def loop():
-        async with sequential.session() as (engine, sb, meta):
+        async with sequential.session() as (engine, sb, _):
             start = params_of(sequential)
-            data = {"data_pos": 0}
             for step in range(cfg.rl.steps):
-                out = await sequential.produce(engine, sb, step, data)
-                await sequential.consume(engine, step, out, meta)
+                out = await sequential.produce(engine, sb, step)
+                await sequential.consume(engine, step, out)
             return start
 
     start = asyncio.run(loop())

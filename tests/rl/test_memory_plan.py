@@ -118,3 +118,19 @@ def test_a_run_that_cannot_fit_is_refused_before_any_weight_is_loaded(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "memory plan: the run does not fit a 0.0 GiB device" in proc.stderr and "Traceback" not in proc.stderr
     assert not work.exists()  # no model built, no weight loaded, nothing written
+
+
+def test_a_kl_reference_and_mini_batches_are_counted(tmp_path):
+    """A KL term holds a float32 copy of the weights; mini-batches shrink the rows each step holds."""
+    base = _cfg(qwen3_0p6b_math, tmp_path)
+    varied = RunConfig.from_mapping({**base.to_dict(), "rl": {**base.rl.to_dict(), "mini_batches": 2,
+                                                               "kl": {"coef": 0.01, "estimator": "k3"}}})
+    plain = memory_plan(shape("qwen3_0p6b"), base, devices=1, devices_per_process=1, capacity=76 * GiB)
+    plan = memory_plan(shape("qwen3_0p6b"), varied, devices=1, devices_per_process=1, capacity=76 * GiB)
+    assert plan.line("reference weights").bytes == 596_049_920 * 4
+    assert "reference weights" not in [line.name for line in plain.lines]
+    # 32 x 8 rows / 2 mini-batches / 32 micro-batches = 4 rows x 9,216 = 36,864 tokens
+    tokens = 36_864
+    act = 28 * tokens * 1024 * 2 + tokens * 2 * (3 * 1024 + 2048 + 2 * 1024 + 2048 + 3 * 3072) * 2 \
+        + 2 * 4 * 512 * 151_936 * 4
+    assert plan.line("activations").bytes == act

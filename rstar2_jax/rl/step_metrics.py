@@ -1,0 +1,122 @@
+"""A step's metrics and where they go: metrics.jsonl and TensorBoard (MetricsLog), the per-step
+table of rollout metrics, wall-time breakdown and engine counters, and the console lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from rstar2_jax.rl import processes
+from rstar2_jax.rl.step_rollouts import StepRollouts
+from rstar2_jax.rollout.scoring import summarize
+from rstar2_jax.timeline import Timeline, exclusive_length, overlap_length
+
+
+class MetricsLog:
+    """metrics.jsonl, and TensorBoard: RL steps under their names, SFT steps under sft/, the
+    before/after evaluations under eval/<label>/ (at the RL step they ran at). Primary process
+    only; the TensorBoard writer is opened on first use (a re-run with nothing to log adds no
+    event file)."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+
+    def write(self, record: dict[str, Any]):
+        if not processes.is_primary():
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"time": time.time(), **record}) + "\n")
+        phase = record.get("phase")
+        prefix = {"rl": "", "sft": "sft/", "eval": f"eval/{record.get('label', '')}/"}.get(phase)
+        if prefix is None:
+            return
+        tb = self.tensorboard()
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                tb.add_scalar(prefix + k, v, record["step"])
+
+    def tensorboard(self):
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
+        return self._tb
+
+    @property
+    def opened(self) -> bool:
+        return self._tb is not None
+
+    def close(self):
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def step_metrics(engine, out: StepRollouts, kept: int) -> dict[str, float]:
+    """The step's rollout metrics (the shared METRICS of rollout/scoring.py), throughput, time
+    breakdown and engine counters."""
+    summary = summarize(out.scored)
+    gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in out.scored)
+    step_s = time.monotonic() - out.started
+    load = engine.load()
+    queries = load.prefix_cache_queries - out.load_before.prefix_cache_queries
+    cache = ({"engine/prefix_cache_hit_rate": (load.prefix_cache_hits - out.load_before.prefix_cache_hits) / queries}
+             if queries > 0 else {})  # servers that report their prefix cache (vLLM)
+    return {
+        **summary,  # the shared METRICS (rollout/scoring.py; README's metric table), over the step's rollouts
+        "kept_rollouts": kept, "rollout_s": out.rollout_s, "tokens_per_s": gen_tokens / max(out.rollout_s, 1e-9),
+        **step_breakdown(out.timeline, out.rollout_s, step_s, out.stats_before, engine.stats), **cache,
+    }
+
+
+def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_before, stats_after) -> dict[str, float]:
+    """Wall-time breakdown of one RL step and how busy the engine was.
+
+    tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
+    the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
+    behind generation. engine_busy: share of the rollout the engine spent on device work while at
+    least one of this step's own requests was in it (its "request" spans; with asynchronous
+    rollouts the engine also works for other steps, which does not count);
+    engine_slot_utilization: share of decode-step slots that held a request; engine/prefill_tokens,
+    reused_tokens, preemptions: prompt tokens run at admission, prompt tokens whose KV was kept
+    from the previous turn, requests preempted for pages (engines with stats).
+    """
+    delta = stats_after.since(stats_before) if stats_before is not None else None
+    tool_s = timeline.union("tool")
+    tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))
+    return {
+        "time/step_s": step_s, "time/rollout_s": rollout_s, "time/reward_s": timeline.union("reward"),
+        "time/learner_s": timeline.union("learner"), "time/sync_s": timeline.union("sync"),
+        "time/tool_s": tool_s, "time/tool_wait_s": tool_wait_s,
+        "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
+        "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
+        "engine/busy": overlap_length(timeline.get("engine"), timeline.get("request")) / max(rollout_s, 1e-9),
+        **({"engine/slot_utilization": delta.slot_utilization, "engine/prefill_tokens": delta.prefill_tokens,
+            "engine/reused_tokens": delta.reused_tokens, "engine/preemptions": delta.preemptions}
+           if delta is not None else {}),
+    }
+
+
+def format_breakdown(m: dict[str, float]) -> str:
+    slots = f", slots {m['engine/slot_utilization']:.0%}" if "engine/slot_utilization" in m else ""
+    return (f"step {m['step']}: {m['time/step_s']:.1f}s = rollout {m['time/rollout_s']:.1f}s (engine busy "
+            f"{m['engine/busy']:.0%}{slots}; tools {m['time/tool_s']:.1f}s, "
+            f"{m['time/tool_overlap']:.0%} overlapped, wait {m['time/tool_wait_s']:.2f}s) + reward "
+            f"{m['time/reward_s']:.2f}s + learner {m['time/learner_s']:.1f}s + sync {m['time/sync_s']:.2f}s")
+
+
+def format_results(results: dict[str, Any]) -> str:
+    rows = [("", "accuracy greedy", "accuracy sampled", "tool-error ratio (correct)", "tool calls", "response tokens")]
+    for label in ("before", "after"):
+        if label in results:
+            g, s = results[label]["greedy"], results[label]["sampled"]
+            rows.append((f"{label} RL", f"{g['accuracy']:.1%}", f"{s['accuracy']:.1%}",
+                         f"{s['tool_error_ratio_correct']:.3f}", f"{s['mean_tool_calls']:.2f}",
+                         f"{s['mean_response_tokens']:.0f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)

@@ -1,0 +1,24 @@
+"""What one RL step generated, as the consumer receives it from the producer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rstar2_jax.rl.run_state import DataState
+from rstar2_jax.rollout.scoring import Scored
+from rstar2_jax.timeline import Timeline
+
+
+@dataclasses.dataclass
+class StepRollouts:
+    """The problems, this process's share of their 2G rollouts each (problem-major; every
+    process's once the consumer gathered them), timings and the data stream as of the draw."""
+    problems: list
+    scored: list[Scored]
+    started: float                 # time.monotonic() when the step's rollouts began
+    rollout_s: float
+    timeline: Timeline             # tool, reward, engine spans (and learner, sync once trained)
+    stats_before: Any              # engine.stats at the start (engines that keep stats)
+    load_before: Any               # engine.load() at the start (prefix-cache counters)
+    drawn: DataState = DataState()  # the data stream right after this step's draw

@@ -1,0 +1,102 @@
+"""The staleness-gated producer/consumer loop with fake steps, the run state's checkpoint form,
+and the data stream's two sides: no trainer, model or engine involved."""
+
+import asyncio
+
+import pytest
+
+from rstar2_jax.rl import processes
+from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
+from rstar2_jax.rl.run_state import DataState, RunState, RunStateError
+
+
+def _run(steps, lag, *, rollout_s=0.01, consume_s=0.02, exclusive=lambda s: False, fail_draw=None,
+         fail_consume=None, collective_in=None):
+    """Runs fake steps; returns the event log: ("draw", s, consumed_so_far), ("consume", s)."""
+    log, consumed = [], []
+
+    async def draw(step):
+        if step == fail_draw:
+            raise ValueError(f"draw {step} failed")
+        if collective_in == "draw":
+            processes.barrier("in a draw")
+        log.append(("draw", step, len(consumed)))
+
+        async def rollouts():
+            if collective_in == "rollouts":
+                processes.gather_shares([step], 1)
+            await asyncio.sleep(rollout_s)
+            return f"data{step}"
+        return rollouts()
+
+    async def consume(step, data):
+        assert data == f"data{step}"
+        processes.barrier("the consumer may")  # collectives are the consumer's
+        await asyncio.sleep(consume_s)
+        if step == fail_consume:
+            raise KeyError(f"consume {step} failed")
+        consumed.append(step)
+        log.append(("consume", step))
+
+    asyncio.run(run_pipeline(steps, max_lag=lag, draw=draw, consume=consume, exclusive=exclusive))
+    return log
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_steps_are_consumed_in_order_and_drawn_at_most_lag_steps_ahead(lag):
+    log = _run(range(3, 10), lag)
+    assert [e[1] for e in log if e[0] == "consume"] == list(range(3, 10))
+    assert [e[1] for e in log if e[0] == "draw"] == list(range(3, 10))
+    for _, step, consumed in (e for e in log if e[0] == "draw"):
+        # step s starts only once steps up to s - 1 - lag are trained (counted from the first step)
+        assert consumed >= step - 3 - lag
+    if lag:  # and it does run ahead when it may
+        assert any(consumed < step - 3 for _, step, consumed in (e for e in log if e[0] == "draw"))
+
+
+def test_an_exclusive_step_waits_for_every_earlier_step_and_may_gather():
+    log = _run(range(0, 6), 2, exclusive=lambda s: s == 4, collective_in=None)
+    draw4 = next(e for e in log if e[:2] == ("draw", 4))
+    assert draw4[2] == 4
+
+
+def test_a_collective_in_the_producer_raises_instead_of_deadlocking():
+    with pytest.raises(processes.CollectiveInProducerError, match="the rollout producer"):
+        _run(range(0, 3), 1, collective_in="draw")
+    with pytest.raises(processes.CollectiveInProducerError, match="gather_shares called in the rollout producer"):
+        _run(range(0, 3), 1, collective_in="rollouts")
+    _run(range(0, 3), 1, collective_in="draw", exclusive=lambda s: True)  # exclusive draws may
+
+
+def test_errors_from_either_side_end_the_loop_without_hanging():
+    with pytest.raises(ValueError, match="draw 2 failed"):
+        _run(range(0, 5), 1, fail_draw=2)
+    with pytest.raises(KeyError, match="consume 1 failed"):
+        _run(range(0, 5), 2, fail_consume=1)
+
+
+def test_token_staleness_measures_lags_and_refuses_past_the_bound():
+    m = token_staleness([[3, 3, -1], [2]], [[2, 3, -1], [2]], learner_version=3, bound=1, step=5)
+    assert m == {"staleness/max": 1.0, "staleness/mean": pytest.approx(1 / 3), "staleness/kv_max": 1.0}
+    with pytest.raises(RuntimeError, match="step 5: a token sampled 2 versions ago"):
+        token_staleness([[1]], [[1]], learner_version=3, bound=1, step=5)
+
+
+def test_run_state_round_trips_and_reads_what_earlier_runs_wrote():
+    state = RunState(rl_step=7, version=7, stage=1, results={"before": {"greedy": {}}},
+                     data=DataState(position=112, solved=("a", "b"), prefiltered_stage=1))
+    assert RunState.from_json(state.to_json()) == state
+    # an earlier run's checkpoint before any filter ran had no solved / prefiltered_stage
+    old = {"rl_step": 4, "data_pos": 64, "version": 4, "stage": 0, "results": {}}
+    assert RunState.from_json(old) == RunState(rl_step=4, version=4, data=DataState(position=64))
+
+
+@pytest.mark.parametrize("raw,problem", [
+    ({"rl_step": 1, "version": 1, "stage": 0, "results": {}}, "missing keys ['data_pos']"),
+    ({"rl_step": 1, "version": 1, "stage": 0, "results": {}, "data_pos": 0, "epoch": 3}, "unknown keys ['epoch']"),
+    ({"rl_step": "1", "version": 1, "stage": 0, "results": {}, "data_pos": 0}, "rl_step = '1' is not int"),
+])
+def test_a_run_state_this_code_cannot_read_is_refused_naming_the_keys(raw, problem):
+    with pytest.raises(RunStateError) as e:
+        RunState.from_json(raw, "ckpt step 4")
+    assert "cannot resume from ckpt step 4" in str(e.value) and problem in str(e.value)
