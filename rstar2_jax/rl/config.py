@@ -21,11 +21,13 @@ import ml_collections
 import numpy as np
 
 from rstar2_jax.algo import ADVANTAGES, KLConfig, PolicyLossConfig
+from rstar2_jax.algo.reward_shaping import OverlongConfig
 from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
 from rstar2_jax.data.tasks import TASKS, DataConfig
 from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
+from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
 from rstar2_jax.rl.grpo_roc import RoCConfig
 from rstar2_jax.rollout.engines.factory import RolloutConfig
 from rstar2_jax.rollout.prompt import FORMATS
@@ -78,10 +80,17 @@ class RLConfig(Section):
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
     loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
     kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
+    dynamic_sampling: DynamicSamplingConfig = setting(DynamicSamplingConfig, "DAPO's draw-until-informative")
+    overlong: OverlongConfig = setting(OverlongConfig, "DAPO's soft overlong punishment")
 
     def rules(self):
         if 0 < self.tis_cap < 1:
             yield "tis_cap", f"must be 0 (off) or >= 1 (a cap below 1 down-weights every token), got {self.tis_cap}"
+        ds = self.dynamic_sampling
+        if ds.enabled and ds.bound(self.batch_problems) < self.batch_problems:
+            yield "dynamic_sampling.max_problems", (f"{ds.max_problems} is below rl.batch_problems "
+                                                    f"({self.batch_problems}): the step's own draw already passes "
+                                                    "it (raise it, or 0 for 4 x rl.batch_problems)")
 
     @property
     def rollouts_per_problem(self) -> int:
@@ -125,6 +134,9 @@ class RunConfig(Section):
             if stage.max_response_tokens >= r.max_len:
                 yield (f"stages[{i}].max_response_tokens", f"must be in (0, rollout.max_len={r.max_len}), "
                        f"got {stage.max_response_tokens}")
+            if rl.overlong.cache_tokens >= stage.max_response_tokens:
+                yield "rl.overlong.cache_tokens", (f"{rl.overlong.cache_tokens} must be below stages[{i}]."
+                                                   f"max_response_tokens ({stage.max_response_tokens})")
             if stage.filter_mode == "online" and stage.filter_solved_k > rl.rollouts_per_problem:
                 yield (f"stages[{i}].filter_solved_k", f"{stage.filter_solved_k} exceeds the rollouts per problem "
                        f"(rl.group_size x rl.oversample = {rl.rollouts_per_problem})")

@@ -55,6 +55,8 @@ def solved_ids(problems: Sequence, rewards: Sequence[float], n_roll: int, k: int
     return {p.id for b, p in enumerate(problems) if all(r > 0 for r in rewards[b * n_roll:b * n_roll + k])}
 
 
+TOPUP_SEED_OFFSET = 0x70F0  # dynamic sampling's stream: its own permutations of the problems
+
 Prefilter = Callable[[int, int], Awaitable[set[str]]]   # (stage index, step) -> ids solved k/k
 
 
@@ -65,6 +67,7 @@ class DataStream:
         self.problems, self.cfg = problems, cfg
         self._drawn = state                               # the draw side, as of the latest draw
         self._trained_solved: tuple[str, ...] = state.solved
+        self._topup_position = state.topup_position       # dynamic sampling's stream (consumer side)
         self._solved_after = {start_step - 1: state.solved}   # trained step -> solved set after it
 
     def prefilter_begins(self, step: int) -> bool:
@@ -98,6 +101,15 @@ class DataStream:
         self._drawn = dataclasses.replace(self._drawn, position=position)
         return problems, self._drawn
 
+    def draw_topup(self, step: int, count: int) -> list:
+        """`count` extra problems for step `step` (dynamic sampling) from a second shuffled stream
+        of the training problems (its own seed and position), advanced only by the consumer in
+        step order: the same problems in every process and every rerun. It skips what the step
+        may not draw."""
+        problems, self._topup_position = next_problems(self.problems, self._topup_position, count,
+                                                       self.cfg.seed + TOPUP_SEED_OFFSET, self.skipped(step))
+        return problems
+
     def after_training(self, step: int, drawn: DataState, solved_now: set[str]) -> DataState:
         """The trained side once step `step` (drawn as `drawn`) is trained: its solved set (the
         pre-filter's under an offline stage; else what earlier steps solved plus `solved_now`,
@@ -109,4 +121,4 @@ class DataStream:
             solved = set(self._trained_solved) | solved_now
         self._trained_solved = tuple(sorted(solved))
         self._solved_after[step] = self._trained_solved
-        return DataState(drawn.position, self._trained_solved, drawn.prefiltered_stage)
+        return DataState(drawn.position, self._trained_solved, drawn.prefiltered_stage, self._topup_position)

@@ -20,6 +20,7 @@ import numpy as np
 
 from rstar2_jax.algo import SELECTIONS, group_is_informative, roc_select
 from rstar2_jax.algo import advantages as compute_advantages
+from rstar2_jax.algo.reward_shaping import overlong_penalty
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.registry import Registry
 from rstar2_jax.rewards import extract_answer, format_penalty, tool_error_ratio
@@ -78,9 +79,12 @@ class RoCConfig(Section):
 
 
 def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, mode: str, eps: float,
-                 min_neg: int, min_pos: int, advantage: str, reject_uniform: bool) -> GroupSelection:
+                 min_neg: int, min_pos: int, advantage: str, reject_uniform: bool,
+                 rewards: Sequence[float] | None = None) -> GroupSelection:
+    """RoC on one group; `rewards` (default: each rollout's own) is what RoC and the advantage
+    read (a shaped reward, e.g. with DAPO's overlong term)."""
     roc = ROC_MODES[mode]
-    rewards = np.array([s.reward for s in group])
+    rewards = np.array([s.reward for s in group] if rewards is None else rewards, np.float64)
     p_err, p_format = roc.penalties(group)
     kept = roc_select(rewards, p_err + p_format, keep, rng, roc.selection, eps=eps, min_neg=min_neg, min_pos=min_pos)
     if reject_uniform and not group_is_informative(rewards[kept]):
@@ -99,19 +103,27 @@ class KeptRollout:
     record: int            # index of its trace record
 
 
-def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored]) -> tuple[list[KeptRollout], list[dict]]:
+def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
+                max_groups: int | None = None) -> tuple[list[KeptRollout], list[dict]]:
     """RoC on every group of a step (`cfg`: the RunConfig; `scored`: every process's rollouts,
     problem-major): the kept rollouts with their advantages, and the trace record of every
-    rollout (kept or not). The RoC draws come from (seed, step), so a rerun keeps the same."""
+    rollout (kept or not). Rewards are shaped first (rl.overlong). With `max_groups`, groups past
+    that many trained ones are not trained on (dynamic sampling's surplus). The RoC draws come
+    from (seed, step), so a rerun keeps the same."""
     n_roll = cfg.rl.rollouts_per_problem
     rng = np.random.default_rng([cfg.seed, step])
-    kept, records = [], []
+    budget = cfg.stage(step).max_response_tokens
+    kept, records, groups = [], [], 0
     for b, problem in enumerate(problems):
         group = scored[b * n_roll:(b + 1) * n_roll]
+        shaped = np.array([s.reward for s in group]) + overlong_penalty([s.trajectory.num_response_tokens for s in group],
+                                                              budget, cfg.rl.overlong.cache_tokens)
         sel = select_group(group, cfg.rl.group_size, rng, mode=cfg.rl.roc.mode, eps=cfg.rl.roc.eps,
                            min_neg=cfg.rl.roc.min_neg, min_pos=cfg.rl.roc.min_pos, advantage=cfg.rl.advantage,
-                           reject_uniform=cfg.rl.roc.reject_uniform_groups)
-        adv_of = dict(zip(sel.kept.tolist(), sel.advantages.tolist()))
+                           reject_uniform=cfg.rl.roc.reject_uniform_groups, rewards=shaped)
+        full = max_groups is not None and groups >= max_groups
+        adv_of = {} if full else dict(zip(sel.kept.tolist(), sel.advantages.tolist()))
+        groups += bool(adv_of)
         for j, s in enumerate(group):
             t = s.trajectory
             if j in adv_of:

@@ -4,7 +4,7 @@ the evaluations so far, and the data stream's position and solved set.
 It travels in every checkpoint as JSON beside the train state (`RunState.to_json` /
 `from_json`). The JSON layout is flat and its key names are those earlier runs wrote, so their
 checkpoints still resume; `solved` and `prefiltered_stage` were written only once a filter ran,
-so they may be missing. Any other missing key, an unknown key or a value of the wrong type is a
+and `topup_pos` only since dynamic sampling, so they may be missing. Any other missing key, an unknown key or a value of the wrong type is a
 `RunStateError` that names the checkpoint and the keys.
 """
 
@@ -21,10 +21,12 @@ class RunStateError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class DataState:
     """The data stream: problems drawn since the run began, problems a filter dropped as solved,
-    and the stage whose offline pre-filter has run."""
+    the stage whose offline pre-filter has run, and the position in the second stream that
+    dynamic sampling draws extra problems from."""
     position: int = 0
     solved: tuple[str, ...] = ()
     prefiltered_stage: int | None = None
+    topup_position: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +40,12 @@ class RunState:
     def to_json(self) -> dict[str, Any]:
         return {"rl_step": self.rl_step, "version": self.version, "stage": self.stage, "results": dict(self.results),
                 "data_pos": self.data.position, "solved": list(self.data.solved),
-                "prefiltered_stage": self.data.prefiltered_stage}
+                "prefiltered_stage": self.data.prefiltered_stage, "topup_pos": self.data.topup_position}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any], where: str = "the checkpoint") -> RunState:
         required = {"rl_step": int, "version": int, "stage": int, "results": dict, "data_pos": int}
-        optional = {"solved": list, "prefiltered_stage": (int, type(None))}
+        optional = {"solved": list, "prefiltered_stage": (int, type(None)), "topup_pos": int}
         problems = []
         unknown = sorted(set(raw) - set(required) - set(optional))
         if unknown:
@@ -59,4 +61,5 @@ class RunState:
                                 f". Keys this version reads: {sorted({**required, **optional})}; start a new run "
                                 "directory, or resume with the version that wrote it.")
         return cls(rl_step=raw["rl_step"], version=raw["version"], stage=raw["stage"], results=dict(raw["results"]),
-                   data=DataState(raw["data_pos"], tuple(raw.get("solved", ())), raw.get("prefiltered_stage")))
+                   data=DataState(raw["data_pos"], tuple(raw.get("solved", ())), raw.get("prefiltered_stage"),
+                                  raw.get("topup_pos", 0)))

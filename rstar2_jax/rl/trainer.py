@@ -50,6 +50,7 @@ from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rl import processes
 from rstar2_jax.rl.config import RunConfig, StageConfig
+from rstar2_jax.rl.dynamic_sampling import fill_summary, informative_groups, next_draw
 from rstar2_jax.rl.data_stream import DataStream, epoch_order, next_problems, solved_ids  # noqa: F401 (re-exported)
 from rstar2_jax.rl.grpo_roc import KeptRollout, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
@@ -119,6 +120,7 @@ class RLRun:
         self.log = MetricsLog(self.workdir)
         self.learner: Learner | None = None
         self.data: DataStream | None = None  # the training problems' stream (train_steps)
+        self.sandbox = None  # the session's sandbox
         self.engine_busy = BusyLog()  # the engine's busy intervals, shared by overlapping steps' windows
         self._evaluated = False  # an evaluation ran in this call of run()
 
@@ -237,6 +239,7 @@ class RLRun:
             async with make_sandbox(cfg.sandbox) as sb, \
                     self.make_engine(self.model_with(weights)) as engine:
                 await self.push_weights(engine, weights, self.learner.version)
+                self.sandbox = sb  # dynamic sampling's extra rollouts (consume)
                 yield engine, sb, self.state
         finally:
             self.checkpoints.close()
@@ -322,6 +325,8 @@ class RLRun:
         to the engine) and the step's traces; advances the run state; returns the step's metrics."""
         cfg = self.cfg
         out.scored = processes.gather_shares(out.scored, len(out.problems) * self.rollouts_per_problem)
+        sampling = (await self.fill_informative(engine, self.sandbox, step, out) if cfg.rl.dynamic_sampling.enabled
+                    else {})
         stage = cfg.stage(step)
         solved_now = (solved_ids(out.problems, [s.reward for s in out.scored], self.rollouts_per_problem,
                                  stage.filter_solved_k) if stage.filter_solved_k else set())
@@ -332,14 +337,37 @@ class RLRun:
         staleness = token_staleness([s.trajectory.versions for s in out.scored],
                                     [s.trajectory.kv_versions for s in out.scored], self.learner.version,
                                     cfg.rl.max_staleness, step)
-        kept, records = select_step(cfg, step, out.problems, out.scored)
+        kept, records = select_step(cfg, step, out.problems, out.scored,
+                                    max_groups=cfg.rl.batch_problems if sampling else None)
         train_metrics = await self.train(engine, kept, records, out.timeline)
         if processes.is_primary():
             self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
         self.state = dataclasses.replace(self.state, rl_step=step + 1, version=self.learner.version, stage=stage_i,
                                          data=data)
         return {"phase": "rl", "step": step, "stage": stage_i,
-                **step_metrics(engine, out, len(kept)), **staleness, **train_metrics}
+                **step_metrics(engine, out, len(kept)), **staleness, **sampling, **train_metrics}
+
+    async def fill_informative(self, engine: Engine, sb, step: int, out: StepRollouts) -> dict[str, float]:
+        """DAPO's dynamic sampling (rl/dynamic_sampling.py): rounds of extra problems, rolled out
+        with the current weights and gathered, appended to `out` until it holds rl.batch_problems
+        groups with differing rewards or the draw bound is reached; returns the fill metrics.
+        Runs in the consumer (collectives allowed), the same in every process."""
+        cfg, n_roll = self.cfg, self.rollouts_per_problem
+        wanted, bound = cfg.rl.batch_problems, cfg.rl.dynamic_sampling.bound(cfg.rl.batch_problems)
+        informative, rounds = informative_groups([s.reward for s in out.scored], n_roll), 0
+        with out.timeline.span("dynamic_sampling"):
+            while count := next_draw(informative, len(out.problems), wanted, bound):
+                rounds += 1
+                problems = self.data.draw_topup(step, count)
+                seeds = [stable_seed(cfg.seed, "topup", step, rounds, b, j) for b in range(len(problems))
+                         for j in range(n_roll)]
+                scored = await self.my_rollouts(engine, sb, problems, n_roll, self.agent_config(step), seeds)
+                scored = processes.gather_shares(scored, len(seeds))
+                informative += informative_groups([s.reward for s in scored], n_roll)
+                out.problems += problems
+                out.scored += scored
+        return {**fill_summary(informative, wanted, len(out.problems), rounds),
+                "time/dynamic_sampling_s": out.timeline.union("dynamic_sampling")}
 
     async def prefilter(self, engine: Engine, sb, stage_i: int, step: int) -> set[str]:
         """The paper's pre-pass before stage `stage_i`: filter_solved_k rollouts of every training
