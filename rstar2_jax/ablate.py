@@ -85,7 +85,9 @@ def plan(config_file: str, grid: str, seeds: int, overrides: dict, workdir: str)
     return out
 
 
-def write_summary(workdir: str, order: list[str]) -> str:
+def write_summary(workdir: str, order: list[str], curves: dict[str, str] | None = None) -> str:
+    """The summary files; `curves`: the metrics curves.png plots (default ablation.CURVES; a
+    config file may name its own as CURVES)."""
     from rstar2_jax import ablation
 
     finals = ablation.load_finals(workdir)
@@ -95,7 +97,8 @@ def write_summary(workdir: str, order: list[str]) -> str:
     table = ablation.summary_markdown(summary)
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(table + "\n")
-    ablation.plot_curves(ablation.load_curves(workdir), os.path.join(workdir, "curves.png"), order)
+    metrics = curves or ablation.CURVES
+    ablation.plot_curves(ablation.load_curves(workdir, metrics), os.path.join(workdir, "curves.png"), order, metrics)
     ablation.plot_finals(summary, os.path.join(workdir, "finals.png"))
     return table
 
@@ -128,7 +131,7 @@ def main(argv):
             with open(os.path.join(run_dir, "cell.json"), "w") as f:
                 json.dump({"cell": cfg.run_name, "arg": arg, "seed": seed}, f)
             run(cfg, run_dir)
-    print("\n" + write_summary(workdir, order))
+    print("\n" + write_summary(workdir, order, getattr(load_config_module(config_file), "CURVES", None)))
     print(f"\nwrote {workdir}/summary.csv, summary.md, runs.csv, curves.png, finals.png")
 
 

@@ -22,6 +22,16 @@ CURVES = {
     "tool_error_ratio_correct": "tool-error ratio in correct rollouts",
     "mean_response_tokens": "response tokens per rollout",
 }
+# what the algorithm ablation plots besides (the learner's own metrics; absent where a cell does not
+# compute one: a KL only with rl.kl.coef, a dynamic-sampling fill only with it on)
+ALGORITHM_CURVES = {
+    **CURVES,
+    "entropy_mean": "token entropy (learner)",
+    "clip_low_fraction": "clipped below (fraction of tokens)",
+    "clip_high_fraction": "clipped above (fraction of tokens)",
+    "ppo_kl": "k1 KL(old || new) per token",
+    "kl_ref_k3": "k3 KL to the reference per token",
+}
 # final numbers: the after-RL evaluation (results.json), sampled at the training temperature
 FINALS = {
     "greedy_accuracy": ("greedy", "accuracy"),
@@ -41,18 +51,19 @@ def ablation_runs(workdir: str) -> list[dict]:
     return out
 
 
-def load_curves(workdir: str) -> pd.DataFrame:
-    """cell, seed, step and the CURVES metrics of every run."""
+def load_curves(workdir: str, metrics=CURVES) -> pd.DataFrame:
+    """cell, seed, step and the `metrics` (default CURVES) of every run; a metric a run does not
+    log is NaN there."""
     frames = []
     for run in ablation_runs(workdir):
         if not os.path.exists(os.path.join(run["dir"], "metrics.jsonl")):
             continue
         m = load_run(run["dir"]).metrics
         if len(m):
-            frames.append(m[["step", *CURVES]].assign(cell=run["cell"], seed=run["seed"]))
+            frames.append(m.reindex(columns=["step", *metrics]).assign(cell=run["cell"], seed=run["seed"]))
     if not frames:
         raise FileNotFoundError(f"no training metrics under {workdir}/*/seed*/")
-    return pd.concat(frames, ignore_index=True)[["cell", "seed", "step", *CURVES]]
+    return pd.concat(frames, ignore_index=True)[["cell", "seed", "step", *metrics]]
 
 
 def load_finals(workdir: str) -> pd.DataFrame:
@@ -119,14 +130,14 @@ def _finish(fig, path: str | None):
     return fig
 
 
-def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None):
-    """One panel per CURVES metric over RL steps: mean over seeds, band from min to max."""
+def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None, metrics=CURVES):
+    """One panel per metric (default CURVES) over RL steps: mean over seeds, band from min to max."""
     cells = order or list(dict.fromkeys(curves["cell"]))
-    fig, axes = _subplots(len(CURVES), 5, path is not None)
-    for ax, (metric, label) in zip(np.atleast_1d(axes), CURVES.items()):
+    fig, axes = _subplots(len(metrics), 5, path is not None)
+    for ax, (metric, label) in zip(np.atleast_1d(axes), metrics.items()):
         bands = curve_bands(curves, metric)
         for cell in cells:
-            b = bands[bands.cell == cell]
+            b = bands[(bands.cell == cell) & bands["mean"].notna()]
             if not len(b):
                 continue
             line, = ax.plot(b.step, b["mean"], label=cell)
