@@ -121,8 +121,53 @@ def test_roc_ablation_notebook_runs_on_the_ablation(ablation_dir):
     assert all(cell in text for cell in CELLS) and "± " in text
 
 
-@pytest.mark.parametrize("name", ["explore_traces.ipynb", "roc_ablation.ipynb"])
+@pytest.mark.parametrize("name", ["explore_traces.ipynb", "roc_ablation.ipynb", "algorithm_ablation.ipynb"])
 def test_notebooks_are_stored_without_outputs(name):
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.outputs == [] and c.execution_count is None for c in code)
+
+
+# The algorithm ablation, shrunk: its 7 cells, one seed, 2 RL steps, on the FIG4 fixture's seed-0
+# warm start (the same model, data and SFT settings: a copy of it, no second SFT).
+ALGORITHM_CELLS = ["alg_grpo_roc", "alg_grpo", "alg_grpo_dynamic", "alg_gspo", "alg_dr_grpo", "alg_grpo_roc_kl",
+                   "alg_grpo_roc_4x2"]
+
+
+@pytest.fixture(scope="module")
+def algorithm_ablation_dir(ablation_dir, tmp_path_factory):
+    import shutil
+    workdir = tmp_path_factory.mktemp("algorithms")
+    shutil.copytree(ablation_dir / "_warm_start", workdir / "_warm_start")
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.ablate", "--config=experiments/algorithm_ablation.py",
+                           "--seeds=1", f"--workdir={workdir}", *SMALL, "--config.rl.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_algorithm_ablation_runs_every_variant_with_its_own_settings(algorithm_ablation_dir):
+    lines = {}
+    for cell in ALGORITHM_CELLS:
+        run = algorithm_ablation_dir / cell / "seed0"
+        assert (run / "results.json").exists()
+        lines[cell] = [json.loads(l) for l in open(run / "metrics.jsonl") if '"phase": "rl"' in l]
+        assert [m["step"] for m in lines[cell]] == [0, 1]
+    assert len(os.listdir(algorithm_ablation_dir / "_warm_start")) == 1   # the copied one: no SFT ran
+    trained = {c: [m for m in ms if "optimizer_steps" in m] for c, ms in lines.items()}
+    assert all(m["optimizer_steps"] == 1 for m in trained["alg_grpo_roc"])
+    assert all(m["optimizer_steps"] > 1 for m in trained["alg_grpo_roc_4x2"])      # several steps per batch
+    assert all("kl_ref_k3" in m for m in trained["alg_grpo_roc_kl"])
+    assert not any("kl_ref_k3" in m for m in trained["alg_grpo_roc"])
+    assert all("dynamic_sampling/problems_drawn" in m for m in lines["alg_grpo_dynamic"])
+    config = json.loads((algorithm_ablation_dir / "alg_dr_grpo" / "seed0" / "config.json").read_text())
+    assert config["rl"]["advantage"] == "mean_only" and config["rl"]["loss"]["aggregation"] == "constant"
+    assert "gspo" == json.loads((algorithm_ablation_dir / "alg_gspo" / "seed0" / "config.json").read_text()
+                                )["rl"]["loss"]["name"]
+    assert (algorithm_ablation_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_algorithm_ablation_notebook_runs_on_the_ablation(algorithm_ablation_dir):
+    nb = execute("algorithm_ablation.ipynb", {"RSTAR2_ABLATION": str(algorithm_ablation_dir)})
+    text = outputs_text(nb)
+    assert all(cell in text for cell in ALGORITHM_CELLS)
+    assert sum(bool(o.get("data", {}).get("image/png")) for c in nb.cells for o in c.get("outputs", [])) >= 3

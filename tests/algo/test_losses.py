@@ -285,3 +285,10 @@ def test_each_loss_declares_a_settings_section_that_rl_loss_carries():
     cfg = PolicyLossConfig()
     for name, spec in LOSSES.items():
         assert dataclasses.asdict(getattr(cfg, name)) == dataclasses.asdict(spec.settings())
+
+
+def test_reinforce_equals_verl_gpg():
+    """verl compute_policy_loss_gpg: -log pi x A per token (GPG, arXiv 2504.02546)."""
+    new, old, adv, mask = _inputs(seed=6)
+    terms = _terms("reinforce", LOSSES["reinforce"].settings(), new, old, adv, mask)
+    np.testing.assert_allclose(np.asarray(terms.per_token), np.where(mask, -new * adv[:, None], 0), rtol=1e-6)

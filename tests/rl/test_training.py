@@ -243,7 +243,7 @@ def test_validate_directly():
 
 @pytest.mark.parametrize("field, value, message", [
     ("rl.advantage", "grpoo", "rl.advantage: unknown advantage 'grpoo'; did you mean 'grpo'? registered: grpo, mean_only"),
-    ("rl.loss.name", "clip_hi", "rl.loss.name: unknown policy loss 'clip_hi'; did you mean 'clip_higher'? registered: cispo, clip_higher, gspo"),
+    ("rl.loss.name", "clip_hi", "rl.loss.name: unknown policy loss 'clip_hi'; did you mean 'clip_higher'? registered: cispo, clip_higher, gspo, reinforce"),
     ("rl.roc.mode", "best", "rl.roc.mode: unknown RoC mode 'best'; registered: off, paper, release"),
     ("format", "qwen", "format: unknown prompt format 'qwen'; registered: compact, rstar2, tiny"),
     ("data.task", "chess", "data.task: unknown task 'chess'; registered: arith, jsonl"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from rstar2_jax.algo.aggregation import AGGREGATIONS
-from rstar2_jax.algo.losses import cispo, clip_higher, gspo  # noqa: F401  (each registers its loss)
+from rstar2_jax.algo.losses import cispo, clip_higher, gspo, reinforce  # noqa: F401  (each registers its loss)
 from rstar2_jax.algo.losses.base import (COMMON_STATS, LOSSES, LossInputs, LossSpec, LossTerms, policy_loss_terms,
                                          register_loss, stat_names)
 from rstar2_jax.config_types import Section, setting
