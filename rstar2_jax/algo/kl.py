@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")
+KL_PLACES = ("loss", "reward")
 
 
 @KL_ESTIMATORS.register("k1")
@@ -44,7 +46,25 @@ class KLConfig(Section):
     """`rl.kl.*`: a KL term to a frozen reference (the weights RL starts from: after SFT, if any)."""
     coef: float = setting(0.0, "weight of the KL term (0: off, the paper)", min=0.0)
     estimator: str = setting("k3", "per-token estimator: k1 | k2 | k3 (GRPO's)", choices=KL_ESTIMATORS)
+    place: str = setting("loss", "loss: coef x KL per token added to the loss (verl use_kl_loss, GRPO); reward: "
+                         "coef x the sequence's summed KL taken from its reward before the group advantage "
+                         "(verl use_kl_in_reward)", choices=KL_PLACES)
 
     @property
     def enabled(self) -> bool:
         return self.coef > 0
+
+    @property
+    def in_loss(self) -> bool:
+        return self.enabled and self.place == "loss"
+
+    @property
+    def in_reward(self) -> bool:
+        return self.enabled and self.place == "reward"
+
+
+def sequence_kl(estimator: str, logprobs, ref_logprobs, mask) -> np.ndarray:
+    """Each sequence's KL to the reference [N]: the estimator summed over its model tokens (what
+    verl's KL-in-reward takes from the sequence's score under an outcome reward)."""
+    per_token = np.asarray(KL_ESTIMATORS[estimator](jnp.asarray(logprobs), jnp.asarray(ref_logprobs)))
+    return np.where(np.asarray(mask) > 0, per_token, 0.0).sum(axis=-1)

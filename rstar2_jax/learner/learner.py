@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2_jax import sharding as sharding_lib
+from rstar2_jax.algo.kl import sequence_kl
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState, UpdateConfig, batch_logprobs, train_step
@@ -115,19 +116,13 @@ class Learner:
         """One update on `batch`: mini_batches x epochs optimizer steps, one new version (old
         log-probs, and with cfg.token_entropy the token entropies, recomputed here when missing).
         Metrics are means over the optimizer steps taken."""
-        rows = batch.tokens.shape[0]
         padded = pad_rows(batch, self.rows_multiple)
-        if padded.old_logprobs is None and self.cfg.token_entropy:
-            padded.old_logprobs, padded.entropy = self.logprobs(padded.tokens, with_entropy=True)
-            batch.old_logprobs, batch.entropy = padded.old_logprobs[:rows], padded.entropy[:rows]
-        elif padded.old_logprobs is None:
-            padded.old_logprobs = self.logprobs(padded.tokens)
-            batch.old_logprobs = padded.old_logprobs[:rows]
+        self._fill_old_logprobs(batch, padded)
         arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages,
                   "old_logprobs": padded.old_logprobs}
         if self.cfg.update.needs_sampler_logprobs:
             arrays["sampler_logprobs"] = padded.sampler_logprobs
-        if self.ref_params is not None:
+        if self.cfg.update.kl.in_loss:
             arrays["ref_logprobs"] = self.logprobs(padded.tokens, params=self.ref_params)
         steps = []
         for _ in range(self.cfg.epochs):
@@ -144,6 +139,28 @@ class Learner:
         if batch.entropy is not None and batch.num_tokens:
             out["entropy_mean"] = float((batch.entropy * batch.loss_mask).sum() / batch.num_tokens)
         return out
+
+    def _fill_old_logprobs(self, batch: TrainBatch, padded: TrainBatch):
+        """The old log-probs (and with cfg.token_entropy the entropies) of `padded` and of
+        `batch` (its first rows), computed when missing."""
+        rows = batch.tokens.shape[0]
+        if padded.old_logprobs is None and self.cfg.token_entropy:
+            padded.old_logprobs, padded.entropy = self.logprobs(padded.tokens, with_entropy=True)
+            batch.old_logprobs, batch.entropy = padded.old_logprobs[:rows], padded.entropy[:rows]
+        elif padded.old_logprobs is None:
+            padded.old_logprobs = self.logprobs(padded.tokens)
+            batch.old_logprobs = padded.old_logprobs[:rows]
+
+    def sequence_kl(self, batch: TrainBatch) -> np.ndarray:
+        """Each row's KL to the frozen reference [N] (cfg.update.kl's estimator summed over its
+        model tokens), from the current weights' log-probs, which it stores in `batch` (the
+        update then reuses them): the KL-in-reward term, known before the advantages."""
+        if self.ref_params is None:
+            raise ValueError("sequence_kl needs a reference: LearnerConfig.update.kl.coef > 0")
+        padded = pad_rows(batch, self.rows_multiple)
+        self._fill_old_logprobs(batch, padded)
+        ref = self.logprobs(padded.tokens, params=self.ref_params)[:batch.tokens.shape[0]]
+        return sequence_kl(self.cfg.update.kl.estimator, batch.old_logprobs, ref, batch.loss_mask)
 
     def reset_optimizer(self):
         """Fresh optimizer moments (the paper resets at the start of stage 3)."""

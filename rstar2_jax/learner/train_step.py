@@ -95,7 +95,7 @@ def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
         per_token = per_token * weights
         stats["tis_weight_mean"] = jnp.where(mask, weights, 0.0)
         stats["tis_truncated_fraction"] = jnp.where(mask, (weights >= cfg.tis_cap).astype(jnp.float32), 0.0)
-    if cfg.kl.enabled:
+    if cfg.kl.in_loss:
         kl = jnp.where(mask, KL_ESTIMATORS[cfg.kl.estimator](inputs.logprobs, inputs.ref_logprobs), 0.0)
         per_token = per_token + cfg.kl.coef * kl
         stats[f"kl_ref_{cfg.kl.estimator}"] = kl

@@ -101,6 +101,8 @@ class KeptRollout:
     trajectory: Any        # rollout.Trajectory
     advantage: float
     record: int            # index of its trace record
+    group: int             # index of its problem in the step
+    reward: float          # the (shaped) reward its advantage came from
 
 
 def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
@@ -127,10 +129,21 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
         for j, s in enumerate(group):
             t = s.trajectory
             if j in adv_of:
-                kept.append(KeptRollout(t, adv_of[j], len(records)))
+                kept.append(KeptRollout(t, adv_of[j], len(records), b, float(shaped[j])))
             records.append(trajectory_record(
                 t, run=cfg.run_name, step=step, problem_id=problem.id, sample_index=j, problem=problem.question,
                 gold=problem.answer, extracted_answer=extract_answer(t.response_text), reward=s.reward,
                 p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
                 advantage=float(adv_of.get(j, 0.0))))
     return kept, records
+
+
+def advantages_with_kl(kept: Sequence[KeptRollout], kl: np.ndarray, coef: float, advantage: str) -> np.ndarray:
+    """Each kept rollout's advantage recomputed over its group with reward - coef x its
+    sequence KL to the reference (verl's KL in the reward: the penalised score, then the
+    group advantage)."""
+    out = np.zeros(len(kept), np.float32)
+    for g in sorted({k.group for k in kept}):
+        rows = [i for i, k in enumerate(kept) if k.group == g]
+        out[rows] = compute_advantages(advantage, [kept[i].reward - coef * kl[i] for i in rows])
+    return out

@@ -52,7 +52,7 @@ from rstar2_jax.rl import processes
 from rstar2_jax.rl.config import RunConfig, StageConfig
 from rstar2_jax.rl.dynamic_sampling import fill_summary, informative_groups, next_draw
 from rstar2_jax.rl.data_stream import DataStream, epoch_order, next_problems, solved_ids  # noqa: F401 (re-exported)
-from rstar2_jax.rl.grpo_roc import KeptRollout, select_step
+from rstar2_jax.rl.grpo_roc import KeptRollout, advantages_with_kl, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
 from rstar2_jax.rl.prefilter import prefilter_solved
 from rstar2_jax.rl.run_dir import RunDirectory
@@ -424,8 +424,14 @@ class RLRun:
         batch = make_batch([k.trajectory.token_ids for k in kept], [k.trajectory.loss_mask for k in kept],
                            [k.trajectory.logprobs for k in kept], [k.advantage for k in kept], pad_multiple=32,
                            max_len=self.cfg.rollout.max_len)
+        kl = self.cfg.rl.kl
         with timeline.span("learner"):
+            if kl.in_reward:  # the KL to the reference lowers each reward before the group advantage
+                seq_kl = await asyncio.to_thread(self.learner.sequence_kl, batch)
+                batch.advantages = advantages_with_kl(kept, seq_kl, kl.coef, self.cfg.rl.advantage)
             metrics = await asyncio.to_thread(self.learner.update, batch)
+            if kl.in_reward:
+                metrics[f"kl_reward_{kl.estimator}"] = float(np.mean(seq_kl))
         if batch.entropy is not None:
             for i, k in enumerate(kept):
                 records[k.record]["entropy"] = batch.entropy[i, :len(k.trajectory.token_ids)].tolist()

@@ -166,3 +166,17 @@ def test_grpo_advantages_hand_computed():
     np.testing.assert_allclose(advantages("mean_only", [1.0, 0.0, 0.0, 0.0]), [0.75, -0.25, -0.25, -0.25])
     with pytest.raises(ValueError, match="unknown advantage"):
         advantages("ppo", [1.0])
+
+
+def test_kl_in_the_reward_lowers_each_reward_before_the_group_advantage():
+    """verl use_kl_in_reward with an outcome reward: score - coef x sum_t kl_t, then the group advantage."""
+    from types import SimpleNamespace
+
+    from rstar2_jax.rl.grpo_roc import advantages_with_kl
+    kept = [SimpleNamespace(group=g, reward=r) for g, r in ((0, 1.0), (0, 0.0), (1, 1.0), (1, 0.0), (1, 0.0))]
+    kl = np.array([2.0, 0.0, 1.0, 1.0, 3.0])
+    got = advantages_with_kl(kept, kl, 0.1, "mean_only")
+    np.testing.assert_allclose(got[:2], [0.4, -0.4], rtol=1e-5)
+    np.testing.assert_allclose(got[2:], np.array([0.9, -0.1, -0.3]) - np.mean([0.9, -0.1, -0.3]), rtol=1e-5)
+    np.testing.assert_allclose(advantages_with_kl(kept, np.zeros(5), 0.1, "grpo"),
+                               np.concatenate([advantages("grpo", [1, 0]), advantages("grpo", [1, 0, 0])]))

@@ -209,3 +209,19 @@ def test_micro_batch_accumulation_is_exact_for_every_aggregation(loss):
     # Adam divides by sqrt(v): summation-order noise of ~1e-9 in a near-zero gradient shows as ~2e-6
     np.testing.assert_allclose(results[1][0], results[0][0], atol=1e-5)
     assert results[1][1]["policy_loss"] == pytest.approx(results[0][1]["policy_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_sequence_kl_is_zero_against_the_reference_itself_and_its_log_probs_are_reused():
+    from rstar2_jax.algo import KLConfig
+    learner = _learner(lr=3e-2, kl=KLConfig(coef=0.5, estimator="k1", place="reward"))
+    batch = _batch(seed=25)
+    np.testing.assert_allclose(learner.sequence_kl(batch), 0.0, atol=1e-5)
+    assert batch.old_logprobs is not None  # computed once, for the update too
+    m = learner.update(batch)
+    assert "kl_ref_k1" not in m  # in the reward, not in the loss
+    after = _batch(seed=25)
+    kl = learner.sequence_kl(after)
+    lp = learner.logprobs(after.tokens)
+    ref = learner.logprobs(after.tokens, params=learner.ref_params)
+    np.testing.assert_allclose(kl, ((lp - ref) * after.loss_mask).sum(-1), rtol=1e-5, atol=1e-6)
+    assert np.abs(kl).max() > 1e-4
