@@ -86,6 +86,10 @@ class RLConfig(Section):
     def rules(self):
         if 0 < self.tis_cap < 1:
             yield "tis_cap", f"must be 0 (off) or >= 1 (a cap below 1 down-weights every token), got {self.tis_cap}"
+        if self.mini_batches > self.batch_problems * self.group_size:
+            yield "mini_batches", (f"{self.mini_batches} mini-batches cannot split a step's at most "
+                                   f"{self.batch_problems * self.group_size} kept rollouts (rl.batch_problems x "
+                                   "rl.group_size); lower it")
         ds = self.dynamic_sampling
         if ds.enabled and ds.bound(self.batch_problems) < self.batch_problems:
             yield "dynamic_sampling.max_problems", (f"{ds.max_problems} is below rl.batch_problems "
@@ -164,6 +168,10 @@ class RunConfig(Section):
             out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.tis_cap: nothing corrects for tokens "
                        "sampled by older weights (asynchronous RL usually sets a truncated importance cap, e.g. "
                        "--config.rl.tis_cap=2)")
+        kl = self.rl.kl
+        if not kl.enabled and (kl.estimator, kl.place) != (KLConfig().estimator, KLConfig().place):
+            out.append(f"rl.kl.estimator={kl.estimator!r} / rl.kl.place={kl.place!r} set but rl.kl.coef is 0: "
+                       "there is no KL term (set rl.kl.coef > 0)")
         return out
 
     def stage_index(self, step: int) -> int:

@@ -292,3 +292,20 @@ def test_reinforce_equals_verl_gpg():
     new, old, adv, mask = _inputs(seed=6)
     terms = _terms("reinforce", LOSSES["reinforce"].settings(), new, old, adv, mask)
     np.testing.assert_allclose(np.asarray(terms.per_token), np.where(mask, -new * adv[:, None], 0), rtol=1e-6)
+
+
+def test_combinations_that_cannot_work_are_listed_with_the_other_errors_and_idle_settings_warned():
+    from rstar2_jax.rl.config import RunConfig, base_config
+    c = base_config()
+    c.rl.batch_problems, c.rl.group_size, c.rl.mini_batches = 2, 2, 5
+    c.rl.loss.name, c.rl.loss.aggregation = "gspo", "constant"
+    c.rl.loss.cispo.eps_high = 9.0
+    with pytest.raises(ConfigValueError) as e:
+        RunConfig.from_config(c)
+    text = str(e.value)
+    assert "rl.mini_batches: 5 mini-batches cannot split" in text
+    assert "rl.loss.aggregation: loss 'gspo' is defined with seq_mean_token_mean only" in text
+    assert "rl.loss.cispo.eps_high: belongs to loss 'cispo'" in text
+    c = base_config()
+    c.rl.kl.place = "reward"
+    assert any("rl.kl.coef is 0" in w for w in RunConfig.from_config(c).warnings())
