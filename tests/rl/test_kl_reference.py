@@ -10,7 +10,7 @@ import pytest
 from rstar2_jax.rl.trainer import RLRun
 from tests.rl.test_async import moving_advantage, moving_config  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("moving_advantage")]
 
 
 def _cfg(steps, coef=0.05, place="loss"):
@@ -28,7 +28,7 @@ async def _session_leaves(rl_run):
         return _leaves(rl_run.learner.ref_params), _leaves(rl_run.learner.model_state())
 
 
-def test_the_reference_is_saved_and_restored_with_the_run(tmp_path, moving_advantage):
+def test_the_reference_is_saved_and_restored_with_the_run(tmp_path):
     first = RLRun(_cfg(2), str(tmp_path))
     asyncio.run(first.run())
     ref, params = _leaves(first.learner.ref_params), _leaves(first.learner.model_state())
@@ -38,13 +38,13 @@ def test_the_reference_is_saved_and_restored_with_the_run(tmp_path, moving_advan
     assert all(np.array_equal(a, b) for a, b in zip(params, resumed_params))
 
 
-def test_a_kl_run_resumed_from_a_checkpoint_without_a_reference_says_so(tmp_path, moving_advantage):
+def test_a_kl_run_resumed_from_a_checkpoint_without_a_reference_says_so(tmp_path):
     asyncio.run(RLRun(_cfg(1, coef=0.0), str(tmp_path)).run())
     with pytest.raises(ValueError, match="holds no reference weights"):
         asyncio.run(_session_leaves(RLRun(_cfg(2), str(tmp_path), config_mismatch="ok")))
 
 
-def test_kl_in_the_reward_trains_and_reports_the_sequence_kl(tmp_path, moving_advantage):
+def test_kl_in_the_reward_trains_and_reports_the_sequence_kl(tmp_path):
     rl_run = RLRun(_cfg(2, place="reward"), str(tmp_path))
     asyncio.run(rl_run.run())
     import json
