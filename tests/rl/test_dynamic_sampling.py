@@ -1,5 +1,5 @@
 """DAPO's dynamic sampling and overlong shaping: the formulas, their laws, their config errors,
-and a real tiny run that fills its steps, resumes, and traces every group it drew."""
+and two asynchronous trainer processes that fill their steps alike, resume, and trace every group drawn."""
 
 import asyncio
 import json
@@ -15,7 +15,6 @@ from rstar2_jax.rl.dynamic_sampling import informative_groups, next_draw
 from rstar2_jax.rl.run_state import DataState
 from rstar2_jax.config_types import ConfigValueError
 from tests.rl.test_data_stream import PROBLEMS, _cfg
-from tests.rl.test_training import small_config
 
 
 def test_overlong_penalty_is_dapo_eq_13():
@@ -81,26 +80,42 @@ def _rl_lines(path):
 
 
 @pytest.mark.slow
-def test_a_run_with_dynamic_sampling_fills_its_steps_within_the_bound_and_resumes_the_same(tmp_path):
-    from rstar2_jax.rl.trainer import run
-    from rstar2_jax.traces import read_traces
+def test_two_async_processes_fill_steps_alike_without_a_producer_collective_and_resume(tmp_path):
+    """Two trainer processes, rollouts one step ahead (max_staleness 1): the extra problems are
+    drawn and gathered by the consumer in both, the same in each (a mismatch would fail the
+    gather), the run resumes from its checkpoint, and every step's problems are what the data
+    stream's two sides give on their own. The barely trained policy solves nothing, so every
+    step draws to its bound (2 problems, then 4 more in one round)."""
+    import asyncio as aio
 
-    def cfg(steps):
-        c = small_config(steps=steps)
-        c.rl.dynamic_sampling.enabled, c.rl.dynamic_sampling.max_problems = True, 6
-        c.rl.overlong.cache_tokens = 40
-        c.eval.before_and_after = False
-        return c
-    run(cfg(2), str(tmp_path / "whole"))
-    run(cfg(1), str(tmp_path / "resumed"))
-    run(cfg(2), str(tmp_path / "resumed"))  # extends the finished run: resumes from its step-1 checkpoint
-    whole, resumed = read_traces(tmp_path / "whole" / "traces"), read_traces(tmp_path / "resumed" / "traces")
-    for m in _rl_lines(tmp_path / "whole"):
-        drawn = m["dynamic_sampling/problems_drawn"]
-        assert 2 <= drawn <= 6 and (m["dynamic_sampling/informative_groups"] >= 2 or drawn == 6)
-        step = whole[whole["step"] == m["step"]]
-        assert len(step) == drawn * 4                       # every group drawn is traced, trained or not
-        assert step[step["kept"]]["problem_id"].nunique() <= 2   # at most rl.batch_problems groups trained
-    assert any(m["dynamic_sampling/rounds"] >= 1 for m in _rl_lines(tmp_path / "whole"))  # it did draw more
-    for s in (0, 1):
-        assert list(whole[whole["step"] == s]["problem_id"]) == list(resumed[resumed["step"] == s]["problem_id"])
+    from experiments import tiny_arith
+    from rstar2_jax.data.tasks import make_task
+    from rstar2_jax.rl.trainer import validate
+    from rstar2_jax.traces import read_traces
+    from tests.rl.launch import launch
+    from tests.rl.test_multiprocess import train_args
+
+    overrides = ["--config.rl.dynamic_sampling.enabled=True", "--config.rl.dynamic_sampling.max_problems=6",
+                 "--config.rl.max_staleness=1", "--config.rl.tis_cap=2.0"]
+    for steps in (2, 3):  # 2 steps, then the same run extended: resumed from its step-2 checkpoint
+        args = train_args("experiments/tiny_arith.py", tmp_path, steps) + overrides
+        for status, out, err in launch(args, tmp_path / f"s{steps}", n=2):
+            assert status == 0, err[-3000:]
+    assert "resumed from" in open(tmp_path / "s3.p0.out").read()
+    lines = _rl_lines(tmp_path)
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert all(m["dynamic_sampling/rounds"] == 1 and m["dynamic_sampling/problems_drawn"] == 6 for m in lines)
+    traces = read_traces(tmp_path / "traces")
+    assert (traces["reward"] == 0).all(), "the premise: the 4-step SFT policy solves nothing"
+
+    c = tiny_arith.get_config()
+    c.update_from_flattened_dict({"data.train_problems": 32, "data.eval_problems": 4, "rl.batch_problems": 2,
+                                  "rl.group_size": 2, "rollout.max_len": 512, "rl.max_staleness": 1})
+    cfg = validate(c, 1)
+    stream = DataStream(make_task(cfg.data, cfg.seed).train_problems, cfg, DataState(), 0)
+    for step in range(3):
+        problems, drawn = aio.run(stream.draw(step, None))
+        want = [p.id for p in problems + stream.draw_topup(step, 4)]
+        stream.after_training(step, drawn, set())
+        drawn_ids = traces[traces["step"] == step]["problem_id"]
+        assert list(dict.fromkeys(drawn_ids)) == want and len(drawn_ids) == 6 * 4, step
