@@ -145,14 +145,15 @@ def algorithm_ablation_dir(ablation_dir, tmp_path_factory):
     return workdir
 
 
-def test_algorithm_ablation_runs_every_variant_with_its_own_settings(algorithm_ablation_dir):
+def test_algorithm_ablation_runs_every_variant_with_its_own_settings(algorithm_ablation_dir, ablation_dir):
     lines = {}
     for cell in ALGORITHM_CELLS:
         run = algorithm_ablation_dir / cell / "seed0"
         assert (run / "results.json").exists()
         lines[cell] = [json.loads(l) for l in open(run / "metrics.jsonl") if '"phase": "rl"' in l]
         assert [m["step"] for m in lines[cell]] == [0, 1]
-    assert len(os.listdir(algorithm_ablation_dir / "_warm_start")) == 1   # the copied one: no SFT ran
+    assert sorted(os.listdir(algorithm_ablation_dir / "_warm_start")) == sorted(    # the copied ones: no SFT ran
+        os.listdir(ablation_dir / "_warm_start"))
     trained = {c: [m for m in ms if "optimizer_steps" in m] for c, ms in lines.items()}
     assert all(m["optimizer_steps"] == 1 for m in trained["alg_grpo_roc"])
     assert all(m["optimizer_steps"] > 1 for m in trained["alg_grpo_roc_4x2"])      # several steps per batch
