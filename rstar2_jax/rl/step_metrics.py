@@ -47,10 +47,6 @@ class MetricsLog:
             self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
         return self._tb
 
-    @property
-    def opened(self) -> bool:
-        return self._tb is not None
-
     def close(self):
         if self._tb is not None:
             self._tb.close()

@@ -253,13 +253,12 @@ class RLRun:
         of the learner); the consumer trains on them in order, logs and checkpoints."""
         cfg = self.cfg
         start = self.state.rl_step
-        self.data = DataStream(self.train_problems, cfg, self.state.data, start)
+        self.data = self.data_stream()
         bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps, desc="GRPO-RoC", dynamic_ncols=True)
         last_end = time.monotonic()
 
         async def draw(step: int):
-            problems, drawn = await self.data.draw(step, lambda stage_i, s: self.prefilter(engine, sb, stage_i, s))
-            return self.roll_out(engine, sb, step, problems, drawn)
+            return self.roll_out(engine, sb, step, *await self.draw(engine, sb, step))
 
         async def consume(step: int, out: StepRollouts):
             nonlocal last_end
@@ -308,10 +307,18 @@ class RLRun:
     async def produce(self, engine: Engine, sb, step: int) -> StepRollouts:
         """Step `step`'s problems from the data stream and this process's share of their rollouts
         (the sequential loop: what the pipeline does with max_staleness 0)."""
+        return await self.roll_out(engine, sb, step, *await self.draw(engine, sb, step))
+
+    def data_stream(self) -> DataStream:
+        """The training problems' stream as the run state left it (a fresh run: from the start)."""
+        return DataStream(self.train_problems, self.cfg, self.state.data, self.state.rl_step)
+
+    async def draw(self, engine: Engine, sb, step: int) -> tuple[list, DataState]:
+        """Step `step`'s problems and the data stream's state after the draw (the stage's
+        pre-filter first, when it begins). The stream starts where the run state left it."""
         if self.data is None:
-            self.data = DataStream(self.train_problems, self.cfg, self.state.data, self.state.rl_step)
-        problems, drawn = await self.data.draw(step, lambda stage_i, s: self.prefilter(engine, sb, stage_i, s))
-        return await self.roll_out(engine, sb, step, problems, drawn)
+            self.data = self.data_stream()
+        return await self.data.draw(step, lambda stage_i, s: self.prefilter(engine, sb, stage_i, s))
 
     async def roll_out(self, engine: Engine, sb, step: int, problems, drawn: DataState) -> StepRollouts:
         """This process's share of the step's rollouts (all of them with one process)."""
