@@ -23,7 +23,7 @@ CURVES = {
     "mean_response_tokens": "response tokens per rollout",
 }
 # what the algorithm ablation plots besides (the learner's own metrics; absent where a cell does not
-# compute one: a KL only with rl.kl.coef, a dynamic-sampling fill only with it on)
+# compute one: the KL to the reference only with rl.kl.coef)
 ALGORITHM_CURVES = {
     **CURVES,
     "entropy_mean": "token entropy (learner)",

@@ -118,8 +118,8 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
     kept, records, groups = [], [], 0
     for b, problem in enumerate(problems):
         group = scored[b * n_roll:(b + 1) * n_roll]
-        shaped = np.array([s.reward for s in group]) + overlong_penalty([s.trajectory.num_response_tokens for s in group],
-                                                              budget, cfg.rl.overlong.cache_tokens)
+        lengths = [s.trajectory.num_response_tokens for s in group]
+        shaped = np.array([s.reward for s in group]) + overlong_penalty(lengths, budget, cfg.rl.overlong.cache_tokens)
         sel = select_group(group, cfg.rl.group_size, rng, mode=cfg.rl.roc.mode, eps=cfg.rl.roc.eps,
                            min_neg=cfg.rl.roc.min_neg, min_pos=cfg.rl.roc.min_pos, advantage=cfg.rl.advantage,
                            reject_uniform=cfg.rl.roc.reject_uniform_groups, rewards=shaped)
