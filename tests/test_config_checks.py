@@ -26,7 +26,8 @@ FREE_STRINGS = {
     "run_name": ({}, ""),
 }
 # Lists of strings: the element check, under the setting that reads them.
-STRING_LISTS = {"rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
+STRING_LISTS = {"rl.correction.names": ({}, ["no_such_correction"]),
+                "rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
                 "rollout.vllm_fetch_urls": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"],
                                              "rollout.vllm_sync": "pull"}, ["not-a-url"])}
 

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2_jax import sharding as sharding_lib
+from rstar2_jax.algo.corrections import CorrectionInputs, correction_metrics
 from rstar2_jax.algo.kl import sequence_kl
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
@@ -136,6 +137,10 @@ class Learner:
         out = {k: float(np.mean([m[k] for m in steps])) for k in steps[0]} if steps else {}
         out["optimizer_steps"] = float(len(steps))
         out.update(sampler_mismatch(batch))
+        if batch.old_logprobs is not None and batch.sampler_logprobs is not None:
+            c = self.cfg.update.correction
+            out.update(correction_metrics(c.names, c.settings_of, CorrectionInputs(
+                batch.old_logprobs, batch.sampler_logprobs, batch.loss_mask > 0)))
         if batch.entropy is not None and batch.num_tokens:
             out["entropy_mean"] = float((batch.entropy * batch.loss_mask).sum() / batch.num_tokens)
         return out

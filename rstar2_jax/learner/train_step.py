@@ -1,8 +1,9 @@
 """The jitted policy update: a pure function of (state, mini-batch).
 
-The loss is the registered policy loss (algo/losses) on one `LossInputs`, optionally weighted
-by truncated importance weights (TIS) and plus a KL term to a frozen reference, then aggregated
-(algo/aggregation.py). Gradient accumulation over micro-batches is a `lax.scan` of gradients of
+The loss is the registered policy loss (algo/losses) on one `LossInputs`, weighted and masked
+by the off-policy corrections in use (algo/corrections: computed once per mini-batch, before any
+gradient, from the learner's and the sampler's log-probs), plus a KL term to a frozen reference,
+then aggregated (algo/aggregation.py). Gradient accumulation over micro-batches is a `lax.scan` of gradients of
 each micro-batch's *scaled sum*, divided once by the aggregation's count of the whole
 mini-batch (computed from the mask before any gradient), so M micro-batches give the same
 update as one, in every aggregation mode. Statistics are token means over the mini-batch.
@@ -21,6 +22,7 @@ from flax import nnx
 
 from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, LossInputs, PolicyLossConfig,
                              policy_loss_terms)
+from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
 from rstar2_jax.models.logprobs import token_logprobs
 
 
@@ -40,24 +42,15 @@ class UpdateConfig:
     temperature: float = 1.0
     logprob_chunk: int = 512
     micro_batches: int = 1
-    # Truncated importance sampling between the sampler's log-probs and the learner's recomputed
-    # ones (None: off, the paper's setting; the batch then needs no sampler_logprobs).
-    tis_cap: float | None = None
+    # Off-policy corrections between the sampler's log-probs and the learner's recomputed ones
+    # (none: the paper's setting; the batch then needs no sampler_logprobs).
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
     # aggregation=constant: C (rl.loss.constant_tokens, resolved by the trainer when 0).
     constant_tokens: float = 1.0
 
     @property
     def needs_sampler_logprobs(self) -> bool:
-        return self.tis_cap is not None or LOSSES[self.loss.name].needs_sampler_logprobs
-
-
-def truncated_importance_weights(old_logprobs, sampler_logprobs, cap: float):
-    """Per-token weights min(pi_learner / pi_sampler, cap) for truncated importance sampling
-    (TIS): the engine samples with its own numerics (another kernel, bf16, or weights some
-    versions old under asynchronous rollouts), so its distribution is not the learner's; the
-    clipped ratio corrects the policy gradient toward the learner's policy while bounding the
-    variance. Constants of the update: no gradient flows through them."""
-    return jnp.minimum(jnp.exp(jnp.clip(old_logprobs - sampler_logprobs, -20.0, 20.0)), cap)
+        return self.correction.enabled or LOSSES[self.loss.name].needs_sampler_logprobs
 
 
 def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
@@ -82,19 +75,16 @@ def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bo
 
 def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
     """(scaled loss sum, {statistic: token sum}, log-probs) of one (micro-)batch: the policy
-    loss, TIS weights and the KL term, masked and scaled per row by the aggregation."""
+    loss, the corrections' weights (`is_weight`, when corrections are on) and the KL term, masked
+    and scaled per row by the aggregation."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg)
     mask = batch["loss_mask"] > 0
     inputs = LossInputs(lp, batch["old_logprobs"], batch["advantages"], mask, batch.get("sampler_logprobs"),
                         batch.get("ref_logprobs"), log_ratio_clamp=cfg.loss.log_ratio_clamp).sanitized()
     terms = policy_loss_terms(cfg.loss.name, inputs, cfg.loss.settings())
     per_token, stats = terms.per_token, dict(terms.stats)
-    if cfg.tis_cap is not None:
-        weights = jax.lax.stop_gradient(truncated_importance_weights(inputs.old_logprobs, inputs.sampler_logprobs,
-                                                                     cfg.tis_cap))
-        per_token = per_token * weights
-        stats["tis_weight_mean"] = jnp.where(mask, weights, 0.0)
-        stats["tis_truncated_fraction"] = jnp.where(mask, (weights >= cfg.tis_cap).astype(jnp.float32), 0.0)
+    if "is_weight" in batch:
+        per_token = per_token * jax.lax.stop_gradient(batch["is_weight"])
     if cfg.kl.in_loss:
         kl = jnp.where(mask, KL_ESTIMATORS[cfg.kl.estimator](inputs.logprobs, inputs.ref_logprobs), 0.0)
         per_token = per_token + cfg.kl.coef * kl
@@ -105,6 +95,16 @@ def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
     return loss_sum, {k: jnp.sum(v) for k, v in stats.items()}, lp
 
 
+def corrected(cfg: UpdateConfig, batch: dict) -> dict:
+    """`batch` with the off-policy corrections applied (unchanged when none): `is_weight` [N, T],
+    and the tokens they drop taken out of `loss_mask`, so they leave the loss and its count."""
+    if not cfg.correction.enabled:
+        return batch
+    c = combined_correction(cfg.correction.names, cfg.correction.settings_of,
+                            CorrectionInputs(batch["old_logprobs"], batch["sampler_logprobs"], batch["loss_mask"] > 0))
+    return {**batch, "loss_mask": c.keep.astype(batch["loss_mask"].dtype), "is_weight": c.weight}
+
+
 def loss_count(cfg: UpdateConfig, mask) -> jax.Array:
     """The aggregation's normaliser of a whole (mini-)batch: depends on the mask alone."""
     return jnp.maximum(AGGREGATIONS[cfg.loss.aggregation_name()].count(mask > 0, cfg.constant_tokens), 1e-9)
@@ -112,7 +112,8 @@ def loss_count(cfg: UpdateConfig, mask) -> jax.Array:
 
 def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, state: TrainState, batch: dict):
     """One optimizer step. batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs
-    [N, T] (sampler_logprobs [N, T] with TIS, ref_logprobs [N, T] with a KL term)."""
+    [N, T] (sampler_logprobs [N, T] with corrections, ref_logprobs [N, T] with a KL term)."""
+    batch = corrected(cfg, batch)
     n = batch["tokens"].shape[0]
     m = cfg.micro_batches
     if n % m:
@@ -148,5 +149,6 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, st
 
 def policy_loss_value(graphdef, cfg: UpdateConfig, params, batch) -> jax.Array:
     """The aggregated loss of a batch (no gradient): for tests and logging."""
+    batch = corrected(cfg, batch)
     s, _, _ = _loss_terms(graphdef, cfg, params, batch)
     return s / loss_count(cfg, batch["loss_mask"])

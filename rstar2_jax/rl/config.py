@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from rstar2_jax.algo import ADVANTAGES, KLConfig, PolicyLossConfig
+from rstar2_jax.algo.corrections import CorrectionConfig
 from rstar2_jax.algo.reward_shaping import OverlongConfig
 from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
@@ -75,8 +76,10 @@ class RLConfig(Section):
     token_entropy: bool = setting(True, "per-token entropies of kept rollouts into the traces (learner pass)")
     max_staleness: int = setting(0, "async rollouts: versions a sampled token may lag the learner (0: on-policy, "
                                  "the paper)", min=0)
-    tis_cap: float = setting(0.0, "truncated importance sampling sampler -> learner, cap (0: off, the paper)",
-                             min=0.0)
+    tis_cap: float = setting(0.0, "replaced by rl.correction (kept so older runs' config.json reads): must be 0; "
+                             "set rl.correction.names=(token_tis,) and rl.correction.token_tis.cap instead", min=0.0)
+    correction: CorrectionConfig = setting(CorrectionConfig, "off-policy corrections sampler -> learner (none: the "
+                                           "paper)")
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
     loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
     kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
@@ -84,8 +87,9 @@ class RLConfig(Section):
     overlong: OverlongConfig = setting(OverlongConfig, "DAPO's soft overlong punishment")
 
     def rules(self):
-        if 0 < self.tis_cap < 1:
-            yield "tis_cap", f"must be 0 (off) or >= 1 (a cap below 1 down-weights every token), got {self.tis_cap}"
+        if self.tis_cap:
+            yield "tis_cap", (f"is replaced by rl.correction: set rl.correction.names=(token_tis,) and "
+                              f"rl.correction.token_tis.cap={self.tis_cap} (and rl.tis_cap=0)")
         if self.mini_batches > self.batch_problems * self.group_size:
             yield "mini_batches", (f"{self.mini_batches} mini-batches cannot split a step's at most "
                                    f"{self.batch_problems * self.group_size} kept rollouts (rl.batch_problems x "
@@ -164,15 +168,26 @@ class RunConfig(Section):
     def warnings(self) -> list[str]:
         """Settings that run but are probably not meant (printed by train, never an error)."""
         out = []
-        if self.rl.max_staleness > 0 and not self.rl.tis_cap:
-            out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.tis_cap: nothing corrects for tokens "
-                       "sampled by older weights (asynchronous RL usually sets a truncated importance cap, e.g. "
-                       "--config.rl.tis_cap=2)")
+        corrections = self.rl.correction.names
+        if self.rl.max_staleness > 0 and not corrections:
+            out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.correction.names: nothing corrects for "
+                       "tokens sampled by older weights (asynchronous RL usually sets one, e.g. "
+                       "--config.rl.correction.names='(\"token_tis\",)')")
+        if corrections and self.rl.max_staleness == 0 and not self.sampler_differs_from_learner:
+            out.append(f"rl.correction.names={', '.join(corrections)} with rl.max_staleness=0, the embedded float32 "
+                       "engine and the learner's own weights: sampler and learner are the same policy, so every "
+                       "weight is ~1 and nothing is corrected (the corrections matter for k > 0, a bf16 engine, "
+                       "or vLLM)")
         kl = self.rl.kl
         if not kl.enabled and (kl.estimator, kl.place) != (KLConfig().estimator, KLConfig().place):
             out.append(f"rl.kl.estimator={kl.estimator!r} / rl.kl.place={kl.place!r} set but rl.kl.coef is 0: "
                        "there is no KL term (set rl.kl.coef > 0)")
         return out
+
+    @property
+    def sampler_differs_from_learner(self) -> bool:
+        """The engine samples with other numerics than the float32 learner: bf16 weights, or vLLM."""
+        return self.rollout.engine != "jax" or self.model.dtype != "float32"
 
     def stage_index(self, step: int) -> int:
         return max(i for i, s in enumerate(self.stages) if s.start_step <= step)

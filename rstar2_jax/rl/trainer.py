@@ -180,7 +180,7 @@ class RLRun:
         rl = self.cfg.rl
         constant = rl.loss.constant_tokens or max(s.max_response_tokens for s in self.cfg.stages)
         update = UpdateConfig(loss=rl.loss, kl=rl.kl, temperature=self.cfg.rollout.temperature,
-                              micro_batches=rl.micro_batches, tis_cap=rl.tis_cap or None, constant_tokens=constant)
+                              micro_batches=rl.micro_batches, correction=rl.correction, constant_tokens=constant)
         return LearnerConfig(lr=rl.lr, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
                              grad_clip=rl.grad_clip, token_entropy=rl.token_entropy, update=update,
                              mini_batches=rl.mini_batches, epochs=rl.epochs)

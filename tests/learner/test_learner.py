@@ -119,18 +119,12 @@ def test_make_batch_pads_and_aligns():
         make_batch([[1, 2]], [[1]], [[0, 0]], [0.0])
 
 
-def test_truncated_importance_weights_hand_computed():
-    from rstar2_jax.learner.train_step import truncated_importance_weights
-    old = np.log(np.array([[0.5, 0.2, 0.9]], np.float32))
-    sampler = np.log(np.array([[0.25, 0.4, 0.1]], np.float32))
-    np.testing.assert_allclose(truncated_importance_weights(old, sampler, 2.0), [[2.0, 0.5, 2.0]], rtol=1e-6)
-    np.testing.assert_allclose(truncated_importance_weights(old, sampler, 10.0), [[2.0, 0.5, 9.0]], rtol=1e-5)
-
-
-def _update_with(tis_cap, sampler_shift=0.0, seed=11):
+def _update_with(names=(), sampler_shift=0.0, seed=11, micro_batches=1, **settings):
+    from rstar2_jax.algo.corrections import CorrectionConfig
     cfg = small_config("qwen3")
-    learner = Learner(random_model(cfg, seed=seed), LearnerConfig(lr=1e-3, warmup_steps=1,
-                                                                  update=UpdateConfig(tis_cap=tis_cap)))
+    correction = CorrectionConfig(names=tuple(names), **settings)
+    learner = Learner(random_model(cfg, seed=seed), LearnerConfig(lr=1e-3, warmup_steps=1, update=UpdateConfig(
+        correction=correction, micro_batches=micro_batches)))
     batch = _batch(seed=12)
     lp = learner.logprobs(batch.tokens)
     # the sampler's log-probs: the learner's own (same weights, on-policy), optionally shifted
@@ -141,23 +135,48 @@ def _update_with(tis_cap, sampler_shift=0.0, seed=11):
 
 
 @pytest.mark.slow
-def test_correction_off_and_on_policy_is_bit_identical_to_the_plain_update():
-    """Staleness 0 and correction off is today's update; on-policy (sampler == learner) with the
-    correction on weighs every token by exactly 1, so it is the same update bit for bit."""
-    plain, m_plain = _update_with(None)
-    on_policy, m_on = _update_with(1e9)
+def test_corrections_on_policy_are_bit_identical_to_the_plain_update():
+    """Staleness 0 and no correction is the paper's update; on-policy (sampler == learner) every
+    correction weighs every token by exactly 1 and drops none, so it is the same update bit for bit."""
+    plain, m_plain = _update_with()
+    on_policy, m_on = _update_with(("token_tis", "seq_mis", "icepop", "geo_mask"))
     np.testing.assert_array_equal(plain, on_policy)
-    assert m_on["tis_weight_mean"] == pytest.approx(1.0, abs=1e-6) and m_on["tis_truncated_fraction"] == 0.0
-    assert "tis_weight_mean" not in m_plain
+    assert m_on["correction/weight_mean"] == pytest.approx(1.0, abs=1e-6) and m_on["correction/masked_fraction"] == 0
+    assert m_on["correction/ess"] == pytest.approx(1.0) and m_on["mismatch/k3_token"] == pytest.approx(0.0, abs=1e-9)
+    assert "correction/ess" not in m_plain and "mismatch/k1_token" in m_plain  # mismatch is always reported
 
 
 @pytest.mark.slow
 def test_correction_reweights_tokens_when_the_sampler_differs():
-    plain, _ = _update_with(None, sampler_shift=0.5)
-    corrected, m = _update_with(2.0, sampler_shift=0.5)
+    plain, _ = _update_with(sampler_shift=0.5)
+    corrected, m = _update_with(("token_tis",), sampler_shift=0.5)
     assert np.abs(plain - corrected).max() > 1e-6  # the update moved
-    assert 0.0 < m["tis_truncated_fraction"] < 1.0 and m["tis_weight_mean"] <= 2.0
+    assert 0.0 < m["correction/token_tis/clipped_fraction"] < 1.0 and m["correction/weight_mean"] <= 2.0
     assert m["importance_ratio_max"] > 2.0  # the mismatch metrics see what the cap cut
+
+
+@pytest.mark.slow
+def test_dropped_tokens_leave_the_loss_and_its_count_and_micro_batching_stays_exact():
+    """A mask that drops tokens is the update on the batch with those tokens masked out, weighted
+    (token_mean's count is the kept tokens); a sequence-level mask is exact under micro-batches."""
+    from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
+    from rstar2_jax.algo.corrections.importance import CapSettings
+    from rstar2_jax.learner.train_step import corrected
+    cfg = UpdateConfig(correction=CorrectionConfig(names=("icepop",)))
+    rng = np.random.default_rng(3)
+    mask = rng.random((4, 9)) < 0.8
+    old = rng.normal(-2, 0.5, (4, 9)).astype(np.float32)
+    sampler = (old + rng.normal(0, 1.0, (4, 9))).astype(np.float32)
+    batch = {"loss_mask": mask.astype(np.float32), "old_logprobs": old, "sampler_logprobs": sampler}
+    out = corrected(cfg, batch)
+    c = combined_correction(("icepop",), cfg.correction.settings_of, CorrectionInputs(old, sampler, mask))
+    np.testing.assert_array_equal(np.asarray(out["loss_mask"]) > 0, np.asarray(c.keep))
+    assert 0 < np.asarray(out["loss_mask"]).sum() < mask.sum()  # some dropped, some kept
+    whole, m1 = _update_with(("seq_mis", "token_tis"), sampler_shift=0.05, seq_mis=CapSettings(cap=1.05))
+    split, m4 = _update_with(("seq_mis", "token_tis"), sampler_shift=0.05, micro_batches=4, seq_mis=CapSettings(cap=1.05))
+    assert 0 < m1["correction/seq_mis/seq_masked_fraction"] < 1
+    np.testing.assert_allclose(split, whole, atol=1e-5)
+    assert m4["policy_loss"] == pytest.approx(m1["policy_loss"], rel=1e-5, abs=1e-7)
 
 
 def _learner(seed=21, lr=1e-3, **kw):

@@ -51,7 +51,7 @@ def test_negative_staleness_is_a_config_error():
 @pytest.mark.slow
 def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loop(tmp_path, moving_advantage):
     cfg = moving_config(steps=2, max_staleness=0)
-    assert cfg.rl.tis_cap == 0
+    assert cfg.rl.correction.names == ()
     pipelined = RLRun(cfg, str(tmp_path / "pipelined"))
     asyncio.run(pipelined.run())
 

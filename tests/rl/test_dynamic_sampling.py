@@ -96,7 +96,7 @@ def test_two_async_processes_fill_steps_alike_without_a_producer_collective_and_
     from tests.rl.test_multiprocess import train_args
 
     overrides = ["--config.rl.dynamic_sampling.enabled=True", "--config.rl.dynamic_sampling.max_problems=6",
-                 "--config.rl.max_staleness=1", "--config.rl.tis_cap=2.0"]
+                 "--config.rl.max_staleness=1", "--config.rl.correction.names=('token_tis',)"]
     for steps in (2, 3):  # 2 steps, then the same run extended: resumed from its step-2 checkpoint
         args = train_args("experiments/tiny_arith.py", tmp_path, steps) + overrides
         for status, out, err in launch(args, tmp_path / f"s{steps}", n=2):

@@ -39,7 +39,7 @@ def get_config():
     c.mesh.devices_per_process = 0                                       # two 1-device processes, not 8-GPU hosts
     c.rl.steps, c.rl.batch_problems, c.rl.group_size, c.rl.oversample = 4, 2, 2, 2
     c.rl.micro_batches, c.rl.lr, c.rl.warmup_steps = 1, 1e-4, 1
-    c.rl.max_staleness, c.rl.tis_cap = 1, 2.0
+    c.rl.max_staleness, c.rl.correction.names = 1, ("token_tis",)
     c.rl.advantage, c.rl.roc.reject_uniform_groups = "test_alternating_signs", False
     c.stages = [dict(s, max_response_tokens=120, max_turns=2) for s in c.stages]
     c.stages[1]["start_step"], c.stages[2]["start_step"], c.stages[2]["filter_solved_k"] = 2, 3, 2
