@@ -99,31 +99,3 @@ def span(kind: str):
     """Record the enclosed wall time as `kind` in the active Timeline (none active: no-op)."""
     timeline = _current.get()
     return timeline.span(kind) if timeline is not None else contextlib.nullcontext()
-
-
-class BusyLog:
-    """An engine's busy intervals, kept across steps. An engine hands each interval out once
-    (`take_busy_intervals`); when steps overlap (asynchronous rollouts) each step must still see
-    the engine's work inside its own window, not lose it to the step that drained first."""
-
-    def __init__(self):
-        self._intervals: list[Interval] = []
-        self._open: dict[int, float] = {}    # window id -> start, of the windows still being measured
-        self._next_id = 0
-
-    def open(self, engine) -> int:
-        """Start a window now; returns its id (give it to `close`)."""
-        self._intervals += engine.take_busy_intervals()
-        self._next_id += 1
-        self._open[self._next_id] = time.monotonic()
-        return self._next_id
-
-    def close(self, engine, window: int) -> list[Interval]:
-        """The engine's busy intervals clipped to the window (from its `open` to now), whoever's
-        requests they served; forgets what no open window can need any more."""
-        self._intervals += engine.take_busy_intervals()
-        start, end = self._open.pop(window), time.monotonic()
-        inside = [(max(a, start), min(b, end)) for a, b in self._intervals if b > start and a < end]
-        oldest = min(self._open.values(), default=end)
-        self._intervals = [(a, b) for a, b in self._intervals if b > oldest]
-        return inside

@@ -55,34 +55,38 @@ class MetricsLog:
 
 def step_metrics(engine, out: StepRollouts, kept: int) -> dict[str, float]:
     """The step's rollout metrics (the shared METRICS of rollout/scoring.py), throughput, time
-    breakdown and engine counters."""
+    breakdown and engine counters: all of them of the step's own requests (with asynchronous
+    rollouts the engine serves several steps at once; engines/accounting.py)."""
     summary = summarize(out.scored)
     gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in out.scored)
     step_s = time.monotonic() - out.started
-    load = engine.load()
-    queries = load.prefix_cache_queries - out.load_before.prefix_cache_queries
-    cache = ({"engine/prefix_cache_hit_rate": (load.prefix_cache_hits - out.load_before.prefix_cache_hits) / queries}
-             if queries > 0 else {})  # servers that report their prefix cache (vLLM)
+    work = out.work
+    queries = work.prefix_cache_queries if work is not None else 0
+    cache = ({"engine/prefix_cache_hit_rate": work.prefix_cache_hits / queries}
+             if queries > 0 else {})  # servers that report each request's cached prompt tokens (vLLM)
     return {
         **summary,  # the shared METRICS (rollout/scoring.py; README's metric table), over the step's rollouts
         "kept_rollouts": kept, "rollout_s": out.rollout_s, "tokens_per_s": gen_tokens / max(out.rollout_s, 1e-9),
-        **step_breakdown(out.timeline, out.rollout_s, step_s, out.stats_before, engine.stats), **cache,
+        **step_breakdown(out.timeline, out.rollout_s, step_s, work.stats if work is not None else None), **cache,
     }
 
 
-def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_before, stats_after) -> dict[str, float]:
+def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats) -> dict[str, float]:
     """Wall-time breakdown of one RL step and how busy the engine was.
 
-    tool_s: wall time with at least one tool call in flight; tool_wait_s: the part of it with
-    the engine idle (the pipeline waited on tools); tool_overlap: the share of tool time hidden
-    behind generation. engine_busy: share of the rollout the engine spent on device work while at
-    least one of this step's own requests was in it (its "request" spans; with asynchronous
-    rollouts the engine also works for other steps, which does not count);
-    engine_slot_utilization: share of decode-step slots that held a request; engine/prefill_tokens,
-    reused_tokens, preemptions: prompt tokens run at admission, prompt tokens whose KV was kept
-    from the previous turn, requests preempted for pages (engines with stats).
+    Every figure is of the step's own requests: the timeline's "engine" spans are the engine's
+    work on them (device calls that served at least one; for servers, their requests in flight)
+    and `stats` their counters (accounting.OwnedWork.stats; None for engines without them).
+
+    tool_s: wall time with at least one of the step's tool calls in flight; tool_wait_s: the part
+    of it with none of the step's requests being computed (the step waited on tools);
+    tool_overlap: the share of tool time hidden behind the step's own generation. engine/busy:
+    share of the rollout the engine spent on the step's requests; engine/slot_utilization: share
+    of slots busy (anyone's requests) in the decode steps that served the step; engine/own_slot_share:
+    the step's own share of those busy slots; engine/prefill_tokens, reused_tokens, preemptions: the
+    step's prompt tokens run at admission, prompt tokens whose KV was kept from the previous turn,
+    its requests preempted for pages.
     """
-    delta = stats_after.since(stats_before) if stats_before is not None else None
     tool_s = timeline.union("tool")
     tool_wait_s = exclusive_length(timeline.get("tool"), timeline.get("engine"))
     return {
@@ -92,9 +96,11 @@ def step_breakdown(timeline: Timeline, rollout_s: float, step_s: float, stats_be
         "time/tool_wait_share": tool_wait_s / max(rollout_s, 1e-9),
         "time/tool_overlap": 1.0 - tool_wait_s / tool_s if tool_s > 0 else 0.0,
         "engine/busy": overlap_length(timeline.get("engine"), timeline.get("request")) / max(rollout_s, 1e-9),
-        **({"engine/slot_utilization": delta.slot_utilization, "engine/prefill_tokens": delta.prefill_tokens,
-            "engine/reused_tokens": delta.reused_tokens, "engine/preemptions": delta.preemptions}
-           if delta is not None else {}),
+        **({"engine/slot_utilization": stats.slot_utilization,
+            "engine/own_slot_share": stats.own_slot_steps / max(stats.busy_slot_steps, 1),
+            "engine/prefill_tokens": stats.prefill_tokens, "engine/reused_tokens": stats.reused_tokens,
+            "engine/preemptions": stats.preemptions}
+           if stats is not None and stats.decode_steps + stats.prefill_tokens > 0 else {}),
     }
 
 

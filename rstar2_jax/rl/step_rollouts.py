@@ -19,6 +19,5 @@ class StepRollouts:
     started: float                 # time.monotonic() when the step's rollouts began
     rollout_s: float
     timeline: Timeline             # tool, reward, engine spans (and learner, sync once trained)
-    stats_before: Any              # engine.stats at the start (engines that keep stats)
-    load_before: Any               # engine.load() at the start (prefix-cache counters)
+    work: Any                      # engines/accounting.OwnedWork: the engine's work on this step's requests
     drawn: DataState = DataState()  # the data stream right after this step's draw

@@ -62,9 +62,10 @@ from rstar2_jax.rl.step_metrics import (MetricsLog, format_breakdown, format_res
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import Engine, engine_mesh, make_engine
+from rstar2_jax.rollout.engines.accounting import owned_by
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
-from rstar2_jax.timeline import BusyLog, Timeline
+from rstar2_jax.timeline import Timeline
 from rstar2_jax.traces import TraceWriter
 
 __all__ = ["ConfigValueError", "RLRun", "RunConfig", "run", "validate"]
@@ -121,7 +122,6 @@ class RLRun:
         self.learner: Learner | None = None
         self.data: DataStream | None = None  # the training problems' stream (train_steps)
         self.sandbox = None  # the session's sandbox
-        self.engine_busy = BusyLog()  # the engine's busy intervals, shared by overlapping steps' windows
         self._evaluated = False  # an evaluation ran in this call of run()
 
     @property
@@ -404,14 +404,14 @@ class RLRun:
         seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
         start = time.monotonic()
         timeline = Timeline()
-        window = self.engine_busy.open(engine)
-        stats_before = dataclasses.replace(engine.stats) if engine.stats is not None else None
-        load_before = engine.load()
-        with timeline.activate():
+        owner = ("rollout", step)
+        with timeline.activate(), owned_by(owner):  # the engine charges this step's requests to it
             scored = await self.my_rollouts(engine, sb, problems, n_roll, self.agent_config(step), seeds)
         rollout_s = time.monotonic() - start - timeline.union("reward")
-        timeline.extend("engine", self.engine_busy.close(engine, window))  # the engine's work in this step's window
-        return StepRollouts(list(problems), scored, start, rollout_s, timeline, stats_before, load_before)
+        work = engine.take_owned(owner)
+        if work is not None:  # engines that account per owner (all of ours)
+            timeline.extend("engine", work.busy)  # the engine's work on this step's own requests
+        return StepRollouts(list(problems), scored, start, rollout_s, timeline, work)
 
     async def my_rollouts(self, engine: Engine, sb, problems, k: int, agent: AgentConfig, seeds) -> list[Scored]:
         """This process's share (processes.my_share: all of them with one process) of k rollouts

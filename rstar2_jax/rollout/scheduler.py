@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import time
@@ -188,6 +189,10 @@ class Scheduler(Engine):
 
     def take_busy_intervals(self) -> list[tuple[float, float]]:
         return [iv for e in self.engines for iv in e.take_busy_intervals()]
+
+    def take_owned(self, owner):
+        shares = [w for w in (e.take_owned(owner) for e in self.engines) if w is not None]
+        return functools.reduce(lambda a, b: a.merged(b), shares) if shares else None
 
     async def close(self):
         for e in self.engines:

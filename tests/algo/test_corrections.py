@@ -89,7 +89,8 @@ def test_truncated_weights_lie_in_zero_to_cap_and_clip_exactly_above_it(cap, bat
     ratio_log = log_r if level == "token" else _seq_log(log_r, mask)
     np.testing.assert_array_equal(keep, mask)  # TIS keeps every token
     assert (weight[mask] >= 0).all() and (weight[mask] <= cap * (1 + 1e-6)).all()
-    np.testing.assert_array_equal(clipped[mask], (ratio_log > math.log(cap))[mask])
+    clear = mask & (np.abs(ratio_log - math.log(cap)) > 1e-5)  # float32 vs float64 at the boundary itself
+    np.testing.assert_array_equal(clipped[clear], (ratio_log > math.log(cap))[clear])
     below = mask & ~clipped
     np.testing.assert_allclose(weight[below], np.exp(ratio_log[below]), rtol=1e-4)
 
@@ -100,8 +101,8 @@ def test_masked_is_never_admits_a_ratio_above_its_cap(cap, batch, level):
     log_r, mask = batch
     weight, keep, _ = _apply(f"{level}_mis", CapSettings(cap=cap), log_r, mask)
     ratio_log = log_r if level == "token" else _seq_log(log_r, mask)
-    assert (ratio_log[keep] <= math.log(cap) + 1e-6).all()          # nothing above the cap is kept
-    assert (ratio_log[mask & ~keep] > math.log(cap) - 1e-6).all()   # nothing below it is dropped
+    assert (ratio_log[keep] <= math.log(cap) + 1e-5).all()          # nothing above the cap is kept
+    assert (ratio_log[mask & ~keep] > math.log(cap) - 1e-5).all()   # nothing below it is dropped
     np.testing.assert_allclose(weight[keep], np.exp(ratio_log[keep]), rtol=1e-4)
     if level == "seq":  # a sequence is kept or dropped whole
         for row_keep, row_mask in zip(keep, mask):

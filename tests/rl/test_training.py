@@ -329,14 +329,15 @@ def test_step_breakdown_measures_tool_wait_against_engine_work():
     t.extend("tool", [(3.0, 7.0), (3.5, 5.0)])  # 4 s of tool wall time, 2 s of it with the engine idle
     t.add("reward", 10.0, 10.5)
     t.extend("request", [(0.0, 10.0)])  # the step's own turns in the engine throughout
-    m = step_breakdown(t, rollout_s=10.0, step_s=12.0, stats_before=EngineStats(slots=4),
-                       stats_after=EngineStats(decode_steps=10, busy_slot_steps=30, slots=4))
+    m = step_breakdown(t, rollout_s=10.0, step_s=12.0,
+                       stats=EngineStats(decode_steps=10, busy_slot_steps=30, slots=4, own_slot_steps=12))
     assert m["time/tool_s"] == 4.0 and m["time/tool_wait_s"] == 2.0 and m["time/tool_overlap"] == 0.5
     assert m["engine/busy"] == 0.8 and m["engine/slot_utilization"] == 0.75 and m["time/reward_s"] == 0.5
+    assert m["engine/own_slot_share"] == 0.4
     # asynchronous steps: engine work while none of this step's requests was in the engine is
     # another step's and does not count
     t2 = Timeline()
     t2.extend("engine", t.get("engine"))
     t2.extend("request", [(0.0, 2.0), (6.0, 7.0)])
-    m = step_breakdown(t2, rollout_s=10.0, step_s=12.0, stats_before=None, stats_after=None)
+    m = step_breakdown(t2, rollout_s=10.0, step_s=12.0, stats=None)
     assert m["engine/busy"] == pytest.approx(0.3)

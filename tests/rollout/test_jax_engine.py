@@ -439,3 +439,45 @@ def test_paged_settings_are_checked(tiny_model, tokenizer):
         JaxEngine(tiny_model, tokenizer, max_len=128, kv_pages=7)
     eng = JaxEngine(tiny_model, tokenizer, slots=4, max_len=128, page_size=16)
     assert eng.load().kv_capacity_tokens == 4 * 128  # default: the rows' memory
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_work_is_charged_to_the_owner_of_each_request_and_sums_to_the_engine_wide_figure(tiny_model, tokenizer,
+                                                                                        paged):
+    """Two RL steps' requests overlap in one engine (asynchronous rollouts): each step's counters
+    are its own requests' (prompt tokens prefilled, slots held, decode steps that served it),
+    they differ from the engine-wide figure, and the owners' shares add up to it exactly."""
+    from rstar2_jax.rollout.engines.accounting import owned_by
+
+    first = [tokenizer.encode(f"first {i} " + "a" * (5 * i)) for i in range(4)]
+    second = [tokenizer.encode(f"second {i}") for i in range(3)]
+    kw = dict(page_size=8, kv_pages=24) if paged else {}
+
+    async def batch(eng, owner, prompts, tokens, delay):
+        await asyncio.sleep(delay)
+        with owned_by(owner):
+            return await asyncio.gather(*(eng.generate(p, SamplingParams(max_tokens=tokens, temperature=0.0, seed=i))
+                                          for i, p in enumerate(prompts)))
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=128, eos_ids=(), **kw) as eng:
+            a, b = await asyncio.gather(batch(eng, "step 0", first, 50, 0.0), batch(eng, "step 1", second, 10, 0.05))
+            return a, b, eng.stats, eng.take_owned("step 0"), eng.take_owned("step 1"), eng.take_owned("step 0")
+
+    a, b, total, work_a, work_b, again = _run(go())
+    for outs, prompts, work in ((a, first, work_a), (b, second, work_b)):
+        if not paged:  # one admission per request: its prompt prefilled once, one slot-step per later token
+            assert work.stats.prefill_tokens == sum(len(p) for p in prompts)
+            assert work.stats.own_slot_steps == sum(len(o.token_ids) - 1 for o in outs)
+        assert 0 < work.stats.decode_steps <= total.decode_steps
+        assert work.busy and work.stats.slot_utilization <= 1.0
+    for field in ("prefill_tokens", "reused_tokens", "preemptions", "own_slot_steps"):
+        assert getattr(work_a.stats, field) + getattr(work_b.stats, field) == getattr(total, field) or \
+            field == "own_slot_steps" and total.own_slot_steps == 0
+    assert work_b.stats.decode_steps < total.decode_steps  # the short step's figure is not the engine-wide one
+    assert work_a.stats.own_slot_steps + work_b.stats.own_slot_steps == total.busy_slot_steps
+    assert work_a.stats.decode_steps + work_b.stats.decode_steps >= total.decode_steps  # shared steps count twice
+    assert work_a.stats.prefill_s + work_b.stats.prefill_s == pytest.approx(total.prefill_s)
+    if paged:
+        assert total.preemptions > 0
+    assert again.stats.decode_steps == 0 and again.busy == []  # taken once, then forgotten

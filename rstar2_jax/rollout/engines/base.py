@@ -72,6 +72,7 @@ class EngineStats:
     prefill_tokens: int = 0      # prompt tokens run through the model at admission
     reused_tokens: int = 0       # prompt tokens whose KV the engine still held from the previous turn
     preemptions: int = 0         # requests whose KV was freed for others' (paged KV), recomputed on readmission
+    own_slot_steps: int = 0      # per owner (accounting.py): the slot-steps its own requests held
 
     @property
     def slot_utilization(self) -> float:
@@ -83,7 +84,8 @@ class EngineStats:
         return EngineStats(self.prefill_s - before.prefill_s, self.decode_s - before.decode_s,
                            self.decode_steps - before.decode_steps, self.busy_slot_steps - before.busy_slot_steps,
                            self.slots, self.prefill_tokens - before.prefill_tokens,
-                           self.reused_tokens - before.reused_tokens, self.preemptions - before.preemptions)
+                           self.reused_tokens - before.reused_tokens, self.preemptions - before.preemptions,
+                           self.own_slot_steps - before.own_slot_steps)
 
 
 class Engine(abc.ABC):
@@ -120,6 +122,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def take_busy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) in time.monotonic() of the work done since the last call, then forgotten."""
+
+    def take_owned(self, owner: Hashable):
+        """The work done for `owner`'s requests since the last call (accounting.OwnedWork), then
+        forgotten; None for an engine that does not account per owner."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

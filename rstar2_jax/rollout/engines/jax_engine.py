@@ -58,6 +58,7 @@ from jax.sharding import Mesh
 
 from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder, KVCache, init_cache, init_paged_cache
+from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
 from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
 from rstar2_jax.rollout.sampling import SamplingParams, sample
@@ -80,6 +81,7 @@ class _Request:
     kv_version: int = 0            # weights of the latest (re)admission's prefill: the oldest KV in the row
     session: Hashable | None = None
     admitted: int = -1             # admission counter at its (latest) admission: preemption takes the newest
+    owner: Hashable | None = None  # whose work it is (accounting.py: the RL step it belongs to)
 
     def context(self) -> list[int]:
         """The tokens whose KV the request's row holds before its next sample (all but the
@@ -118,6 +120,7 @@ class JaxEngine(Engine):
         self.max_len = max_len
         self.kv_bucket = kv_bucket
         self.stats = EngineStats(slots=slots)
+        self.ledger = OwnerLedger(slots)  # the same work, charged to the owners of the requests served
         self.reuse_kv = reuse_kv
         self.page_size = page_size
         self._residents: dict[Hashable, _Resident] = {}  # by session
@@ -219,7 +222,8 @@ class JaxEngine(Engine):
         if not prompt:
             raise ValueError("prompt_ids is empty")
         future = asyncio.get_running_loop().create_future()
-        req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session)
+        req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session,
+                       owner=current_owner())
         if len(prompt) >= self.max_len or sampling.max_tokens == 0:
             return Completion([], [], "length", self.version, self.version)
         self._waiting.append(req)
@@ -433,12 +437,13 @@ class JaxEngine(Engine):
             start = time.monotonic()
             cache, token, logp = fn(*args)
             token, logp = int(token), float(logp)
-            self.stats.prefill_s += self._record_busy(start)
-            return cache, token, logp
+            return cache, token, logp, start, self._record_busy(start)
 
-        self._cache, token, logp = await loop.run_in_executor(self._executor, run)
+        self._cache, token, logp, start, end = await loop.run_in_executor(self._executor, run)
+        self.stats.prefill_s += end - start
         self.stats.prefill_tokens += n
         self.stats.reused_tokens += reuse
+        self.ledger.charge_prefill(req.owner, start, end, n, reuse)
         self._active[slot] = req
         self._append(slot, token, logp, version)
 
@@ -470,6 +475,7 @@ class JaxEngine(Engine):
         self._pages.release(("row", slot))
         self._waiting.appendleft(req)
         self.stats.preemptions += 1
+        self.ledger.charge_preemption(req.owner)
 
     def _page_table(self, slots) -> np.ndarray:
         """Page tables of `slots` (None: an idle row), unallocated entries = num_pages."""
@@ -511,25 +517,31 @@ class JaxEngine(Engine):
         version = self.version
         kv_len = self._kv_len(max(busy) + 1)
 
+        owners = [r.owner for r in self._active if r is not None]  # the requests this step serves
+
         def run():
             start = time.monotonic()
             cache, token, logp = self._decode(*args, kv_len=kv_len)
             token, logp = np.asarray(token), np.asarray(logp)
-            self.stats.decode_s += self._record_busy(start)
-            return cache, token, logp
+            return cache, token, logp, start, self._record_busy(start)
 
-        self._cache, sampled, logps = await loop.run_in_executor(self._executor, run)
+        self._cache, sampled, logps, start, end = await loop.run_in_executor(self._executor, run)
+        self.stats.decode_s += end - start
         self.stats.decode_steps += 1
         self.stats.busy_slot_steps += len(busy)
+        self.ledger.charge_decode(owners, start, end, len(busy))
         for slot, req in enumerate(self._active):
             if req is not None:
                 self._append(slot, int(sampled[slot]), float(logps[slot]), version)
 
     def _record_busy(self, start: float) -> float:
-        """Keep (start, now) as device work; its duration."""
+        """Keep (start, now) as device work; returns now."""
         end = time.monotonic()
         self._busy.append((start, end))
-        return end - start
+        return end
+
+    def take_owned(self, owner: Hashable):
+        return self.ledger.take(owner)
 
     def take_busy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) of the device work since the last call (time.monotonic), and forget them."""

@@ -48,6 +48,7 @@ from flax import nnx
 from rstar2_jax.models.checkpoint import model_params_hf, save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
+from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
@@ -109,6 +110,7 @@ class VLLMEngine(Engine):
         # the control plane's blocking calls made from coroutines (recovery after a restart)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-control")
         self._busy: list[tuple[float, float]] = []  # (start, end) of each answered request
+        self.ledger = OwnerLedger()  # the same requests, by owner (accounting.py), with their prefix-cache hits
         self._up: asyncio.Event | None = None
         self._recovery: asyncio.Task | None = None
 
@@ -132,6 +134,7 @@ class VLLMEngine(Engine):
         if sampling.seed is not None:
             body["seed"] = int(sampling.seed) % 2 ** 63
         deadline = time.monotonic() + self.restart_timeout
+        owner = current_owner()
         while True:
             await self._wait_up(deadline)
             version_start = self.version
@@ -150,6 +153,9 @@ class VLLMEngine(Engine):
                 self._mark_down()
                 continue
             self._busy.append((start, time.monotonic()))
+            usage = out.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # --enable-prompt-tokens-details
+            self.ledger.charge_request(owner, start, time.monotonic(), usage.get("prompt_tokens", len(prompt)), cached)
             return _completion(choice, version_start, self.version)
 
     def take_busy_intervals(self) -> list[tuple[float, float]]:
@@ -157,6 +163,9 @@ class VLLMEngine(Engine):
         is busy while any is in flight."""
         out, self._busy = self._busy, []
         return out
+
+    def take_owned(self, owner: Hashable):
+        return self.ledger.take(owner)
 
     async def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
         return await self.async_client.request(method, path, body, timeout)

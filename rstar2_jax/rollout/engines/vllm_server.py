@@ -58,7 +58,10 @@ def server_command(model_dir: str, opts: ServerOptions, python: str | None = Non
     argv = [python or default_python(), "-m", "vllm.entrypoints.openai.api_server",
             "--model", os.path.abspath(model_dir), "--host", opts.host, "--port", str(opts.port),
             "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len), "--seed", str(opts.seed),
-            "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", str(opts.tensor_parallel_size)]
+            "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", str(opts.tensor_parallel_size),
+            # each response's usage then says how many prompt tokens the prefix cache held: the
+            # prefix-cache hit rate of one RL step's own requests (engines/accounting.py)
+            "--enable-prompt-tokens-details"]
     if opts.served_model_name:
         argv += ["--served-model-name", opts.served_model_name]
     if opts.gpu_memory_utilization is not None:
