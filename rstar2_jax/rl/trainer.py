@@ -62,7 +62,9 @@ from rstar2_jax.rl.step_metrics import (MetricsLog, format_breakdown, format_res
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import Engine, engine_mesh, make_engine
+from rstar2_jax.rollout import journal
 from rstar2_jax.rollout.engines.accounting import owned_by
+from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
 from rstar2_jax.timeline import Timeline
@@ -123,6 +125,8 @@ class RLRun:
         self.data: DataStream | None = None  # the training problems' stream (train_steps)
         self.sandbox = None  # the session's sandbox
         self._evaluated = False  # an evaluation ran in this call of run()
+        self.inflight_dir = os.path.join(self.workdir, "inflight")  # in-flight rollouts (rollout/journal.py)
+        self.restored_version = 0  # weights version the session started from (the checkpoint's)
 
     @property
     def train_problems(self):
@@ -234,6 +238,8 @@ class RLRun:
             print(f"resumed from {self.checkpoints.directory} step {latest}")
         elif warm_start:
             self.save_checkpoint(0)
+        # saved in-flight tokens of weights newer than these were lost with the crash (journal.py)
+        self.restored_version = self.learner.version
         weights = self.engine_weights()  # one copy (or gather) for the engine's model and its version
         try:
             async with make_sandbox(cfg.sandbox) as sb, \
@@ -246,6 +252,8 @@ class RLRun:
 
     def save_checkpoint(self, step: int):
         self.checkpoints.save(step, self.learner.state, self.state.to_json(), reference=self.learner.ref_params)
+        if processes.is_primary():  # the in-flight rollouts of trained steps are in the checkpoint now
+            journal.prune(self.inflight_dir, step)
 
     async def train_steps(self, engine: Engine, sb):
         """RL steps from the run state's rl_step to rl.steps through the pipeline: a producer
@@ -405,22 +413,28 @@ class RLRun:
         start = time.monotonic()
         timeline = Timeline()
         owner = ("rollout", step)
+        # saved turn by turn: a run killed mid-step resumes these rollouts where they were
+        journal = StepJournal(self.inflight_dir, step, max_version=self.restored_version)
         with timeline.activate(), owned_by(owner):  # the engine charges this step's requests to it
-            scored = await self.my_rollouts(engine, sb, problems, n_roll, self.agent_config(step), seeds)
+            scored = await self.my_rollouts(engine, sb, problems, n_roll, self.agent_config(step), seeds,
+                                            journal=journal)
         rollout_s = time.monotonic() - start - timeline.union("reward")
         work = engine.take_owned(owner)
         if work is not None:  # engines that account per owner (all of ours)
             timeline.extend("engine", work.busy)  # the engine's work on this step's own requests
         return StepRollouts(list(problems), scored, start, rollout_s, timeline, work)
 
-    async def my_rollouts(self, engine: Engine, sb, problems, k: int, agent: AgentConfig, seeds) -> list[Scored]:
+    async def my_rollouts(self, engine: Engine, sb, problems, k: int, agent: AgentConfig, seeds,
+                          journal: StepJournal | None = None) -> list[Scored]:
         """This process's share (processes.my_share: all of them with one process) of k rollouts
-        of every problem, problem-major, rollout i seeded seeds[i]; gathering is the caller's."""
+        of every problem, problem-major, rollout i seeded seeds[i]; gathering is the caller's.
+        With `journal`, each is saved turn by turn under its index and resumed from there."""
         questions = [p.question for p in problems for _ in range(k)]
         golds = [p.answer for p in problems for _ in range(k)]
         mine = processes.my_share(len(questions))
         return await rollout_problems(engine, sb, self.tokenizer, [questions[i] for i in mine],
-                                      [golds[i] for i in mine], agent, [seeds[i] for i in mine])
+                                      [golds[i] for i in mine], agent, [seeds[i] for i in mine], journal=journal,
+                                      indices=list(mine))
 
     async def train(self, engine: Engine, kept: list[KeptRollout], records, timeline: Timeline) -> dict[str, float]:
         """One learner update on the kept rollouts (none kept: no update), then the weights to

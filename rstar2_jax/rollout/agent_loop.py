@@ -22,6 +22,7 @@ from typing import Callable
 from rstar2_jax.rollout.prompt import PromptFormat, tool_output_text
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
+from rstar2_jax.rollout.journal import RolloutJournal
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 from rstar2_jax.timeline import span
 
@@ -66,22 +67,45 @@ async def _run_tool(sandbox, call: ToolCall, timeout: float) -> ToolRecord:
 
 
 async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig = AgentConfig(), *,
-                    on_turn: Callable[[Turn], None] | None = None, seed: int | None = None) -> Trajectory:
+                    on_turn: Callable[[Turn], None] | None = None, seed: int | None = None,
+                    journal: RolloutJournal | None = None) -> Trajectory:
     """seed: makes the trajectory reproducible (each turn samples from its own key) regardless of
-    what else the engine is batching; None draws from the engine's stream."""
+    what else the engine is batching; None draws from the engine's stream.
+    journal: where the trajectory is saved at every turn boundary, and resumed from (journal.py)."""
+    saved = journal.load() if journal is not None else None
+    if saved is not None and saved.finished:
+        return saved.trajectory
+    resume = saved.trajectory if saved is not None else None
     if cfg.tool_state == "session":
         async with await sandbox.session() as session:
-            return await _run_agent(engine, session, tokenizer, problem, cfg, on_turn=on_turn, seed=seed)
-    return await _run_agent(engine, sandbox, tokenizer, problem, cfg, on_turn=on_turn, seed=seed)
+            if resume is not None:
+                await _replay_cells(session, resume, cfg.tool_timeout_s)
+            return await _run_agent(engine, session, tokenizer, problem, cfg, on_turn=on_turn, seed=seed,
+                                    journal=journal, resume=resume)
+    return await _run_agent(engine, sandbox, tokenizer, problem, cfg, on_turn=on_turn, seed=seed, journal=journal,
+                            resume=resume)
 
 
-async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed) -> Trajectory:
+async def _replay_cells(session, traj: Trajectory, timeout: float):
+    """A resumed trajectory's live interpreter rebuilt: its recorded cells run again, in order
+    (their outputs are already in the trajectory and are not read again)."""
+    for turn in traj.turns:
+        for tool in turn.tools:
+            if tool.code is not None:
+                await _run_tool(session, ToolCall(tool.code, code=tool.code, stdin=tool.stdin), timeout)
+
+
+async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed, journal=None,
+                     resume: Trajectory | None = None) -> Trajectory:
     fmt = cfg.format
     session = next(_SESSIONS)  # names this trajectory to the engine: its turns share one prefix
-    prompt_ids = tokenizer.encode(fmt.prompt(problem))
-    traj = Trajectory(prompt_len=len(prompt_ids), token_ids=[], loss_mask=[], logprobs=[])
-    traj.append(prompt_ids, 0)
-    for turn_index in range(cfg.max_turns):
+    if resume is None:
+        prompt_ids = tokenizer.encode(fmt.prompt(problem))
+        traj = Trajectory(prompt_len=len(prompt_ids), token_ids=[], loss_mask=[], logprobs=[])
+        traj.append(prompt_ids, 0)
+    else:  # saved at a turn boundary: the next thing to do is sample turn len(turns)
+        traj = resume
+    for turn_index in range(len(traj.turns), cfg.max_turns):
         budget = cfg.max_response_tokens - traj.num_response_tokens
         if budget <= 0:
             traj.finish_reason = "length"
@@ -127,5 +151,9 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed)
             traj.finish_reason = "length"  # no room for the results and another turn
             break
         traj.append(tool_ids, 0)
+        if journal is not None:
+            journal.save(traj, finished=False)
     traj.response_text = tokenizer.decode(traj.token_ids[traj.prompt_len:])
+    if journal is not None:
+        journal.save(traj, finished=True)
     return traj

@@ -11,6 +11,7 @@ import numpy as np
 
 from rstar2_jax.rewards import answer_reward, tool_error_ratio
 from rstar2_jax.rollout import AgentConfig, Trajectory, run_agent
+from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.timeline import span
 
 
@@ -27,16 +28,21 @@ class Scored:
 
 async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str], golds: Sequence[str],
                            cfg: AgentConfig, seeds: Sequence[int], *,
-                           grader: Callable[[str, str], float] = answer_reward, progress=None) -> list[Scored]:
+                           grader: Callable[[str, str], float] = answer_reward, progress=None,
+                           journal: StepJournal | None = None, indices: Sequence[int] | None = None) -> list[Scored]:
     """All rollouts concurrently, graded by `grader(response, gold)`; `progress` (e.g. a tqdm
-    bar) is updated as each one finishes."""
-    async def one(q, s):
-        t = await run_agent(engine, sandbox, tokenizer, q, cfg, seed=s)
+    bar) is updated as each one finishes. With `journal`, rollout i is saved turn by turn (and
+    resumed) under its index `indices[i]` in the step (default i): rollout/journal.py."""
+    indices = range(len(questions)) if indices is None else indices
+
+    async def one(q, s, i):
+        rollout_journal = journal.rollout(i, (q, s, repr(cfg))) if journal is not None else None
+        t = await run_agent(engine, sandbox, tokenizer, q, cfg, seed=s, journal=rollout_journal)
         if progress is not None:
             progress.update(1)
         return t
 
-    trajs = await asyncio.gather(*(one(q, s) for q, s in zip(questions, seeds)))
+    trajs = await asyncio.gather(*(one(q, s, i) for q, s, i in zip(questions, seeds, indices)))
     with span("reward"):
         return [Scored(t, grader(t.response_text, g)) for t, g in zip(trajs, golds)]
 

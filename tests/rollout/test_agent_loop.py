@@ -183,3 +183,51 @@ def test_session_tool_state_keeps_variables_across_turns(tokenizer):
     assert second.status == "error" and "NameError: name 'x' is not defined" in second.output
     with pytest.raises(ValueError, match="tool_state must be one of"):
         AgentConfig(tool_state="jupyter")
+
+
+class DyingEngine(ScriptedEngine):
+    """Raises (the process 'dies') when asked for turn `die_at` the first time."""
+
+    def __init__(self, tokenizer, turns, die_at):
+        super().__init__(tokenizer, turns)
+        self.die_at = die_at
+
+    async def generate(self, prompt_ids, sampling, stop=(), *, session=None):
+        if len(self.prompts) == self.die_at:
+            self.die_at = None
+            raise SystemExit("killed mid-trajectory")
+        return await super().generate(prompt_ids, sampling, stop, session=session)
+
+
+@pytest.mark.parametrize("state", ["session", "stateless"])
+def test_a_trajectory_killed_mid_turns_resumes_from_its_journal_where_it_was(tokenizer, tmp_path, state):
+    """Killed before its third turn: the resumed run keeps the saved turns (tokens, log-probs,
+    versions, tool results), rebuilds the session from its recorded cells (x is still set) and
+    ends as the uninterrupted run; a finished trajectory is returned from the journal as is."""
+    from rstar2_jax.rollout.journal import StepJournal
+    turns = ["First " + call("x = 6 * 7\nprint('set')"),
+             "Then " + call("print(x + 1)"),
+             "Again " + call("print(x + 2)"),
+             "So <answer>\\boxed{43}</answer><|im_end|>"]
+    cfg = AgentConfig(format=FMT, tool_state=state)
+    straight = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "q", cfg))
+    journal = StepJournal(str(tmp_path), step=3).rollout(0, ("q", 5, repr(cfg)))
+    dying = DyingEngine(tokenizer, turns, die_at=2)
+    with pytest.raises(SystemExit):
+        run(lambda sb: run_agent(dying, sb, tokenizer, "q", cfg, journal=journal))
+    saved = journal.load()
+    assert not saved.finished and len(saved.trajectory.turns) == 2
+    resumed_engine = ScriptedEngine(tokenizer, turns[2:])
+    resumed = run(lambda sb: run_agent(resumed_engine, sb, tokenizer, "q", cfg, journal=journal))
+    assert len(resumed_engine.prompts) == 2  # turns 3 and 4 only: the first two were not sampled again
+    assert resumed_engine.prompts[0] == saved.trajectory.token_ids
+    for field in ("token_ids", "loss_mask", "logprobs", "versions", "kv_versions", "response_text", "finish_reason"):
+        assert getattr(resumed, field) == getattr(straight, field), field
+    assert [t.tools[0].output for t in resumed.turns[:3]] == [t.tools[0].output for t in straight.turns[:3]]
+    assert journal.load().finished
+    again = run(lambda sb: run_agent(ScriptedEngine(tokenizer, ["never"]), sb, tokenizer, "q", cfg, journal=journal))
+    assert again.token_ids == straight.token_ids
+    # another rollout's identity, or tokens of weights newer than the restored ones: not resumed
+    assert StepJournal(str(tmp_path), step=3).rollout(0, ("q", 6, repr(cfg))).load() is None
+    assert StepJournal(str(tmp_path), step=3, max_version=6).rollout(0, ("q", 5, repr(cfg))).load() is None
+    assert StepJournal(str(tmp_path), step=3, max_version=7).rollout(0, ("q", 5, repr(cfg))).load() is not None
