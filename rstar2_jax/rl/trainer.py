@@ -360,7 +360,7 @@ class RLRun:
         self.state = dataclasses.replace(self.state, rl_step=step + 1, version=self.learner.version, stage=stage_i,
                                          data=data)
         return {"phase": "rl", "step": step, "stage": stage_i,
-                **step_metrics(engine, out, len(kept)), **staleness, **sampling, **train_metrics}
+                **step_metrics(engine, out, len(kept)), **staleness, **sampling, **train_metrics, **out.resumed}
 
     async def fill_informative(self, engine: Engine, sb, step: int, out: StepRollouts) -> dict[str, float]:
         """DAPO's dynamic sampling (rl/dynamic_sampling.py): rounds of extra problems, rolled out
@@ -422,7 +422,9 @@ class RLRun:
         work = engine.take_owned(owner)
         if work is not None:  # engines that account per owner (all of ours)
             timeline.extend("engine", work.busy)  # the engine's work on this step's own requests
-        return StepRollouts(list(problems), scored, start, rollout_s, timeline, work)
+        resumed = {"inflight/resumed_finished": journal.counts["finished"],
+                   "inflight/resumed_partial": journal.counts["partial"]}
+        return StepRollouts(list(problems), scored, start, rollout_s, timeline, work, resumed=resumed)
 
     async def my_rollouts(self, engine: Engine, sb, problems, k: int, agent: AgentConfig, seeds,
                           journal: StepJournal | None = None) -> list[Scored]:

@@ -20,6 +20,7 @@ weights lost with the crash cannot be trained on as if sampled by the restored o
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -54,10 +55,11 @@ class SavedRollout:
 class RolloutJournal:
     """One rollout's file."""
 
-    def __init__(self, path: str, identity, max_version: int | None):
+    def __init__(self, path: str, identity, max_version: int | None, counts: collections.Counter | None = None):
         """identity: what makes it this rollout (question, seed, agent settings); a file saved
-        under another identity is not resumed."""
+        under another identity is not resumed. counts: what loads found ("finished", "partial")."""
         self.path, self.key, self.max_version = path, _digest(identity), max_version
+        self.counts = collections.Counter() if counts is None else counts
 
     def load(self) -> SavedRollout | None:
         """The saved trajectory if it is this rollout's and every token's weights are still there."""
@@ -70,7 +72,9 @@ class RolloutJournal:
             return None
         traj = trajectory_from_json(d["trajectory"])
         if self.max_version is not None and max(traj.versions, default=-1) > self.max_version:
+            self.counts["newer_weights"] += 1
             return None
+        self.counts["finished" if d["finished"] else "partial"] += 1
         return SavedRollout(traj, bool(d["finished"]))
 
     def save(self, traj: Trajectory, finished: bool):
@@ -88,10 +92,11 @@ class StepJournal:
     def __init__(self, root: str, step: int, max_version: int | None = None):
         self.dir = step_dir(root, step)
         self.max_version = max_version
+        self.counts: collections.Counter = collections.Counter()  # rollouts resumed: finished, partial
         os.makedirs(self.dir, exist_ok=True)
 
     def rollout(self, index: int, identity) -> RolloutJournal:
-        return RolloutJournal(os.path.join(self.dir, f"r{index:06d}.json"), identity, self.max_version)
+        return RolloutJournal(os.path.join(self.dir, f"r{index:06d}.json"), identity, self.max_version, self.counts)
 
     def saved(self) -> int:
         """How many rollouts have a file (finished or not)."""

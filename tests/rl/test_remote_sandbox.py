@@ -2,7 +2,12 @@
 (a redis-server and `python -m sandbox worker`s, started here) and `sandbox.backend=http` (a
 `python -m sandbox serve`). Both must train exactly as the local sandbox does for the same seed:
 the same rollouts, tool outputs, rewards and updates; over Redis also while a worker is
-SIGKILLed mid-step and Redis restarts empty (no tool call lost, none answered twice)."""
+SIGKILLed mid-step and Redis restarts empty (no tool call lost, none answered twice), and when
+the trainer itself is SIGKILLed mid-trajectory and started again (its in-flight rollouts resumed
+from the journal, rollout/journal.py, not restarted)."""
+
+import glob
+import os
 
 import json
 import signal
@@ -12,12 +17,14 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import redis as redis_lib
 
 from rstar2_jax.rl.trainer import run
 from rstar2_jax.rollout.engines.vllm_server import free_port
 from rstar2_jax.traces import read_traces
+from tests.rl.test_multiprocess import params
 from tests.rl.test_training import COMPARED, ROOT, rl_lines, small_config
 from tests.sandbox.redis_server import RedisServer
 from tests.sandbox.test_redis import stop
@@ -58,6 +65,49 @@ def trained(workdir, model: str, backend: str = "local", url: str = ""):
             for r in traces[columns].itertuples(index=False)]
     outputs = [[(t["status"], t["output"]) for turn in turns for t in turn["tools"]] for turns in traces["turns"]]
     return rows, outputs, rl_lines(workdir)
+
+
+# The same run as `trained(..., "redis", url)`, as a `python -m rstar2_jax.train` process to SIGKILL.
+KILLED_CONFIG = """
+from tests.rl.test_training import small_config
+
+
+def get_config():
+    c = small_config(steps=2)
+    c.eval.before_and_after = False
+    c.sft.steps = 0
+    return c
+"""
+
+
+def mid_trajectory(workdir) -> bool:
+    """A rollout of some step saved at a turn boundary and not finished (the kill lands mid-trajectory)."""
+    for path in glob.glob(os.path.join(workdir, "inflight", "step*", "r*.json")):
+        try:
+            with open(path) as f:
+                if not json.load(f)["finished"]:
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def killed_mid_trajectory(tmp_path, workdir, model: str, url: str) -> bool:
+    """Starts the run as a process over Redis and SIGKILLs it once a rollout is mid-trajectory;
+    whether the kill landed before the run ended."""
+    config = tmp_path / "killed_config.py"
+    config.write_text(KILLED_CONFIG)
+    proc = subprocess.Popen([sys.executable, "-m", "rstar2_jax.train", f"--config={config}", f"--workdir={workdir}",
+                             f"--config.model.path={model}", "--config.sandbox.backend=redis",
+                             f"--config.sandbox.url={url}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not mid_trajectory(workdir):
+        time.sleep(0.02)
+    landed = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return landed
 
 
 class Faults(threading.Thread):
@@ -119,6 +169,9 @@ def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbo
             faults.stop_event.set()
             faults.join()
             stop(victim)
+        # the trainer SIGKILLed mid-trajectory, then started again on the same directory
+        assert killed_mid_trajectory(tmp_path, tmp_path / "killed", model, redis.url)
+        resumed = trained(tmp_path / "killed", model, "redis", redis.url)
     finally:
         stop(service)
         stop(worker)
@@ -134,3 +187,14 @@ def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbo
                 if key in a:
                     assert a[key] == b[key], (name, a["step"], key)
     assert json.loads((tmp_path / "redis" / "config.json").read_text())["sandbox"]["backend"] == "redis"
+    # the killed run's in-flight rollouts continued where they were, and it ends as the
+    # uninterrupted run, bit for bit: every rollout, tool output and update, and the weights
+    assert sum(l.get("inflight/resumed_partial", 0) for l in resumed[2]) >= 1
+    assert resumed[0] == local[0] and resumed[1] == local[1]
+    for a, b in zip(local[2], resumed[2]):
+        for key in COMPARED:
+            if key in a:
+                assert a[key] == b[key], ("resumed", a["step"], key)
+    for x, y in zip(params(tmp_path / "local"), params(tmp_path / "killed")):
+        np.testing.assert_array_equal(y, x)
+    assert not os.listdir(tmp_path / "killed" / "inflight")  # every trained step's journal pruned

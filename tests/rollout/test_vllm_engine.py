@@ -152,7 +152,9 @@ def test_multi_turn_rollout_with_real_sandbox_calls(vllm_server, tiny_model, tok
 def test_a_trajectory_s_next_turn_hits_the_server_s_prefix_cache(vllm_server, tiny_model, tokenizer):
     """The hit rate the scheduler reports (`engine/prefix_cache_hit_rate`) is vLLM's own count:
     a turn whose prompt extends the previous turn's finds that prefix cached; a fresh prompt
-    does not."""
+    does not. Each request's own count (usage.prompt_tokens_details, charged to its owner: one RL
+    step's share under asynchronous rollouts) is the same figure."""
+    from rstar2_jax.rollout.engines.accounting import owned_by
     prompt = tokenizer.encode("<|im_start|>user\nAdd " + " + ".join(str(i) for i in range(60))
                               + "<|im_end|>\n<|im_start|>assistant\n")
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
@@ -161,21 +163,27 @@ def test_a_trajectory_s_next_turn_hits_the_server_s_prefix_cache(vllm_server, ti
         engine = VLLMEngine(vllm_server.url, tiny_model)
         engine.update_weights(tiny_model)  # a sync also resets the server's prefix cache
         loads = [engine.load()]
-        first = await engine.generate(prompt, greedy)
+        with owned_by("turn 1"):
+            first = await engine.generate(prompt, greedy)
         loads.append(engine.load())
         extended = prompt + first.token_ids + tokenizer.encode("<tool_response>1830</tool_response>")
-        await engine.generate(extended, greedy)
+        with owned_by("turn 2"):
+            await engine.generate(extended, greedy)
         loads.append(engine.load())
+        owned = [engine.take_owned("turn 1"), engine.take_owned("turn 2")]
         await engine.close()
-        return extended, loads
+        return extended, loads, owned
 
-    extended, loads = asyncio.run(main())
+    extended, loads, owned = asyncio.run(main())
     hits = [b.prefix_cache_hits - a.prefix_cache_hits for a, b in zip(loads, loads[1:])]
     queries = [b.prefix_cache_queries - a.prefix_cache_queries for a, b in zip(loads, loads[1:])]
     assert len(prompt) > 200 and hits[0] == 0 and queries[0] >= len(prompt) - 1
     # the second turn finds (nearly) all of the first prompt; what it misses is at most the
     # partly filled last block and the tokens sampled after it
     assert len(prompt) - 128 <= hits[1] <= queries[1] <= len(extended)
+    assert [w.prefix_cache_hits for w in owned] == hits
+    assert [w.prefix_cache_queries for w in owned] == [len(prompt), len(extended)]
+    assert all(len(w.busy) == 1 for w in owned)
 
 
 def test_tied_embedding_reload_is_detected(tmp_path):
