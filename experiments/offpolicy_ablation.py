@@ -25,6 +25,7 @@ CURVES = {  # what `ablate` plots in curves.png
 }
 GRID = [("none", 0)] + [(c, k) for k in (1, 2) for c in CORRECTIONS if c != "decoupled_ppo"]
 FULL_GRID = [(c, k) for k in (0, 1, 2) for c in CORRECTIONS]
+QUICK_GRID = [("none", 0), ("token_tis", 1), ("icepop", 2)]  # one cell per k: a quick look (the tests run it)
 
 
 def get_config(arg: str = "none,1"):

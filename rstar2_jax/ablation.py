@@ -159,3 +159,56 @@ def plot_finals(summary: pd.DataFrame, path: str | None = None):
         ax.set_xticks(x, summary["cell"], rotation=60, ha="right", fontsize=7)
         ax.set_title(name.replace("_", " "), fontsize=10)
     return _finish(fig, path)
+
+
+# ---- the off-policy ablation: every figure against rl.max_staleness, one line per correction ----
+# per-step metrics averaged over the last third of training, and the final numbers
+STALENESS_METRICS = {
+    "sampled_accuracy": "sampled accuracy after RL",
+    "tool_error_ratio_correct": "tool-error ratio (correct), after RL",
+    "correction/ess": "effective sample size",
+    "mismatch/k1_token": "k1 KL(sampler || learner) per token",
+    "mismatch/k3_token": "k3 KL(sampler || learner) per token",
+    "correction/masked_fraction": "tokens dropped by the correction",
+}
+
+
+def staleness_table(workdir: str) -> pd.DataFrame:
+    """One row per finished run of an off-policy ablation: its correction (from its config: the
+    corrections' names joined, or "none"), staleness bound k, seed, the final numbers and the
+    late-training means (last third of the steps) of the per-step metrics in STALENESS_METRICS."""
+    rows = []
+    for run in ablation_runs(workdir):
+        if not os.path.exists(os.path.join(run["dir"], "results.json")):
+            continue
+        with open(os.path.join(run["dir"], "config.json")) as f:
+            rl = json.load(f)["rl"]
+        loaded = load_run(run["dir"])
+        after, m = loaded.results["after"], loaded.metrics
+        late = m[m["step"] >= m["step"].max() * 2 / 3]
+        row = {"correction": "+".join(rl.get("correction", {}).get("names", ())) or "none",
+               "k": int(rl["max_staleness"]), "seed": run["seed"],
+               **{name: after[mode][key] for name, (mode, key) in FINALS.items()}}
+        for metric in STALENESS_METRICS:
+            if metric not in row:
+                row[metric] = float(late[metric].mean()) if metric in late else np.nan
+        rows.append(row)
+    if not rows:
+        raise FileNotFoundError(f"no finished run (results.json) under {workdir}/*/seed*/")
+    return pd.DataFrame(rows)
+
+
+def plot_against_staleness(table: pd.DataFrame, path: str | None = None, metrics=STALENESS_METRICS):
+    """One panel per metric: its mean over seeds (error bar: std) against k, a line per correction
+    (a correction run at some k only is drawn where it ran)."""
+    fig, axes = _subplots(len(metrics), 3.4, path is not None)
+    for ax, (metric, label) in zip(np.atleast_1d(axes), metrics.items()):
+        for i, (correction, rows) in enumerate(table.groupby("correction", sort=False)):
+            g = rows.groupby("k")[metric].agg(["mean", "std"]).reset_index()
+            ax.errorbar(g["k"], g["mean"], yerr=g["std"].fillna(0.0), marker="o", capsize=3, label=correction,
+                        color=f"C{i}")
+        ax.set_xlabel("rl.max_staleness")
+        ax.set_xticks(sorted(table["k"].unique()))
+        ax.set_title(label, fontsize=10)
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    return _finish(fig, path)

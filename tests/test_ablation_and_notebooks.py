@@ -121,7 +121,8 @@ def test_roc_ablation_notebook_runs_on_the_ablation(ablation_dir):
     assert all(cell in text for cell in CELLS) and "± " in text
 
 
-@pytest.mark.parametrize("name", ["explore_traces.ipynb", "roc_ablation.ipynb", "algorithm_ablation.ipynb"])
+@pytest.mark.parametrize("name", ["explore_traces.ipynb", "roc_ablation.ipynb", "algorithm_ablation.ipynb",
+                                  "offpolicy_ablation.ipynb"])
 def test_notebooks_are_stored_without_outputs(name):
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -172,3 +173,39 @@ def test_algorithm_ablation_notebook_runs_on_the_ablation(algorithm_ablation_dir
     text = outputs_text(nb)
     assert all(cell in text for cell in ALGORITHM_CELLS)
     assert sum(bool(o.get("data", {}).get("image/png")) for c in nb.cells for o in c.get("outputs", [])) >= 3
+
+
+# The off-policy ablation, shrunk: one cell per staleness bound (QUICK_GRID), one seed, 2 RL steps,
+# on the FIG4 fixture's seed-0 warm start.
+@pytest.fixture(scope="module")
+def offpolicy_ablation_dir(ablation_dir, tmp_path_factory):
+    import shutil
+    workdir = tmp_path_factory.mktemp("offpolicy")
+    shutil.copytree(ablation_dir / "_warm_start", workdir / "_warm_start")
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.ablate", "--config=experiments/offpolicy_ablation.py",
+                           "--grid=QUICK_GRID", "--seeds=1", f"--workdir={workdir}", *SMALL, "--config.rl.steps=2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_offpolicy_ablation_runs_each_correction_at_its_staleness_and_reports_what_it_did(offpolicy_ablation_dir):
+    from rstar2_jax import ablation
+    table = ablation.staleness_table(str(offpolicy_ablation_dir)).set_index("correction")
+    assert sorted(table.index) == ["icepop", "none", "token_tis"]
+    assert table.loc["none", "k"] == 0 and table.loc["token_tis", "k"] == 1 and table.loc["icepop", "k"] == 2
+    for cell, k in (("offpolicy_token_tis_k1", 1), ("offpolicy_icepop_k2", 2)):
+        lines = [json.loads(l) for l in open(offpolicy_ablation_dir / cell / "seed0" / "metrics.jsonl")
+                 if '"phase": "rl"' in l]
+        assert all(m["staleness/max"] <= k for m in lines)
+        trained = [m for m in lines if "optimizer_steps" in m]
+        assert trained and all(0 < m["correction/ess"] <= 1 and "mismatch/k3_token" in m for m in trained)
+    assert np.isnan(table.loc["none", "correction/ess"])  # no correction: nothing to weigh
+    assert (offpolicy_ablation_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offpolicy_ablation_notebook_runs_on_the_ablation(offpolicy_ablation_dir):
+    nb = execute("offpolicy_ablation.ipynb", {"RSTAR2_ABLATION": str(offpolicy_ablation_dir)})
+    text = outputs_text(nb)
+    assert all(cell in text for cell in ("offpolicy_none_k0", "offpolicy_token_tis_k1", "offpolicy_icepop_k2"))
+    assert sum(bool(o.get("data", {}).get("image/png")) for c in nb.cells for o in c.get("outputs", [])) >= 2
