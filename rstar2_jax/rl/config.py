@@ -28,6 +28,7 @@ from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, se
 from rstar2_jax.data.tasks import TASKS, DataConfig
 from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
+from rstar2_jax.rl.carry import StalenessConfig
 from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
 from rstar2_jax.rl.grpo_roc import RoCConfig
 from rstar2_jax.rollout.engines.factory import RolloutConfig
@@ -80,6 +81,7 @@ class RLConfig(Section):
                              "set rl.correction.names=(token_tis,) and rl.correction.token_tis.cap instead", min=0.0)
     correction: CorrectionConfig = setting(CorrectionConfig, "off-policy corrections sampler -> learner (none: the "
                                            "paper)")
+    staleness: StalenessConfig = setting(StalenessConfig, "what a step does about its slowest groups (rl/carry.py)")
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
     loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
     kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
@@ -95,6 +97,9 @@ class RLConfig(Section):
                                    f"{self.batch_problems * self.group_size} kept rollouts (rl.batch_problems x "
                                    "rl.group_size); lower it")
         ds = self.dynamic_sampling
+        if self.staleness.carries and ds.enabled:
+            yield "staleness.policy", ("carry does not combine with rl.dynamic_sampling (a step's top-ups would wait "
+                                       "on groups carried into it); use policy=wait, or turn dynamic sampling off")
         if ds.enabled and ds.bound(self.batch_problems) < self.batch_problems:
             yield "dynamic_sampling.max_problems", (f"{ds.max_problems} is below rl.batch_problems "
                                                     f"({self.batch_problems}): the step's own draw already passes "
@@ -173,7 +178,11 @@ class RunConfig(Section):
             out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.correction.names: nothing corrects for "
                        "tokens sampled by older weights (asynchronous RL usually sets one, e.g. "
                        "--config.rl.correction.names='(\"token_tis\",)')")
-        if corrections and self.rl.max_staleness == 0 and not self.sampler_differs_from_learner:
+        if self.rl.staleness.carries and not corrections:
+            out.append("rl.staleness.policy=carry without rl.correction.names: carried groups are trained one version "
+                       "staler than rl.max_staleness and nothing corrects them")
+        if corrections and self.rl.max_staleness == 0 and not self.sampler_differs_from_learner \
+                and not self.rl.staleness.carries:
             out.append(f"rl.correction.names={', '.join(corrections)} with rl.max_staleness=0, the embedded float32 "
                        "engine and the learner's own weights: sampler and learner are the same policy, so every "
                        "weight is ~1 and nothing is corrected (the corrections matter for k > 0, a bf16 engine, "

@@ -21,4 +21,5 @@ class StepRollouts:
     timeline: Timeline             # tool, reward, engine spans (and learner, sync once trained)
     work: Any                      # engines/accounting.OwnedWork: the engine's work on this step's requests
     drawn: DataState = DataState()  # the data stream right after this step's draw
-    resumed: dict = dataclasses.field(default_factory=dict)  # this process's rollouts resumed from the journal
+    counts: dict = dataclasses.field(default_factory=dict)  # step figures: resumed from the journal, carried
+    running: Any = None            # rl.staleness.policy=carry: carry.RunningGroups of the step (consume cuts it)

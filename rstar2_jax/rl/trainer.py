@@ -56,7 +56,8 @@ from rstar2_jax.rl.grpo_roc import KeptRollout, advantages_with_kl, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
 from rstar2_jax.rl.prefilter import prefilter_solved
 from rstar2_jax.rl.run_dir import RunDirectory
-from rstar2_jax.rl.run_state import DataState, RunState
+from rstar2_jax.rl.carry import RunningGroups, gather_groups, wait_for_groups
+from rstar2_jax.rl.run_state import CarriedGroups, DataState, RunState
 from rstar2_jax.rl.step_metrics import (MetricsLog, format_breakdown, format_results, step_breakdown,  # noqa: F401
                                         step_metrics)
 from rstar2_jax.rl.step_rollouts import StepRollouts
@@ -66,7 +67,7 @@ from rstar2_jax.rollout import journal
 from rstar2_jax.rollout.engines.accounting import owned_by
 from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.rollout.sandboxes import make_sandbox
-from rstar2_jax.rollout.scoring import Scored, rollout_problems, stable_seed, summarize
+from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout, stable_seed, summarize
 from rstar2_jax.timeline import Timeline
 from rstar2_jax.traces import TraceWriter
 
@@ -127,6 +128,7 @@ class RLRun:
         self._evaluated = False  # an evaluation ran in this call of run()
         self.inflight_dir = os.path.join(self.workdir, "inflight")  # in-flight rollouts (rollout/journal.py)
         self.restored_version = 0  # weights version the session started from (the checkpoint's)
+        self.carried: RunningGroups | None = None  # rl.staleness.policy=carry: groups the next step trains
 
     @property
     def train_problems(self):
@@ -253,7 +255,8 @@ class RLRun:
     def save_checkpoint(self, step: int):
         self.checkpoints.save(step, self.learner.state, self.state.to_json(), reference=self.learner.ref_params)
         if processes.is_primary():  # the in-flight rollouts of trained steps are in the checkpoint now
-            journal.prune(self.inflight_dir, step)
+            carried = self.state.carried  # ... except a carried group's, trained at the next step
+            journal.prune(self.inflight_dir, step if carried is None else min(step, carried.step))
 
     async def train_steps(self, engine: Engine, sb):
         """RL steps from the run state's rl_step to rl.steps through the pipeline: a producer
@@ -267,6 +270,8 @@ class RLRun:
 
         async def draw(step: int):
             return self.roll_out(engine, sb, step, *await self.draw(engine, sb, step))
+
+        self.carried = self.relaunch_carried(engine, sb)  # groups a checkpoint says were carried
 
         async def consume(step: int, out: StepRollouts):
             nonlocal last_end
@@ -329,7 +334,12 @@ class RLRun:
         return await self.data.draw(step, lambda stage_i, s: self.prefilter(engine, sb, stage_i, s))
 
     async def roll_out(self, engine: Engine, sb, step: int, problems, drawn: DataState) -> StepRollouts:
-        """This process's share of the step's rollouts (all of them with one process)."""
+        """This process's share of the step's rollouts (all of them with one process); with
+        rl.staleness.policy=carry, started as tasks that the consumer cuts (cut)."""
+        if self.cfg.rl.staleness.carries:
+            out = self.launch(engine, sb, step, problems)
+            out.drawn = drawn
+            return out
         out = await self.generate(engine, sb, step, problems)
         out.drawn = drawn
         return out
@@ -339,7 +349,10 @@ class RLRun:
         beside an update), the stage's problem filter, RoC selection, the update (weights then go
         to the engine) and the step's traces; advances the run state; returns the step's metrics."""
         cfg = self.cfg
-        out.scored = processes.gather_shares(out.scored, len(out.problems) * self.rollouts_per_problem)
+        if out.running is not None:  # rl.staleness.policy=carry: the step is cut here (collectives)
+            await self.cut(engine, step, out)
+        else:
+            out.scored = processes.gather_shares(out.scored, len(out.problems) * self.rollouts_per_problem)
         sampling = (await self.fill_informative(engine, self.sandbox, step, out) if cfg.rl.dynamic_sampling.enabled
                     else {})
         stage = cfg.stage(step)
@@ -351,16 +364,18 @@ class RLRun:
             self.learner.reset_optimizer()
         staleness = token_staleness([s.trajectory.versions for s in out.scored],
                                     [s.trajectory.kv_versions for s in out.scored], self.learner.version,
-                                    cfg.rl.max_staleness, step)
+                                    cfg.rl.max_staleness, step, carried=int(cfg.rl.staleness.carries))
         kept, records = select_step(cfg, step, out.problems, out.scored,
                                     max_groups=cfg.rl.batch_problems if sampling else None)
         train_metrics = await self.train(engine, kept, records, out.timeline)
         if processes.is_primary():
             self.traces.write(step, records)  # after the update: a crash before it redoes the step anyway
+        carried = None if self.carried is None else CarriedGroups(
+            self.carried.step, tuple(p.id for p in self.carried.problems), tuple(self.carried.groups))
         self.state = dataclasses.replace(self.state, rl_step=step + 1, version=self.learner.version, stage=stage_i,
-                                         data=data)
+                                         data=data, carried=carried)
         return {"phase": "rl", "step": step, "stage": stage_i,
-                **step_metrics(engine, out, len(kept)), **staleness, **sampling, **train_metrics, **out.resumed}
+                **step_metrics(engine, out, len(kept)), **staleness, **sampling, **train_metrics, **out.counts}
 
     async def fill_informative(self, engine: Engine, sb, step: int, out: StepRollouts) -> dict[str, float]:
         """DAPO's dynamic sampling (rl/dynamic_sampling.py): rounds of extra problems, rolled out
@@ -422,9 +437,69 @@ class RLRun:
         work = engine.take_owned(owner)
         if work is not None:  # engines that account per owner (all of ours)
             timeline.extend("engine", work.busy)  # the engine's work on this step's own requests
-        resumed = {"inflight/resumed_finished": journal.counts["finished"],
-                   "inflight/resumed_partial": journal.counts["partial"]}
-        return StepRollouts(list(problems), scored, start, rollout_s, timeline, work, resumed=resumed)
+        return StepRollouts(list(problems), scored, start, rollout_s, timeline, work, counts=resumed_counts(journal))
+
+    def launch(self, engine: Engine, sb, step: int, problems, groups: Sequence[int] | None = None) -> StepRollouts:
+        """rl.staleness.policy=carry: this process's share of the rollouts of `groups` (default:
+        all) of the step's problems started as tasks, each graded as it ends; the consumer cuts
+        the step (cut). Seeds, journal and owner are those generate gives the same rollouts."""
+        cfg, n_roll = self.cfg, self.rollouts_per_problem
+        groups = list(range(len(problems))) if groups is None else list(groups)
+        agent, timeline = self.agent_config(step), Timeline()
+        journal = StepJournal(self.inflight_dir, step, max_version=self.restored_version)
+        wanted = {b * n_roll + j for b in groups for j in range(n_roll)}
+        tasks = {}
+        with timeline.activate(), owned_by(("rollout", step)):  # the tasks inherit both
+            for i in processes.my_share(len(problems) * n_roll):
+                if i in wanted:
+                    p, seed = problems[i // n_roll], stable_seed(cfg.seed, "rollout", step, i // n_roll, i % n_roll)
+                    tasks[i] = asyncio.ensure_future(scored_rollout(
+                        engine, sb, self.tokenizer, p.question, p.answer, agent, seed,
+                        journal=journal.rollout(i, (p.question, seed, repr(agent)))))
+        return StepRollouts(list(problems), [], time.monotonic(), 0.0, timeline, None,
+                            running=RunningGroups(step, list(problems), groups, tasks), counts={"_journal": journal})
+
+    async def cut(self, engine: Engine, step: int, out: StepRollouts):
+        """rl.staleness.policy=carry, in the consumer: this step's groups once
+        rl.staleness.carry_fraction of them are in (all of them at the run's last step), the rest
+        carried into the next step; and the groups carried into this one, waited for whole. Fills
+        `out` with what this step trains on, every process's results gathered."""
+        n_roll, staleness = self.rollouts_per_problem, self.cfg.rl.staleness
+        running = out.running
+        last = step + 1 == self.cfg.rl.steps
+        # the cut first: what the step trains of its own is decided when enough of it is in,
+        # not after waiting on the groups carried into it (by then all of it would be)
+        done = await wait_for_groups(running, n_roll, want=len(running.groups) if last else
+                                     staleness.wanted(len(running.groups)))
+        problems, scored, work = [], [], None
+        carried_in = self.carried
+        if carried_in is not None:
+            await wait_for_groups(carried_in, n_roll, want=len(carried_in.groups))
+            problems += [carried_in.problems[b] for b in carried_in.groups]
+            scored += gather_groups(carried_in, carried_in.groups, n_roll)
+            work = engine.take_owned(("rollout", carried_in.step))
+        problems += [running.problems[b] for b in done]
+        scored += gather_groups(running, done, n_roll)
+        left = [b for b in running.groups if b not in done]
+        self.carried = dataclasses.replace(running, groups=left) if left else None
+        own = engine.take_owned(("rollout", step))
+        work = own if work is None else (work.merged(own) if own is not None else work)
+        if work is not None:
+            out.timeline.extend("engine", work.busy)
+        out.problems, out.scored, out.work = problems, scored, work
+        out.rollout_s = time.monotonic() - out.started
+        journal = out.counts.pop("_journal")
+        out.counts.update(resumed_counts(journal), **{"staleness/carried_in": len(carried_in.groups) if carried_in
+                                                      else 0, "staleness/carried_out": len(left)})
+
+    def relaunch_carried(self, engine: Engine, sb):
+        """After a restart: the groups the checkpoint says were carried, started again (their
+        journals resume them where they were) for the next step to train."""
+        c = self.state.carried
+        if c is None:
+            return None
+        by_id = {p.id: p for p in self.train_problems}
+        return self.launch(engine, sb, c.step, [by_id[i] for i in c.problem_ids], c.groups).running
 
     async def my_rollouts(self, engine: Engine, sb, problems, k: int, agent: AgentConfig, seeds,
                           journal: StepJournal | None = None) -> list[Scored]:
@@ -475,6 +550,11 @@ class RLRun:
         processes.barrier(f"weights v{version} on the servers")
         if not processes.is_primary():
             engine.adopt_weights(params, version)
+
+
+def resumed_counts(journal: StepJournal) -> dict[str, int]:
+    """A step's rollouts this process took back from the journal (rollout/journal.py)."""
+    return {"inflight/resumed_finished": journal.counts["finished"], "inflight/resumed_partial": journal.counts["partial"]}
 
 
 def run(cfg, workdir: str, *, config_mismatch: str = "stop") -> dict[str, Any]:

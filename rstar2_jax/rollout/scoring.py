@@ -47,6 +47,15 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
         return [Scored(t, grader(t.response_text, g)) for t, g in zip(trajs, golds)]
 
 
+async def scored_rollout(engine, sandbox, tokenizer, question: str, gold: str, cfg: AgentConfig, seed: int, *,
+                         grader: Callable[[str, str], float] = answer_reward, journal=None) -> Scored:
+    """One rollout, graded as soon as it ends (a step whose groups are cut and carried needs each
+    rollout's result on its own: rl/carry.py)."""
+    t = await run_agent(engine, sandbox, tokenizer, question, cfg, seed=seed, journal=journal)
+    with span("reward"):
+        return Scored(t, grader(t.response_text, gold))
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutOutcome:
     """What the summaries read off one rollout (so results kept on disk summarize alike)."""

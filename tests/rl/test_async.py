@@ -117,3 +117,53 @@ def test_async_rollouts_lag_at_most_k_versions_and_checkpoint_the_trained_data_p
     more = moving_config(steps=5, max_staleness=k)
     run(more, str(tmp_path))
     assert [l["step"] for l in rl_lines(tmp_path)] == [0, 1, 2, 3, 4]
+
+
+class Crash(Exception):
+    """The run dies right after a checkpoint (as a SIGKILL would, minus the process)."""
+
+
+@pytest.mark.slow
+def test_carry_trains_every_group_once_long_and_short_alike_and_resumes_carried_groups(tmp_path, moving_advantage,
+                                                                                       monkeypatch):
+    """rl.staleness.policy=carry at k = 1: a step trains once a quarter of its groups are in and
+    carries the rest into the next step; the run dies after a checkpoint that records carried
+    groups and resumes. Every drawn group is trained exactly once, the long ones (the carried
+    ones, above the median length) as often as the short ones (tolerance 0: nothing is ever
+    dropped), and no token lags more than k + 1 versions."""
+    cfg = moving_config(steps=4, max_staleness=1)
+    cfg.rl.batch_problems = 4
+    cfg.rl.staleness.policy, cfg.rl.staleness.carry_fraction = "carry", 0.25
+    cfg.rl.correction.names = ("token_tis",)
+    save = RLRun.save_checkpoint
+
+    def crash_after_step_one(self, step):
+        save(self, step)
+        if step == 1:
+            raise Crash()
+
+    monkeypatch.setattr(RLRun, "save_checkpoint", crash_after_step_one)
+    with pytest.raises(Crash):
+        asyncio.run(RLRun(cfg, str(tmp_path)).run())
+    monkeypatch.setattr(RLRun, "save_checkpoint", save)
+    ckpts = RunCheckpoints(str(tmp_path / "checkpoints"), keep=cfg.checkpoint.keep)
+    meta = ckpts.manager.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    ckpts.close()
+    assert meta["carried"] is not None and meta["carried"]["step"] == 0 and meta["carried"]["groups"]
+    resumed = RLRun(cfg, str(tmp_path))
+    asyncio.run(resumed.run())
+
+    lines = rl_lines(tmp_path)
+    assert [l["step"] for l in lines] == [0, 1, 2, 3]
+    assert sum(l["staleness/carried_out"] for l in lines) == sum(l["staleness/carried_in"] for l in lines) > 0
+    assert lines[1]["staleness/carried_in"] == len(meta["carried"]["groups"])  # the resumed run trained them
+    assert max(l["staleness/max"] for l in lines) <= 2
+    traces = read_traces(tmp_path / "traces")
+    n_roll = cfg.rl.group_size * cfg.rl.oversample
+    drawn = 4 * cfg.rl.batch_problems
+    assert len(traces) == drawn * n_roll and len(traces.groupby(["problem_id", "sample_index"])) == drawn * n_roll
+    length = traces.groupby("problem_id")["num_response_tokens"].mean()
+    long = set(length[length >= length.median()].index)
+    trained = traces.groupby("problem_id").size()
+    assert (trained[list(long)] == n_roll).all() and (trained.drop(list(long)) == n_roll).all()
+    assert not resumed.carried

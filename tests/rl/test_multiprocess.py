@@ -148,6 +148,9 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
     assert "resumed from" in out
     lr = rl_lines(resumed)
     assert [l["step"] for l in lr] == [0, 1, 2]
+    # process 0 had finished its share of step 2 when it stopped: the restart took those rollouts
+    # back from the journal (rollout/journal.py) instead of generating them again
+    assert lr[2]["inflight/resumed_finished"] + lr[2]["inflight/resumed_partial"] >= 1
     for x, y in zip(lb, lr):
         for key in COMPARED:
             if key in x:
@@ -155,3 +158,21 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
     assert rollouts(resumed) == b
     for x, y in zip(params(two), params(resumed)):
         np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_each_cut_when_groups_are_carried(tmp_path, config_file):
+    """rl.staleness.policy=carry over two processes: a group's rollouts are split between them, so
+    which groups are in is decided on gathered flags; both processes cut the same groups (no
+    deadlock, one batch), and every drawn group is trained exactly once."""
+    work = tmp_path / "carry"
+    args = train_args(config_file, work, 2) + [
+        "--config.rl.max_staleness=1", "--config.rl.batch_problems=4", "--config.rl.staleness.policy=carry",
+        "--config.rl.staleness.carry_fraction=0.25", "--config.rl.correction.names=('token_tis',)"]
+    for status, _, err in launch(args, work, n=2):
+        assert status == 0, err[-3000:]
+    lines = rl_lines(work)
+    assert [l["step"] for l in lines] == [0, 1]
+    assert lines[0]["staleness/carried_out"] == lines[1]["staleness/carried_in"] and lines[1]["staleness/carried_out"] == 0
+    traces = read_traces(work / "traces")
+    assert len(traces) == 2 * 4 * 4 and len(traces.groupby(["problem_id", "sample_index"])) == 2 * 4 * 4

@@ -2,12 +2,14 @@
 and the data stream's two sides: no trainer, model or engine involved."""
 
 import asyncio
+import dataclasses
+import json
 
 import pytest
 
 from rstar2_jax.rl import processes
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
-from rstar2_jax.rl.run_state import DataState, RunState, RunStateError
+from rstar2_jax.rl.run_state import CarriedGroups, DataState, RunState, RunStateError
 
 
 def _run(steps, lag, *, rollout_s=0.01, consume_s=0.02, exclusive=lambda s: False, fail_draw=None,
@@ -77,15 +79,23 @@ def test_errors_from_either_side_end_the_loop_without_hanging():
 
 def test_token_staleness_measures_lags_and_refuses_past_the_bound():
     m = token_staleness([[3, 3, -1], [2]], [[2, 3, -1], [2]], learner_version=3, bound=1, step=5)
-    assert m == {"staleness/max": 1.0, "staleness/mean": pytest.approx(1 / 3), "staleness/kv_max": 1.0}
+    assert m == {"staleness/max": 1.0, "staleness/mean": pytest.approx(1 / 3), "staleness/kv_max": 1.0,
+                 "staleness/over_bound_tokens": 0.0}
     with pytest.raises(RuntimeError, match="step 5: a token sampled 2 versions ago"):
         token_staleness([[1]], [[1]], learner_version=3, bound=1, step=5)
+    # a carried group may lag one version more: kept, and counted past the bound
+    m = token_staleness([[1, 2, 3]], [[1, 2, 3]], learner_version=3, bound=1, step=5, carried=1)
+    assert m["staleness/max"] == 2.0 and m["staleness/over_bound_tokens"] == 1.0
+    with pytest.raises(RuntimeError, match=r"exceeds rl.max_staleness=1 \+ 1"):
+        token_staleness([[0]], [[0]], learner_version=3, bound=1, step=5, carried=1)
 
 
 def test_run_state_round_trips_and_reads_what_earlier_runs_wrote():
     state = RunState(rl_step=7, version=7, stage=1, results={"before": {"greedy": {}}},
                      data=DataState(position=112, solved=("a", "b"), prefiltered_stage=1))
     assert RunState.from_json(state.to_json()) == state
+    carrying = dataclasses.replace(state, carried=CarriedGroups(step=6, problem_ids=("p1", "p2", "p3"), groups=(0, 2)))
+    assert RunState.from_json(json.loads(json.dumps(carrying.to_json()))) == carrying
     # an earlier run's checkpoint before any filter ran had no solved / prefiltered_stage
     old = {"rl_step": 4, "data_pos": 64, "version": 4, "stage": 0, "results": {}}
     assert RunState.from_json(old) == RunState(rl_step=4, version=4, data=DataState(position=64))
@@ -138,3 +148,30 @@ def test_long_rollouts_are_trained_at_the_rate_of_short_ones_and_no_group_is_los
     rate = {kind: sum(g[2] == kind for g in trained) / sum(g[2] == kind for g in drawn) for kind in ("short", "long")}
     assert rate == {"short": 1.0, "long": 1.0}
     assert max(lags) <= lag and max(lags) == lag  # the bound is used, never passed
+
+
+def test_a_cut_takes_the_complete_groups_and_the_carried_ones_are_waited_for_whole():
+    """rl/carry.py with rollouts finished by hand: the step is cut once `want` groups are
+    complete (every rollout of the group done), the results come problem-major, and a group
+    with one rollout still running is not complete."""
+    from rstar2_jax.rl.carry import RunningGroups, StalenessConfig, gather_groups, wait_for_groups
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        futures = {i: loop.create_future() for i in range(6)}  # 3 groups x 2 rollouts
+        running = RunningGroups(step=4, problems=["a", "b", "c"], groups=[0, 1, 2], tasks=futures)
+        for i in (2, 3, 4):  # group 1 complete, group 2 half done
+            futures[i].set_result(f"r{i}")
+        cut = await wait_for_groups(running, n_roll=2, want=1, poll_s=0.001)
+        assert cut == [1] and gather_groups(running, cut, 2) == ["r2", "r3"]
+        waiting = asyncio.ensure_future(wait_for_groups(running, n_roll=2, want=3, poll_s=0.001))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        for i in (0, 1, 5):
+            futures[i].set_result(f"r{i}")
+        assert await waiting == [0, 1, 2]
+        assert gather_groups(running, [2, 0], 2) == ["r4", "r5", "r0", "r1"]
+
+    asyncio.run(main())
+    policy = StalenessConfig(policy="carry", carry_fraction=0.25)
+    assert policy.wanted(4) == 1 and policy.wanted(10) == 3 and StalenessConfig().wanted(10) == 10

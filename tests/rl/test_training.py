@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -125,28 +124,55 @@ def test_resume_after_a_crash_continues_identically(tmp_path):
                 assert la[key] == pytest.approx(lb[key], rel=1e-6, abs=1e-7), (la["step"], key)
 
 
+# Runs the trainer with orbax's commit of checkpoint 2 replaced by a SIGKILL: the process dies
+# with every byte of that checkpoint written but not committed (the worst moment for a kill).
+DIE_IN_CHECKPOINT_2 = """
+import os, runpy, signal, sys
+from orbax.checkpoint._src.path import atomicity
+
+for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+    def patched(real):
+        async def finalize(self, *args, **kwargs):
+            if os.path.basename(str(self.get_final())) == "2":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await real(self, *args, **kwargs)
+        return finalize
+    cls.finalize = patched(cls.finalize)
+sys.argv = ["rstar2_jax.train", *sys.argv[1:]]
+runpy.run_module("rstar2_jax.train", run_name="__main__")
+"""
+
+
 @pytest.mark.slow
-def test_sigkill_mid_run_then_resume(tmp_path):
-    """A real SIGKILL: the restarted run picks up at the last checkpoint and finishes."""
+def test_sigkill_while_a_checkpoint_is_written_then_resume(tmp_path):
+    """A real SIGKILL while checkpoint 2 is being written (after step 1 trained): the half-written
+    checkpoint is ignored, the restart resumes from checkpoint 1, takes step 1's rollouts back
+    from the journal (rollout/journal.py: not pruned, as checkpoint 2 never committed), redoes
+    its update exactly as before the kill, and finishes."""
     work = tmp_path / "killed"
-    args = [sys.executable, "-m", "rstar2_jax.train", "--config=experiments/tiny_arith.py", f"--workdir={work}",
-            "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.sft.examples=8",
-            "--config.data.eval_problems=2", "--config.eval.before_and_after=False", "--config.rl.steps=4",
-            "--config.rl.batch_problems=2", "--config.rl.group_size=2", "--config.checkpoint.every=1",
-            "--config.rollout.max_len=512", "--config.rollout.slots=8"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = work / "checkpoints"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (ckpt.exists() and "2" in os.listdir(ckpt)):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert "2" in os.listdir(ckpt)
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    flags = ["--config=experiments/tiny_arith.py", f"--workdir={work}",
+             "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.sft.examples=8",
+             "--config.data.eval_problems=2", "--config.eval.before_and_after=False", "--config.rl.steps=4",
+             "--config.rl.batch_problems=2", "--config.rl.group_size=2", "--config.checkpoint.every=1",
+             "--config.rollout.max_len=512", "--config.rollout.slots=8"]
+    wrapper = tmp_path / "die_in_checkpoint_2.py"
+    wrapper.write_text(DIE_IN_CHECKPOINT_2)
+    killed = subprocess.run([sys.executable, str(wrapper), *flags], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert "2" not in os.listdir(work / "checkpoints") and "1" in os.listdir(work / "checkpoints")
+    done = subprocess.run([sys.executable, "-m", "rstar2_jax.train", *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "resumed from" in done.stdout
-    steps = [l["step"] for l in rl_lines(work)]
-    assert steps[-1] == 3 and set(steps) == {0, 1, 2, 3}
+    assert "step 1" in done.stdout.split("resumed from")[1].splitlines()[0]
+    lines = rl_lines(work)
+    assert [l["step"] for l in lines] == [0, 1, 1, 2, 3]  # step 1 trained before the kill and again after
+    before, again = lines[1], lines[2]
+    assert again["inflight/resumed_finished"] == 2 * 4  # every rollout of the step, from the journal
+    for key in COMPARED:
+        if key in before:
+            assert again[key] == before[key], key
+    assert sorted(os.listdir(work / "checkpoints"))[-1] == "4" and not os.listdir(work / "inflight")
 
 
 @pytest.mark.slow

@@ -1,0 +1,102 @@
+"""Staleness policies: what a step does about its slowest groups (`rl.staleness.*`).
+
+    wait   (default) a step trains once all its groups are in. The bound rl.max_staleness = k
+           holds by pausing admission: step s's rollouts start only after step s-1-k is trained
+           (pipeline.py), so nothing is dropped and nothing expires; a long rollout delays the
+           update instead.
+    carry  a step trains once `carry_fraction` of its groups are in; the others keep running and
+           join the next step's batch, which waits for them (a group is carried once). Their
+           tokens may then lag k + 1 versions: they are kept and corrected (rl.correction), never
+           dropped; `staleness/over_bound_tokens` counts them.
+
+Frameworks that bound staleness by dropping expired groups drop the long ones, which are then
+trained on less; neither policy here drops a group (tested on short and long groups alike).
+
+Groups straddle processes (process p runs rollouts p, p+P, ...), so whether a group is complete
+is decided on gathered flags, in the consumer: every process gathers the same flags in the same
+order and reaches the same decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from typing import Any
+
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.rl import processes
+
+POLICIES = ("wait", "carry")
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessConfig(Section):
+    """`rl.staleness.*`: what a step does about groups still running when most are in."""
+    policy: str = setting("wait", "wait: a step trains when all its groups are in (admission paused: the bound "
+                          "holds, nothing dropped); carry: it trains once carry_fraction of them are in and the "
+                          "rest join the next step (kept and corrected, never dropped)", choices=POLICIES)
+    carry_fraction: float = setting(0.75, "policy=carry: share of a step's groups that must be in before it trains",
+                                    min=0.0, max=1.0)
+
+    def rules(self):
+        if self.carry_fraction <= 0:
+            yield "carry_fraction", f"must be > 0 (a step needs groups to train on), got {self.carry_fraction}"
+
+    @property
+    def carries(self) -> bool:
+        return self.policy == "carry"
+
+    def wanted(self, groups: int) -> int:
+        """Groups a step waits for before it trains."""
+        return max(1, math.ceil(self.carry_fraction * groups)) if self.carries else groups
+
+
+@dataclasses.dataclass
+class RunningGroups:
+    """Some groups of one step, their rollouts running in this process as tasks."""
+    step: int
+    problems: list                  # every problem of the step, group order (b)
+    groups: list[int]               # the groups (indices into problems) still to be trained
+    tasks: dict[int, asyncio.Task]  # rollout index in the step (b x n + j) -> this process's task
+
+    def rollouts(self, n_roll: int) -> int:
+        return len(self.problems) * n_roll
+
+
+def complete_groups(flags: list, groups: list[int], n_roll: int) -> list[int]:
+    """The groups all of whose rollouts are done (flags: one per rollout of the step, or None for
+    a rollout that is not running)."""
+    return [b for b in groups if all(flags[b * n_roll + j] for j in range(n_roll))]
+
+
+def _local(tasks: dict[int, asyncio.Task], n: int, value) -> list:
+    """This process's share of a per-rollout list (processes.my_share order): value(task) for its
+    running rollouts, None elsewhere."""
+    return [value(tasks[i]) if i in tasks else None for i in processes.my_share(n)]
+
+
+async def wait_for_groups(running: RunningGroups, n_roll: int, want: int, poll_s: float = 0.05) -> list[int]:
+    """Waits until at least `want` of the running groups are complete in every process (a
+    collective per poll: all processes call it together, in the consumer); returns them."""
+    n = running.rollouts(n_roll)
+    want = min(want, len(running.groups))
+    while True:
+        flags = processes.gather_shares(_local(running.tasks, n, lambda t: t.done()), n)
+        done = complete_groups(flags, running.groups, n_roll)
+        if len(done) >= want:
+            return done
+        await asyncio.sleep(poll_s)
+
+
+def gather_groups(running: RunningGroups, groups: list[int], n_roll: int) -> list[Any]:
+    """The results of `groups` (complete everywhere: wait_for_groups), problem-major, from every
+    process (a collective)."""
+    n = running.rollouts(n_roll)
+    wanted = {b * n_roll + j for b in groups for j in range(n_roll)}
+    local = _local(running.tasks, n, lambda t: None)
+    for k, i in enumerate(processes.my_share(n)):
+        if i in wanted:
+            local[k] = running.tasks[i].result()
+    everyone = processes.gather_shares(local, n)
+    return [everyone[b * n_roll + j] for b in groups for j in range(n_roll)]
