@@ -250,3 +250,20 @@ def test_config_refuses_unknown_duplicate_and_out_of_range_corrections():
     with pytest.raises(ConfigValueError, match="token_mis.cap.*belongs to correction 'token_mis'"):
         CorrectionConfig.from_mapping({"names": ["token_tis"], "token_mis": {"cap": 3.0}})
     assert CorrectionConfig.from_mapping({"names": ["token_mis"], "token_mis": {"cap": 3.0}}).token_mis.cap == 3.0
+
+
+def test_run_config_warns_where_a_correction_has_nothing_to_correct_and_moves_tis_cap():
+    """A correction at k = 0 with the float32 embedded engine corrects nothing (a warning that
+    says why); k > 0 without one warns too; the old rl.tis_cap is refused with the new setting."""
+    from rstar2_jax.rl.config import RunConfig, base_config
+    c = base_config()
+    c.rl.correction.names = ("token_tis",)
+    assert any("sampler and learner are the same policy" in w for w in RunConfig.from_config(c).warnings())
+    c.model.dtype = "bfloat16"  # a bf16 engine samples with other numerics: nothing to warn about
+    assert not any("same policy" in w for w in RunConfig.from_config(c).warnings())
+    c = base_config()
+    c.rl.max_staleness = 1
+    assert any("without rl.correction.names" in w for w in RunConfig.from_config(c).warnings())
+    c.rl.tis_cap = 2.0
+    with pytest.raises(ConfigValueError, match=r"rl.tis_cap: is replaced by rl.correction.*token_tis.cap=2.0"):
+        RunConfig.from_config(c)

@@ -56,7 +56,8 @@ class _CorrectionBase(Section):
 
 def _make_correction_config() -> type[Section]:
     fields = [("names", tuple[str, ...], setting((), "corrections applied together (weights multiply, masks AND): "
-                                                 + " | ".join(CORRECTIONS) + " (none: the paper)"))]
+                                                 + " | ".join(CORRECTIONS) + " (none: the paper); on the command line "
+                                                 "--config.rl.correction.names=\"('token_tis', 'geo_mask')\""))]
     fields += [(name, spec.settings, setting(spec.settings, f"settings of the {name!r} correction"))
                for name, spec in CORRECTIONS.items()]
     return dataclasses.make_dataclass("CorrectionConfig", fields, bases=(_CorrectionBase,), frozen=True,
