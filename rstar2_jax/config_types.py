@@ -219,6 +219,13 @@ def _field_problems(f: dataclasses.Field, value, path: str) -> list[ConfigProble
     return out
 
 
+def changed_fields(section: Section) -> list[str]:
+    """The fields of `section` that differ from its type's defaults (a registry's per-entry
+    settings: only the selected entries' may be changed)."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
+
+
 def leaves(cls, prefix: str = "") -> Iterable[tuple[str, dataclasses.Field, Any]]:
     """(dotted path, field, type) of every leaf setting of a section class, nested sections
     walked (a tuple of sections yields its element type's leaves under `path[0]`)."""

@@ -16,7 +16,7 @@ from rstar2_jax.algo.corrections import decoupled, importance, masks  # noqa: F4
 from rstar2_jax.algo.corrections.base import (CORRECTIONS, SAFETY_BOUND, Correction, CorrectionInputs, CorrectionSpec,
                                               apply_correction, combined_correction, compose, correction_metrics,
                                               effective_sample_size, mismatch_metrics, register_correction)
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.config_types import Section, changed_fields, setting
 
 __all__ = ["CORRECTIONS", "SAFETY_BOUND", "Correction", "CorrectionConfig", "CorrectionInputs", "CorrectionSpec",
            "apply_correction", "combined_correction", "compose", "correction_metrics", "effective_sample_size",
@@ -47,11 +47,9 @@ class _CorrectionBase(Section):
         for other in CORRECTIONS:
             if other in self.names:
                 continue
-            own, default = getattr(self, other), CORRECTIONS[other].settings()
-            for f in dataclasses.fields(own):
-                if getattr(own, f.name) != getattr(default, f.name):
-                    yield (f"{other}.{f.name}", f"belongs to correction {other!r}, which rl.correction.names does not "
-                           f"list (add it: rl.correction.names=({', '.join([*self.names, other])},))")
+            for name in changed_fields(getattr(self, other)):
+                yield (f"{other}.{name}", f"belongs to correction {other!r}, which rl.correction.names does not "
+                       f"list (add it: rl.correction.names=({', '.join([*self.names, other])},))")
 
 
 def _make_correction_config() -> type[Section]:

@@ -14,7 +14,7 @@ from rstar2_jax.algo.aggregation import AGGREGATIONS
 from rstar2_jax.algo.losses import cispo, clip_higher, gspo, reinforce  # noqa: F401  (each registers its loss)
 from rstar2_jax.algo.losses.base import (COMMON_STATS, LOSSES, LossInputs, LossSpec, LossTerms, policy_loss_terms,
                                          register_loss, stat_names)
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.config_types import Section, changed_fields, setting
 
 __all__ = ["COMMON_STATS", "LOSSES", "LossInputs", "LossSpec", "LossTerms", "PolicyLossConfig", "policy_loss_terms",
            "register_loss", "stat_names"]
@@ -38,11 +38,9 @@ class _PolicyLossBase(Section):
         for other in LOSSES:
             if other == self.name:
                 continue
-            own, default = getattr(self, other), LOSSES[other].settings()
-            for f in dataclasses.fields(own):
-                if getattr(own, f.name) != getattr(default, f.name):
-                    yield (f"{other}.{f.name}", f"belongs to loss {other!r}, but rl.loss.name is {self.name!r} "
-                           f"(set rl.loss.name={other}, or leave rl.loss.{other}.* at their defaults)")
+            for name in changed_fields(getattr(self, other)):
+                yield (f"{other}.{name}", f"belongs to loss {other!r}, but rl.loss.name is {self.name!r} "
+                       f"(set rl.loss.name={other}, or leave rl.loss.{other}.* at their defaults)")
         agg = self.aggregation_name()
         if agg in AGGREGATIONS and spec.aggregations is not None and agg not in spec.aggregations:
             yield "aggregation", (f"loss {self.name!r} is defined with {', '.join(spec.aggregations)} only, "
