@@ -82,13 +82,14 @@ def get_config():
 
 def mid_trajectory(workdir) -> bool:
     """A rollout of some step saved at a turn boundary and not finished (the kill lands mid-trajectory)."""
-    for path in glob.glob(os.path.join(workdir, "inflight", "step*", "r*.json")):
+    for path in glob.glob(os.path.join(workdir, "inflight", "step*", "r*.jsonl")):
         try:
             with open(path) as f:
-                if not json.load(f)["finished"]:
-                    return True
-        except (OSError, ValueError):
+                lines = [json.loads(line) for line in f.read().splitlines()]
+        except (OSError, ValueError):  # being written
             continue
+        if len(lines) >= 2 and not lines[-1].get("finished"):  # header + a turn boundary, not done
+            return True
     return False
 
 

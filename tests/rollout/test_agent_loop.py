@@ -231,3 +231,35 @@ def test_a_trajectory_killed_mid_turns_resumes_from_its_journal_where_it_was(tok
     assert StepJournal(str(tmp_path), step=3).rollout(0, ("q", 6, repr(cfg))).load() is None
     assert StepJournal(str(tmp_path), step=3, max_version=6).rollout(0, ("q", 5, repr(cfg))).load() is None
     assert StepJournal(str(tmp_path), step=3, max_version=7).rollout(0, ("q", 5, repr(cfg))).load() is not None
+
+
+def test_the_journal_appends_each_turn_and_reads_past_a_torn_line_and_newer_weights(tokenizer, tmp_path):
+    """A save appends only what the trajectory gained (its file grows by a line per turn); a torn
+    last line (a kill mid-write) is ignored; a turn sampled by weights newer than the restored
+    ones is cut off, and the file is cut back to what was used before new turns go on it."""
+    from rstar2_jax.rollout.journal import RolloutJournal
+    from rstar2_jax.rollout.trajectory import Trajectory, Turn
+    path = str(tmp_path / "r.jsonl")
+    traj = Trajectory(prompt_len=2, token_ids=[], loss_mask=[], logprobs=[])
+    traj.append([5, 6], 0)
+    writer = RolloutJournal(path, "id", None)
+    for version in (1, 2, 3):  # three turns, the last one sampled by version 3
+        traj.append([7, 8], 1, [-0.25, -0.5], [version, version])
+        traj.turns.append(Turn("t", 2, "stop", version, version))
+        writer.save(traj, finished=False)
+    lines = open(path).read().splitlines()
+    assert len(lines) == 4 and json.loads(lines[2])["token_ids"] == [7, 8]  # header + one line per turn
+    with open(path, "a") as f:
+        f.write('{"token_ids": [9')  # torn
+    whole = RolloutJournal(path, "id", None).load()
+    assert whole.trajectory.token_ids == traj.token_ids and whole.trajectory.versions == traj.versions
+    cut = RolloutJournal(path, "id", max_version=2)
+    saved = cut.load()
+    assert len(saved.trajectory.turns) == 2 and saved.trajectory.token_ids == traj.token_ids[:6]
+    saved.trajectory.append([4], 1, [-1.0], [2])
+    saved.trajectory.turns.append(Turn("u", 1, "eos", 2, 2))
+    saved.trajectory.finish_reason = "eos"
+    cut.save(saved.trajectory, finished=True)
+    again = RolloutJournal(path, "id", None).load()
+    assert again.finished and again.trajectory.token_ids == [5, 6, 7, 8, 7, 8, 4]
+    assert RolloutJournal(path, "other id", None).load() is None
