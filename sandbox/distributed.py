@@ -49,6 +49,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
 
+from sandbox.jobs import Job, MalformedJob, dead_letter_record, parse_job, reply_of
 from sandbox.local import LocalSandbox
 from sandbox.result import ExecResult, Limits, validate_request
 
@@ -317,7 +318,10 @@ class RedisWorker:
         self.dead_lettered = 0
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.sandbox = LocalSandbox(workers=concurrency, **sandbox_kwargs)
-        self._redis = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=2)
+        # surrogateescape: an entry's bytes that are not UTF-8 reach parse_job (which refuses them)
+        # instead of failing the read of the whole batch
+        self._redis = aioredis.from_url(url, decode_responses=True, encoding_errors="surrogateescape",
+                                        socket_connect_timeout=2)
         self._running: dict[str, asyncio.Task] = {}  # stream entry id -> task
         self._stop = asyncio.Event()
         self.completed = 0
@@ -350,7 +354,11 @@ class RedisWorker:
                     except ResponseError as e:
                         if "NOGROUP" in str(e):  # Redis restarted empty: recreate the group
                             continue
-                        raise
+                        log.exception("redis refused a command; going on")
+                        await asyncio.sleep(0.5)
+                    except Exception:  # noqa: BLE001 - no job content may end the worker's loop
+                        log.exception("unexpected error in the worker's loop; going on")
+                        await asyncio.sleep(0.5)
             finally:
                 heartbeat.cancel()
                 if self._running:
@@ -369,36 +377,44 @@ class RedisWorker:
         _, claimed, _ = await self._redis.xautoclaim(self.keys.jobs, self.keys.group, self.name,
                                                      min_idle_time=idle_ms, start_id="0-0", count=free)
         entries = []
-        for entry in (e for e in claimed if e and e[1]):
-            if await self._deliveries(entry[0]) > self.max_deliveries:
-                await self._dead_letter(*entry)
+        for entry_id, fields in (e for e in claimed if e and e[1]):
+            if (n := await self._deliveries(entry_id)) > self.max_deliveries:
+                await self._dead_letter(self.keys.jobs, entry_id, fields, f"delivered {n - 1} times without a "
+                                        "result (the job may kill the workers that run it)")
             else:
-                entries.append((self.keys.jobs, *entry))
+                entries.append((self.keys.jobs, entry_id, fields))
         if not entries:  # new jobs, and cells of the sessions opened here (never claimed by others)
             reply = await self._redis.xreadgroup(self.keys.group, self.name,
                                                  {self.keys.jobs: ">", self.session_stream: ">"},
                                                  count=free, block=500)
             entries = [(stream, *e) for stream, stream_entries in reply or [] for e in stream_entries]
         for stream, entry_id, fields in entries:
-            if entry_id not in self._running:
-                self._running[entry_id] = asyncio.create_task(self._execute(stream, entry_id, fields))
+            if entry_id in self._running:
+                continue
+            try:
+                job = parse_job(fields, self.keys.prefix)
+            except MalformedJob as e:  # refused on first sight: never run, never redelivered
+                await self._dead_letter(stream, entry_id, fields, str(e))
+                continue
+            self._running[entry_id] = asyncio.create_task(self._execute(stream, entry_id, job))
 
-    async def _execute(self, stream: str, entry_id: str, fields: dict[str, str]):
-        job: dict[str, Any] = {}
+    async def _execute(self, stream: str, entry_id: str, job: Job):
         extra: dict[str, Any] = {}
         try:
             try:
-                job = json.loads(fields["job"])
-                if not isinstance(job, dict):
-                    raise TypeError("a job must be a JSON object")
-                if await self._redis.exists(self.keys.cancelled(entry_id)) or time.time() > self._deadline(job):
+                if await self._redis.exists(self.keys.cancelled(entry_id)) or time.time() > job.deadline:
                     result = None  # its client went away or gave up: nobody to answer
                 else:
                     result, extra = await self._run_unless_cancelled(entry_id, job)
-            except (KeyError, ValueError, TypeError, AttributeError) as e:
+            except ValueError as e:  # a request validate_request refuses (a timeout out of range, ...)
                 result = ExecResult.internal(f"malformed job: {e}")
+            except _RETRYABLE:
+                raise
+            except Exception as e:  # noqa: BLE001 - answered and acknowledged, never redelivered forever
+                log.exception("job %s failed in the worker", entry_id)
+                result = ExecResult.internal(f"the worker failed on this job: {type(e).__name__}: {e}")
             if result is not None:
-                await self._finish(entry_id, job, result, extra)
+                await self._finish(entry_id, job.reply_to, job.deadline, result, extra)
             await self._redis.xack(stream, self.keys.group, entry_id)
             await self._redis.xdel(stream, entry_id)
             self.completed += 1
@@ -421,7 +437,7 @@ class RedisWorker:
                     withdrawn = await self._redis.exists(self.keys.cancelled(entry_id))
                 except _RETRYABLE:
                     withdrawn = False  # Redis unreachable: keep running; the answer is posted when it is back
-                if withdrawn or time.time() > self._deadline(job):
+                if withdrawn or time.time() > job.deadline:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     return None, {}
@@ -429,9 +445,9 @@ class RedisWorker:
             if not task.done():  # this worker is stopping: the call goes with it
                 task.cancel()
 
-    async def _run_job(self, job: dict) -> tuple[ExecResult, dict]:
+    async def _run_job(self, job: Job) -> tuple[ExecResult, dict]:
         """(the result, extra reply fields) of one job: a stateless call or a session operation."""
-        op = job.get("op", "run")
+        op = job.op
         if op == "session_open":
             from sandbox.local import SessionLimitError
             try:
@@ -444,36 +460,28 @@ class RedisWorker:
             info = {"id": session_id, "stream": self.session_stream, "alive": self.alive_key}
             return ExecResult(status="ok"), {"session": info}
         if op == "session_close":
-            session = self._sessions.pop(job.get("session"), None)
+            session = self._sessions.pop(job.session, None)
             if session is not None:
                 await session.close()
             return ExecResult(status="ok"), {}
-        timeout = validate_request(job["code"], job.get("stdin", ""), job.get("timeout"),
-                                   default_timeout=5.0, max_timeout=self.sandbox.limits.max_timeout_s)
+        timeout = validate_request(job.code, job.stdin, job.timeout, default_timeout=5.0,
+                                   max_timeout=self.sandbox.limits.max_timeout_s)
         if op == "run":
-            return await self.sandbox.run(job["code"], job.get("stdin", ""), timeout), {}
-        if op == "session_run":
-            session = self._sessions.get(job.get("session"))
-            if session is None or session.closed:  # closed after being idle, or never here
-                self._sessions.pop(job.get("session"), None)
-                return ExecResult.internal("no such session on this worker"), {"session_lost": True}
-            return await session.run(job["code"], job.get("stdin", ""), timeout), {}
-        raise ValueError(f"unknown op {op!r}")
+            return await self.sandbox.run(job.code, job.stdin, timeout), {}
+        session = self._sessions.get(job.session)  # session_run
+        if session is None or session.closed:  # closed after being idle, or never here
+            self._sessions.pop(job.session, None)
+            return ExecResult.internal("no such session on this worker"), {"session_lost": True}
+        return await session.run(job.code, job.stdin, timeout), {}
 
     async def _mark_alive(self):
         """This worker serves: its sessions' clients wait for their cells while this key lasts."""
         await self._redis.set(self.alive_key, "1", ex=max(1, int(self.visibility_timeout_s)))
 
-    def _deadline(self, job: dict) -> float:
-        deadline = job.get("deadline")
-        return float(deadline) if isinstance(deadline, (int, float)) else float("inf")
-
-    async def _finish(self, entry_id: str, job: dict, result: ExecResult, extra: dict | None = None):
+    async def _finish(self, entry_id: str, reply_to: str, deadline: float, result: ExecResult,
+                      extra: dict | None = None):
         """Post the result once (the done marker), to the reply list the job names."""
-        reply_to = job.get("reply_to") if isinstance(job, dict) else None
-        if not isinstance(reply_to, str) or not reply_to.startswith(self.keys.prefix + ":replies:"):
-            return  # nobody to answer (a malformed job): acknowledged, never redelivered
-        ttl = int(min(self.result_ttl_s, max(5.0, self._deadline(job) - time.time() + 5.0)))
+        ttl = int(min(self.result_ttl_s, max(5.0, deadline - time.time() + 5.0)))
         await self._redis.eval(_FINISH, 2, self.keys.done(entry_id), reply_to,
                                json.dumps({"entry": entry_id, "result": result.to_dict(), **(extra or {})}), str(ttl))
 
@@ -482,23 +490,20 @@ class RedisWorker:
                                                    count=1)
         return int(pending[0]["times_delivered"]) if pending else 0
 
-    async def _dead_letter(self, entry_id: str, fields: dict[str, str]):
-        """A job delivered max_deliveries times without a result (it kills its workers): kept in
-        the dead-letter list, answered with an error, acknowledged."""
+    async def _dead_letter(self, stream: str, entry_id: str, fields: dict, reason: str):
+        """An entry refused on first sight (malformed: jobs.parse_job says why) or delivered
+        max_deliveries times without a result (it kills its workers): kept in the dead-letter list
+        with the reason, its client (if it names one) answered with an error, acknowledged. Never
+        fails on the entry's content."""
         self.dead_lettered += 1
-        log.warning("dead-lettering %s after %d deliveries", entry_id, self.max_deliveries)
-        await self._redis.lpush(self.keys.dead, json.dumps({"entry": entry_id, "fields": fields,
-                                                            "worker": self.name, "time": time.time()}))
+        log.warning("dead-lettering %s: %s", entry_id, reason)
+        await self._redis.lpush(self.keys.dead, dead_letter_record(entry_id, fields, reason, self.name))
         await self._redis.ltrim(self.keys.dead, 0, DEAD_LETTERS_KEPT - 1)
-        try:
-            job = json.loads(fields.get("job", ""))
-        except ValueError:
-            job = {}
-        await self._finish(entry_id, job if isinstance(job, dict) else {}, ExecResult.internal(
-            f"dead-lettered: delivered {self.max_deliveries} times without a result (the job may kill the "
-            "workers that run it)"))
-        await self._redis.xack(self.keys.jobs, self.keys.group, entry_id)
-        await self._redis.xdel(self.keys.jobs, entry_id)
+        reply = reply_of(fields, self.keys.prefix)
+        if reply is not None:
+            await self._finish(entry_id, *reply, ExecResult.internal(f"dead-lettered: {reason}"))
+        await self._redis.xack(stream, self.keys.group, entry_id)
+        await self._redis.xdel(stream, entry_id)
 
     async def _heartbeat(self):
         """Re-claim running jobs so their idle time stays below the visibility timeout, and keep

@@ -153,12 +153,12 @@ def test_client_rejects_bad_requests_before_queueing(redis_server):
 
 def test_a_job_finished_twice_delivers_one_result(redis_server):
     """Redelivery can run a job twice; only the first result reaches the client."""
-    job = {"reply_to": Keys().replies("c1"), "deadline": time.time() + 60}
+    reply_to, deadline = Keys().replies("c1"), time.time() + 60
 
     async def scenario():
         worker = RedisWorker(redis_server.url, concurrency=1, preload=())
-        await worker._finish("1-0", job, ExecResult("ok", stdout="first\n"))
-        await worker._finish("1-0", job, ExecResult("ok", stdout="second\n"))
+        await worker._finish("1-0", reply_to, deadline, ExecResult("ok", stdout="first\n"))
+        await worker._finish("1-0", reply_to, deadline, ExecResult("ok", stdout="second\n"))
         await worker._redis.aclose()
 
     asyncio.run(scenario())
@@ -192,7 +192,7 @@ def test_a_job_that_keeps_killing_its_workers_is_dead_lettered_and_answered(redi
                 stop(worker)
 
     result, r, entry = asyncio.run(scenario())
-    assert result.status == "internal" and "dead-lettered: delivered 3 times" in result.stderr
+    assert result.status == "internal" and "dead-lettered: delivered 4 times without a result" in result.stderr
     dead = [json.loads(x) for x in r.lrange(Keys().dead, 0, -1)]
     assert [d["entry"] for d in dead] == [entry] and "poison" in dead[0]["fields"]["job"]
     assert r.xlen(Keys().jobs) == 0
@@ -398,3 +398,39 @@ def test_a_departed_client_s_running_call_is_killed_and_its_slot_freed(redis_ser
         assert waited < 8  # not the 29 s the abandoned call had left
     finally:
         stop(worker)
+
+
+def test_no_entry_on_the_stream_can_take_down_a_worker(redis_server):
+    """A corpus of malformed entries (every way of tests/sandbox/test_jobs.py, as raw bytes on the
+    stream, non-UTF-8 included) beside well-formed calls from a real client, two workers: every
+    call is answered correctly, both workers are alive at the end, and every malformed entry is in
+    the dead-letter list with its reason (and off the stream)."""
+    from tests.sandbox.test_jobs import MALFORMED
+    workers = [start_worker(redis_server.url), start_worker(redis_server.url)]
+    raw = redis.Redis.from_url(redis_server.url)  # bytes in, bytes out
+    try:
+        async def scenario():
+            async with RedisSandbox(redis_server.url, queue_timeout_s=30) as sb:
+                calls = [asyncio.create_task(sb.run(f"print({i} * {i})", timeout=5.0)) for i in range(8)]
+                bad = []
+                for fields, _ in MALFORMED:
+                    encoded = {k: v.encode("utf-8", "surrogateescape") for k, v in fields.items()}
+                    bad.append(raw.xadd(Keys().jobs, encoded).decode())
+                bad.append(raw.xadd(Keys().jobs, {b"job": b"\xff\xfe{not utf-8"}).decode())
+                return await asyncio.gather(*calls), bad
+
+        results, bad = asyncio.run(scenario())
+        assert [(r.status, r.stdout) for r in results] == [("ok", f"{i * i}\n") for i in range(8)]
+        deadline = time.monotonic() + 20
+        while raw.llen(Keys().dead) < len(bad) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        dead = {d["entry"]: d for d in map(json.loads, raw.lrange(Keys().dead, 0, -1))}
+        assert sorted(dead) == sorted(bad)
+        for (fields, words), entry in zip(MALFORMED, bad):
+            assert words.split()[0] in dead[entry]["reason"], (words, dead[entry]["reason"])
+        assert "not UTF-8" in dead[bad[-1]]["reason"]
+        assert raw.xlen(Keys().jobs) == 0  # acknowledged and deleted, nothing left to redeliver
+        assert all(w.poll() is None for w in workers)
+    finally:
+        for w in workers:
+            stop(w)
