@@ -530,6 +530,9 @@ def _confine(cfg, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
 # ------------------------------------------------------------------------------------------------
 # worker: one call at a time
 
+FORK_STUCK_S = 10.0  # no clone this long after a call's deadline: the forker is stuck
+
+
 def _cpu_seconds(job):
     """A call's RLIMIT_CPU (soft): its wall-clock timeout plus one second."""
     return int(job["timeout"]) + 1
@@ -794,10 +797,14 @@ class Forker:
             os.waitpid(self.pid, 0)
             self.start()
             socket.send_fds(self.sock, [request], list(child_fds))
+        # A clone takes milliseconds, but a call's deadline may come first (timeout=1e-6): then the
+        # clone is still awaited (the supervisor kills the call at once, status "timeout"), and only
+        # a forker silent for FORK_STUCK_S past the deadline counts as stuck (a worker lost).
+        stuck_at = max(deadline, time.monotonic() + FORK_STUCK_S)
         while True:
             # The call writes "R" to its setup pipe when it is confined, or dies without: either way
             # the kernel stored its pid before it ran. The forker answers only if the clone failed.
-            ready, _, _ = select.select([setup_r, self.sock], [], [], max(0.0, deadline - time.monotonic()))
+            ready, _, _ = select.select([setup_r, self.sock], [], [], max(0.0, stuck_at - time.monotonic()))
             if self.sock in ready:
                 reply = self.sock.recv(64)
                 if not reply:
@@ -807,7 +814,7 @@ class Forker:
             if pid:
                 return pid
             if not ready:
-                os._exit(3)  # no clone by the call's deadline: a stuck forker, this slot starts afresh
+                os._exit(3)  # no clone long after the call's deadline: a stuck forker, this slot starts afresh
 
 
 def forker_loop(sock, cfg, slot, pid_page):

@@ -95,3 +95,22 @@ def test_bad_constructor_arguments():
 def test_not_started_is_a_clear_error():
     with pytest.raises(RuntimeError, match="not started"):
         asyncio.run(sandbox.LocalSandbox(workers=1).run("1"))
+
+
+def test_timeouts_at_the_boundaries_say_timeout_and_cost_no_worker(sb):
+    """The smallest timeouts (shorter than starting a process), many at once, and the largest
+    allowed: each call is `timeout` (or `ok` when it finished first), never `worker_died`, and the
+    zygote's workers are the same processes before and after (no slot restarted)."""
+    from sandbox import zygote
+    from sandbox.pool import child_pids, process_name
+    from sandbox.result import Limits
+
+    def workers():
+        return sorted(p for p in child_pids(sb.sb.zygote_pid) if process_name(p) != zygote.CLOSER_NAME)
+
+    before = workers()
+    statuses = [sb.run("print(1)", timeout=t).status for t in (1e-9, 1e-6, 1e-4, 1e-3)]
+    statuses += [r.status for r in sb.run_many([{"code": "x = 1", "timeout": 1e-6}] * 12)]
+    assert set(statuses) <= {"timeout", "ok"} and statuses[:2] == ["timeout", "timeout"], statuses
+    assert sb.run("print(2)", timeout=Limits().max_timeout_s).stdout == "2\n"
+    assert workers() == before
