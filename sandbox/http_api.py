@@ -13,7 +13,8 @@ Sessions (a live interpreter per trajectory; over a LocalSandbox or a RedisSandb
   its stderr, and the next cell on that id starts a fresh one.
 code-judge compatible (rStar2-Agent's tool client and verl setups work unchanged):
   POST /run, /judge               {"type": "python", "solution", "input"?, "expected_output"?}
-  POST /run/batch, /run/long-batch, /judge/batch   {"type": "batch", "submissions": [...]}
+  POST /run/batch, /run/long-batch, /judge/batch, /judge/long-batch   {"type": "batch", "submissions": [...]}
+  (a long batch is served as a batch: calls of different requests already take turns for workers)
   GET  /status, GET /ping
 A body with "solution" instead of "code" is read as code-judge's. Bad requests get a 4xx with a
 message and never reach a worker.
@@ -54,7 +55,7 @@ from sandbox.result import ExecResult, Limits, validate_request
 log = logging.getLogger("sandbox.http")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GETS = {"/health", "/metrics", "/status", "/ping"}
-POSTS = {"/run", "/run/batch", "/run/long-batch", "/judge", "/judge/batch"}
+POSTS = {"/run", "/run/batch", "/run/long-batch", "/judge", "/judge/batch", "/judge/long-batch"}
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 35\r\n"
          b"Connection: close\r\n\r\n{\"error\": \"too many connections\"}\n")
 
@@ -512,7 +513,7 @@ class SandboxHTTPServer:
             self._check_batch(len(subs), "submissions")
             for sub in subs:
                 self._judge_args(sub)
-            results = await asyncio.gather(*(self._judge_one(s, with_output=path != "/judge/batch", key=key)
+            results = await asyncio.gather(*(self._judge_one(s, with_output=not path.startswith("/judge"), key=key)
                                              for s in subs))
             return 200, "json", {"sub_id": str(body.get("sub_id") or uuid.uuid4()), "results": list(results)}
         reqs = body.get("requests")

@@ -72,8 +72,10 @@ def test_code_judge_single_and_judge_variants(api):
     assert wrong["run_success"] and not wrong["success"]
     _, judged = request(url + "/judge", "POST", sub)
     assert judged["success"] and "stdout" not in judged
-    _, batch = request(url + "/judge/batch", "POST", {"type": "batch", "submissions": [sub, sub]})
-    assert [r["success"] for r in batch["results"]] == [True, True]
+    for route in ("/judge/batch", "/judge/long-batch", "/run/batch", "/run/long-batch"):  # code-judge's batch routes
+        status, batch = request(url + route, "POST", {"type": "batch", "submissions": [sub, {**sub, "expected_output": "1"}]})
+        assert status == 200 and [r["success"] for r in batch["results"]] == [True, False], route
+        assert all(("stdout" in r) == route.startswith("/run") for r in batch["results"]), route
     _, timeout = request(url + "/run", "POST", {"type": "python", "solution": "while True: pass"})
     assert timeout["reason"] == "worker_timeout"
     assert request(url + "/ping") == (200, "pong")
