@@ -3,7 +3,7 @@
 Native:
   POST /run        {"code", "stdin"?, "timeout"?}      -> ExecResult as JSON
   POST /run/batch  {"requests": [{...}, ...]}         -> {"results": [...]} in request order
-  GET  /health (with what isolation is active), GET /metrics (Prometheus text)
+  GET  /health (with what isolation is active), GET /metrics (Prometheus text, prometheus_client)
 Sessions (a live interpreter per trajectory; over a LocalSandbox or a RedisSandbox):
   POST   /session           {}                                   -> {"session": id}
   POST   /session/<id>/run  {"code", "stdin"?, "timeout"?}     -> ExecResult as JSON
@@ -149,7 +149,7 @@ class _Deadline(asyncio.Protocol):
 
     def _write_timed_out(self):
         if self.metrics is not None:
-            self.metrics.write_timeouts += 1
+            self.metrics.count("write_timeouts")
         self.transport.abort()  # frees the unsent response at once
 
 
@@ -231,51 +231,55 @@ class FairTurns:
 
 
 class Metrics:
+    """The service's Prometheus metrics, kept by prometheus_client (one registry per server, so
+    several servers in one process do not share counters); /metrics is its text exposition.
+    Counters are bumped with `count(name)`; reads (`metrics.cancelled`, ...) give their values."""
+
+    COUNTERS = {
+        "bad_requests": "Requests rejected with a 4xx.",
+        "cancelled": "Calls cancelled because their client went away.",
+        "refused_connections": "Connections refused past the limit.",
+        "evicted_connections": "Unauthenticated connections closed to admit others.",
+        "write_timeouts": "Connections closed because the client stopped reading.",
+    }
+
     def __init__(self):
-        self.in_flight = 0
-        self.by_status: dict[str, int] = {}
-        self.bucket_counts = [0] * len(LATENCY_BUCKETS)
-        self.latency_sum = 0.0
-        self.latency_count = 0
-        self.bad_requests = 0
-        self.cancelled = 0             # calls whose client went away
-        self.refused_connections = 0   # connections past max_connections
-        self.evicted_connections = 0   # connections without an authorised request, closed for others
-        self.write_timeouts = 0        # connections closed because their client stopped reading
+        import prometheus_client as prom
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self._queue_depth = prom.Gauge("sandbox_queue_depth", "Calls waiting for a worker.", registry=r)
+        self._in_flight = prom.Gauge("sandbox_in_flight", "Calls accepted and not yet answered.", registry=r)
+        self._results = prom.Counter("sandbox_results", "Results by status.", ["status"], registry=r)
+        self._counters = {name: prom.Counter(f"sandbox_{name}", doc, registry=r) for name, doc in self.COUNTERS.items()}
+        self._latency = prom.Histogram("sandbox_latency_seconds", "Time from request to result.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+
+    def count(self, name: str):
+        self._counters[name].inc()
+
+    def __getattr__(self, name: str) -> int:  # metrics.cancelled, metrics.write_timeouts, ...
+        if name in Metrics.COUNTERS:
+            return int(self.registry.get_sample_value(f"sandbox_{name}_total") or 0)
+        raise AttributeError(name)
+
+    @property
+    def in_flight(self) -> int:
+        return int(self.registry.get_sample_value("sandbox_in_flight") or 0)
+
+    def call_started(self):
+        self._in_flight.inc()
+
+    def call_ended(self):
+        self._in_flight.dec()
 
     def observe(self, result: ExecResult, seconds: float):
-        self.by_status[result.status] = self.by_status.get(result.status, 0) + 1
-        self.latency_sum += seconds
-        self.latency_count += 1
-        for i, bound in enumerate(LATENCY_BUCKETS):
-            if seconds <= bound:
-                self.bucket_counts[i] += 1
+        self._results.labels(status=result.status).inc()
+        self._latency.observe(seconds)
 
     def render(self, queue_depth: int) -> str:
-        lines = ["# HELP sandbox_queue_depth Calls waiting for a worker.", "# TYPE sandbox_queue_depth gauge",
-                 f"sandbox_queue_depth {queue_depth}",
-                 "# HELP sandbox_in_flight Calls accepted and not yet answered.", "# TYPE sandbox_in_flight gauge",
-                 f"sandbox_in_flight {self.in_flight}",
-                 "# HELP sandbox_results_total Results by status.", "# TYPE sandbox_results_total counter"]
-        lines += [f'sandbox_results_total{{status="{s}"}} {n}' for s, n in sorted(self.by_status.items())]
-        lines += ["# HELP sandbox_bad_requests_total Requests rejected with a 4xx.",
-                  "# TYPE sandbox_bad_requests_total counter", f"sandbox_bad_requests_total {self.bad_requests}",
-                  "# HELP sandbox_cancelled_total Calls cancelled because their client went away.",
-                  "# TYPE sandbox_cancelled_total counter", f"sandbox_cancelled_total {self.cancelled}",
-                  "# HELP sandbox_refused_connections_total Connections refused past the limit.",
-                  "# TYPE sandbox_refused_connections_total counter",
-                  f"sandbox_refused_connections_total {self.refused_connections}",
-                  "# HELP sandbox_evicted_connections_total Unauthenticated connections closed to admit others.",
-                  "# TYPE sandbox_evicted_connections_total counter",
-                  f"sandbox_evicted_connections_total {self.evicted_connections}",
-                  "# HELP sandbox_write_timeouts_total Connections closed because the client stopped reading.",
-                  "# TYPE sandbox_write_timeouts_total counter", f"sandbox_write_timeouts_total {self.write_timeouts}",
-                  "# HELP sandbox_latency_seconds Time from request to result.",
-                  "# TYPE sandbox_latency_seconds histogram"]
-        lines += [f'sandbox_latency_seconds_bucket{{le="{b}"}} {n}' for b, n in zip(LATENCY_BUCKETS, self.bucket_counts)]
-        lines += [f'sandbox_latency_seconds_bucket{{le="+Inf"}} {self.latency_count}',
-                  f"sandbox_latency_seconds_sum {self.latency_sum}", f"sandbox_latency_seconds_count {self.latency_count}"]
-        return "\n".join(lines) + "\n"
+        import prometheus_client as prom
+        self._queue_depth.set(queue_depth)
+        return prom.generate_latest(self.registry).decode()
 
 
 def code_judge_result(sub_id: str, result: ExecResult, expected_output: str | None, *,
@@ -338,9 +342,9 @@ class SandboxHTTPServer:
                 # the oldest connection that has made no authorised request goes (token set)
                 idle = next((d for d in self._deadlines.values() if not d.authenticated), None)
                 if idle is None:
-                    self.metrics.refused_connections += 1
+                    self.metrics.count("refused_connections")
                     return _Refuse()
-                self.metrics.evicted_connections += 1
+                self.metrics.count("evicted_connections")
                 self._deadlines.pop(idle.transport, None)
                 idle.transport.abort()
             return _Deadline(protocol(), self.read_timeout_s, self._deadlines,
@@ -385,7 +389,7 @@ class SandboxHTTPServer:
             self._request_read(request)
             status, kind, payload = await self._route(request, path, body)
         except HTTPError as e:
-            self.metrics.bad_requests += 1
+            self.metrics.count("bad_requests")
             status, kind, payload = e.status, "json", {"error": str(e)}
         if kind == "json":
             # ensure_ascii=False: a replacement character is 3 bytes of UTF-8, not 6 of "\ufffd". A
@@ -425,16 +429,16 @@ class SandboxHTTPServer:
     async def _run(self, code, stdin, timeout, key=None, on=None) -> ExecResult:
         """One call, when its request's turn comes (FairTurns: requests take turns for workers).
         on: a session to run it in (default: a stateless call on the backend)."""
-        self.metrics.in_flight += 1
+        self.metrics.call_started()
         start = time.monotonic()
         try:
             async with self.turns.turn(key):
                 result = await (on or self.backend).run(code, stdin, timeout)
         except asyncio.CancelledError:
-            self.metrics.cancelled += 1
+            self.metrics.count("cancelled")
             raise
         finally:
-            self.metrics.in_flight -= 1
+            self.metrics.call_ended()
         self.metrics.observe(result, time.monotonic() - start)
         return result
 

@@ -26,6 +26,7 @@ from rstar2_jax.rollout.engines.vllm_server import free_port
 from rstar2_jax.traces import read_traces
 from tests.rl.test_multiprocess import params
 from tests.rl.test_training import COMPARED, ROOT, rl_lines, small_config
+from tests.sandbox.helpers import prometheus_total
 from tests.sandbox.redis_server import RedisServer
 from tests.sandbox.test_redis import stop
 
@@ -156,8 +157,7 @@ def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbo
         over_http = trained(tmp_path / "http", model, "http", f"http://127.0.0.1:{port}")
         queued = redis_lib.Redis.from_url(redis.url).xinfo_stream("sandbox:jobs")["entries-added"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            served = sum(int(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                         if line.startswith("sandbox_results_total"))
+            served = int(prometheus_total(resp.read().decode(), "sandbox_results_total"))
         # faults mid-step: one of two workers SIGKILLed (its calls redelivered after the
         # visibility timeout), then Redis restarted without persistence (queued calls re-sent)
         victim = start(["worker", "--redis", redis.url, "--concurrency", "2", "--visibility-timeout", "1.5"],

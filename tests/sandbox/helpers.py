@@ -112,3 +112,10 @@ def leftover_work_files(sb: SyncSandbox) -> list[str]:
                     procs = _calls_in(d)
                 left += [f"{d}: pid {p}" for p in procs]
     return sorted(left)
+
+
+def prometheus_total(text: str, sample: str) -> float:
+    """The sum of every sample named `sample` (all label sets) in Prometheus exposition text,
+    read with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == sample)

@@ -22,7 +22,7 @@ import pytest
 import sandbox
 from sandbox import cgroups, zygote
 from sandbox.pool import child_pids, process_name
-from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls
+from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls, prometheus_total
 from tests.sandbox.test_hostile import run_beside_benign
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -676,7 +676,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_off(sb):
             time.sleep(0.2)
         assert server.metrics.write_timeouts == 1
         s.close()
-        assert "sandbox_write_timeouts_total 1" in server.metrics.render(0)
+        assert prometheus_total(server.metrics.render(0), "sandbox_write_timeouts_total") == 1
     finally:
         sb.call(server.close())
 

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from sandbox.http_api import SandboxHTTPServer
+from tests.sandbox.helpers import prometheus_total
 from tests.sandbox.redis_server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,7 +86,7 @@ def test_code_judge_single_and_judge_variants(api):
 
 def _results_total(url):
     _, text = request(url + "/metrics")
-    return sum(int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sandbox_results_total"))
+    return int(prometheus_total(text, "sandbox_results_total"))
 
 
 @pytest.mark.parametrize("path,body,code,message", [
