@@ -1,7 +1,10 @@
 """RoC penalties of one trajectory (rStar2-Agent, section 3): lower is cleaner.
 
 p_err = (tool calls that failed: parse errors, execution errors, timeouts) / tool calls, and 0.5
-for a trajectory without tool calls (neutral: neither clean nor noisy). p_format = 1 with no
+for a trajectory without tool calls (neutral: neither clean nor noisy). Calls the sandbox itself
+failed to serve (INFRA_TOOL_STATUSES: a worker that died under the call, a sandbox unreachable or
+refusing the job) are the infrastructure's fault, not the policy's: p_err leaves them out of both
+counts, in either mode, so RoC neither prefers nor penalises a rollout for meeting one. p_format = 1 with no
 <answer> block, else min(1, (answer blocks - 1) / turns). The released code's variants
 (release_error_ratio, release_format_penalty) read the response text instead; RoC's "release"
 mode uses them.
@@ -12,14 +15,21 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-FAILED_TOOL_STATUSES = frozenset({"parse_error", "error", "timeout", "memory", "output_limit", "killed",
-                                  "internal", "worker_died"})
+FAILED_TOOL_STATUSES = frozenset({"parse_error", "error", "timeout", "memory", "output_limit", "killed"})
+INFRA_TOOL_STATUSES = frozenset({"worker_died", "internal"})
 
 
 def tool_error_ratio(tool_statuses: Sequence[str]) -> float:
-    if not tool_statuses:
+    """Failed calls / calls, over the calls the sandbox served (0.5 when there are none)."""
+    served = [s for s in tool_statuses if s not in INFRA_TOOL_STATUSES]
+    if not served:
         return 0.5
-    return sum(s in FAILED_TOOL_STATUSES for s in tool_statuses) / len(tool_statuses)
+    return sum(s in FAILED_TOOL_STATUSES for s in served) / len(served)
+
+
+def infra_error_count(tool_statuses: Sequence[str]) -> int:
+    """Calls the sandbox failed to serve (after the agent loop's retry)."""
+    return sum(s in INFRA_TOOL_STATUSES for s in tool_statuses)
 
 
 def format_penalty(response_text: str, num_turns: int) -> float:
@@ -36,10 +46,14 @@ _ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 _ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant.*?<\|im_end\|>", re.DOTALL)
 
 
-def release_error_ratio(response_text: str) -> float:
+def release_error_ratio(response_text: str, tool_statuses: Sequence[str] | None = None) -> float:
     """Share of <tool_response> blocks whose text contains "error" (any case); 0.5 with none.
-    (Output that merely prints the word "error" counts too: that is the release.)"""
+    (Output that merely prints the word "error" counts too: that is the release.) With the
+    calls' `tool_statuses` (one block per call, in order), blocks of calls the sandbox failed to
+    serve are left out, as in tool_error_ratio."""
     blocks = _TOOL_RESPONSE.findall(response_text)
+    if tool_statuses is not None and len(tool_statuses) == len(blocks):
+        blocks = [b for b, s in zip(blocks, tool_statuses) if s not in INFRA_TOOL_STATUSES]
     if not blocks:
         return 0.5
     return sum("error" in b.lower() for b in blocks) / len(blocks)

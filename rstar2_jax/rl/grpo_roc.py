@@ -52,9 +52,11 @@ def paper_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def release_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
-    """(p_err, p_format) per rollout as the released code computes them, from the response text."""
+    """(p_err, p_format) per rollout as the released code computes them, from the response text
+    (the blocks of calls the sandbox failed to serve left out: penalties.INFRA_TOOL_STATUSES)."""
     texts = [s.trajectory.response_text for s in group]
-    return (np.array([release_error_ratio(t) for t in texts]), np.array([release_format_penalty(t) for t in texts]))
+    return (np.array([release_error_ratio(s.trajectory.response_text, s.trajectory.tool_statuses) for s in group]),
+            np.array([release_format_penalty(t) for t in texts]))
 
 
 ROC_MODES: Registry[RoCMode] = Registry("RoC mode")

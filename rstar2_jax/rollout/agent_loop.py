@@ -22,6 +22,7 @@ from typing import Callable
 from rstar2_jax.rollout.prompt import PromptFormat, tool_output_text
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
+from rstar2_jax.rewards.penalties import INFRA_TOOL_STATUSES
 from rstar2_jax.rollout.journal import RolloutJournal
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 from rstar2_jax.timeline import span
@@ -53,17 +54,23 @@ class AgentConfig:
             raise ValueError(f"tool_state must be one of {TOOL_STATES}, got {self.tool_state!r}")
 
 
-async def _run_tool(sandbox, call: ToolCall, timeout: float) -> ToolRecord:
+async def _run_tool(sandbox, call: ToolCall, timeout: float, retries: int = 0) -> ToolRecord:
+    """One call. A call the sandbox failed to serve (INFRA_TOOL_STATUSES: a worker died under it,
+    the sandbox was unreachable, its client raised) is run again up to `retries` times (only
+    where that is safe: a stateless call); what the model reads then is the last attempt's."""
     if not call.ok:
         return ToolRecord(None, "", "parse_error", call.error, 0.0)
     start = time.monotonic()
-    try:
-        with span("tool"):  # wall time for the step breakdown (rstar2_jax.timeline)
-            result = await sandbox.run(call.code, call.stdin, timeout)
-    except Exception as e:  # noqa: BLE001 - a sandbox failure is a failed call, not a lost trajectory
-        return ToolRecord(call.code, call.stdin, "internal", f"Error: the sandbox failed: {e}",
-                          time.monotonic() - start)
-    return ToolRecord(call.code, call.stdin, result.status, tool_output_text(result), time.monotonic() - start)
+    for attempt in range(retries + 1):
+        try:
+            with span("tool"):  # wall time for the step breakdown (rstar2_jax.timeline)
+                result = await sandbox.run(call.code, call.stdin, timeout)
+            status, output = result.status, tool_output_text(result)
+        except Exception as e:  # noqa: BLE001 - a sandbox failure is a failed call, not a lost trajectory
+            status, output = "internal", f"The sandbox could not run this call (not the code's fault): {e}"
+        if status not in INFRA_TOOL_STATUSES:
+            break
+    return ToolRecord(call.code, call.stdin, status, output, time.monotonic() - start, retries=attempt)
 
 
 async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig = AgentConfig(), *,
@@ -140,8 +147,9 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed,
         calls = calls[:cfg.max_tool_calls_per_turn]
         if cfg.tool_state == "session":  # one interpreter: the calls see each other's variables, in order
             turn.tools = [await _run_tool(sandbox, c, cfg.tool_timeout_s) for c in calls]
-        else:
-            turn.tools = list(await asyncio.gather(*(_run_tool(sandbox, c, cfg.tool_timeout_s) for c in calls)))
+        else:  # a stateless call is safe to run again when the sandbox failed to serve it
+            turn.tools = list(await asyncio.gather(*(_run_tool(sandbox, c, cfg.tool_timeout_s, retries=1)
+                                                     for c in calls)))
         traj.tool_s += time.monotonic() - start
         if on_turn:
             on_turn(turn)

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rstar2_jax.rewards import answer_reward, tool_error_ratio
+from rstar2_jax.rewards.penalties import infra_error_count
 from rstar2_jax.rollout import AgentConfig, Trajectory, run_agent
 from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.timeline import span
@@ -76,7 +77,9 @@ METRICS = {
     "accuracy": "share of rollouts whose answer is right (reward 1), over rollouts",
     "tool_error_ratio_correct": "mean over correct rollouts with at least one tool call of that rollout's "
                                 "share of failed calls (the quantity RoC ranks by)",
-    "tool_error_ratio_all": "failed calls / all calls, pooled over every rollout",
+    "tool_error_ratio_all": "failed calls / calls the sandbox served, pooled over every rollout",
+    "tool_infra_error_rate": "calls the sandbox failed to serve (after a retry; not the code's fault, not in p_err) / "
+                             "all calls, pooled over every rollout",
     "mean_tool_calls": "tool calls per rollout, mean over rollouts",
     "mean_response_tokens": "tokens after the prompt (model and tool output) per rollout, mean over rollouts",
 }
@@ -91,7 +94,8 @@ def summarize(scored: Sequence["Scored | RolloutOutcome"]) -> dict[str, float]:
         "accuracy": float(np.mean([o.reward for o in outcomes])) if outcomes else 0.0,
         "tool_error_ratio_correct": float(np.mean([tool_error_ratio(o.tool_statuses) for o in correct_with_tools]))
         if correct_with_tools else 0.0,
-        "tool_error_ratio_all": tool_error_ratio(calls) if calls else 0.0,
+        "tool_error_ratio_all": tool_error_ratio(calls) if len(calls) > infra_error_count(calls) else 0.0,
+        "tool_infra_error_rate": infra_error_count(calls) / len(calls) if calls else 0.0,
         "mean_tool_calls": float(np.mean([len(o.tool_statuses) for o in outcomes])) if outcomes else 0.0,
         "mean_response_tokens": float(np.mean([o.response_tokens for o in outcomes])) if outcomes else 0.0,
     }

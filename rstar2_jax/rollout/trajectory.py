@@ -18,6 +18,7 @@ class ToolRecord:
     status: str              # sandbox status, or "parse_error"
     output: str              # what the model read inside <tool_response>
     latency_s: float
+    retries: int = 0         # times it was run again after the sandbox failed to serve it (agent_loop)
 
 
 @dataclasses.dataclass

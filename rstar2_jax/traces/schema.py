@@ -18,7 +18,7 @@ Schema (one row per trajectory):
 | gold | string | gold answer |
 | response_text | string | everything after the prompt: model turns and tool responses |
 | extracted_answer | string | the \\boxed{} answer of the last <answer> block, or null |
-| turns | list<struct> | per assistant turn: text, num_tokens, finish_reason, version_start, version_end, tools (list of code, stdin, status, output, latency_s) |
+| turns | list<struct> | per assistant turn: text, num_tokens, finish_reason, version_start, version_end, tools (list of code, stdin, status, output, latency_s, retries: runs again after the sandbox failed to serve it) |
 | token_ids | list<int32> | prompt + response tokens, exactly as trained on |
 | loss_mask | list<int8> | 1 on model tokens, 0 on prompt and tool tokens |
 | logprobs | list<float32> | sampler log-prob of each model token, 0 elsewhere |
@@ -29,9 +29,10 @@ Schema (one row per trajectory):
 | num_response_tokens | int32 | tokens after the prompt |
 | num_turns | int32 | assistant turns |
 | num_tool_calls | int32 | tool calls (parsed or not) |
+| tool_infra_errors | int32 | calls the sandbox failed to serve, after the retry (worker_died, internal: not the code's fault, not in p_err) |
 | finish_reason | string | eos, length or max_turns |
 | reward | float32 | 1.0 correct, 0.0 otherwise |
-| p_err | float32 | tool error ratio (RoC) |
+| p_err | float32 | tool error ratio (RoC), over the calls the sandbox served |
 | p_format | float32 | format penalty (RoC) |
 | kept | bool | kept by RoC down-sampling |
 | advantage | float32 | GRPO advantage (0 when not kept) |
@@ -49,10 +50,11 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rstar2_jax.rewards.penalties import infra_error_count
 from rstar2_jax.rollout.trajectory import Trajectory
 
 _TOOL = pa.struct([("code", pa.string()), ("stdin", pa.string()), ("status", pa.string()),
-                   ("output", pa.string()), ("latency_s", pa.float64())])
+                   ("output", pa.string()), ("latency_s", pa.float64()), ("retries", pa.int32())])
 _TURN = pa.struct([("text", pa.string()), ("num_tokens", pa.int32()), ("finish_reason", pa.string()),
                    ("version_start", pa.int64()), ("version_end", pa.int64()), ("tools", pa.list_(_TOOL))])
 SCHEMA = pa.schema([
@@ -62,7 +64,8 @@ SCHEMA = pa.schema([
     ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
     ("versions", pa.list_(pa.int32())), ("kv_versions", pa.list_(pa.int32())),
     ("entropy", pa.list_(pa.float32())), ("prompt_len", pa.int32()), ("num_response_tokens", pa.int32()), ("num_turns", pa.int32()),
-    ("num_tool_calls", pa.int32()), ("finish_reason", pa.string()), ("reward", pa.float32()),
+    ("num_tool_calls", pa.int32()), ("tool_infra_errors", pa.int32()), ("finish_reason", pa.string()),
+    ("reward", pa.float32()),
     ("p_err", pa.float32()), ("p_format", pa.float32()), ("kept", pa.bool_()), ("advantage", pa.float32()),
     ("generation_s", pa.float32()), ("tool_s", pa.float32()),
 ])
@@ -83,6 +86,7 @@ def trajectory_record(traj: Trajectory, *, run: str, step: int, problem_id: str,
         "kv_versions": traj.kv_versions or [-1] * len(traj.token_ids),
         "entropy": entropy, "prompt_len": traj.prompt_len, "num_response_tokens": traj.num_response_tokens,
         "num_turns": len(traj.turns), "num_tool_calls": len(traj.tool_statuses),
+        "tool_infra_errors": infra_error_count(traj.tool_statuses),
         "finish_reason": traj.finish_reason, "reward": reward, "p_err": p_err, "p_format": p_format,
         "kept": kept, "advantage": advantage, "generation_s": traj.generation_s, "tool_s": traj.tool_s,
     }

@@ -61,7 +61,7 @@ def trained(workdir, model: str, backend: str = "local", url: str = ""):
     cfg.sandbox.backend, cfg.sandbox.url = backend, url
     run(cfg, str(workdir))
     traces = read_traces(workdir / "traces").sort_values(["step", "problem_id", "sample_index"])
-    columns = ["token_ids", "loss_mask", "logprobs", "reward", "kept", "advantage", "num_tool_calls"]
+    columns = ["token_ids", "loss_mask", "logprobs", "reward", "p_err", "kept", "advantage", "num_tool_calls"]
     rows = [tuple(tuple(v) if hasattr(v, "__len__") and not isinstance(v, str) else v for v in r)
             for r in traces[columns].itertuples(index=False)]
     outputs = [[(t["status"], t["output"]) for turn in turns for t in turn["tools"]] for turns in traces["turns"]]
@@ -112,6 +112,27 @@ def killed_mid_trajectory(tmp_path, workdir, model: str, url: str) -> bool:
     return landed
 
 
+class WorkerKiller(threading.Thread):
+    """SIGKILLs the local sandbox's worker (the zygote's child supervising calls) that runs the first
+    tool call it sees, `times` times, during training in this process."""
+
+    def __init__(self, times: int = 1):
+        super().__init__(daemon=True)
+        self.times, self.killed = times, 0
+        self.stop_event = threading.Event()
+
+    def run(self):
+        from sandbox.pool import child_pids, running_calls
+        while not self.stop_event.is_set() and self.killed < self.times:
+            for zygote in child_pids(os.getpid()):
+                for worker in child_pids(zygote):
+                    if running_calls(worker) and self.killed < self.times:
+                        os.kill(worker, signal.SIGKILL)
+                        self.killed += 1
+                        time.sleep(0.3)  # the next kill: another call
+            time.sleep(0.005)
+
+
 class Faults(threading.Thread):
     """SIGKILLs `victim` once a tool call has been queued, then restarts Redis (empty) once two
     more have: both mid-step, whatever the timing of the run."""
@@ -147,6 +168,19 @@ def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbo
     local = trained(tmp_path / "local", model)
     calls = sum(status != "parse_error" for o in local[1] for status, _ in o)  # the ones that reach a sandbox
     assert calls >= 4, "the policy made too few tool calls for the comparison to mean anything"
+    # the local sandbox's worker SIGKILLed under a call mid-step: the call is run again (retries=1
+    # in the traces), so training, p_err included, is the undisturbed run's
+    killer = WorkerKiller(times=1)
+    killer.start()
+    try:
+        worker_killed = trained(tmp_path / "worker_killed", model)
+    finally:
+        killer.stop_event.set()
+        killer.join()
+    retried = [t["retries"] for turns in read_traces(tmp_path / "worker_killed" / "traces")["turns"]
+               for turn in turns for t in turn["tools"]]
+    assert killer.killed == 1 and sum(retried) == 1
+    assert worker_killed[0] == local[0] and worker_killed[1] == local[1]
 
     redis = RedisServer().start()
     worker = start(["worker", "--redis", redis.url, "--concurrency", "2"], "sandbox worker")

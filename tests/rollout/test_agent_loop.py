@@ -2,6 +2,8 @@
 test at the bottom) makes the model's side deterministic."""
 
 import asyncio
+import os
+import signal
 import json
 import time
 
@@ -11,6 +13,7 @@ import pytest
 from flax import nnx
 
 import sandbox
+from sandbox.result import ExecResult
 from rstar2_jax import models
 from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, compact_format, run_agent
@@ -263,3 +266,76 @@ def test_the_journal_appends_each_turn_and_reads_past_a_torn_line_and_newer_weig
     again = RolloutJournal(path, "id", None).load()
     assert again.finished and again.trajectory.token_ids == [5, 6, 7, 8, 7, 8, 4]
     assert RolloutJournal(path, "other id", None).load() is None
+
+
+def test_a_call_whose_worker_is_killed_is_run_again_and_is_not_the_policy_s_error(tokenizer):
+    """The sandbox worker running a tool call is SIGKILLed mid-call: the (stateless) call is run
+    again once and its output is what the model reads (retries=1, status ok); p_err counts only
+    the calls the sandbox served, and the reward is what the answer earns."""
+    from sandbox.pool import child_pids, running_calls
+    from rstar2_jax.rewards import tool_error_ratio
+    turns = ["Slow " + call("import time\ntime.sleep(1.5)\nprint(6 * 7)"), "Fast " + call("print(1 + 1)"),
+             "So <answer>\\boxed{42}</answer><|im_end|>"]
+
+    async def scenario(sb):
+        async def kill_the_first_call():
+            while True:
+                for worker in child_pids(sb.zygote_pid):
+                    if running_calls(worker):
+                        os.kill(worker, signal.SIGKILL)
+                        return
+                await asyncio.sleep(0.01)
+        killer = asyncio.create_task(kill_the_first_call())
+        traj = await run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "q",
+                               AgentConfig(format=FMT, tool_timeout_s=10))
+        await asyncio.wait_for(killer, 5)
+        return traj
+
+    traj = run(scenario)
+    first, second = traj.turns[0].tools[0], traj.turns[1].tools[0]
+    assert (first.status, first.output, first.retries) == ("ok", "42\n", 1)
+    assert second.status == "ok" and second.retries == 0
+    assert tool_error_ratio(traj.tool_statuses) == 0.0
+    assert answer_reward(traj.response_text, "42") == 1.0
+
+
+class FailingSession:
+    """A session whose first call meets a dead worker (a fake beside the real test above)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def run(self, code, stdin="", timeout=None):
+        self.calls += 1
+        if self.calls == 1:
+            return ExecResult("worker_died", stderr="WorkerDied: killed")
+        return ExecResult("ok", stdout="2\n")
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        pass
+
+
+class SessionsOnly:
+    def __init__(self):
+        self.opened = FailingSession()
+
+    async def session(self):
+        return self.opened
+
+
+def test_a_session_s_call_is_not_run_again_and_its_infra_failure_is_left_out_of_p_err(tokenizer):
+    """A session's call cannot be re-run safely (its interpreter's state is gone): it stays
+    worker_died and p_err leaves it out (the one call the sandbox served ran cleanly: 0.0)."""
+    from rstar2_jax.rewards import tool_error_ratio
+    from rstar2_jax.rewards.penalties import infra_error_count
+    turns = ["First " + call("x = 1"), "Then " + call("print(x + 1)"), "So <answer>\\boxed{2}</answer><|im_end|>"]
+    sb = SessionsOnly()
+    traj = asyncio.run(run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "q",
+                                 AgentConfig(format=FMT, tool_state="session")))
+    assert traj.tool_statuses == ["worker_died", "ok"] and sb.opened.calls == 2  # no retry in a session
+    assert infra_error_count(traj.tool_statuses) == 1 and tool_error_ratio(traj.tool_statuses) == 0.0
+    assert tool_error_ratio(["worker_died", "internal"]) == 0.5  # nothing served: neutral, as without calls
+    assert tool_error_ratio(["worker_died", "error"]) == 1.0
