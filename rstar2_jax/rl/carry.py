@@ -59,6 +59,7 @@ class RunningGroups:
     problems: list                  # every problem of the step, group order (b)
     groups: list[int]               # the groups (indices into problems) still to be trained
     tasks: dict[int, asyncio.Task]  # rollout index in the step (b x n + j) -> this process's task
+    journal: Any = None             # rollout/journal.StepJournal the tasks save to (what they resumed)
 
     def rollouts(self, n_roll: int) -> int:
         return len(self.problems) * n_roll
@@ -70,10 +71,10 @@ def complete_groups(flags: list, groups: list[int], n_roll: int) -> list[int]:
     return [b for b in groups if all(flags[b * n_roll + j] for j in range(n_roll))]
 
 
-def _local(tasks: dict[int, asyncio.Task], n: int, value) -> list:
+def _local(tasks: dict[int, asyncio.Task], n: int, value, only: set[int] | None = None) -> list:
     """This process's share of a per-rollout list (processes.my_share order): value(task) for its
-    running rollouts, None elsewhere."""
-    return [value(tasks[i]) if i in tasks else None for i in processes.my_share(n)]
+    running rollouts (those in `only`, when given), None elsewhere."""
+    return [value(tasks[i]) if i in tasks and (only is None or i in only) else None for i in processes.my_share(n)]
 
 
 async def wait_for_groups(running: RunningGroups, n_roll: int, want: int, poll_s: float = 0.05) -> list[int]:
@@ -94,9 +95,5 @@ def gather_groups(running: RunningGroups, groups: list[int], n_roll: int) -> lis
     process (a collective)."""
     n = running.rollouts(n_roll)
     wanted = {b * n_roll + j for b in groups for j in range(n_roll)}
-    local = _local(running.tasks, n, lambda t: None)
-    for k, i in enumerate(processes.my_share(n)):
-        if i in wanted:
-            local[k] = running.tasks[i].result()
-    everyone = processes.gather_shares(local, n)
+    everyone = processes.gather_shares(_local(running.tasks, n, lambda t: t.result(), only=wanted), n)
     return [everyone[b * n_roll + j] for b in groups for j in range(n_roll)]

@@ -64,7 +64,7 @@ from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import Engine, engine_mesh, make_engine
 from rstar2_jax.rollout import journal
-from rstar2_jax.rollout.engines.accounting import owned_by
+from rstar2_jax.rollout.engines.accounting import merge_work, owned_by
 from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout, stable_seed, summarize
@@ -423,8 +423,8 @@ class RLRun:
     async def generate(self, engine: Engine, sb, step: int, problems) -> StepRollouts:
         """This process's share of the 2G rollouts of every problem, concurrently, with the step's
         seeds (the trainer gathers the shares: consume)."""
-        cfg, n_roll = self.cfg, self.rollouts_per_problem
-        seeds = [stable_seed(cfg.seed, "rollout", step, b, j) for b in range(len(problems)) for j in range(n_roll)]
+        n_roll = self.rollouts_per_problem
+        seeds = [self.rollout_seed(step, b, j) for b in range(len(problems)) for j in range(n_roll)]
         start = time.monotonic()
         timeline = Timeline()
         owner = ("rollout", step)
@@ -443,7 +443,7 @@ class RLRun:
         """rl.staleness.policy=carry: this process's share of the rollouts of `groups` (default:
         all) of the step's problems started as tasks, each graded as it ends; the consumer cuts
         the step (cut). Seeds, journal and owner are those generate gives the same rollouts."""
-        cfg, n_roll = self.cfg, self.rollouts_per_problem
+        n_roll = self.rollouts_per_problem
         groups = list(range(len(problems))) if groups is None else list(groups)
         agent, timeline = self.agent_config(step), Timeline()
         journal = StepJournal(self.inflight_dir, step, max_version=self.restored_version)
@@ -452,12 +452,16 @@ class RLRun:
         with timeline.activate(), owned_by(("rollout", step)):  # the tasks inherit both
             for i in processes.my_share(len(problems) * n_roll):
                 if i in wanted:
-                    p, seed = problems[i // n_roll], stable_seed(cfg.seed, "rollout", step, i // n_roll, i % n_roll)
+                    p, seed = problems[i // n_roll], self.rollout_seed(step, i // n_roll, i % n_roll)
                     tasks[i] = asyncio.ensure_future(scored_rollout(
                         engine, sb, self.tokenizer, p.question, p.answer, agent, seed,
-                        journal=journal.rollout(i, (p.question, seed, repr(agent)))))
+                        journal=journal.rollout(i, p.question, seed, agent)))
         return StepRollouts(list(problems), [], time.monotonic(), 0.0, timeline, None,
-                            running=RunningGroups(step, list(problems), groups, tasks), counts={"_journal": journal})
+                            running=RunningGroups(step, list(problems), groups, tasks, journal))
+
+    def rollout_seed(self, step: int, group: int, sample: int) -> int:
+        """The sampling seed of rollout `sample` of the step's problem `group` (every process alike)."""
+        return stable_seed(self.cfg.seed, "rollout", step, group, sample)
 
     async def cut(self, engine: Engine, step: int, out: StepRollouts):
         """rl.staleness.policy=carry, in the consumer: this step's groups once
@@ -482,15 +486,13 @@ class RLRun:
         scored += gather_groups(running, done, n_roll)
         left = [b for b in running.groups if b not in done]
         self.carried = dataclasses.replace(running, groups=left) if left else None
-        own = engine.take_owned(("rollout", step))
-        work = own if work is None else (work.merged(own) if own is not None else work)
+        work = merge_work([work, engine.take_owned(("rollout", step))])
         if work is not None:
             out.timeline.extend("engine", work.busy)
         out.problems, out.scored, out.work = problems, scored, work
         out.rollout_s = time.monotonic() - out.started
-        journal = out.counts.pop("_journal")
-        out.counts.update(resumed_counts(journal), **{"staleness/carried_in": len(carried_in.groups) if carried_in
-                                                      else 0, "staleness/carried_out": len(left)})
+        out.counts.update(resumed_counts(running.journal), **{"staleness/carried_in": len(carried_in.groups)
+                                                              if carried_in else 0, "staleness/carried_out": len(left)})
 
     def relaunch_carried(self, engine: Engine, sb):
         """After a restart: the groups the checkpoint says were carried, started again (their

@@ -1,7 +1,7 @@
 """In-flight rollouts on disk, turn by turn, so a killed run resumes them where they were.
 
     journal = StepJournal(root, step, max_version=restored_version)
-    traj = await run_agent(..., journal=journal.rollout(index, (question, seed, agent_settings)))
+    traj = await run_agent(..., journal=journal.rollout(index, question, seed, agent_config))
 
 Each rollout of a step has one JSON-lines file: a header naming the rollout, then one line per
 turn boundary (after its tool results are appended: the next thing it does is sample a turn)
@@ -136,8 +136,11 @@ class StepJournal:
         self.counts: collections.Counter = collections.Counter()  # rollouts resumed: finished, partial
         os.makedirs(self.dir, exist_ok=True)
 
-    def rollout(self, index: int, identity) -> RolloutJournal:
-        return RolloutJournal(os.path.join(self.dir, f"r{index:06d}.jsonl"), identity, self.max_version, self.counts)
+    def rollout(self, index: int, question: str, seed, agent) -> RolloutJournal:
+        """Rollout `index` of the step, which is this rollout only with this question, seed and
+        agent settings (repr of the AgentConfig)."""
+        return RolloutJournal(os.path.join(self.dir, f"r{index:06d}.jsonl"), (question, seed, repr(agent)),
+                              self.max_version, self.counts)
 
 
 def step_dir(root: str, step: int) -> str:

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import itertools
 import logging
 import time
 from typing import Hashable, Sequence
 
+from rstar2_jax.rollout.engines.accounting import merge_work
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
 from rstar2_jax.rollout.scheduler_policies import (POLICIES, EngineLoad, pick_kv_aware, pick_least_requests,  # noqa: F401
@@ -187,12 +187,8 @@ class Scheduler(Engine):
                           running=sum(l.running for l in loads), waiting=sum(l.waiting for l in loads),
                           preemptions=sum(l.preemptions for l in loads))
 
-    def take_busy_intervals(self) -> list[tuple[float, float]]:
-        return [iv for e in self.engines for iv in e.take_busy_intervals()]
-
     def take_owned(self, owner):
-        shares = [w for w in (e.take_owned(owner) for e in self.engines) if w is not None]
-        return functools.reduce(lambda a, b: a.merged(b), shares) if shares else None
+        return merge_work(e.take_owned(owner) for e in self.engines)
 
     async def close(self):
         for e in self.engines:

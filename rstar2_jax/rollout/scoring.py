@@ -37,7 +37,7 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
     indices = range(len(questions)) if indices is None else indices
 
     async def one(q, s, i):
-        rollout_journal = journal.rollout(i, (q, s, repr(cfg))) if journal is not None else None
+        rollout_journal = journal.rollout(i, q, s, cfg) if journal is not None else None
         t = await run_agent(engine, sandbox, tokenizer, q, cfg, seed=s, journal=rollout_journal)
         if progress is not None:
             progress.update(1)

@@ -214,7 +214,7 @@ def test_a_trajectory_killed_mid_turns_resumes_from_its_journal_where_it_was(tok
              "So <answer>\\boxed{43}</answer><|im_end|>"]
     cfg = AgentConfig(format=FMT, tool_state=state)
     straight = run(lambda sb: run_agent(ScriptedEngine(tokenizer, turns), sb, tokenizer, "q", cfg))
-    journal = StepJournal(str(tmp_path), step=3).rollout(0, ("q", 5, repr(cfg)))
+    journal = StepJournal(str(tmp_path), step=3).rollout(0, "q", 5, cfg)
     dying = DyingEngine(tokenizer, turns, die_at=2)
     with pytest.raises(SystemExit):
         run(lambda sb: run_agent(dying, sb, tokenizer, "q", cfg, journal=journal))
@@ -231,9 +231,9 @@ def test_a_trajectory_killed_mid_turns_resumes_from_its_journal_where_it_was(tok
     again = run(lambda sb: run_agent(ScriptedEngine(tokenizer, ["never"]), sb, tokenizer, "q", cfg, journal=journal))
     assert again.token_ids == straight.token_ids
     # another rollout's identity, or tokens of weights newer than the restored ones: not resumed
-    assert StepJournal(str(tmp_path), step=3).rollout(0, ("q", 6, repr(cfg))).load() is None
-    assert StepJournal(str(tmp_path), step=3, max_version=6).rollout(0, ("q", 5, repr(cfg))).load() is None
-    assert StepJournal(str(tmp_path), step=3, max_version=7).rollout(0, ("q", 5, repr(cfg))).load() is not None
+    assert StepJournal(str(tmp_path), step=3).rollout(0, "q", 6, cfg).load() is None
+    assert StepJournal(str(tmp_path), step=3, max_version=6).rollout(0, "q", 5, cfg).load() is None
+    assert StepJournal(str(tmp_path), step=3, max_version=7).rollout(0, "q", 5, cfg).load() is not None
 
 
 def test_the_journal_appends_each_turn_and_reads_past_a_torn_line_and_newer_weights(tokenizer, tmp_path):

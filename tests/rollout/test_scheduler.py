@@ -91,9 +91,6 @@ class FakeKVEngine(Engine):
     def update_weights(self, params, version=None):
         self.version = version
 
-    def take_busy_intervals(self):
-        return []
-
     async def close(self):
         pass
 

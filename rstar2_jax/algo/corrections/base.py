@@ -132,9 +132,13 @@ def compose(corrections: Sequence[Correction], shape) -> Correction:
 def combined_correction(names: Sequence[str], settings_of: Callable[[str], Section],
                         inputs: CorrectionInputs) -> Correction:
     """The corrections `names` applied together on `inputs` (identity on the mask when none)."""
-    combined = compose([apply_correction(n, inputs, settings_of(n)) for n in names], inputs.mask.shape)
-    return Correction(jnp.where(combined.keep, combined.weight, 0.0), combined.keep & inputs.mask,
-                      combined.clipped & inputs.mask)
+    return _restricted(compose([apply_correction(n, inputs, settings_of(n)) for n in names], inputs.mask.shape),
+                       inputs.mask)
+
+
+def _restricted(c: Correction, mask) -> Correction:
+    """`c` on the model's tokens only: weight 0, not kept and not clipped elsewhere."""
+    return Correction(jnp.where(c.keep, c.weight, 0.0), c.keep & mask, c.clipped & mask)
 
 
 # ---- metrics (host side, once per update) --------------------------------------------------------
@@ -180,14 +184,14 @@ def correction_metrics(names: Sequence[str], settings_of: Callable[[str], Sectio
     if not m.any() or not names:
         return out
     rows = m.any(axis=-1)
-    for name in names:
-        c = apply_correction(name, inputs, settings_of(name))
+    parts = {name: apply_correction(name, inputs, settings_of(name)) for name in names}  # each computed once
+    for name, c in parts.items():
         keep, clipped = np.asarray(c.keep), np.asarray(c.clipped)
         out[f"correction/{name}/masked_fraction"] = float((m & ~keep).sum() / m.sum())
         out[f"correction/{name}/clipped_fraction"] = float(clipped.sum() / m.sum())
         if CORRECTIONS[name].level == "sequence":
             out[f"correction/{name}/seq_masked_fraction"] = float((~keep.any(-1))[rows].mean())
-    both = combined_correction(names, settings_of, inputs)
+    both = _restricted(compose(list(parts.values()), inputs.mask.shape), inputs.mask)
     weight, keep = np.asarray(both.weight), np.asarray(both.keep)
     out["correction/masked_fraction"] = float((m & ~keep).sum() / m.sum())
     out["correction/weight_mean"] = float(weight[m].mean())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Hashable, Iterable
 
@@ -55,6 +56,13 @@ class OwnedWork:
         stats = EngineStats(*(getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(EngineStats)))
         return OwnedWork(stats, self.busy + other.busy, self.prefix_cache_queries + other.prefix_cache_queries,
                          self.prefix_cache_hits + other.prefix_cache_hits)
+
+
+def merge_work(shares) -> OwnedWork | None:
+    """Several shares of work (engines behind a scheduler, or one owner's steps) as one; None
+    entries (engines that do not account) are skipped, and None when nothing is left."""
+    shares = [w for w in shares if w is not None]
+    return functools.reduce(OwnedWork.merged, shares) if shares else None
 
 
 class OwnerLedger:

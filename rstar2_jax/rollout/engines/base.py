@@ -119,10 +119,6 @@ class Engine(abc.ABC):
     def load(self) -> ServerLoad:
         """KV load, what the scheduler balances on."""
 
-    @abc.abstractmethod
-    def take_busy_intervals(self) -> list[tuple[float, float]]:
-        """(start, end) in time.monotonic() of the work done since the last call, then forgotten."""
-
     def take_owned(self, owner: Hashable):
         """The work done for `owner`'s requests since the last call (accounting.OwnedWork), then
         forgotten; None for an engine that does not account per owner."""

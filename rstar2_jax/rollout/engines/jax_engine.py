@@ -125,7 +125,6 @@ class JaxEngine(Engine):
         self.page_size = page_size
         self._residents: dict[Hashable, _Resident] = {}  # by session
         self._admissions = 0
-        self._busy: list[tuple[float, float]] = []  # (start, end) of device work, time.monotonic
         self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.mesh = mesh
@@ -437,7 +436,7 @@ class JaxEngine(Engine):
             start = time.monotonic()
             cache, token, logp = fn(*args)
             token, logp = int(token), float(logp)
-            return cache, token, logp, start, self._record_busy(start)
+            return cache, token, logp, start, time.monotonic()  # the device work's interval
 
         self._cache, token, logp, start, end = await loop.run_in_executor(self._executor, run)
         self.stats.prefill_s += end - start
@@ -523,7 +522,7 @@ class JaxEngine(Engine):
             start = time.monotonic()
             cache, token, logp = self._decode(*args, kv_len=kv_len)
             token, logp = np.asarray(token), np.asarray(logp)
-            return cache, token, logp, start, self._record_busy(start)
+            return cache, token, logp, start, time.monotonic()  # the device work's interval
 
         self._cache, sampled, logps, start, end = await loop.run_in_executor(self._executor, run)
         self.stats.decode_s += end - start
@@ -534,19 +533,8 @@ class JaxEngine(Engine):
             if req is not None:
                 self._append(slot, int(sampled[slot]), float(logps[slot]), version)
 
-    def _record_busy(self, start: float) -> float:
-        """Keep (start, now) as device work; returns now."""
-        end = time.monotonic()
-        self._busy.append((start, end))
-        return end
-
     def take_owned(self, owner: Hashable):
         return self.ledger.take(owner)
-
-    def take_busy_intervals(self) -> list[tuple[float, float]]:
-        """(start, end) of the device work since the last call (time.monotonic), and forget them."""
-        out, self._busy = self._busy, []
-        return out
 
     def _prefill_bucket(self, prompt_len: int) -> int:
         """Prompts are padded to a power of two (a few compiled prefill shapes)."""

@@ -109,7 +109,6 @@ class VLLMEngine(Engine):
         self._probe_tokens = np.random.default_rng(1234).integers(0, vocab, probe_length).tolist()
         # the control plane's blocking calls made from coroutines (recovery after a restart)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-control")
-        self._busy: list[tuple[float, float]] = []  # (start, end) of each answered request
         self.ledger = OwnerLedger()  # the same requests, by owner (accounting.py), with their prefix-cache hits
         self._up: asyncio.Event | None = None
         self._recovery: asyncio.Task | None = None
@@ -152,17 +151,10 @@ class VLLMEngine(Engine):
                 self.retries += 1
                 self._mark_down()
                 continue
-            self._busy.append((start, time.monotonic()))
             usage = out.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # --enable-prompt-tokens-details
             self.ledger.charge_request(owner, start, time.monotonic(), usage.get("prompt_tokens", len(prompt)), cached)
             return _completion(choice, version_start, self.version)
-
-    def take_busy_intervals(self) -> list[tuple[float, float]]:
-        """(start, end) of the requests answered since the last call (time.monotonic): the engine
-        is busy while any is in flight."""
-        out, self._busy = self._busy, []
-        return out
 
     def take_owned(self, owner: Hashable):
         return self.ledger.take(owner)
