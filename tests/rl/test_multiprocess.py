@@ -131,8 +131,19 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
     ckpts = resumed / "checkpoints"
     killed_at = {}
 
+    journals = resumed / "inflight" / "step000002"
+
+    def process_0_journaled(name: str) -> bool:  # a rollout of process 0's share (even indices) with tokens saved
+        if not (name.endswith(".jsonl") and int(name[1:-6]) % 2 == 0):
+            return False
+        with open(journals / name) as f:
+            return sum(1 for _ in f) >= 2  # the header, then a turn's tokens
+
     def step_two_begins():
-        if ckpts.exists() and "2" in os.listdir(ckpts):
+        # not merely "checkpoint 2 written": process 0 may then stop at a collective before its
+        # first turn is saved (one CI run did), leaving nothing of its own to resume
+        if ckpts.exists() and "2" in os.listdir(ckpts) and journals.is_dir() and any(
+                process_0_journaled(name) for name in os.listdir(journals)):
             killed_at["time"], killed_at["later"] = time.monotonic(), "3" in os.listdir(ckpts)
             return True
         return False
@@ -148,7 +159,7 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
     assert "resumed from" in out
     lr = rl_lines(resumed)
     assert [l["step"] for l in lr] == [0, 1, 2]
-    # process 0 had finished its share of step 2 when it stopped: the restart took those rollouts
+    # process 0 had saved turns of its share of step 2 when it stopped: the restart took those rollouts
     # back from the journal (rollout/journal.py) instead of generating them again
     assert lr[2]["inflight/resumed_finished"] + lr[2]["inflight/resumed_partial"] >= 1
     for x, y in zip(lb, lr):
