@@ -24,7 +24,8 @@ from rstar2_jax.rl.config import RunConfig
 # parts run, not what it learns.
 RESUMABLE_CHANGES = frozenset({
     "rl.steps", "checkpoint.every", "checkpoint.keep", "eval.before_and_after",
-    "rollout.vllm_urls", "rollout.vllm_sync", "rollout.vllm_sync_dir", "rollout.vllm_fetch_urls", "rollout.vllm_sync_host", "sandbox.workers", "sandbox.backend", "sandbox.url",
+    "rollout.vllm_urls", "rollout.vllm_sync", "rollout.vllm_sync_dir", "rollout.vllm_fetch_urls", "rollout.vllm_sync_host",
+    "rollout.vllm_sync_bucket_mb", "sandbox.workers", "sandbox.backend", "sandbox.url",
 })
 MISMATCH_CHOICES = ("stop", "ok")
 

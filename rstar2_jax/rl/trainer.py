@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from typing import Any, Sequence
@@ -71,6 +72,8 @@ from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout,
 from rstar2_jax.timeline import Timeline
 from rstar2_jax.traces import TraceWriter
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ConfigValueError", "RLRun", "RunConfig", "run", "validate"]
 
 
@@ -98,6 +101,7 @@ class RLRun:
         history). Extending rl.steps and the like never stops (run_dir.RESUMABLE_CHANGES)."""
         cfg = validate(cfg)
         self.cfg, self.workdir = cfg, os.path.abspath(workdir)
+        self.sync_failures = 0  # weight syncs to vLLM servers that failed part-way (then retried)
         self.run_dir = RunDirectory(self.workdir)
         self.fmt = make_format(cfg.format)
         if processes.is_primary():  # the others read what it wrote (one run directory)
@@ -300,8 +304,14 @@ class RLRun:
         the engine's mesh (`engine_mesh`). The learner's update donates its buffers, so this is
         a copy, except in the one case where sharing is safe and costs nothing: float32, one
         process, one device, on-policy (the engine is idle during updates). vLLM servers get
-        the float32 master weights, cast on export (rollout.vllm_export_dtype)."""
+        the float32 master weights, cast on export (rollout.vllm_export_dtype): with one trainer
+        process, the learner's own arrays, streamed bucket by bucket (no copy); with several (and
+        for NCCL), still a whole local copy on each process's first device (issue 38: to do)."""
         params = self.learner.model_state()
+        if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.vllm_sync != "nccl" and jax.process_count() == 1:
+            # streamed to the servers bucket by bucket from the learner's own arrays (weight_export.py),
+            # which the sync is done with before the next update donates them
+            return params
         dtype = DTYPES[self.cfg.model.dtype] if self.cfg.rollout.engine == "jax" else None
         mesh = engine_mesh(self.cfg.model.decode_attention) if self.cfg.rollout.engine == "jax" else None
         if dtype in (None, jnp.float32) and mesh is None and self.cfg.rl.max_staleness == 0 \
@@ -537,6 +547,8 @@ class RLRun:
                 records[k.record]["entropy"] = batch.entropy[i, :len(k.trajectory.token_ids)].tolist()
         with timeline.span("sync"):
             await self.push_weights(engine, self.engine_weights(), self.learner.version)
+        if engine.weights_on_servers:
+            metrics["sync/failures"] = self.sync_failures  # the run's so far (each was retried at once)
         return metrics
 
     async def push_weights(self, engine: Engine, params, version: int):
@@ -549,6 +561,15 @@ class RLRun:
             return
         if processes.is_primary():
             await asyncio.to_thread(engine.update_weights, params, version)
+            if engine.version != version:  # a sync that failed part-way left the servers on their weights: again
+                self.sync_failures += 1
+                log.warning("weights v%d did not reach the servers (%s); syncing again", version,
+                            getattr(getattr(engine, "last_sync", None), "error", "?"))
+                await asyncio.to_thread(engine.update_weights, params, version)
+                if engine.version != version:
+                    raise RuntimeError(f"weights v{version} could not reach the vLLM servers twice in a row: "
+                                       f"{getattr(getattr(engine, 'last_sync', None), 'error', '?')} (the servers "
+                                       "answer with their previous weights; see the trainer's and servers' logs)")
         processes.barrier(f"weights v{version} on the servers")
         if not processes.is_primary():
             engine.adopt_weights(params, version)

@@ -112,6 +112,41 @@ def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny
     asyncio.run(engine.close())
 
 
+def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weights(vllm_server, tiny_model,
+                                                                                      tokenizer, monkeypatch):
+    """One bucket per decoder layer, each reloaded by the server while the next is written: the
+    sync lands (the log-prob probe passes). A sync whose third bucket the server cannot read (its
+    file cut short after it is written: vLLM's own reload fails) is undone: the server answers
+    with the previous weights and version, the failure is counted, and the next sync lands."""
+    ids = tokenizer.encode("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n42")
+    engine = VLLMEngine(vllm_server.url, tiny_model, bucket_bytes=1)
+    first, second = perturbed(tiny_model, seed=11), perturbed(tiny_model, seed=12)
+    engine.update_weights(first, 21)
+    assert engine.last_sync.ok and engine.last_sync.buckets == len(tiny_model.layers) + 1 >= 3
+    served_first = np.asarray(engine.prompt_logprobs(ids))
+    np.testing.assert_allclose(served_first, jax_logprobs(first, ids)[1:], atol=1e-3)
+
+    write = engine.slots.write
+
+    def write_then_cut(slot, bucket, arrays):
+        part = write(slot, bucket, arrays)
+        if bucket.index == 2:
+            os.truncate(os.path.join(slot, bucket.file_name), 64)
+        return part
+
+    monkeypatch.setattr(engine.slots, "write", write_then_cut)
+    engine.update_weights(second, 22)
+    assert not engine.last_sync.ok and engine.sync_failures == 1 and engine.version == 21, engine.last_sync
+    served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+    assert served == "21"
+    np.testing.assert_allclose(engine.prompt_logprobs(ids), served_first, atol=1e-6)  # buckets 0 and 1 undone
+    monkeypatch.undo()
+    engine.update_weights(second, 22)
+    assert engine.last_sync.ok and engine.version == 22
+    np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(second, ids)[1:], atol=1e-3)
+    asyncio.run(engine.close())
+
+
 def memorized_tool_model(tiny_model, tokenizer, fmt):
     """The tiny model fine-tuned on one clean trace until greedy decoding replays it: a tool call
     printing 123+456, then the answer from the tool's output."""
@@ -359,7 +394,7 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
                        for e, f in zip(engines, fetchers)]
             Scheduler(pulling, "round_robin").update_weights(perturbed(tiny_model, seed=5), 6)
             pulled = [e._synced_dir for e in pulling]
-            left_behind = [d for _, dirs, _ in os.walk(tmp_path / "trainer") for d in dirs if d.startswith("v")]
+            left_behind = [f for _, _, files in os.walk(tmp_path / "trainer") for f in files if f.endswith(".safetensors")]
             for f in fetchers:
                 f.close()
             for e in pulling:
@@ -434,7 +469,8 @@ def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_ser
         for version, seed in ((11, 3), (12, 4)):
             engine.update_weights(perturbed(tiny_model, seed=seed), version)  # reload, then the log-prob probe
             assert os.path.dirname(engine._synced_dir) == str(tmp_path / "server_side")
-            assert not any(d.startswith("v") for _, dirs, _ in os.walk(tmp_path / "trainer_side") for d in dirs)
+            assert not any(f.endswith(".safetensors") for _, _, files in os.walk(tmp_path / "trainer_side")
+                           for f in files)
             served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
             assert served == str(version)
         assert sorted(os.listdir(tmp_path / "server_side")) == ["v11", "v12"]

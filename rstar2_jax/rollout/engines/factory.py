@@ -58,6 +58,9 @@ class RolloutConfig(Section):
                                  "sync=files, servers on other hosts need a shared filesystem path)")
     vllm_fetch_urls: tuple[str, ...] = setting((), "vllm, sync=pull: the weight fetcher beside each server, in "
                                                "vllm_urls order (python -m rstar2_jax.rollout.serve --fetch_port)")
+    vllm_sync_bucket_mb: int = setting(512, "vllm: the weight sync's bucket (MiB, whole decoder layers): at most "
+                                       "this much beyond the learner's weights is held while syncing, and the "
+                                       "servers reload each bucket while the next is written", min=1)
     vllm_sync_host: str = setting("127.0.0.1", "vllm, sync=pull: the address the fetchers reach this trainer at",
                                   nonempty=True)
 
@@ -130,7 +133,8 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     export_dtype = DTYPES[cfg.vllm_export_dtype] if cfg.vllm_export_dtype else None
     fetchers = cfg.vllm_fetch_urls or (None,) * len(cfg.vllm_urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance,
-                          sync_dir=cfg.vllm_sync_dir or None, sync=cfg.vllm_sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host)
+                          sync_dir=cfg.vllm_sync_dir or None, sync=cfg.vllm_sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host,
+                          bucket_bytes=cfg.vllm_sync_bucket_mb << 20)
                for url, fetch in zip(cfg.vllm_urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
 

@@ -9,10 +9,13 @@ and `logprobs.token_logprobs` come back; text is never re-tokenized. The server 
 what the learner recomputes. (With top-k/top-p vLLM renormalizes over the kept tokens, unlike
 JaxEngine; RL sampling uses neither.)
 
-Weight sync (`update_weights`): the learner's parameters are written as HF-named safetensors
-into a fresh directory (under /dev/shm where it exists), then the server is paused (in-flight
-requests kept), `reload_weights` runs through /collective_rpc, the prefix cache is reset (cached
-KV was computed by the old weights), the weight version is bumped and the server resumed. Then
+Weight sync (`update_weights`, `push_to_servers`): the server is paused (in-flight requests
+kept), the learner's parameters are written as HF-named safetensors bucket by bucket
+(weight_export.py: under /dev/shm where it exists, in one of two directories used in turn) and
+the server reloads each bucket (`reload_weights` through /collective_rpc) while the next is
+written; then the prefix cache is reset (cached KV was computed by the old weights), the weight
+version is bumped and the server resumed. A sync that fails part-way puts the previous export
+back and keeps the old version (SyncReport). Then
 a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
 sequence must match the JAX model's within `probe_tolerance`. This catches the tied-embedding
 trap (vLLM's reload updates a tied embedding but keeps the old output layer) and any other
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import shutil
@@ -52,6 +56,7 @@ from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
+from rstar2_jax.rollout.engines.weight_export import ExportPlan, ExportSlots, model_plan, param_arrays
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,11 +78,13 @@ class VLLMEngine(Engine):
                  sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
                  max_concurrency: int = 256, sync: str = "files", nccl_server_ranks: int = 1,
-                 fetch_url: str | None = None, sync_host: str = "127.0.0.1"):
+                 fetch_url: str | None = None, sync_host: str = "127.0.0.1", bucket_bytes: int = 512 << 20):
         """sync: "files" (safetensors files; the server reads the export from sync_dir: this host's /dev/shm by
         default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
         `fetch_url`, beside the server, copies the export from this process's file server at
-        `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast)."""
+        `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast). bucket_bytes:
+        the export's bucket (weight_export.py): at most this much beyond the learner's weights is
+        held while syncing, and the servers reload bucket by bucket as the export is written."""
         if sync not in SYNC_METHODS:
             raise ValueError(f"sync must be one of {SYNC_METHODS}, got {sync!r}")
         if (sync == "pull") != (fetch_url is not None):
@@ -100,6 +107,10 @@ class VLLMEngine(Engine):
         self.max_model_len = int(info.get("max_model_len") or 0) or None
         self._sync_base = sync_dir or _default_sync_root()
         self._sync_root = os.path.join(self._sync_base, f"rstar2_sync_{os.getpid()}_{id(self):x}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.slots = ExportSlots(self._sync_root)  # the exports, written in turn (weight_export.py)
+        self.sync_failures = 0                 # syncs that did not reach this server (it kept its weights)
+        self.last_sync: SyncReport | None = None
         self._synced_dir: str | None = None    # the latest weights the server should have, on disk ...
         self._synced_model: Decoder | None = None  # ... and in memory (NCCL sync writes no files)
         self.sync = sync
@@ -216,7 +227,7 @@ class VLLMEngine(Engine):
 
     def _restore_weights(self):
         served = self.client.request("GET", "/weight_info", timeout=10.0).get("weight_version")
-        if self._synced_model is not None and str(served) != str(self.version):
+        if (self._synced_dir or self._synced_model is not None) and str(served) != str(self.version):
             if self._synced_dir is None:  # synced over NCCL: the restarted server needs files
                 self._synced_dir = os.path.join(self._sync_root, f"v{self.version}")
                 save_pretrained(self._synced_model, self._synced_dir, dtype=self.export_dtype, tokenizer_dir=None)
@@ -249,32 +260,40 @@ class VLLMEngine(Engine):
             raise ValueError("VLLMEngine(model=...) is needed to export weights")
         return params if isinstance(params, nnx.Module) else nnx.merge(self._graphdef, params)
 
-    def export(self, model: Decoder, version: int) -> str:
-        """The weights as HF safetensors under the sync directory (which the servers must be able
-        to read: this host's /dev/shm by default, a shared filesystem for servers elsewhere)."""
-        target = os.path.join(self._sync_root, f"v{version}")
-        save_pretrained(model, target, dtype=self.export_dtype, tokenizer_dir=None)
-        return target
+    def export_plan(self, model: Decoder) -> ExportPlan:
+        return model_plan(model, self.export_dtype, self.bucket_bytes)
 
-    def load_export(self, weights_dir: str, version: int, model: Decoder):
-        """The server reloads an export (this engine's or a shared one; with sync="pull" from the
-        copy its fetcher makes), then the log-prob probe."""
-        start = time.perf_counter()
-        if self.sync == "pull":
-            from rstar2_jax.rollout.engines.weight_pull import ask_to_fetch
-            files = sorted(f for f in os.listdir(weights_dir) if not f.startswith("."))
-            server_dir = ask_to_fetch(self.fetch_url, _file_server(self._sync_base, self.sync_host).url_for(weights_dir),
-                                      files, version)
-        else:
-            server_dir = weights_dir
-        self._reload(server_dir, version)
-        previous, self._synced_dir = self._synced_dir, server_dir
-        if previous and previous != server_dir and self.sync != "pull":  # a pulled copy is the fetcher's to delete
-            shutil.rmtree(previous, ignore_errors=True)
-        self._synced_model = model
-        self.version = version
-        self.check_sync(model)
-        log.info("synced weights v%d to %s in %.2f s", version, self.url, time.perf_counter() - start)
+    # The steps of one sync (push_to_servers runs them for every server at once).
+    def _pause(self):
+        self.client.request("POST", "/pause?mode=keep")  # in-flight requests wait, keeping their KV
+
+    def _reload_part(self, bucket_dir: str):
+        """One bucket (whole decoder layers: weight_export.py) into the paused server."""
+        self.client.request("POST", "/collective_rpc", {"method": "reload_weights",
+                                                        "kwargs": {"weights_path": bucket_dir}})
+
+    def _fetch_and_reload(self, slot: str, plan: ExportPlan, version: int) -> str:
+        """sync=pull: the fetcher beside the server copies the export, which the server reloads whole."""
+        from rstar2_jax.rollout.engines.weight_pull import ask_to_fetch
+        url = _file_server(self._sync_base, self.sync_host).url_for(slot)
+        server_dir = ask_to_fetch(self.fetch_url, url, plan.file_names, version)
+        self._reload_part(server_dir)
+        return server_dir
+
+    def _publish(self, version: int):
+        c = self.client
+        c.request("POST", "/reset_prefix_cache")  # cached KV was computed by the old weights
+        c.request("POST", "/update_weight_version", {"new_version": str(version)})
+
+    def _resume(self):
+        self.client.request("POST", "/resume")
+
+    def _roll_back(self):
+        """After a sync that failed part-way: the last whole export back in (the server may hold
+        some of the new buckets). A server that cannot be reached is restored when it answers
+        again (_recover)."""
+        if self._synced_dir:
+            self._reload_part(self._synced_dir)
 
     def adopt_weights(self, params: Any, version: int) -> None:
         """Another process pushed these weights to the server: stamp tokens with `version` and
@@ -357,17 +376,90 @@ def _file_server(root: str, host: str):
     return _FILE_SERVERS[root, host]
 
 
-def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int):
-    """One export for every server, reloaded by all in parallel (then each one's log-prob probe):
-    a sync costs one write plus the slowest server's reload, not a write and a reload per server."""
-    model = engines[0].as_model(params)
+@dataclasses.dataclass
+class SyncReport:
+    """One sync to a set of servers: its times, and the error that stopped it (None: it landed)."""
+    version: int
+    buckets: int
+    bytes: int
+    export_s: float = 0.0        # writing every bucket (the servers reload meanwhile)
+    total_s: float = 0.0         # pause to resume, then the probes
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
+    """The learner's weights to every server: one export, bucket by bucket (weight_export.py),
+    each bucket reloaded by every server (sync=files) as soon as it is written, so a sync costs
+    about the slowest server's reload, not an export plus a reload; with sync=pull each server's
+    fetcher copies the whole export, which it then reloads. The servers are paused throughout
+    (their requests wait, and resume on the new weights), then every server's log-prob probe.
+
+    A sync that fails part-way (a server that errs or dies) leaves every server on its last
+    whole weights and version: the ones that took new buckets reload the previous export. The
+    error is logged and returned (SyncReport.error, and each engine's sync_failures); the
+    servers go on answering, and the caller retries with the next sync."""
+    lead = engines[0]
+    model = lead.as_model(params)
+    plan = lead.export_plan(model)
+    arrays = param_arrays(model)
+    report = SyncReport(version, len(plan.buckets), plan.nbytes)
     start = time.perf_counter()
-    weights_dir = engines[0].export(model, version)
-    exported = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-sync") as pool:
-        for future in [pool.submit(e.load_export, weights_dir, version, model) for e in engines]:
-            future.result()
-    if all(e.sync == "pull" for e in engines):  # every server holds its own copy
-        shutil.rmtree(weights_dir, ignore_errors=True)
-    log.info("synced weights v%d: export %.2f s, %d servers reloaded in %.2f s", version, exported - start,
-             len(engines), time.perf_counter() - exported)
+    slot = lead.slots.begin(plan)
+    paused: list[VLLMEngine] = []
+    landed: dict[VLLMEngine, str] = {}
+    queues = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-sync") for e in engines}
+    try:
+        for e in engines:
+            e._pause()
+            paused.append(e)
+        # one queue per server: it reloads the buckets in order, bucket k while k+1 is written
+        pending: list[concurrent.futures.Future] = []
+        for bucket in plan.buckets:
+            bucket_dir = lead.slots.write(slot, bucket, arrays)
+            pending += [queues[e].submit(e._reload_part, bucket_dir) for e in engines if e.sync == "files"]
+            if any(f.done() and f.exception() for f in pending):
+                break  # a server already failed: stop writing
+        report.export_s = time.perf_counter() - start
+        fetched = {e: queues[e].submit(e._fetch_and_reload, slot, plan, version) for e in engines if e.sync == "pull"}
+        for f in pending:
+            f.result()
+        landed = {e: (fetched[e].result() if e in fetched else slot) for e in engines}
+        for e in engines:
+            e._publish(version)
+    except Exception as err:  # noqa: BLE001 - any failure: every server back on its last weights
+        report.error = f"{type(err).__name__}: {err}"
+        log.error("weight sync v%d failed (%s); the servers keep their weights (v%s)", version, report.error,
+                  ", v".join(str(e.version) for e in engines))
+        for e in paused:
+            e.sync_failures += 1
+            try:
+                e._roll_back()
+            except Exception as undo:  # noqa: BLE001 - it is restored when it answers again
+                log.error("%s: could not reload its previous weights (%s); restored when it answers", e.url, undo)
+    finally:
+        for q in queues.values():
+            q.shutdown(wait=True, cancel_futures=True)
+        for e in paused:
+            try:
+                e._resume()
+            except Exception as err:  # noqa: BLE001
+                log.error("%s: resume failed (%s)", e.url, err)
+    if report.ok:
+        if all(e.sync == "pull" for e in engines):
+            shutil.rmtree(slot, ignore_errors=True)  # every server holds its fetcher's copy
+        else:
+            lead.slots.commit(slot)
+        for e in engines:
+            e._synced_dir, e._synced_model, e.version = landed[e], None, version
+        for e in engines:
+            e.check_sync(model)
+    report.total_s = time.perf_counter() - start
+    for e in engines:
+        e.last_sync = report
+    log.info("synced weights v%d to %d server(s) in %d bucket(s): %.2f s (export %.2f s)%s", version, len(engines),
+             report.buckets, report.total_s, report.export_s, "" if report.ok else f"; FAILED: {report.error}")
+    return report
