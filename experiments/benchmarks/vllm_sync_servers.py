@@ -1,16 +1,24 @@
-"""Weight sync to several vLLM servers: one export per server, one server after another (how the
-scheduler synced before), against one shared export reloaded by every server in parallel
-(`vllm_engine.push_to_servers`, what the trainer does now). Both in one run, alternating.
+"""Weight sync to several vLLM CPU servers, three ways side by side in one run (alternating):
 
-    python -m experiments.benchmarks.vllm_sync_servers [--servers 2] [--layers 8] [--hidden 512] \
-        [--repeats 3] [--sync files|pull] [--record BENCHMARKS.md]
+- whole export: every tensor cast and laid out, one safetensors file written (save_pretrained),
+  then every server reloads it in parallel (the sync before issue 38);
+- buckets: `vllm_engine.push_to_servers`, the servers paused, the export written bucket by bucket
+  (whole decoder layers, straight into reused files) and each bucket reloaded by every server
+  while the next is written;
+- reload alone: every server reloads an export already written (the floor a sync can reach
+  without a faster path into vLLM).
+
+And the export alone, no servers: the bucket writer's rate (GB/s) against a plain memory copy of
+the same bytes on this host.
+
+    python -m experiments.benchmarks.vllm_sync_servers [--servers 2] [--layers 8] [--hidden 2048] \
+        [--repeats 3] [--bucket_mb 512] [--sync files|pull] [--record BENCHMARKS.md]
 
 --sync pull puts a weight fetcher beside each server (weight_pull.py): the servers reload a copy
-they pulled over HTTP instead of the trainer's file.
+they pulled over HTTP instead of the trainer's file (no per-bucket reload then).
 
 Each server is a real vLLM CPU server (.venv-vllm) started from a random model of the given size
-(the tiny architecture: head_dim 32, vocabulary 320); a sync is export (safetensors into /dev/shm)
-+ reload (`reload_weights` over HTTP, between pause and resume) + the log-prob probe.
+(the tiny architecture: head_dim 32, vocabulary 320); every sync ends with the log-prob probe.
 """
 
 from __future__ import annotations
@@ -18,14 +26,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import shutil
 import statistics
 import tempfile
 import time
 
+import numpy as np
+
 from experiments.benchmarks import common
 from rstar2_jax import models
-from rstar2_jax.models import flops, tiny
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.models import checkpoint, flops, tiny
+from rstar2_jax.rollout.engines import weight_export
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,35 +49,67 @@ def timed(fn, *args):
     return time.perf_counter() - start
 
 
-def one_by_one(engines, model, version):
-    """Each engine exports its own copy and reloads it, in turn: (total, per-server times)."""
-    per = [timed(e.update_weights, model, version) for e in engines]
-    return sum(per), per
-
-
-def shared(engines, model, version):
-    """One export, every server reloads it in parallel: (total, export time, per-server reload times)."""
+def whole_export(engines, model, version, work):
+    """save_pretrained of the whole model, then every server reloads it in parallel: (total, export)."""
     start = time.perf_counter()
-    export_s = timed(lambda: setattr(shared, "dir", engines[0].export(model, version)))
+    target = os.path.join(work, f"whole_v{version}")
+    checkpoint.save_pretrained(model, target, tokenizer_dir=None)
+    export_s = time.perf_counter() - start
     with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
-        per = list(pool.map(lambda e: timed(e.load_export, shared.dir, version, model), engines))
-    return time.perf_counter() - start, export_s, per
+        list(pool.map(lambda e: e._reload(target, version), engines))
+    for e in engines:
+        e.version = version
+        e.check_sync(model)
+    total = time.perf_counter() - start
+    shutil.rmtree(target, ignore_errors=True)
+    return total, export_s
+
+
+def reload_alone(engines):
+    """Every server reloads the newest whole export in parallel: the slowest one's seconds."""
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+        return max(pool.map(lambda e: timed(e._reload, e._synced_dir, e.version), engines))
+
+
+def export_alone(model, bucket_bytes, work, repeats):
+    """The bucket writer alone (both slots warm), and a plain copy of as many bytes: GB/s each."""
+    plan = weight_export.model_plan(model, None, bucket_bytes)
+    slots = weight_export.ExportSlots(os.path.join(work, "export_alone"))
+    arrays = weight_export.param_arrays(model)
+    times = []
+    for i in range(repeats + 2):  # the first use of each slot allocates its pages
+        start = time.perf_counter()
+        slot = slots.begin(plan)
+        for b in plan.buckets:
+            slots.write(slot, b, arrays)
+        slots.commit(slot)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    slots.close()
+    src = np.ones(plan.nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    copy = min(timed(np.copyto, dst, src) for _ in range(3))
+    return plan.nbytes / statistics.median(times) / 1e9, plan.nbytes / copy / 1e9, len(plan.buckets)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bucket_mb", type=int, default=512)
     p.add_argument("--sync", choices=("files", "pull"), default="files")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
-    work = tempfile.mkdtemp(prefix="vllm_sync_")
+    work = tempfile.mkdtemp(prefix="vllm_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     model_dir = tiny.build_tiny_model(os.path.join(work, "model"), num_layers=args.layers, hidden_size=args.hidden,
                                       intermediate_size=3 * args.hidden)
     model = models.load_pretrained(model_dir)
     params = flops.param_count(model.cfg)
+    bucket_bytes = args.bucket_mb << 20
+    export_rate, copy_rate, n_buckets = export_alone(model, bucket_bytes, work, args.repeats)
     python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1), python=python,
@@ -77,39 +121,48 @@ def main(argv=None):
         if args.sync == "pull":
             from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
             fetchers = [WeightFetcher(os.path.join(work, f"pulled{i}")) for i in range(len(servers))]
-        engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url) for s, f in zip(servers, fetchers)] \
-            if fetchers else [VLLMEngine(s.url, model) for s in servers]
-        seq_total, shared_total, export, reload_max, seq_per = [], [], [], [], []
+        kw = dict(sync_dir=work, bucket_bytes=bucket_bytes)
+        engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url, **kw) for s, f in zip(servers, fetchers)] \
+            if fetchers else [VLLMEngine(s.url, model, **kw) for s in servers]
+        whole, whole_export_s, bucketed, bucketed_export_s, floor = [], [], [], [], []
         version = 0
-        for _ in range(args.repeats):
+        for i in range(args.repeats + 2):  # the first two bucketed syncs allocate the two slots' pages
             version += 1
-            total, per = one_by_one(engines, model, version)
-            seq_total.append(total)
-            seq_per += per
+            total, export_s = whole_export(engines, model, version, work)
             version += 1
-            total, export_s, per = shared(engines, model, version)
-            shared_total.append(total)
-            export.append(export_s)
-            reload_max.append(max(per))
+            report = push_to_servers(engines, model, version)
+            assert report.ok, report.error
+            reload_s = reload_alone(engines)
+            if i >= 2:
+                whole.append(total)
+                whole_export_s.append(export_s)
+                bucketed.append(report.total_s)
+                bucketed_export_s.append(report.export_s)
+                floor.append(reload_s)
     finally:
         for s in servers:
             s.stop()
         for f in fetchers:
             f.close()
+        shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
-    rows = [["one export per server, one server after another", f"{med(seq_total):.3f}",
-             f"per server {med(seq_per):.3f}"],
-            ["one shared export, all servers reload in parallel", f"{med(shared_total):.3f}",
-             f"export {med(export):.3f} + slowest reload {med(reload_max):.3f}"],
-            ["ratio (one after another / shared)", f"{med(seq_total) / med(shared_total):.2f}x", ""]]
-    table = common.markdown_table(["sync to all servers", "seconds (median)", "parts"], rows)
-    common.record(args.record, f"Weight sync to {args.servers} vLLM CPU servers ({args.sync}): shared export vs one "
-                  "per server",
+    gb = params * 4 / 1e9
+    rows = [["whole export, then every server reloads it", f"{med(whole):.2f}",
+             f"export {med(whole_export_s):.2f} s ({gb / med(whole_export_s):.2f} GB/s)",
+             f"{med(whole) / med(floor):.2f}x"],
+            [f"buckets ({n_buckets}), reloaded while the next is written", f"{med(bucketed):.2f}",
+             f"export {med(bucketed_export_s):.2f} s, overlapped", f"{med(bucketed) / med(floor):.2f}x"],
+            ["reload alone (an export already written)", f"{med(floor):.2f}", "the slowest server", "1.00x"],
+            ["export alone, no servers (bucket writer)", f"{gb / export_rate:.2f}",
+             f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s", ""]]
+    table = common.markdown_table(["sync to all servers", "seconds (median)", "parts", "vs reload alone"], rows)
+    common.record(args.record, f"vLLM weight sync to {args.servers} CPU servers ({args.sync}): buckets against a "
+                  "whole export",
                   common.command_line("experiments.benchmarks.vllm_sync_servers", argv),
                   f"random model, {params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), "
-                  f"float32 safetensors in /dev/shm, {args.repeats} syncs each way, alternating; sync = export + "
-                  + ("the fetcher's HTTP copy + " if args.sync == "pull" else "")
-                  + "reload_weights + log-prob probe", table)
+                  f"{gb:.2f} GB float32 safetensors in /dev/shm, {args.repeats} syncs each way after two warm-up "
+                  "syncs, alternating; every sync ends with the log-prob probe"
+                  + (", each server's fetcher copying the export over HTTP" if args.sync == "pull" else ""), table)
 
 
 if __name__ == "__main__":

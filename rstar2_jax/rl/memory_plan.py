@@ -6,8 +6,9 @@ following what the code allocates:
 
 - parameters: float32 master weights, each tensor split by the logical-axis rules over the
   learner's mesh (`sharding.logical_to_spec`; a dimension a mesh axis does not divide stays whole);
-- gradients: float32, the accumulator of the micro-batch scan plus one micro-batch's gradients
-  (one copy when there is one micro-batch);
+- gradients: float32, two copies: the accumulator of the micro-batch scan and one micro-batch's
+  gradients (then the optimizer's update tree); XLA's compiled update holds two with one
+  micro-batch as with several (its memory_analysis: tests/rl/test_memory_plan.py);
 - optimizer: AdamW's two float32 moments;
 - activations: one micro-batch's rows on this device, every sequence padded to rollout.max_len
   (the worst case), in the compute dtype. What each layer keeps for the backward pass depends on
@@ -19,6 +20,11 @@ following what the code allocates:
   (`engine_mesh`; whole on one device with the Pallas decode kernel). None when it shares the
   learner's (float32, one device, one process, on-policy), or when rollouts run on vLLM servers;
 - KV pool: the embedded engine's cache (paged: its pages; else slots x max_len), split by KV heads;
+- sync bucket (vLLM runs): what the weight sync holds beyond the learner's state. One trainer
+  process: the largest export bucket (rollout.vllm_sync_bucket_mb of whole decoder layers,
+  weight_export.py) in the export dtype, split over the learner's mesh as the parameters are.
+  Several processes (or NCCL): a whole float32 copy on each process's first device, gathered for
+  the export (not yet streamed per bucket);
 - allowance: XLA's workspace, compiled programs and fragmentation, taken as 5% of the device (an
   allowance, not a measurement: a device check of the plan against JAX's peak is in SCALING.md).
 
@@ -57,6 +63,7 @@ REMEDIES = {
                       "rollout.engine=vllm (rollouts on other GPUs)",
     "KV pool": "a smaller rollout.kv_memory_gb (paged KV: rollout.page_size), fewer rollout.slots, or "
                "rollout.engine=vllm",
+    "sync bucket": "a smaller rollout.vllm_sync_bucket_mb (with one trainer process per host)",
 }
 
 
@@ -198,8 +205,7 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
     params = shard_bytes(arch, mesh, 4)
     n_params = f"{_param_count(arch) / 1e9:.2f}B parameters"
     lines = [Line("parameters", params, f"float32 master weights, {n_params}, split by the logical-axis rules"),
-             Line("gradients", params * (2 if cfg.rl.micro_batches > 1 else 1),
-                  "float32: accumulator + one micro-batch's" if cfg.rl.micro_batches > 1 else "float32"),
+             Line("gradients", 2 * params, "float32: accumulator + one micro-batch's (then the update tree)"),
              Line("optimizer", 2 * params, "AdamW: two float32 moments")]
     if cfg.rl.kl.enabled:
         lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
@@ -209,7 +215,8 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
     b = jnp.dtype(compute).itemsize
     engine_devices = 1
     if cfg.rollout.engine != "jax":
-        lines += [Line("engine weights", 0.0, "rollouts run on vLLM servers"), Line("KV pool", 0.0, "on the servers")]
+        lines += [Line("engine weights", 0.0, "rollouts run on vLLM servers"), Line("KV pool", 0.0, "on the servers"),
+                  Line("sync bucket", *_sync_bucket(arch, cfg, mesh, devices // devices_per_process))]
     else:
         engine_devices = 1 if cfg.model.decode_attention == "pallas" else devices_per_process
         engine_mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
@@ -237,6 +244,29 @@ def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> 
         positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
     split = arch.num_kv_heads // _split(arch.num_kv_heads, "kv_heads", {"data": 1, "fsdp": 1, "tensor": engine_devices})
     return positions * position / split, f"{what} positions x {position / 2**10:.0f} KiB, split {split} way(s)"
+
+
+def _sync_bucket(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], processes: int) -> tuple[float, str]:
+    """What the vLLM weight sync holds on one device beyond the learner's state."""
+    from flax import nnx
+
+    from rstar2_jax.models.checkpoint import _param_paths, abstract_model
+    from rstar2_jax.rollout.engines.weight_export import model_plan
+
+    r = cfg.rollout
+    if processes > 1 or r.vllm_sync == "nccl":
+        return (float(_param_count(arch) * 4), "a whole float32 copy on each process's first device, gathered for "
+                f"the export ({'NCCL' if r.vllm_sync == 'nccl' else f'{processes} trainer processes'})")
+    model = abstract_model(arch)
+    dtype = DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else jnp.float32
+    plan = model_plan(model, dtype, r.vllm_sync_bucket_mb << 20)
+    axes = {path: getattr(var, "axes", None) for path, var in _param_paths(nnx.state(model, nnx.Param)).items()}
+    per_device = max(sum(int(np.prod(_shard_shape(axes[t.path] or (None,) * len(t.shape), t.shape, mesh)))
+                         for t in b.tensors) for b in plan.buckets)
+    itemsize = jnp.dtype(dtype).itemsize
+    return (float(per_device * itemsize), f"the largest of {len(plan.buckets)} export buckets "
+            f"({plan.largest_bucket / GiB:.2f} GiB {jnp.dtype(dtype).name}, whole decoder layers) split like the "
+            "parameters")
 
 
 def _param_count(arch: ModelConfig) -> int:

@@ -134,3 +134,61 @@ def test_a_kl_reference_and_mini_batches_are_counted(tmp_path):
     act = 28 * tokens * 1024 * 2 + tokens * 2 * (3 * 1024 + 2048 + 2 * 1024 + 2048 + 3 * 3072) * 2 \
         + 2 * 4 * 512 * 151_936 * 4
     assert plan.line("activations").bytes == act
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_update_s_persistent_lines_are_what_xla_allocates(micro_batches):
+    """The plan's parameters, optimizer and gradients lines against XLA's own accounting of the
+    compiled update (memory_analysis on CPU): its arguments are the parameters, the optimizer's
+    moments and the batch, byte for byte; its temporaries, on a model whose weights dominate
+    (short rows), are the two float32 gradient trees (the scan's accumulator and one micro-batch's,
+    then the update tree) whether there is one micro-batch or several. Before issue 38 the plan
+    counted one gradient copy with one micro-batch: this test failed on it (micro_batches=1)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from experiments import tiny_arith
+    from rstar2_jax.learner import Learner, LearnerConfig
+    from rstar2_jax.learner.train_step import UpdateConfig
+    from rstar2_jax.models.decoder import Decoder
+    from rstar2_jax.rl.memory_plan import architecture
+
+    rows, seq = 4, 32
+    c = tiny_arith.get_config()
+    c.model.tiny_layers, c.model.tiny_hidden = 4, 512
+    c.rl.batch_problems, c.rl.group_size, c.rl.micro_batches = rows // 2, 2, micro_batches
+    c.rollout.max_len = seq
+    c.stages = [{**stage, "max_response_tokens": seq // 2} for stage in c.stages]
+    cfg, problems = RunConfig.parse(c.to_dict())
+    assert not problems, problems
+    arch = architecture(cfg)
+    plan = memory_plan(arch, cfg, devices=1, devices_per_process=1, capacity=None)
+    learner = Learner(Decoder(arch, dtype=jnp.float32, rngs=nnx.Rngs(0)),
+                      LearnerConfig(update=UpdateConfig(micro_batches=micro_batches)))
+    batch = {"tokens": np.zeros((rows, seq), np.int32), "loss_mask": np.ones((rows, seq), np.float32),
+             "advantages": np.ones((rows,), np.float32), "old_logprobs": np.zeros((rows, seq), np.float32)}
+    compiled = learner._train.lower(learner.state, {k: jnp.asarray(v) for k, v in batch.items()}).compile()
+    analysis = compiled.memory_analysis()
+    state = plan.line("parameters").bytes + plan.line("optimizer").bytes
+    # the optimizer's step counter (a few bytes) aside, exact
+    assert abs(analysis.argument_size_in_bytes - sum(v.nbytes for v in batch.values()) - state) < 1024
+    gradients = plan.line("gradients").bytes
+    assert gradients == 2 * plan.line("parameters").bytes
+    # the activations of 4 x 32 tokens are under 1% of the gradients here: the temporaries are the gradients
+    assert abs(analysis.temp_size_in_bytes - gradients) < 0.01 * gradients, (analysis.temp_size_in_bytes, gradients)
+
+
+def test_a_vllm_run_counts_what_its_weight_sync_holds(tmp_path):
+    """Rollouts on vLLM servers: no engine weights or KV on the learner's devices, but the weight
+    sync's bucket (one trainer process), or the whole float32 copy several processes still gather."""
+    cfg = _cfg(qwen3_0p6b_math, tmp_path, rollout__engine="vllm", rollout__vllm_urls=("http://127.0.0.1:8100",),
+               rollout__vllm_export_dtype="bfloat16", rollout__page_size=0, rollout__kv_memory_gb=0.0, rollout__kv_pages=0)
+    plan = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
+    assert plan.line("engine weights").bytes == plan.line("KV pool").bytes == 0
+    # Qwen3-0.6B in bf16: a layer is 15,730,944 parameters (31,461,888 bytes), the tied embedding and
+    # final norm 155,583,488. 512 MiB buckets: the top and 7 layers, then 17 layers (534,852,096 bytes), then 4
+    assert plan.line("sync bucket").bytes == 17 * 15_730_944 * 2
+    assert "the largest of 3 export buckets" in plan.line("sync bucket").how
+    several = memory_plan(shape("qwen3_0p6b"), cfg, devices=8, devices_per_process=1, capacity=76 * GiB)
+    assert several.line("sync bucket").bytes == 596_049_920 * 4 and "8 trainer processes" in several.line("sync bucket").how
