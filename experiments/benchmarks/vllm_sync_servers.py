@@ -37,7 +37,7 @@ from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
 from rstar2_jax.rollout.engines import weight_export
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,9 +57,10 @@ def whole_export(engines, model, version, work):
     export_s = time.perf_counter() - start
     with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
         list(pool.map(lambda e: e._reload(target, version), engines))
-    for e in engines:
-        e.version = version
-        e.check_sync(model)
+        for e in engines:
+            e.version = version
+        reference = probe_logprobs(model, engines[0]._probe_tokens)  # the same probes as push_to_servers
+        list(pool.map(lambda e: e.check_sync(model, reference), engines))
     total = time.perf_counter() - start
     shutil.rmtree(target, ignore_errors=True)
     return total, export_s
@@ -99,7 +100,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bucket_mb", type=int, default=512)
+    p.add_argument("--bucket_mb", default="512", help="bucket sizes to compare, comma-separated (MiB)")
     p.add_argument("--sync", choices=("files", "pull"), default="files")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
@@ -108,8 +109,8 @@ def main(argv=None):
                                       intermediate_size=3 * args.hidden)
     model = models.load_pretrained(model_dir)
     params = flops.param_count(model.cfg)
-    bucket_bytes = args.bucket_mb << 20
-    export_rate, copy_rate, n_buckets = export_alone(model, bucket_bytes, work, args.repeats)
+    sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
+    export_rate, copy_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
     python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1), python=python,
@@ -121,24 +122,31 @@ def main(argv=None):
         if args.sync == "pull":
             from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
             fetchers = [WeightFetcher(os.path.join(work, f"pulled{i}")) for i in range(len(servers))]
-        kw = dict(sync_dir=work, bucket_bytes=bucket_bytes)
+        kw = dict(sync_dir=work, bucket_bytes=sizes[0])
         engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url, **kw) for s, f in zip(servers, fetchers)] \
             if fetchers else [VLLMEngine(s.url, model, **kw) for s in servers]
-        whole, whole_export_s, bucketed, bucketed_export_s, floor = [], [], [], [], []
+        whole, whole_export_s, floor = [], [], []
+        bucketed = {size: [] for size in sizes}
         version = 0
-        for i in range(args.repeats + 2):  # the first two bucketed syncs allocate the two slots' pages
-            version += 1
-            total, export_s = whole_export(engines, model, version, work)
-            version += 1
-            report = push_to_servers(engines, model, version)
-            assert report.ok, report.error
-            reload_s = reload_alone(engines)
-            if i >= 2:
-                whole.append(total)
-                whole_export_s.append(export_s)
-                bucketed.append(report.total_s)
-                bucketed_export_s.append(report.export_s)
-                floor.append(reload_s)
+        for size in sizes:
+            for e in engines:
+                e.bucket_bytes = size
+            for i in range(args.repeats + 2):  # the first two syncs of a size allocate the two slots' pages
+                if i >= 2:
+                    version += 1
+                    total, export_s = whole_export(engines, model, version, work)
+                    whole.append(total)
+                    whole_export_s.append(export_s)
+                version += 1
+                report = push_to_servers(engines, model, version)
+                assert report.ok, report.error
+                if i >= 2:
+                    bucketed[size].append(report)
+                    floor.append(reload_alone(engines))
+    except BaseException:
+        for s in servers:  # why a server failed is in its log, which goes with the work directory
+            print(f"--- {s.log_path}\n" + "".join(open(s.log_path, errors="replace").readlines()[-40:]))
+        raise
     finally:
         for s in servers:
             s.stop()
@@ -150,10 +158,12 @@ def main(argv=None):
     rows = [["whole export, then every server reloads it", f"{med(whole):.2f}",
              f"export {med(whole_export_s):.2f} s ({gb / med(whole_export_s):.2f} GB/s)",
              f"{med(whole) / med(floor):.2f}x"],
-            [f"buckets ({n_buckets}), reloaded while the next is written", f"{med(bucketed):.2f}",
-             f"export {med(bucketed_export_s):.2f} s, overlapped", f"{med(bucketed) / med(floor):.2f}x"],
+            *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, each reloaded while the next is written",
+               f"{med(x.total_s for x in r):.2f}", f"export {med(x.export_s for x in r):.2f} s, all reloaded at "
+               f"{med(x.reload_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s",
+               f"{med(x.total_s for x in r) / med(floor):.2f}x"] for size, r in bucketed.items()],
             ["reload alone (an export already written)", f"{med(floor):.2f}", "the slowest server", "1.00x"],
-            ["export alone, no servers (bucket writer)", f"{gb / export_rate:.2f}",
+            [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}",
              f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s", ""]]
     table = common.markdown_table(["sync to all servers", "seconds (median)", "parts", "vs reload alone"], rows)
     common.record(args.record, f"vLLM weight sync to {args.servers} CPU servers ({args.sync}): buckets against a "

@@ -6,25 +6,34 @@ following what the code allocates:
 
 - parameters: float32 master weights, each tensor split by the logical-axis rules over the
   learner's mesh (`sharding.logical_to_spec`; a dimension a mesh axis does not divide stays whole);
-- gradients: float32, two copies: the accumulator of the micro-batch scan and one micro-batch's
-  gradients (then the optimizer's update tree); XLA's compiled update holds two with one
-  micro-batch as with several (its memory_analysis: tests/rl/test_memory_plan.py);
+- gradients: float32. The backward forms a layer's gradients as it frees that layer's
+  activations, so at the peak (the start of the backward) only the first ones formed, the LM
+  head's (the largest tensor), sit beside the activations; with several micro-batches the
+  accumulator (a whole float32 copy) is held through every micro-batch as well. The optimizer's
+  update is fused into the parameters in place (they are donated);
 - optimizer: AdamW's two float32 moments;
 - activations: one micro-batch's rows on this device, every sequence padded to rollout.max_len
   (the worst case), in the compute dtype. What each layer keeps for the backward pass depends on
   model.remat (none: every intermediate; dots: the matmul outputs; full: the layer's input), plus
   one layer's working set while its gradient is formed (values and their cotangents), plus the
   score matrices of XLA attention (float32; cuDNN's flash attention keeps none), plus one chunk of
-  float32 logits and their cotangent (models/logprobs.py);
+  float32 logits (models/logprobs.py; their cotangent is cast to the compute dtype in place);
+
+The gradient and activation lines are calibrated against XLA:GPU: on an H200, the plan's total
+came within 6% of the compiled update's arguments + temporaries (memory_analysis) for Qwen3-0.6B
+and 1.7B at 4-8 rows x 4096, one and two micro-batches (BENCHMARKS.md "Memory plan against JAX on
+one GPU"; the sum of every line was 1.21-1.45x before). XLA:CPU schedules differently (it keeps
+two gradient-sized trees and gains nothing from remat), so CPU tests check the state and sync
+lines, which are exact on both;
 - engine weights: the embedded engine's copy in the compute dtype, split over the process's devices
   (`engine_mesh`; whole on one device with the Pallas decode kernel). None when it shares the
   learner's (float32, one device, one process, on-policy), or when rollouts run on vLLM servers;
 - KV pool: the embedded engine's cache (paged: its pages; else slots x max_len), split by KV heads;
-- sync bucket (vLLM runs): what the weight sync holds beyond the learner's state. One trainer
-  process: the largest export bucket (rollout.vllm_sync_bucket_mb of whole decoder layers,
-  weight_export.py) in the export dtype, split over the learner's mesh as the parameters are.
-  Several processes (or NCCL): a whole float32 copy on each process's first device, gathered for
-  the export (not yet streamed per bucket);
+- weight sync (vLLM runs): what the sync holds on a device beyond the learner's state. One trainer
+  process: two tensors in the export dtype (the one being copied to the host and the next being
+  laid out: weight_export.host_tensors), the two largest, split over the learner's mesh as the
+  parameters are; the export's buckets live in host memory. Several processes (or NCCL): a whole
+  float32 copy on each process's first device, gathered for the export (not yet streamed);
 - allowance: XLA's workspace, compiled programs and fragmentation, taken as 5% of the device (an
   allowance, not a measurement: a device check of the plan against JAX's peak is in SCALING.md).
 
@@ -63,7 +72,7 @@ REMEDIES = {
                       "rollout.engine=vllm (rollouts on other GPUs)",
     "KV pool": "a smaller rollout.kv_memory_gb (paged KV: rollout.page_size), fewer rollout.slots, or "
                "rollout.engine=vllm",
-    "sync bucket": "a smaller rollout.vllm_sync_bucket_mb (with one trainer process per host)",
+    "weight sync": "one trainer process per host (it streams the export two tensors at a time)",
 }
 
 
@@ -190,7 +199,7 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
     if cfg.model.attention == "xla":                     # [heads, S, S] float32 per row
         per_layer_scores = rows * _split(arch.num_heads, "q_heads", mesh) * seq * seq * 4
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
-    logits = 2 * rows * min(LOGPROB_CHUNK, seq) * vocab * 4
+    logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
     how = (f"{rows} row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
            f"attention{' (score matrices ' + f'{scores / GiB:.1f} GiB)' if scores else ''}")
@@ -205,7 +214,7 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
     params = shard_bytes(arch, mesh, 4)
     n_params = f"{_param_count(arch) / 1e9:.2f}B parameters"
     lines = [Line("parameters", params, f"float32 master weights, {n_params}, split by the logical-axis rules"),
-             Line("gradients", 2 * params, "float32: accumulator + one micro-batch's (then the update tree)"),
+             Line("gradients", *_gradient_bytes(arch, cfg, mesh, params)),
              Line("optimizer", 2 * params, "AdamW: two float32 moments")]
     if cfg.rl.kl.enabled:
         lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
@@ -216,7 +225,7 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
     engine_devices = 1
     if cfg.rollout.engine != "jax":
         lines += [Line("engine weights", 0.0, "rollouts run on vLLM servers"), Line("KV pool", 0.0, "on the servers"),
-                  Line("sync bucket", *_sync_bucket(arch, cfg, mesh, devices // devices_per_process))]
+                  Line("weight sync", *_sync_window(arch, cfg, mesh, devices // devices_per_process))]
     else:
         engine_devices = 1 if cfg.model.decode_attention == "pallas" else devices_per_process
         engine_mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
@@ -230,6 +239,16 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
         lines.append(Line("allowance", ALLOWANCE_FRACTION * capacity,
                           f"{ALLOWANCE_FRACTION:.0%} of the device: XLA workspace, programs, fragmentation"))
     return MemoryPlan(tuple(lines), capacity, mesh, engine_devices)
+
+
+def _gradient_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], params: float) -> tuple[float, str]:
+    """Gradients at the update's peak (module docstring): the LM head's, plus the accumulator
+    with several micro-batches."""
+    head = _shard_shape(("embed", "vocab"), (arch.hidden_size, arch.vocab_size), mesh)
+    first = float(np.prod(head) * 4)
+    if cfg.rl.micro_batches > 1:
+        return params + first, "float32: the accumulator + the LM head's of the micro-batch under way"
+    return first, "float32: the LM head's, formed first (the rest as the backward frees activations)"
 
 
 def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> tuple[float, str]:
@@ -246,27 +265,23 @@ def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> 
     return positions * position / split, f"{what} positions x {position / 2**10:.0f} KiB, split {split} way(s)"
 
 
-def _sync_bucket(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], processes: int) -> tuple[float, str]:
+def _sync_window(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], processes: int) -> tuple[float, str]:
     """What the vLLM weight sync holds on one device beyond the learner's state."""
     from flax import nnx
 
-    from rstar2_jax.models.checkpoint import _param_paths, abstract_model
-    from rstar2_jax.rollout.engines.weight_export import model_plan
+    from rstar2_jax.models.checkpoint import abstract_model
 
     r = cfg.rollout
     if processes > 1 or r.vllm_sync == "nccl":
         return (float(_param_count(arch) * 4), "a whole float32 copy on each process's first device, gathered for "
                 f"the export ({'NCCL' if r.vllm_sync == 'nccl' else f'{processes} trainer processes'})")
-    model = abstract_model(arch)
     dtype = DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else jnp.float32
-    plan = model_plan(model, dtype, r.vllm_sync_bucket_mb << 20)
-    axes = {path: getattr(var, "axes", None) for path, var in _param_paths(nnx.state(model, nnx.Param)).items()}
-    per_device = max(sum(int(np.prod(_shard_shape(axes[t.path] or (None,) * len(t.shape), t.shape, mesh)))
-                         for t in b.tensors) for b in plan.buckets)
-    itemsize = jnp.dtype(dtype).itemsize
-    return (float(per_device * itemsize), f"the largest of {len(plan.buckets)} export buckets "
-            f"({plan.largest_bucket / GiB:.2f} GiB {jnp.dtype(dtype).name}, whole decoder layers) split like the "
-            "parameters")
+    shards = sorted(int(np.prod(_shard_shape(getattr(var, "axes", None) or (None,) * len(var.get_value().shape),
+                                             var.get_value().shape, mesh)))
+                    for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)))
+    return (float(sum(shards[-2:]) * jnp.dtype(dtype).itemsize),
+            f"the export's two largest tensors in {jnp.dtype(dtype).name}, split like the parameters (its "
+            f"{r.vllm_sync_bucket_mb} MiB buckets are host memory)")
 
 
 def _param_count(arch: ModelConfig) -> int:

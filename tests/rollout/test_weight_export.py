@@ -118,3 +118,44 @@ def test_buckets_hold_whole_layers_every_tensor_once_within_their_size(layers, h
 def test_a_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_bytes"):
         we.export_plan({"embed": (4, 4)}, np.float32, 0)
+
+
+@pytest.mark.slow  # a subprocess with 8 fake CPU devices (~20 s)
+def test_the_export_holds_no_more_than_the_plan_s_weight_sync_line():
+    """Parameters sharded over 8 devices, exported in bf16: the bytes of live arrays on any device
+    beyond the parameters, sampled at every tensor handed to the writer, stay within the memory
+    plan's weight-sync line (two of the largest tensors), on the accelerator path (the device lays
+    each tensor out) and on the CPU one. Dispatching a bucket's tensors all at once (the first
+    version of weight_export) held the whole bf16 model here: 3.9x the line; laying a sharded
+    tensor out on the devices replicated each copy: 9.9x."""
+    from tests.fake_devices import run_on_8_fake_devices
+
+    for r in run_on_8_fake_devices("tests.rollout.export_memory_main"):
+        assert r["sharded"] and r["buckets"] == 1 and r["equal"], r  # and what it wrote is the model
+        assert 0.5 * r["line"] <= r["extra"] <= r["line"], r
+
+
+def test_no_room_for_a_bucket_is_a_clear_error_not_a_crash(tmp_path):
+    """A full /dev/shm would kill an mmap writer with SIGBUS; the writer reserves a bucket's pages
+    first and says where to write instead. (The file-size limit stands in for a full tmpfs.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, signal
+        import numpy as np
+        from rstar2_jax.rollout.engines import weight_export as we
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        plan = we.export_plan({{"embed": (1024, 1024)}}, np.float32, 1 << 30)  # 4 MiB
+        try:
+            we.write_bucket({str(tmp_path / "b.safetensors")!r}, plan.buckets[0], [np.ones((1024, 1024), np.float32)],
+                            [True])
+        except OSError as e:
+            print("REFUSED", e)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED" in out.stdout and "rollout.vllm_sync_dir" in out.stdout and "4 MiB" in out.stdout, out.stdout

@@ -58,9 +58,9 @@ class RolloutConfig(Section):
                                  "sync=files, servers on other hosts need a shared filesystem path)")
     vllm_fetch_urls: tuple[str, ...] = setting((), "vllm, sync=pull: the weight fetcher beside each server, in "
                                                "vllm_urls order (python -m rstar2_jax.rollout.serve --fetch_port)")
-    vllm_sync_bucket_mb: int = setting(512, "vllm: the weight sync's bucket (MiB, whole decoder layers): at most "
-                                       "this much beyond the learner's weights is held while syncing, and the "
-                                       "servers reload each bucket while the next is written", min=1)
+    vllm_sync_bucket_mb: int = setting(2048, "vllm: the weight sync's bucket (MiB of whole decoder layers, in host "
+                                       "memory): each server reloads one bucket while the next is written; each "
+                                       "reload has a fixed cost (BENCHMARKS.md 'vLLM weight sync')", min=1)
     vllm_sync_host: str = setting("127.0.0.1", "vllm, sync=pull: the address the fetchers reach this trainer at",
                                   nonempty=True)
 

@@ -7,10 +7,11 @@
         path = writer.write(slot, bucket, params)       # one bucket's file, then the servers load it
     writer.commit(slot)                                 # the newest whole export
 
-Why buckets: the export used to gather every tensor, cast and laid out, then write one file: the
-whole model in the export dtype was held beside the learner's state (59 GB on one GPU for a 14B
-run). Here at most one bucket's tensors in the export dtype are held beyond the learner's own
-state, and the servers reload bucket k while bucket k+1 is written (vllm_engine.push_to_servers).
+Why streaming: the export used to gather every tensor, cast and laid out, then write one file:
+the whole model in the export dtype was held beside the learner's state (59 GB on one GPU for a
+14B run). Here a device holds at most two tensors in the export dtype beyond the learner's own
+state (the one being copied to the host and the next), and the servers reload bucket k while
+bucket k+1 is written (vllm_engine.push_to_servers); a bucket lives in host memory (the file).
 
 Why whole decoder layers per bucket: vLLM's in-place reload processes a layer once every tensor of
 it has arrived (its fused q/k/v and gate/up projections are loaded from several checkpoint tensors),
@@ -36,7 +37,7 @@ import mmap
 import os
 import re
 import shutil
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -164,40 +165,52 @@ def lays_out_on_device() -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
-def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array]) -> tuple[list[np.ndarray], bool]:
-    """The bucket's tensors on the host, and whether they are in the HF layout already (the device
-    lays them out on accelerators; on CPU write_bucket does while writing). Cast on the device
-    either way (half the bytes cross for bf16). Every device computation of the bucket is
-    dispatched before the first is read back, so the device works on tensor k+1 while the host
-    copies tensor k, and at most the bucket is held beyond the learner's state."""
+def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array]) -> Iterator[np.ndarray]:
+    """The bucket's tensors on the host, one after another: in the HF layout when the device lays
+    them out (a tensor on one accelerator; see lays_out_on_device), else in ours (write_bucket
+    transposes: on CPU, and for a tensor split over devices). Cast
+    on the device either way (half the bytes cross for bf16). Tensor k+1's device work is
+    dispatched before tensor k is read back, so the device lays out one while the host copies the
+    other: at most two tensors in the export dtype are held on a device beyond the learner's state."""
     on_device = lays_out_on_device()
-    pending = []
-    for t in bucket.tensors:
+
+    def dispatch(t: ExportTensor):
         x = arrays[t.path]
-        if on_device:
-            x = weight_map.to_hf_on_device(t.spec, x, t.dtype)
-        elif x.dtype != t.dtype:
-            x = x.astype(t.dtype)
-        pending.append(x)
-    return [np.asarray(x) for x in pending], on_device
+        # a tensor split over devices is cast where it lies and laid out by the host: XLA would
+        # replicate the transposed copy on every device (measured: tests/rollout/export_memory_main.py)
+        if on_device and len(x.sharding.device_set) == 1:
+            return weight_map.to_hf_on_device(t.spec, x, t.dtype)
+        return x.astype(t.dtype) if x.dtype != t.dtype else x
+
+    ahead = dispatch(bucket.tensors[0]) if bucket.tensors else None
+    for i in range(len(bucket.tensors)):
+        current, ahead = ahead, dispatch(bucket.tensors[i + 1]) if i + 1 < len(bucket.tensors) else None
+        yield np.asarray(current)
+        del current
 
 
-def write_bucket(path: str, bucket: Bucket, tensors: Sequence[np.ndarray], laid_out: bool):
+def write_bucket(path: str, bucket: Bucket, tensors: Iterable[np.ndarray], laid_out: Sequence[bool]):
     """Write `bucket` to the safetensors file `path`, rewriting in place when it already has this
-    size (its pages exist: memory speed), each tensor straight to its offset; `laid_out`: the
-    tensors are in the HF layout (else ours, transposed here)."""
+    size (its pages exist: memory speed), each tensor straight to its offset; `laid_out[i]`:
+    tensor i is in the HF layout (else ours, transposed here)."""
     header = safetensors_header(bucket)
     size = len(header) + bucket.nbytes
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if os.fstat(fd).st_size != size:
-            os.ftruncate(fd, size)
+            try:  # reserve the pages now: a full tmpfs would otherwise kill the writer with SIGBUS mid-copy
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise OSError(e.errno, f"no room for the weight export's {size / 2**20:.0f} MiB bucket in "
+                                       f"{os.path.dirname(path)} ({e.strerror}): set rollout.vllm_sync_dir to a "
+                                       "larger directory the servers can read") from e
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as mm:
             mm[:len(header)] = header
             offset = len(header)
-            for t, x in zip(bucket.tensors, tensors):
+            for t, x, hf in zip(bucket.tensors, tensors, laid_out):
                 dst = np.frombuffer(mm, np.uint8, t.nbytes, offset).view(t.dtype).reshape(t.hf_shape)
-                if t.spec.kind == "linear" and not laid_out:
+                if t.spec.kind == "linear" and not hf:
                     src = x.reshape(t.hf_shape[::-1])  # ours as [in, out]: transpose while copying
                     for i in range(0, src.shape[0], STRIP_ROWS):
                         np.copyto(dst[:, i:i + STRIP_ROWS], src[i:i + STRIP_ROWS].T)
@@ -236,8 +249,8 @@ class ExportSlots:
 
     def write(self, slot: str, bucket: Bucket, arrays: Mapping[str, jax.Array]) -> str:
         """Bucket `bucket` of `arrays` (our parameter path -> array) into `slot`; its directory."""
-        tensors, laid_out = host_tensors(bucket, arrays)
-        write_bucket(os.path.join(slot, bucket.file_name), bucket, tensors, laid_out)
+        laid_out = [lays_out_on_device() and len(arrays[t.path].sharding.device_set) == 1 for t in bucket.tensors]
+        write_bucket(os.path.join(slot, bucket.file_name), bucket, host_tensors(bucket, arrays), laid_out)
         return os.path.join(slot, bucket.dir_name)
 
     def commit(self, slot: str):
