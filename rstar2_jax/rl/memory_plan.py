@@ -32,8 +32,9 @@ lines, which are exact on both;
 - weight sync (vLLM runs): what the sync holds on a device beyond the learner's state. One trainer
   process: two tensors in the export dtype (the one being copied to the host and the next being
   laid out: weight_export.host_tensors), the two largest, split over the learner's mesh as the
-  parameters are; the export's buckets live in host memory. Several processes (or NCCL): a whole
-  float32 copy on each process's first device, gathered for the export (not yet streamed);
+  parameters are; the export's buckets live in host memory. Several trainer processes: the same
+  two, whole (each tensor is gathered over the processes). NCCL: a whole float32 copy on each
+  process's first device;
 - allowance: XLA's workspace, compiled programs and fragmentation, taken as 5% of the device (an
   allowance, not a measurement: a device check of the plan against JAX's peak is in SCALING.md).
 
@@ -272,15 +273,19 @@ def _sync_window(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], proces
     from rstar2_jax.models.checkpoint import abstract_model
 
     r = cfg.rollout
-    if processes > 1 or r.vllm_sync == "nccl":
-        return (float(_param_count(arch) * 4), "a whole float32 copy on each process's first device, gathered for "
-                f"the export ({'NCCL' if r.vllm_sync == 'nccl' else f'{processes} trainer processes'})")
+    if r.vllm_sync == "nccl":
+        return float(_param_count(arch) * 4), "NCCL: a whole float32 copy on each process's first device"
     dtype = DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else jnp.float32
-    shards = sorted(int(np.prod(_shard_shape(getattr(var, "axes", None) or (None,) * len(var.get_value().shape),
-                                             var.get_value().shape, mesh)))
-                    for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)))
+    name = jnp.dtype(dtype).name
+    shapes = [var.get_value().shape for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param))]
+    axes = [getattr(var, "axes", None) for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param))]
+    if processes > 1:  # each tensor is gathered whole onto every device (weight_export.host_tensors)
+        whole = sorted(int(np.prod(shape)) for shape in shapes)
+        return (float(sum(whole[-2:]) * jnp.dtype(dtype).itemsize),
+                f"the export's two largest tensors in {name}, whole (gathered over {processes} processes)")
+    shards = sorted(int(np.prod(_shard_shape(a or (None,) * len(shape), shape, mesh))) for a, shape in zip(axes, shapes))
     return (float(sum(shards[-2:]) * jnp.dtype(dtype).itemsize),
-            f"the export's two largest tensors in {jnp.dtype(dtype).name}, split like the parameters (its "
+            f"the export's two largest tensors in {name}, split like the parameters (its "
             f"{r.vllm_sync_bucket_mb} MiB buckets are host memory)")
 
 

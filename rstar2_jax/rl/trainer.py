@@ -304,13 +304,14 @@ class RLRun:
         the engine's mesh (`engine_mesh`). The learner's update donates its buffers, so this is
         a copy, except in the one case where sharing is safe and costs nothing: float32, one
         process, one device, on-policy (the engine is idle during updates). vLLM servers get
-        the float32 master weights, cast on export (rollout.vllm_export_dtype): with one trainer
-        process, the learner's own arrays, streamed bucket by bucket (no copy); with several (and
-        for NCCL), still a whole local copy on each process's first device (issue 38: to do)."""
+        the float32 master weights, cast on export (rollout.vllm_export_dtype): the learner's own
+        arrays, streamed tensor by tensor (no copy); for NCCL, still a whole local copy on each
+        process's first device."""
         params = self.learner.model_state()
-        if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.vllm_sync != "nccl" and jax.process_count() == 1:
-            # streamed to the servers bucket by bucket from the learner's own arrays (weight_export.py),
-            # which the sync is done with before the next update donates them
+        if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.vllm_sync != "nccl":
+            # streamed to the servers tensor by tensor from the learner's own arrays (weight_export.py;
+            # split over processes, each tensor is gathered by all), which the sync is done with
+            # before the next update donates them
             return params
         dtype = DTYPES[self.cfg.model.dtype] if self.cfg.rollout.engine == "jax" else None
         mesh = engine_mesh(self.cfg.model.decode_attention) if self.cfg.rollout.engine == "jax" else None
@@ -559,20 +560,27 @@ class RLRun:
         if not engine.weights_on_servers:
             engine.update_weights(params, version)
             return
-        if processes.is_primary():
-            await asyncio.to_thread(engine.update_weights, params, version)
-            if engine.version != version:  # a sync that failed part-way left the servers on their weights: again
-                self.sync_failures += 1
-                log.warning("weights v%d did not reach the servers (%s); syncing again", version,
-                            getattr(getattr(engine, "last_sync", None), "error", "?"))
+        for attempt in (1, 2):  # a sync that failed part-way left the servers on their weights: once more
+            if processes.is_primary():
                 await asyncio.to_thread(engine.update_weights, params, version)
-                if engine.version != version:
-                    raise RuntimeError(f"weights v{version} could not reach the vLLM servers twice in a row: "
-                                       f"{getattr(getattr(engine, 'last_sync', None), 'error', '?')} (the servers "
-                                       "answer with their previous weights; see the trainer's and servers' logs)")
-        processes.barrier(f"weights v{version} on the servers")
+                outcome = (engine.version == version, engine.synced_dirs(),
+                           getattr(getattr(engine, "last_sync", None), "error", None))
+            else:  # the parameters may be split over processes: the export's gathers need every process
+                await asyncio.to_thread(engine.take_part_in_sync, params)
+                outcome = None
+            # what the primary's sync did, on every process (also the barrier: no token is stamped
+            # with a version its server does not have yet)
+            landed, synced, error = processes.gather_shares([outcome] if processes.is_primary() else [], 1)[0]
+            if landed:
+                break
+            self.sync_failures += 1
+            log.warning("weights v%d did not reach the servers (%s)%s", version, error,
+                        "; syncing again" if attempt == 1 else "")
+        else:
+            raise RuntimeError(f"weights v{version} could not reach the vLLM servers twice in a row: {error} (the "
+                               "servers answer with their previous weights; see the trainer's and servers' logs)")
         if not processes.is_primary():
-            engine.adopt_weights(params, version)
+            engine.adopt_weights(params, version, synced)
 
 
 def resumed_counts(journal: StepJournal) -> dict[str, int]:

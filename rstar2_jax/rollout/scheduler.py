@@ -81,21 +81,37 @@ class Scheduler(Engine):
     def update_weights(self, params, version: int | None = None) -> None:
         """vLLM servers that sync through files share one export and reload in parallel; other
         engines (NCCL sync, embedded) are updated one by one."""
-        from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
+        from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
 
         version = self.version + 1 if version is None else version
-        shared = [e for e in self.engines if isinstance(e, VLLMEngine) and e.sync in ("files", "pull")]
-        if len(shared) > 1 and len({e.export_dtype for e in shared}) == 1:
+        shared = self._shared()
+        if shared:
             push_to_servers(shared, params, version)
-        else:
-            shared = []
         for e in self.engines:
             if e not in shared:
                 e.update_weights(params, version)
 
-    def adopt_weights(self, params, version: int) -> None:
+    def adopt_weights(self, params, version: int, synced: dict[str, str] | None = None) -> None:
         for e in self.engines:
-            e.adopt_weights(params, version)
+            e.adopt_weights(params, version, synced)
+
+    def take_part_in_sync(self, params) -> None:
+        """update_weights' collectives, in its order, in a process that does not push."""
+        shared = self._shared()
+        if shared:
+            shared[0].take_part_in_sync(params)
+        for e in self.engines:
+            if e not in shared:
+                e.take_part_in_sync(params)
+
+    def synced_dirs(self) -> dict[str, str]:
+        return {url: d for e in self.engines for url, d in e.synced_dirs().items()}
+
+    def _shared(self) -> list:
+        """The vLLM engines that share one export (push_to_servers): those syncing by files or pull."""
+        from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+        shared = [e for e in self.engines if isinstance(e, VLLMEngine) and e.sync in ("files", "pull")]
+        return shared if len(shared) > 1 and len({e.export_dtype for e in shared}) == 1 else []
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:

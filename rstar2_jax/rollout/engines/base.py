@@ -110,10 +110,19 @@ class Engine(abc.ABC):
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Sample with `params` (an nnx.State of the model's Params) from now on."""
 
-    def adopt_weights(self, params: Any, version: int) -> None:
+    def adopt_weights(self, params: Any, version: int, synced: dict[str, str] | None = None) -> None:
         """Another process pushed `params` as `version` to the servers this engine shares: take
-        the version on (engines whose weights are their own just update)."""
+        the version on (`synced`: the directory each server reloaded them from, by URL). Engines
+        whose weights are their own just update."""
         self.update_weights(params, version)
+
+    def take_part_in_sync(self, params: Any) -> None:
+        """While another process pushes `params` (split over processes) to shared servers: the
+        same collectives. Engines whose weights are their own take no part."""
+
+    def synced_dirs(self) -> dict[str, str]:
+        """Where each server (by URL) reloaded its current weights from, for the other processes."""
+        return {}
 
     @abc.abstractmethod
     def load(self) -> ServerLoad:

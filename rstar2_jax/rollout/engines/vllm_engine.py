@@ -57,7 +57,7 @@ from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
-from rstar2_jax.rollout.engines.weight_export import ExportPlan, ExportSlots, model_plan, param_arrays
+from rstar2_jax.rollout.engines.weight_export import ExportPlan, ExportSlots, model_plan, param_arrays, take_part
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -296,12 +296,26 @@ class VLLMEngine(Engine):
         if self._synced_dir:
             self._reload_part(self._synced_dir)
 
-    def adopt_weights(self, params: Any, version: int) -> None:
-        """Another process pushed these weights to the server: stamp tokens with `version` and
-        keep the weights to restore after a server restart (this engine then exports its own)."""
-        self._synced_model = self.as_model(params)
-        self._synced_dir = None
+    def adopt_weights(self, params: Any, version: int, synced: dict[str, str] | None = None) -> None:
+        """Another process pushed these weights to the server: stamp tokens with `version`. To
+        restore a restarted server: the directory the server reloaded them from (`synced`, by
+        server URL, which the server can read whichever process asks), else the weights (this
+        engine then exports its own)."""
+        if synced and self.url in synced:
+            self._synced_model, self._synced_dir = None, synced[self.url]
+        else:
+            self._synced_model, self._synced_dir = self.as_model(params), None
         self.version = version
+
+    def take_part_in_sync(self, params: Any) -> None:
+        """A trainer process other than the one that pushes, while it pushes `params` split over
+        processes: the same collectives (push_to_servers), nothing sent."""
+        model = self.as_model(params)
+        probe_logprobs(model, self._probe_tokens)
+        take_part(self.export_plan(model), param_arrays(model))
+
+    def synced_dirs(self) -> dict[str, str]:
+        return {self.url: self._synced_dir} if self._synced_dir else {}
 
     def _sync_nccl(self, model: Decoder, version: int) -> bool:
         """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the files path."""
@@ -356,7 +370,11 @@ def probe_logprobs(model: Decoder, tokens: Sequence[int]) -> np.ndarray:
     Compiled once per architecture: op by op it cost 0.2 s of CPU per sync for a 0.3B model,
     against the reloads it runs beside."""
     graphdef, params = nnx.split(model)
-    return np.asarray(_probe_jit(graphdef, params, jnp.asarray([list(tokens)], jnp.int32)))[0, 1:]
+    out = _probe_jit(graphdef, params, jnp.asarray([list(tokens)], jnp.int32))
+    if not out.is_fully_addressable:  # parameters split over processes: every process runs this
+        from rstar2_jax.sharding import gathered
+        out = gathered(out).addressable_data(0)
+    return np.asarray(out)[0, 1:]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -424,9 +442,13 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     arrays = param_arrays(model)
     report = SyncReport(version, len(plan.buckets), plan.nbytes)
     start = time.perf_counter()
+    # the probe's reference first, while the servers still generate (and, with several trainer
+    # processes, in the same order of collectives as take_part_in_sync)
+    reference = probe_logprobs(model, lead._probe_tokens)
     slot = lead.slots.begin(plan)
     paused: list[VLLMEngine] = []
     landed: dict[VLLMEngine, str] = {}
+    written = 0
     queues = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-sync") for e in engines}
     try:
         for e in engines:
@@ -435,16 +457,13 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
         # one queue per server: it reloads the buckets in order, bucket k while k+1 is written
         pending: list[concurrent.futures.Future] = []
         for bucket in plan.buckets:
+            written = bucket.index + 1  # write() takes part in all of its bucket's gathers, even failing
             bucket_dir = lead.slots.write(slot, bucket, arrays)
             pending += [queues[e].submit(e._reload_part, bucket_dir) for e in engines if e.sync == "files"]
             if any(f.done() and f.exception() for f in pending):
                 break  # a server already failed: stop writing
         report.export_s = time.perf_counter() - start
         fetched = {e: queues[e].submit(e._fetch_and_reload, slot, plan, version) for e in engines if e.sync == "pull"}
-        # the probe's reference, from the learner's weights, while the servers reload
-        reference_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-probe")
-        ours = reference_pool.submit(probe_logprobs, model, lead._probe_tokens)
-        reference_pool.shutdown(wait=False)
         for f in pending:
             f.result()
         landed = {e: (fetched[e].result() if e in fetched else slot) for e in engines}
@@ -453,6 +472,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
             e._publish(version)
     except Exception as err:  # noqa: BLE001 - any failure: every server back on its last weights
         report.error = f"{type(err).__name__}: {err}"
+        take_part(plan, arrays, start=written)  # the other trainer processes gather every tensor: so must this one
         log.error("weight sync v%d failed (%s); the servers keep their weights (v%s)", version, report.error,
                   ", v".join(str(e.version) for e in engines))
         for e in paused:
@@ -477,7 +497,6 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
         for e in engines:
             e._synced_dir, e._synced_model, e.version = landed[e], None, version
         probed = time.perf_counter()
-        reference = ours.result()
         with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-probe") as pool:
             for f in [pool.submit(e.check_sync, model, reference) for e in engines]:
                 f.result()

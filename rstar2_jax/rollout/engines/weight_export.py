@@ -165,28 +165,49 @@ def lays_out_on_device() -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
-def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array]) -> Iterator[np.ndarray]:
+def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool = True) -> Iterator[np.ndarray | None]:
     """The bucket's tensors on the host, one after another: in the HF layout when the device lays
     them out (a tensor on one accelerator; see lays_out_on_device), else in ours (write_bucket
     transposes: on CPU, and for a tensor split over devices). Cast
     on the device either way (half the bytes cross for bf16). Tensor k+1's device work is
     dispatched before tensor k is read back, so the device lays out one while the host copies the
-    other: at most two tensors in the export dtype are held on a device beyond the learner's state."""
+    other: at most two tensors in the export dtype are held on a device beyond the learner's state
+    (whole, when the parameters are split over processes: each is gathered; to_host=False: only
+    that, for a process that does not write)."""
     on_device = lays_out_on_device()
 
     def dispatch(t: ExportTensor):
         x = arrays[t.path]
         # a tensor split over devices is cast where it lies and laid out by the host: XLA would
         # replicate the transposed copy on every device (measured: tests/rollout/export_memory_main.py)
-        if on_device and len(x.sharding.device_set) == 1:
+        if on_device and is_on_one_device(x):
             return weight_map.to_hf_on_device(t.spec, x, t.dtype)
-        return x.astype(t.dtype) if x.dtype != t.dtype else x
+        x = x.astype(t.dtype) if x.dtype != t.dtype else x
+        if not x.is_fully_addressable:  # split over processes: every process takes part in the gather
+            from rstar2_jax.sharding import gathered
+            x = gathered(x).addressable_data(0)
+        return x
 
     ahead = dispatch(bucket.tensors[0]) if bucket.tensors else None
     for i in range(len(bucket.tensors)):
         current, ahead = ahead, dispatch(bucket.tensors[i + 1]) if i + 1 < len(bucket.tensors) else None
-        yield np.asarray(current)
+        yield np.asarray(current) if to_host else None
         del current
+
+
+def is_on_one_device(x: jax.Array) -> bool:
+    return len(x.sharding.device_set) == 1
+
+
+def take_part(plan: ExportPlan, arrays: Mapping[str, jax.Array], start: int = 0):
+    """The export's collectives without the export, from bucket `start` on: what a trainer process
+    other than the one that writes runs (the parameters are split over processes, so each tensor
+    is gathered by all of them, in the same order), and what the writer runs after a failure."""
+    if jax.process_count() == 1:
+        return
+    for bucket in plan.buckets[start:]:
+        for _ in host_tensors(bucket, arrays, to_host=False):
+            pass
 
 
 def write_bucket(path: str, bucket: Bucket, tensors: Iterable[np.ndarray], laid_out: Sequence[bool]):
@@ -249,8 +270,13 @@ class ExportSlots:
 
     def write(self, slot: str, bucket: Bucket, arrays: Mapping[str, jax.Array]) -> str:
         """Bucket `bucket` of `arrays` (our parameter path -> array) into `slot`; its directory."""
-        laid_out = [lays_out_on_device() and len(arrays[t.path].sharding.device_set) == 1 for t in bucket.tensors]
-        write_bucket(os.path.join(slot, bucket.file_name), bucket, host_tensors(bucket, arrays), laid_out)
+        laid_out = [lays_out_on_device() and is_on_one_device(arrays[t.path]) for t in bucket.tensors]
+        tensors = host_tensors(bucket, arrays)
+        try:
+            write_bucket(os.path.join(slot, bucket.file_name), bucket, tensors, laid_out)
+        finally:
+            for _ in tensors:  # a failed write still takes part in the rest of the bucket's gathers
+                pass
         return os.path.join(slot, bucket.dir_name)
 
     def commit(self, slot: str):
