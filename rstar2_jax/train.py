@@ -39,7 +39,7 @@ def main(argv):
     from absl import app
 
     from rstar2_jax.rl.memory_plan import MemoryPlanError, plan_for_launch
-    from rstar2_jax.rl.plan import describe_fields, describe_plan
+    from rstar2_jax.rl.plan import SyncPlanError, describe_fields, describe_plan, sync_refusal
     from rstar2_jax.rl.run_dir import RunDirectory
     from rstar2_jax.rl.trainer import format_results, run, validate
 
@@ -62,6 +62,8 @@ def main(argv):
         print(memory.table())
         if memory.refusal():
             raise MemoryPlanError(memory.refusal())
+        if sync_refusal(run_cfg):
+            raise SyncPlanError(sync_refusal(run_cfg))
         return
     # every process refuses a mismatching run directory here, before the job starts
     RunDirectory(_WORKDIR.value, create=False).check_config(run_cfg.to_dict(), _CONFIG_MISMATCH.value)
@@ -73,6 +75,8 @@ def main(argv):
     refusal = plan_for_launch(run_cfg, jax.process_count()).refusal()  # before any weight is loaded
     if refusal:
         raise MemoryPlanError(refusal)
+    if sync_refusal(run_cfg):
+        raise SyncPlanError(sync_refusal(run_cfg))
     try:
         results = run(cfg, _WORKDIR.value, config_mismatch=_CONFIG_MISMATCH.value)
     except BaseException:
@@ -102,5 +106,6 @@ def stop_job():
 
 if __name__ == "__main__":
     from rstar2_jax.rl.memory_plan import MemoryPlanError
+    from rstar2_jax.rl.plan import SyncPlanError
     from rstar2_jax.rl.run_dir import ConfigMismatchError
-    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError, MemoryPlanError))
+    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError, MemoryPlanError, SyncPlanError))

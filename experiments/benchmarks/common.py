@@ -102,3 +102,23 @@ def record(path: str | None, title: str, command: str, config: str, table: str, 
         text = text.rstrip("\n") + "\n\n" + block
     with open(path, "w") as f:
         f.write(text)
+
+def weight_export_rate(model, dtype, bucket_bytes: int, root: str, repeats: int = 3) -> tuple[int, float, int]:
+    """The vLLM sync's bucket writer alone (rollout/engines/weight_export.py), with both of its
+    slots warm (the first use of each allocates its pages): (bytes written, GB/s median, buckets)."""
+    from rstar2_jax.rollout.engines import weight_export
+
+    plan = weight_export.model_plan(model, dtype, bucket_bytes)
+    slots = weight_export.ExportSlots(root)
+    arrays = weight_export.param_arrays(model)
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        slot = slots.begin(plan)
+        for b in plan.buckets:
+            slots.write(slot, b, arrays)
+        slots.commit(slot)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    slots.close()
+    return plan.nbytes, plan.nbytes / statistics.median(times) / 1e9, len(plan.buckets)

@@ -18,7 +18,6 @@ import argparse
 import gc
 import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,6 @@ from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig
 from rstar2_jax.models import Decoder
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import GiB, memory_plan
-from rstar2_jax.rollout.engines import weight_export
 
 
 def run_config(rows: int, seq: int, micro: int = 1) -> RunConfig:
@@ -83,20 +81,9 @@ def export_rate(params, arch, bucket_mb: int = 512, repeats: int = 3) -> tuple[f
     model = Decoder(arch, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     graphdef, _ = nnx.split(model, nnx.Param)
     model = nnx.merge(graphdef, params)
-    plan = weight_export.model_plan(model, jnp.bfloat16, bucket_mb << 20)
-    slots = weight_export.ExportSlots(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    arrays = weight_export.param_arrays(model)
-    times = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        slot = slots.begin(plan)
-        for b in plan.buckets:
-            slots.write(slot, b, arrays)
-        slots.commit(slot)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    slots.close()
-    return plan.nbytes / 1e9, plan.nbytes / float(np.median(times)) / 1e9
+    root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    nbytes, rate, _ = common.weight_export_rate(model, jnp.bfloat16, bucket_mb << 20, root, repeats)
+    return nbytes / 1e9, rate
 
 
 def main(argv=None):

@@ -36,7 +36,6 @@ import numpy as np
 from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
-from rstar2_jax.rollout.engines import weight_export
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
@@ -73,25 +72,14 @@ def reload_alone(engines):
 
 
 def export_alone(model, bucket_bytes, work, repeats):
-    """The bucket writer alone (both slots warm), and a plain copy of as many bytes: GB/s each."""
-    plan = weight_export.model_plan(model, None, bucket_bytes)
-    slots = weight_export.ExportSlots(os.path.join(work, "export_alone"))
-    arrays = weight_export.param_arrays(model)
-    times = []
-    for i in range(repeats + 2):  # the first use of each slot allocates its pages
-        start = time.perf_counter()
-        slot = slots.begin(plan)
-        for b in plan.buckets:
-            slots.write(slot, b, arrays)
-        slots.commit(slot)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    slots.close()
-    src = np.ones(plan.nbytes // 4, np.float32)
+    """The bucket writer alone, and a plain copy of as many bytes: (GB/s, GB/s, buckets)."""
+    nbytes, rate, buckets = common.weight_export_rate(model, None, bucket_bytes, os.path.join(work, "export_alone"),
+                                                      repeats)
+    src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     copy = min(timed(np.copyto, dst, src) for _ in range(3))
-    return plan.nbytes / statistics.median(times) / 1e9, plan.nbytes / copy / 1e9, len(plan.buckets)
+    return rate, nbytes / copy / 1e9, buckets
 
 
 def main(argv=None):

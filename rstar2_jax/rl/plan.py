@@ -45,6 +45,24 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
     return "\n".join(lines)
 
 
+class SyncPlanError(ValueError):
+    """A weight sync the servers cannot be given from here (train refuses it at --plan and launch)."""
+
+
+def sync_refusal(cfg: RunConfig) -> str | None:
+    """Why the run's vLLM weight sync cannot work on this host (None: it can, as far as the config
+    and this host's devices say; pull without fetchers is a config error already)."""
+    r = cfg.rollout
+    if r.engine != "vllm" or r.vllm_sync != "nccl":
+        return None
+    platform = jax.devices()[0].platform
+    if platform != "gpu":
+        return (f"rollout.vllm_sync=nccl broadcasts the weights from the learner's GPUs, but this host's devices are "
+                f"{platform}: use rollout.vllm_sync=files (servers that read this host's /dev/shm or a shared "
+                "rollout.vllm_sync_dir) or rollout.vllm_sync=pull (a weight fetcher beside each server)")
+    return None
+
+
 def _run_directory_state(cfg: RunConfig, workdir: str, config_mismatch: str) -> str:
     run_dir = RunDirectory(workdir, create=False)
     if not os.path.exists(run_dir.file("config.json")):

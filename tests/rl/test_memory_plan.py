@@ -198,3 +198,17 @@ def test_a_vllm_run_counts_what_its_weight_sync_holds(tmp_path):
     several = memory_plan(shape("qwen3_0p6b"), cfg, devices=8, devices_per_process=1, capacity=76 * GiB)
     assert several.line("weight sync").bytes == (151_936 * 1024 + 1024 * 3072) * 2
     assert "gathered over 8 processes" in several.line("weight sync").how
+
+
+def test_an_nccl_sync_without_gpus_is_refused_at_plan_time(tmp_path):
+    """rollout.vllm_sync=nccl broadcasts from the learner's GPUs: on a host without them, --plan
+    (and a launch) refuses it, naming the sync methods that work, before anything starts."""
+    args = [sys.executable, "-m", "rstar2_jax.train", "--config=experiments/tiny_arith.py",
+            f"--workdir={tmp_path / 'run'}", "--config.rollout.engine=vllm",
+            "--config.rollout.vllm_urls=http://127.0.0.1:1", "--config.rollout.vllm_sync=nccl"]
+    for extra in (["--plan"], []):
+        proc = subprocess.run(args + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "rollout.vllm_sync=nccl" in proc.stderr and "rollout.vllm_sync=pull" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

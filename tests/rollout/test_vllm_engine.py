@@ -347,6 +347,75 @@ def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, ti
     asyncio.run(engine.close())
 
 
+class RecordingNccl:
+    """A stand-in for CuPy's NCCL binding beside the real server (nccl_sync.CupyNccl's interface):
+    it records the collectives the sender issues, which need GPUs to run."""
+
+    def __init__(self):
+        self.calls = []
+
+    def unique_id(self):
+        raw = bytes(range(128))
+        return raw, raw
+
+    def communicator(self, world_size, uid, rank):
+        self.calls.append(("join", world_size, rank))
+        return "communicator"
+
+    def all_reduce(self, comm, ptr, count, dtype):
+        self.calls.append(("all_reduce", count, dtype))
+
+    def broadcast(self, comm, ptr, count, dtype, root=0):
+        self.calls.append(("broadcast", count, dtype, root))
+
+    def synchronize(self):
+        pass
+
+
+def test_the_nccl_protocol_reaches_a_real_vllm_server_up_to_where_a_gpu_is_needed(tiny_dir, tiny_model, tmp_path):
+    """A real vLLM CPU server started with the NCCL weight-transfer backend takes the sender's
+    join request (our unique id, rank offset, world size) and fails only at its missing
+    accelerator; it takes the description of an export (HF names, dtypes, shapes) and fails only
+    because no NCCL group exists; the tensors go out one at a time in that order; and the server
+    answers afterwards. The collectives themselves need GPUs and have not run (nccl_sync.py)."""
+    from rstar2_jax.rollout.engines.nccl_sync import NCCL_TYPES, NcclUnavailable, NcclWeightSender, sending_device_tensors
+    from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable, VLLMClient
+    from rstar2_jax.rollout.engines.weight_export import model_plan, param_arrays
+
+    server = VLLMServer(str(tiny_dir), ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
+                                                     cpu_kv_cache_gib=1,
+                                                     extra_args=("--weight-transfer-config", '{"backend":"nccl"}')),
+                        python=VLLM_PYTHON, log_path=str(tmp_path / "nccl_server.log")).start().wait_ready(600)
+    try:
+        client, fake = VLLMClient(server.url, timeout=120), RecordingNccl()
+        with pytest.raises(NcclUnavailable, match="Cannot access accelerator device"):
+            NcclWeightSender(client, server_ranks=1, nccl=fake)
+        assert fake.calls == [("join", 2, 0), ("all_reduce", 1, NCCL_TYPES["float32"])]  # rank 0, then the handshake
+        # what the check above stands on: the same validation refuses a malformed id
+        with pytest.raises(ServerUnavailable, match="not valid standard base64"):
+            client.request("POST", "/init_weight_transfer_engine",
+                           {"init_info": {"nccl_unique_id_b64": "-_-_", "rank_offset": 1, "world_size": 2}})
+
+        sender = object.__new__(NcclWeightSender)  # as if the group had formed
+        sender.nccl, sender.client, sender.world_size, sender.comm = fake, client, 2, "communicator"
+        fake.calls.clear()
+        plan = model_plan(tiny_model, jnp.bfloat16, 1 << 30)
+        with pytest.raises(NcclUnavailable, match="NCCL weight transfer not initialized"):
+            sender.send(plan, sending_device_tensors(plan, param_arrays(tiny_model)), version=3)
+        assert fake.calls == [("broadcast", int(np.prod(t.hf_shape)), NCCL_TYPES["bfloat16"], 0)
+                              for b in plan.buckets for t in b.tensors]
+        # vLLM leaves its layers mid-reload after a failed update: the files sync the engine falls
+        # back to reloads every tensor, and the server generates with them (the probe passes)
+        engine = VLLMEngine(server.url, tiny_model)
+        engine.update_weights(tiny_model, 4)
+        out = client.request("POST", "/v1/completions", {"model": server.model_name, "prompt": [1, 2, 3, 4],
+                                                         "max_tokens": 4, "temperature": 0.0})
+        assert engine.version == 4 and out["choices"][0]["finish_reason"] in ("length", "stop")
+        asyncio.run(engine.close())
+    finally:
+        server.stop()
+
+
 def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, tiny_dir, tiny_model, tmp_path,
                                                                   benchmark_dir):
     async def serve_the_fixture_model():  # whatever an earlier test synced

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar2_jax.models.checkpoint import model_params_hf, save_pretrained
+from rstar2_jax.models.checkpoint import save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
@@ -319,11 +319,12 @@ class VLLMEngine(Engine):
 
     def _sync_nccl(self, model: Decoder, version: int) -> bool:
         """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the files path."""
-        from rstar2_jax.rollout.engines.nccl_sync import NcclUnavailable, NcclWeightSender
+        from rstar2_jax.rollout.engines.nccl_sync import NcclUnavailable, NcclWeightSender, sending_device_tensors
         try:
             if self._nccl is None:
                 self._nccl = NcclWeightSender(self.client, server_ranks=self._nccl_server_ranks)
-            self._nccl.send(model_params_hf(model, self.export_dtype), version)
+            plan = self.export_plan(model)
+            self._nccl.send(plan, sending_device_tensors(plan, param_arrays(model)), version)
         except NcclUnavailable as e:
             log.warning("NCCL weight sync unavailable (%s); using safetensors files", e)
             self.sync = "files"
