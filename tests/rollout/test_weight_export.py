@@ -159,3 +159,19 @@ def test_no_room_for_a_bucket_is_a_clear_error_not_a_crash(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "REFUSED" in out.stdout and "rollout.vllm_sync_dir" in out.stdout and "4 MiB" in out.stdout, out.stdout
+
+
+def test_exports_of_trainers_that_are_gone_are_freed(tmp_path):
+    """A trainer killed before close() leaves its two export slots in /dev/shm (memory); the next
+    engine on the host deletes those whose process is gone, and nothing else."""
+    import subprocess
+    import sys
+
+    from rstar2_jax.rollout.engines.vllm_engine import SYNC_ROOT_PREFIX, remove_orphaned_exports
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid whose process has exited
+    for name in (f"{SYNC_ROOT_PREFIX}{gone}_7f00", f"{SYNC_ROOT_PREFIX}{os.getpid()}_7f01", "rstar2_sync_x_1", "other"):
+        (tmp_path / name / "slot-a").mkdir(parents=True)
+    assert remove_orphaned_exports(str(tmp_path)) == [f"{SYNC_ROOT_PREFIX}{gone}_7f00"]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{SYNC_ROOT_PREFIX}{os.getpid()}_7f01", "rstar2_sync_x_1", "other"])

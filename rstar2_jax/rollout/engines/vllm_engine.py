@@ -67,6 +67,35 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+SYNC_ROOT_PREFIX = "rstar2_sync_"  # + the trainer's pid + "_" + the engine's id
+
+
+def remove_orphaned_exports(root: str) -> list[str]:
+    """Delete the exports under `root` whose trainer process is gone (a crash or SIGKILL skips
+    close()): each holds two copies of the model in /dev/shm, which is memory. Only for a
+    directory of this host: a pid means nothing on another. Returns what was deleted."""
+    removed = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        pid = name[len(SYNC_ROOT_PREFIX):].split("_", 1)[0]
+        if not (name.startswith(SYNC_ROOT_PREFIX) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    if removed:
+        log.info("removed %d weight export(s) of trainers that are gone from %s", len(removed), root)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _default_sync_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
@@ -107,7 +136,9 @@ class VLLMEngine(Engine):
         self.model_name = model_name or info["id"]
         self.max_model_len = int(info.get("max_model_len") or 0) or None
         self._sync_base = sync_dir or _default_sync_root()
-        self._sync_root = os.path.join(self._sync_base, f"rstar2_sync_{os.getpid()}_{id(self):x}")
+        if sync_dir is None:  # this host's own directory: exports of trainers that died are this host's to free
+            remove_orphaned_exports(self._sync_base)
+        self._sync_root = os.path.join(self._sync_base, f"{SYNC_ROOT_PREFIX}{os.getpid()}_{id(self):x}")
         self.bucket_bytes = int(bucket_bytes)
         self.slots = ExportSlots(self._sync_root)  # the exports, written in turn (weight_export.py)
         self.sync_failures = 0                 # syncs that did not reach this server (it kept its weights)
