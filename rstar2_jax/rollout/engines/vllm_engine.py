@@ -323,7 +323,8 @@ class VLLMEngine(Engine):
     def _roll_back(self):
         """After a sync that failed part-way: the last whole export back in (the server may hold
         some of the new buckets). A server that cannot be reached is restored when it answers
-        again (_recover)."""
+        again (_recover). Before the first sync lands there is no export to go back to: the
+        trainer's first sync happens before any rollout, and a run stops if its retry fails too."""
         if self._synced_dir:
             self._reload_part(self._synced_dir)
 
@@ -507,6 +508,8 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
         take_part(plan, arrays, start=written)  # the other trainer processes gather every tensor: so must this one
         log.error("weight sync v%d failed (%s); the servers keep their weights (v%s)", version, report.error,
                   ", v".join(str(e.version) for e in engines))
+        for q in queues.values():  # no bucket reload may still run beside the roll-back
+            q.shutdown(wait=True, cancel_futures=True)
         for e in paused:
             e.sync_failures += 1
             try:
