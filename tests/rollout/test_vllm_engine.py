@@ -504,25 +504,46 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
 
 def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_weights(vllm_server, tmp_path):
     """Several trainer processes sample from the same servers: process 0 pushes each update (one
-    reload per version, not one per process), the others stamp their tokens with the version once
-    it is on the server (a barrier)."""
+    reload per version, not one per process) while both gather the weights, which are split over
+    the two processes, tensor by tensor in the same order; the other stamps its tokens with the
+    version once it is on the server. The sync goes through a weight fetcher (sync=pull) whose
+    copy fails once: that sync is undone and both processes sync again at once, in step."""
+    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
     from tests.rl.launch import launch
     from tests.rl.test_multiprocess import CONFIG, train_args
     from tests.rl.test_training import rl_lines
 
+    class FailingOnce(WeightFetcher):
+        """A real fetcher whose second copy (step 0's sync) fails, as a full disk would."""
+        copies = 0
+
+        def fetch(self, base_url, files, version):
+            FailingOnce.copies += 1
+            if FailingOnce.copies == 2:
+                raise OSError("injected: the copy failed")
+            return super().fetch(base_url, files, version)
+
     config = tmp_path / "moving_tiny_arith.py"
     config.write_text(CONFIG)
     work = tmp_path / "run"
+    fetcher = FailingOnce(str(tmp_path / "pulled"))
     reloads_before = open(vllm_server.log_path).read().count("POST /update_weight_version")
-    results = launch(train_args(str(config), work, 2) + ["--config.rollout.engine=vllm",
-                                                          f"--config.rollout.vllm_urls={vllm_server.url}"], work, n=2)
+    try:
+        results = launch(train_args(str(config), work, 2) + [
+            "--config.rollout.engine=vllm", f"--config.rollout.vllm_urls={vllm_server.url}",
+            "--config.rollout.vllm_sync=pull", f"--config.rollout.vllm_fetch_urls={fetcher.url}"], work, n=2)
+    finally:
+        fetcher.close()
     assert all(status == 0 for status, _, _ in results), [err[-3000:] for _, _, err in results]
     reloads = open(vllm_server.log_path).read().count("POST /update_weight_version") - reloads_before
     assert reloads == 1 + 2  # the start (after SFT), then one per RL step: pushed by one process
+    assert FailingOnce.copies == 1 + 2 + 1  # step 0's sync was made twice
     served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
     lines = rl_lines(work)
     assert [l["step"] for l in lines] == [0, 1] and served == "2"
+    assert [l["sync/failures"] for l in lines] == [1, 1]
     assert all(l["staleness/max"] == 0 for l in lines)  # on-policy: no token stamped before its weights arrived
+    assert "did not reach the servers" in results[1][2]  # process 1 learned of the failure from process 0
 
 
 def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_server, tiny_model, tmp_path):
