@@ -22,7 +22,7 @@ following what the code allocates:
 The gradient and activation lines are calibrated against XLA:GPU: on an H200, the plan's total
 came within 6% of the compiled update's arguments + temporaries (memory_analysis) for Qwen3-0.6B
 and 1.7B at 4-8 rows x 4096, one and two micro-batches (BENCHMARKS.md "Memory plan against JAX on
-one GPU"; the sum of every line was 1.21-1.45x before). XLA:CPU schedules differently (it keeps
+one GPU"; the sum of every line was 1.16-1.52x before). XLA:CPU schedules differently (it keeps
 two gradient-sized trees and gains nothing from remat), so CPU tests check the state and sync
 lines, which are exact on both;
 - engine weights: the embedded engine's copy in the compute dtype, split over the process's devices
