@@ -62,8 +62,8 @@ def main(argv):
         print(memory.table())
         if memory.refusal():
             raise MemoryPlanError(memory.refusal())
-        if sync_refusal(run_cfg):
-            raise SyncPlanError(sync_refusal(run_cfg))
+        if refusal := sync_refusal(run_cfg):
+            raise SyncPlanError(refusal)
         return
     # every process refuses a mismatching run directory here, before the job starts
     RunDirectory(_WORKDIR.value, create=False).check_config(run_cfg.to_dict(), _CONFIG_MISMATCH.value)
@@ -75,8 +75,8 @@ def main(argv):
     refusal = plan_for_launch(run_cfg, jax.process_count()).refusal()  # before any weight is loaded
     if refusal:
         raise MemoryPlanError(refusal)
-    if sync_refusal(run_cfg):
-        raise SyncPlanError(sync_refusal(run_cfg))
+    if refusal := sync_refusal(run_cfg):
+        raise SyncPlanError(refusal)
     try:
         results = run(cfg, _WORKDIR.value, config_mismatch=_CONFIG_MISMATCH.value)
     except BaseException:

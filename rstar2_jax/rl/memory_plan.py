@@ -73,7 +73,8 @@ REMEDIES = {
                       "rollout.engine=vllm (rollouts on other GPUs)",
     "KV pool": "a smaller rollout.kv_memory_gb (paged KV: rollout.page_size), fewer rollout.slots, or "
                "rollout.engine=vllm",
-    "weight sync": "one trainer process per host (it streams the export two tensors at a time)",
+    "weight sync": "rollout.vllm_export_dtype=bfloat16 (half the bytes), or one trainer process per host (the "
+                   "tensors then stay split over its devices)",
 }
 
 
@@ -150,15 +151,20 @@ def mesh_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
 
 def shard_bytes(arch: ModelConfig, mesh: dict[str, int], dtype_bytes: int) -> float:
     """Bytes of one device's shard of every parameter, split by the logical-axis rules."""
+    return float(sum(_shard_sizes(arch, mesh)) * dtype_bytes)
+
+
+def _shard_sizes(arch: ModelConfig, mesh: dict[str, int]) -> list[int]:
+    """Elements of one device's shard of each parameter, split by the logical-axis rules."""
     from flax import nnx
 
     from rstar2_jax.models.checkpoint import abstract_model
 
-    total = 0
+    sizes = []
     for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)):
         shape = var.get_value().shape
-        total += int(np.prod(_shard_shape(getattr(var, "axes", None) or (None,) * len(shape), shape, mesh)))
-    return float(total * dtype_bytes)
+        sizes.append(int(np.prod(_shard_shape(getattr(var, "axes", None) or (None,) * len(shape), shape, mesh))))
+    return sizes
 
 
 def _shard_shape(axes, shape, mesh: dict[str, int]) -> tuple[int, ...]:
@@ -268,25 +274,16 @@ def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> 
 
 def _sync_window(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], processes: int) -> tuple[float, str]:
     """What the vLLM weight sync holds on one device beyond the learner's state."""
-    from flax import nnx
-
-    from rstar2_jax.models.checkpoint import abstract_model
-
     r = cfg.rollout
     if r.vllm_sync == "nccl":
         return float(_param_count(arch) * 4), "NCCL: a whole float32 copy on each process's first device"
-    dtype = DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else jnp.float32
-    name = jnp.dtype(dtype).name
-    shapes = [var.get_value().shape for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param))]
-    axes = [getattr(var, "axes", None) for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param))]
-    if processes > 1:  # each tensor is gathered whole onto every device (weight_export.host_tensors)
-        whole = sorted(int(np.prod(shape)) for shape in shapes)
-        return (float(sum(whole[-2:]) * jnp.dtype(dtype).itemsize),
-                f"the export's two largest tensors in {name}, whole (gathered over {processes} processes)")
-    shards = sorted(int(np.prod(_shard_shape(a or (None,) * len(shape), shape, mesh))) for a, shape in zip(axes, shapes))
-    return (float(sum(shards[-2:]) * jnp.dtype(dtype).itemsize),
-            f"the export's two largest tensors in {name}, split like the parameters (its "
-            f"{r.vllm_sync_bucket_mb} MiB buckets are host memory)")
+    dtype = jnp.dtype(DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else jnp.float32)
+    # over several processes each tensor is gathered whole onto every device (weight_export.host_tensors)
+    whole = processes > 1
+    sizes = sorted(_shard_sizes(arch, {"data": 1, "fsdp": 1, "tensor": 1} if whole else mesh))
+    how = f"whole (gathered over {processes} processes)" if whole else \
+        f"split like the parameters (its {r.vllm_sync_bucket_mb} MiB buckets are host memory)"
+    return float(sum(sizes[-2:]) * dtype.itemsize), f"the export's two largest tensors in {dtype.name}, {how}"
 
 
 def _param_count(arch: ModelConfig) -> int:

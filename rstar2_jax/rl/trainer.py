@@ -554,17 +554,18 @@ class RLRun:
 
     async def push_weights(self, engine: Engine, params, version: int):
         """The learner's weights to the engine. Weights on shared servers (vLLM) are pushed by
-        the primary process alone, on a worker thread (rollouts in flight go on meanwhile); the
-        others take the version on once it is there (a barrier), so no token is stamped with a
-        version its server does not have yet. An embedded engine is updated in place."""
+        the primary process alone, on a worker thread (rollouts in flight go on meanwhile), while
+        the others take part in the export's gathers; the primary then tells them whether the
+        sync landed, and they take the version on only then, so no token is stamped with a
+        version its server does not have yet. A sync that failed is made once more; a second
+        failure stops the run. An embedded engine is updated in place."""
         if not engine.weights_on_servers:
             engine.update_weights(params, version)
             return
         for attempt in (1, 2):  # a sync that failed part-way left the servers on their weights: once more
             if processes.is_primary():
                 await asyncio.to_thread(engine.update_weights, params, version)
-                outcome = (engine.version == version, engine.synced_dirs(),
-                           getattr(getattr(engine, "last_sync", None), "error", None))
+                outcome = (engine.version == version, engine.synced_dirs(), engine.sync_error())
             else:  # the parameters may be split over processes: the export's gathers need every process
                 await asyncio.to_thread(engine.take_part_in_sync, params)
                 outcome = None

@@ -107,6 +107,9 @@ class Scheduler(Engine):
     def synced_dirs(self) -> dict[str, str]:
         return {url: d for e in self.engines for url, d in e.synced_dirs().items()}
 
+    def sync_error(self) -> str | None:
+        return next((err for err in (e.sync_error() for e in self.engines) if err), None)
+
     def _shared(self) -> list:
         """The vLLM engines that share one export (push_to_servers): those syncing by files or pull."""
         from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine

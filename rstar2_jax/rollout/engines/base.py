@@ -124,6 +124,10 @@ class Engine(abc.ABC):
         """Where each server (by URL) reloaded its current weights from, for the other processes."""
         return {}
 
+    def sync_error(self) -> str | None:
+        """Why the last push to shared servers did not land (None: it did, or nothing to say)."""
+        return None
+
     @abc.abstractmethod
     def load(self) -> ServerLoad:
         """KV load, what the scheduler balances on."""

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2_jax.models import weight_map
-from rstar2_jax.rollout.engines.weight_export import ExportPlan, ExportTensor
+from rstar2_jax.rollout.engines.weight_export import ExportPlan, ExportTensor, one_ahead
 
 NCCL_TYPES = {"float16": 6, "float32": 7, "bfloat16": 9}  # ncclDataType_t (nccl.h)
 NCCL_SUM = 0
@@ -80,7 +80,7 @@ class CupyNccl:
 
 def update_info(plan: ExportPlan) -> dict:
     """/update_weights' description of every tensor, in the order they are broadcast."""
-    tensors = [t for b in plan.buckets for t in b.tensors]
+    tensors = plan.tensors
     return {"names": [t.spec.hf for t in tensors], "dtype_names": [t.dtype.name for t in tensors],
             "shapes": [list(t.hf_shape) for t in tensors]}
 
@@ -99,11 +99,7 @@ def sending_device_tensors(plan: ExportPlan, arrays, device=None) -> Iterable[tu
             x = jax.device_put(x, device)
         return weight_map.to_hf_on_device(t.spec, x, t.dtype)
 
-    tensors = [t for b in plan.buckets for t in b.tensors]
-    ahead = lay_out(tensors[0]) if tensors else None
-    for i, t in enumerate(tensors):
-        current, ahead = ahead, lay_out(tensors[i + 1]) if i + 1 < len(tensors) else None
-        yield t, current
+    yield from one_ahead(plan.tensors, lay_out)
 
 
 class NcclWeightSender:
@@ -132,7 +128,7 @@ class NcclWeightSender:
 
     def send(self, plan: ExportPlan, tensors: Iterable[tuple[ExportTensor, jax.Array]], version: int):
         """Broadcast `tensors` (sending_device_tensors of `plan`) and publish `version`."""
-        for t in (t for b in plan.buckets for t in b.tensors):
+        for t in plan.tensors:
             if t.dtype.name not in NCCL_TYPES:
                 raise ValueError(f"{t.spec.hf}: dtype {t.dtype.name} has no NCCL type here")
         self.client.request("POST", "/start_weight_update")

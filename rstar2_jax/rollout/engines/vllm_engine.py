@@ -349,6 +349,9 @@ class VLLMEngine(Engine):
     def synced_dirs(self) -> dict[str, str]:
         return {self.url: self._synced_dir} if self._synced_dir else {}
 
+    def sync_error(self) -> str | None:
+        return self.last_sync.error if self.last_sync is not None else None
+
     def _sync_nccl(self, model: Decoder, version: int) -> bool:
         """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the files path."""
         from rstar2_jax.rollout.engines.nccl_sync import NcclUnavailable, NcclWeightSender, sending_device_tensors

@@ -1,11 +1,11 @@
 """The learner's weights as HF-named safetensors files, written bucket by bucket, for vLLM servers.
 
-    plan = export_plan(shapes, dtype, bucket_bytes)     # which tensors go in which bucket
-    writer = ExportSlots(root)                          # two directories, used in turn
-    slot = writer.begin()
+    plan = model_plan(model, dtype, bucket_bytes)       # which tensors go in which bucket
+    slots = ExportSlots(root)                           # two directories, used in turn
+    slot = slots.begin(plan)
     for bucket in plan.buckets:
-        path = writer.write(slot, bucket, params)       # one bucket's file, then the servers load it
-    writer.commit(slot)                                 # the newest whole export
+        part = slots.write(slot, bucket, param_arrays(model))  # one bucket's file; the servers load it
+    slots.commit(slot)                                  # the newest whole export
 
 Why streaming: the export used to gather every tensor, cast and laid out, then write one file:
 the whole model in the export dtype was held beside the learner's state (59 GB on one GPU for a
@@ -93,12 +93,13 @@ class ExportPlan:
         return sum(b.nbytes for b in self.buckets)
 
     @property
-    def largest_bucket(self) -> int:
-        return max((b.nbytes for b in self.buckets), default=0)
-
-    @property
     def file_names(self) -> list[str]:
         return [b.file_name for b in self.buckets]
+
+    @property
+    def tensors(self) -> list[ExportTensor]:
+        """Every tensor, in the export's order."""
+        return [t for b in self.buckets for t in b.tensors]
 
 
 def layer_key(hf_name: str) -> str:
@@ -165,6 +166,24 @@ def lays_out_on_device() -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
+def laid_out_by_device(x: jax.Array) -> bool:
+    """Whether host_tensors gives `x` in the HF layout: on an accelerator, for a tensor on one
+    device. A tensor split over devices is cast where it lies and laid out by the host: XLA would
+    replicate the transposed copy on every device (measured: tests/rollout/export_memory_main.py)."""
+    return lays_out_on_device() and len(x.sharding.device_set) == 1
+
+
+def one_ahead(items: Sequence, dispatch) -> Iterator[tuple[Any, Any]]:
+    """(item, dispatch(item)) for each item, item k+1's dispatched before item k is handed out:
+    the device works on the next tensor while the caller copies or sends the current one, and at
+    most two results are alive."""
+    ahead = dispatch(items[0]) if items else None
+    for i, item in enumerate(items):
+        current, ahead = ahead, dispatch(items[i + 1]) if i + 1 < len(items) else None
+        yield item, current
+        del current
+
+
 def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool = True) -> Iterator[np.ndarray | None]:
     """The bucket's tensors on the host, one after another: in the HF layout when the device lays
     them out (a tensor on one accelerator; see lays_out_on_device), else in ours (write_bucket
@@ -174,13 +193,9 @@ def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool 
     other: at most two tensors in the export dtype are held on a device beyond the learner's state
     (whole, when the parameters are split over processes: each is gathered; to_host=False: only
     that, for a process that does not write)."""
-    on_device = lays_out_on_device()
-
     def dispatch(t: ExportTensor):
         x = arrays[t.path]
-        # a tensor split over devices is cast where it lies and laid out by the host: XLA would
-        # replicate the transposed copy on every device (measured: tests/rollout/export_memory_main.py)
-        if on_device and is_on_one_device(x):
+        if laid_out_by_device(x):
             return weight_map.to_hf_on_device(t.spec, x, t.dtype)
         x = x.astype(t.dtype) if x.dtype != t.dtype else x
         if not x.is_fully_addressable:  # split over processes: every process takes part in the gather
@@ -188,15 +203,9 @@ def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool 
             x = gathered(x).addressable_data(0)
         return x
 
-    ahead = dispatch(bucket.tensors[0]) if bucket.tensors else None
-    for i in range(len(bucket.tensors)):
-        current, ahead = ahead, dispatch(bucket.tensors[i + 1]) if i + 1 < len(bucket.tensors) else None
-        yield np.asarray(current) if to_host else None
-        del current
-
-
-def is_on_one_device(x: jax.Array) -> bool:
-    return len(x.sharding.device_set) == 1
+    for _, x in one_ahead(bucket.tensors, dispatch):
+        yield np.asarray(x) if to_host else None
+        del x
 
 
 def take_part(plan: ExportPlan, arrays: Mapping[str, jax.Array], start: int = 0):
@@ -270,7 +279,7 @@ class ExportSlots:
 
     def write(self, slot: str, bucket: Bucket, arrays: Mapping[str, jax.Array]) -> str:
         """Bucket `bucket` of `arrays` (our parameter path -> array) into `slot`; its directory."""
-        laid_out = [lays_out_on_device() and is_on_one_device(arrays[t.path]) for t in bucket.tensors]
+        laid_out = [laid_out_by_device(arrays[t.path]) for t in bucket.tensors]
         tensors = host_tensors(bucket, arrays)
         try:
             write_bucket(os.path.join(slot, bucket.file_name), bucket, tensors, laid_out)
