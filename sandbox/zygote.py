@@ -89,6 +89,67 @@ OOM_SCORE_ADJ = 1000  # the sandbox's processes are the kernel OOM killer's firs
 
 
 # ------------------------------------------------------------------------------------------------
+# the zygote's state: what the service decided, and what each process found or opened
+
+
+class Settings:
+    """What the service decided for this zygote (the JSON on argv, see ZygotePool.start): fixed for
+    its life and the same in every worker, forker, call and session."""
+
+    __slots__ = ("channels", "status_fd", "strict", "limits", "work_root", "uid_base", "seccomp",
+                 "worker_seccomp", "light_preload", "heavy_preload", "warmup", "cgroups")
+
+    def __init__(self, raw):
+        self.channels = raw["channels"]  # [{kind: [job_fd, result_fd]}] per slot, inherited from the service
+        self.status_fd = raw["status_fd"]  # the start-up report's pipe
+        self.strict = raw["isolation"] == "strict"
+        self.limits = raw["limits"]  # sandbox.result.Limits.to_dict()
+        self.work_root = raw["work_root"]  # calls' working directories, without strict isolation
+        self.uid_base = raw["uid_base"]  # slot i's calls run as uid_base + i
+        # BPF programs, built by the service (libseccomp's binding imports threading: see ZygotePool.start)
+        self.seccomp = bytes.fromhex(raw["seccomp"]) if raw["seccomp"] else None
+        self.worker_seccomp = bytes.fromhex(raw["worker_seccomp"]) if raw["worker_seccomp"] else None
+        self.light_preload = raw["light_preload"]
+        self.heavy_preload = raw["heavy_preload"]
+        self.warmup = raw.get("warmup")  # code run once before the heavy workers fork
+        self.cgroups = raw.get("cgroups")  # sandbox.cgroups tree (paths), or None
+
+
+class Runtime:
+    """What this process found or opened. The master sets the first group before it forks the
+    workers, which inherit it; each worker, its forker and each call then set their own (after a
+    fork a process's changes are its own: nothing here is shared between processes)."""
+
+    __slots__ = (
+        # the master's
+        "state_page",  # the page where workers publish their phase (WorkerState)
+        "proc_fd",  # /proc, opened before pivot_root (a forker reads its own maps); closed by workers
+        "rebind",  # mounts a call must re-bind (confine.covered_by_call_mounts), strict only
+        "closer_fd",  # the socket to the closer of mount namespaces, strict only
+        "address_space_base",  # the worker's own mappings, under RLIMIT_AS without a cgroup
+        "cgroup_version", "cgroup_slot_fds", "cgroup_sessions_fds",  # dir fds of the cgroup tree
+        # the worker's, its forker's, a call's
+        "cgroup_fds",  # this slot's cgroup
+        "forker_in_cgroup",  # the forker joined it: calls are born there
+        "workdir",  # this call's or session's working directory, without strict isolation
+    )
+
+    def __init__(self):
+        for name in self.__slots__:
+            setattr(self, name, None)
+        self.forker_in_cgroup = False
+
+
+class Zygote:
+    """Both halves, passed to every function that needs either."""
+
+    __slots__ = ("settings", "runtime")
+
+    def __init__(self, settings, runtime):
+        self.settings, self.runtime = settings, runtime
+
+
+# ------------------------------------------------------------------------------------------------
 # wire format
 
 def read_msg(fd):
@@ -342,7 +403,7 @@ def _report(e):
             pass
 
 
-def _enter_call(cpu_seconds, cfg, slot, code_fd, stdin_fd, out_w, err_w, setup_w):
+def _enter_call(cpu_seconds, zygote, slot, code_fd, stdin_fd, out_w, err_w, setup_w):
     """In the cloned child, as root: read the code (spliced into `code_fd` by the worker, which never
     read it; stdin likewise into `stdin_fd`, the call's fd 0), confine, drop privileges, run the
     code. Never returns.
@@ -356,10 +417,10 @@ def _enter_call(cpu_seconds, cfg, slot, code_fd, stdin_fd, out_w, err_w, setup_w
         os.write(err_w, f"sandbox setup failed: unreadable job ({type(e).__name__})\n".encode())
         os._exit(1)
     # born in the slot's cgroup, where its forker lives (forker_loop): nothing to join
-    _confine_or_exit(cfg, name=CALL_NAME, uid=cfg["uid_base"] + slot, join_cgroup=None,
-                     in_cgroup=cfg["forker_in_cgroup"], cpu_seconds=cpu_seconds,
+    _confine_or_exit(zygote, name=CALL_NAME, uid=zygote.settings.uid_base + slot, join_cgroup=None,
+                     in_cgroup=zygote.runtime.forker_in_cgroup, cpu_seconds=cpu_seconds,
                      fds=(stdin_fd, out_w, err_w, setup_w))
-    cfg = None  # the forker's data is not the code's business
+    zygote = None  # the forker's data is not the code's business
     exit_code = 1
     try:
         exit_code = run_user_code(code, None, _CALL_STREAMS)
@@ -377,7 +438,7 @@ def _read_all(fd):
         chunks.append(chunk)
 
 
-def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
+def _enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
     """A session's process: confined like a call, then a loop running the cells it is sent.
 
     Cells arrive on CELL_FD ({"code", "stdin"}); after each, every other process of the session
@@ -385,10 +446,10 @@ def _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w):
     b"0" (ran) or b"1" (raised). Both fds are the code's to misuse, which can only confuse its
     own session; statuses other than ok/error still come from the kernel.
     """
-    _confine_or_exit(cfg, name=SESSION_NAME, uid=uid, join_cgroup=cgroup_fds, in_cgroup=bool(cgroup_fds),
+    _confine_or_exit(zygote, name=SESSION_NAME, uid=uid, join_cgroup=cgroup_fds, in_cgroup=bool(cgroup_fds),
                      cpu_seconds=None,
                      fds=(os.open("/dev/null", os.O_RDONLY), out_w, err_w, setup_w, cell_r, done_w))
-    cfg = None
+    zygote = None
     namespace = main_namespace()
     while True:
         header = _read_exact(CELL_FD, CELL_HEADER.size)
@@ -444,10 +505,10 @@ def _thread_count(settle_s=0.1):
         time.sleep(0.002)
 
 
-def _confine_or_exit(cfg, **kwargs):
+def _confine_or_exit(zygote, **kwargs):
     """_confine, then report "R" on the setup pipe and close it; on any failure exit without it."""
     try:
-        _confine(cfg, **kwargs)
+        _confine(zygote, **kwargs)
         os.write(SETUP_FD, b"R")
         os.close(SETUP_FD)
     except BaseException as e:  # noqa: BLE001
@@ -469,7 +530,7 @@ def _set_name(name):
         confine.set_process_name(name)
 
 
-def _confine(cfg, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
+def _confine(zygote, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
     """The confinement of a call or session process (runs as root in the fresh child).
 
     name: the process's name (/proc/<pid>/comm), CALL_NAME or SESSION_NAME.
@@ -482,14 +543,14 @@ def _confine(cfg, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
     (it is inherited, and cannot be unset).
     """
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    strict = cfg["isolation"] == "strict"
+    strict = zygote.settings.strict
     if join_cgroup:
         cgroups.join(join_cgroup)
     if strict:
-        confine.mount_call_filesystems(uid, cfg["limits"]["tmpfs_bytes"], cfg["rebind"])
+        confine.mount_call_filesystems(uid, zygote.settings.limits["tmpfs_bytes"], zygote.runtime.rebind)
         workdir = "/tmp"
     else:
-        workdir = cfg["workdir"]
+        workdir = zygote.runtime.workdir
     _set_name(name)
     os.setsid()  # own session and process group: kill(0, ...) reaches only this call
     # Move the fds up first: a source may already sit on a target number (e.g. a pipe on fd 4).
@@ -500,7 +561,7 @@ def _confine(cfg, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
     os.chdir(workdir)
     if _signal.getsignal(_signal.SIGPIPE) != _signal.SIG_DFL:  # a call inherits the forker's default
         _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
-    limits = cfg["limits"]
+    limits = zygote.settings.limits
     rl = [
         (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
         (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
@@ -509,7 +570,7 @@ def _confine(cfg, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
     if cpu_seconds is not None:
         rl.append((resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1)))
     if not in_cgroup:  # without a cgroup: per-process limits are all there is
-        address_space = cfg["address_space_base"] + limits["memory_bytes"]
+        address_space = zygote.runtime.address_space_base + limits["memory_bytes"]
         rl.append((resource.RLIMIT_AS, (address_space, address_space)))
         if strict:
             rl.append((resource.RLIMIT_NPROC, (limits["processes"],) * 2))
@@ -519,10 +580,10 @@ def _confine(cfg, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    if not (strict and cfg["worker_seccomp"] is not None):  # else the worker set it (worker_loop)
+    if not (strict and zygote.settings.worker_seccomp is not None):  # else the worker set it (worker_loop)
         confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
-    if cfg["seccomp"] is not None and not strict:  # strict: the worker's filter, inherited (see confine)
-        confine.load_seccomp(cfg["seccomp"])
+    if zygote.settings.seccomp is not None and not strict:  # strict: the worker's filter, inherited (see confine)
+        confine.load_seccomp(zygote.settings.seccomp)
     if os.environ:  # a call inherits the forker's, already empty
         os.environ.clear()
 
@@ -545,14 +606,14 @@ def _signal_name(sig):
         return f"signal {sig}"
 
 
-def execute(job, cfg, slot, counter, job_fd):
+def execute(job, zygote, slot, counter, job_fd):
     """Run one job; every fd and directory it makes is released whatever happens. Returns the
     result header and the output sinks (the caller sends them, then closes them)."""
     fds = []
     workdir = None
     try:
-        if cfg["isolation"] != "strict":
-            workdir = cfg["workdir"] = os.path.join(cfg["work_root"], f"w{slot}-{counter}")
+        if not zygote.settings.strict:
+            workdir = zygote.runtime.workdir = os.path.join(zygote.settings.work_root, f"w{slot}-{counter}")
             os.mkdir(workdir, 0o700)
         code_fd = os.memfd_create("code", 0)
         fds.append(code_fd)
@@ -568,7 +629,7 @@ def execute(job, cfg, slot, counter, job_fd):
         err_r, err_w = os.pipe()
         setup_r, setup_w = os.pipe()
         fds += [out_r, out_w, err_r, err_w, setup_r, setup_w]
-        return _supervise(job, cfg, slot, job_fd, (code_fd, stdin_fd), (out_r, out_w), (err_r, err_w), (setup_r, setup_w),
+        return _supervise(job, zygote, slot, job_fd, (code_fd, stdin_fd), (out_r, out_w), (err_r, err_w), (setup_r, setup_w),
                           fds)
     finally:
         for fd in fds:
@@ -580,13 +641,14 @@ def execute(job, cfg, slot, counter, job_fd):
             remove_tree(workdir)
 
 
-def _supervise(job, cfg, slot, job_fd, body_fds, out, err, setup, fds):
-    limits = cfg["limits"]
+def _supervise(job, zygote, slot, job_fd, body_fds, out, err, setup, fds):
+    limits = zygote.settings.limits
     started = time.monotonic()
-    oom_before = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) if cfg["cgroup_fds"] else 0
-    strict = cfg["isolation"] == "strict"
+    runtime = zygote.runtime
+    oom_before = cgroups.oom_kills(runtime.cgroup_version, runtime.cgroup_fds) if runtime.cgroup_fds else 0
+    strict = zygote.settings.strict
     child_fds = (*body_fds, out[1], err[1], setup[1])
-    pid = _FORKER[0].fork_call(_cpu_seconds(job), cfg.get("workdir"), child_fds, setup[0],
+    pid = _FORKER[0].fork_call(_cpu_seconds(job), runtime.workdir, child_fds, setup[0],
                                started + float(job["timeout"]))
     for fd in child_fds:
         os.close(fd)
@@ -608,7 +670,7 @@ def _supervise(job, cfg, slot, job_fd, body_fds, out, err, setup, fds):
             if wait_status is None:
                 if reason is None and now >= deadline:
                     reason = "timeout"
-                    _kill_call(pid, cfg)
+                    _kill_call(pid, zygote)
                 watch = [pidfd, *open_fds] + ([job_fd] if watch_jobs else [])
                 wait_s = max(0.0, deadline - now) if reason is None else 0.1
             else:
@@ -627,19 +689,19 @@ def _supervise(job, cfg, slot, job_fd, body_fds, out, err, setup, fds):
                     if msg is None or msg.get("cancel") == job["id"]:
                         if reason is None:
                             reason = "cancelled"
-                            _kill_call(pid, cfg)
+                            _kill_call(pid, zygote)
                         watch_jobs = msg is not None
                     continue
                 if sinks[fd].drain() and reason is None and wait_status is None:
                     reason = "output_limit"
-                    _kill_call(pid, cfg)
+                    _kill_call(pid, zygote)
         duration = time.monotonic() - started
         os.set_blocking(setup[0], False)  # never wait here, whoever might still hold the write end
         try:
             setup_done = os.read(setup[0], 1) == b"R"
         except BlockingIOError:
             setup_done = False
-        oom = cgroups.oom_kills(cfg["cgroup_version"], cfg["cgroup_fds"]) - oom_before if cfg["cgroup_fds"] else 0
+        oom = cgroups.oom_kills(runtime.cgroup_version, runtime.cgroup_fds) - oom_before if runtime.cgroup_fds else 0
         cpu_s = rusage.ru_utime + rusage.ru_stime
         out_sink, err_sink = sinks[out[0]], sinks[err[0]]
         header = _result(wait_status, reason, job, duration, setup_done=setup_done, oom_kills=oom, cpu_s=cpu_s,
@@ -690,12 +752,12 @@ def _result(wait_status, reason, job, duration, *, setup_done, oom_kills, cpu_s,
     return {"status": status, "exit_code": exit_code, "duration_s": duration, "truncated": over_cap, "notes": notes}
 
 
-def _kill_call(pid, cfg):
+def _kill_call(pid, zygote):
     try:
         os.kill(pid, signal.SIGKILL)  # PID 1 of its namespace: the kernel kills everything under it
     except ProcessLookupError:
         pass
-    if cfg["isolation"] != "strict":
+    if not zygote.settings.strict:
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -770,8 +832,8 @@ _FORKER = []  # the worker's Forker
 class Forker:
     """The worker's handle on its forker process (see above)."""
 
-    def __init__(self, cfg, slot):
-        self.cfg, self.slot = cfg, slot
+    def __init__(self, zygote, slot):
+        self.zygote, self.slot = zygote, slot
         self.pid_page = mmap.mmap(-1, mmap.PAGESIZE)  # shared: the kernel stores each call's pid here
         self.start()
 
@@ -780,7 +842,7 @@ class Forker:
         self.pid = os.fork()
         if self.pid == 0:
             ours.close()
-            forker_loop(theirs, self.cfg, self.slot, self.pid_page)
+            forker_loop(theirs, self.zygote, self.slot, self.pid_page)
         theirs.close()
         self.sock = ours
 
@@ -817,20 +879,20 @@ class Forker:
                 os._exit(3)  # no clone long after the call's deadline: a stuck forker, this slot starts afresh
 
 
-def forker_loop(sock, cfg, slot, pid_page):
+def forker_loop(sock, zygote, slot, pid_page):
     """The forker: clone a call for each request, sleeping (CLONE_VFORK) until it is gone. Never returns."""
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     confine.set_process_name(FORKER_NAME)
-    collapse_into_huge_pages(cfg.get("proc_fd"))
+    collapse_into_huge_pages(zygote.runtime.proc_fd)
     for closer in _CLOSER:  # closed below, with every fd of the worker's but the calls' cgroup
         closer.detach()
     _CLOSER.clear()
     # Into the slot's cgroup, so that every call is born there. Moving a process between cgroups
     # takes a lock that, after a few ms without moves, first waits for an RCU grace period: a
     # call that joined the cgroup itself paid ~7 ms after any pause (0.1 ms under load).
-    cfg["forker_in_cgroup"] = bool(cfg["cgroup_fds"])
-    if cfg["cgroup_fds"]:
-        cgroups.join(cfg["cgroup_fds"])
+    zygote.runtime.forker_in_cgroup = bool(zygote.runtime.cgroup_fds)
+    if zygote.runtime.cgroup_fds:
+        cgroups.join(zygote.runtime.cgroup_fds)
     keep = sorted({0, 1, 2, sock.fileno()})
     for low, high in zip(keep, keep[1:] + [1 << 16]):
         os.closerange(low + 1, high)
@@ -843,7 +905,7 @@ def forker_loop(sock, cfg, slot, pid_page):
     warm_up()
     _CALL_STREAMS = make_streams()
     flags = CLONE_VFORK | CLONE_PARENT | CLONE_PARENT_SETTID
-    if cfg["isolation"] == "strict":
+    if zygote.settings.strict:
         flags |= CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS
     pid_address = ctypes_address(pid_page)
     while True:
@@ -854,15 +916,15 @@ def forker_loop(sock, cfg, slot, pid_page):
         if not request:  # the worker is gone
             os._exit(0)
         (cpu_seconds,) = _FORKER_REQUEST.unpack_from(request)
-        if cfg["isolation"] != "strict":
-            cfg["workdir"] = request[_FORKER_REQUEST.size:].decode()
+        if not zygote.settings.strict:
+            zygote.runtime.workdir = request[_FORKER_REQUEST.size:].decode()
         try:
             pid = confine.clone(flags, pid_address)
         except OSError as e:
             sock.send(str(e.errno).encode())
             pid = None
         if pid == 0:
-            _enter_call(cpu_seconds, cfg, slot, *fds)
+            _enter_call(cpu_seconds, zygote, slot, *fds)
         for fd in fds:
             os.close(fd)
         request = fds = None
@@ -1085,15 +1147,17 @@ def _fail(message, duration=0.0):
             "notes": [f"sandbox internal error: {message}"]}
 
 
-def open_session(job, cfg, slot, sessions):
+def open_session(job, zygote, slot, sessions):
     """Start a session's process (confined like a call, plus its own network namespace and cgroup)."""
     started = time.monotonic()
     uid = job["uid"]
     name = f"session-{uid}"
     cgroup_fds = None
-    if cfg["cgroup_sessions_fds"]:
-        cgroups.remove_child(cfg["cgroup_sessions_fds"], name, {})  # a leftover of a killed worker, if any
-        cgroup_fds = cgroups.make_child(cfg["cgroup_version"], cfg["cgroup_sessions_fds"], name, cfg["limits"])
+    runtime = zygote.runtime
+    if runtime.cgroup_sessions_fds:
+        cgroups.remove_child(runtime.cgroup_sessions_fds, name, {})  # a leftover of a killed worker, if any
+        cgroup_fds = cgroups.make_child(runtime.cgroup_version, runtime.cgroup_sessions_fds, name,
+                                        zygote.settings.limits)
     mine, theirs = [], []
     for _ in range(4):  # out, err, setup, cell (ours: read, read, read, write)
         r, w = os.pipe()
@@ -1102,13 +1166,13 @@ def open_session(job, cfg, slot, sessions):
     done_r, done_w = os.pipe()
     out_r, err_r, setup_r, cell_w = mine
     out_w, err_w, setup_w, cell_r = theirs
-    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS | CLONE_NEWNET if cfg["isolation"] == "strict" else 0
-    if cfg["isolation"] != "strict":
-        cfg["workdir"] = os.path.join(cfg["work_root"], name)
-        os.makedirs(cfg["workdir"], 0o700, exist_ok=True)
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS | CLONE_NEWNET if zygote.settings.strict else 0
+    if not zygote.settings.strict:
+        zygote.runtime.workdir = os.path.join(zygote.settings.work_root, name)
+        os.makedirs(zygote.runtime.workdir, 0o700, exist_ok=True)
     pid = confine.clone(flags)
     if pid == 0:
-        _enter_session(cfg, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w)
+        _enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w)
     for fd in (out_w, err_w, setup_w, cell_r, done_w):
         os.close(fd)
     pidfd = os.pidfd_open(pid)
@@ -1117,7 +1181,7 @@ def open_session(job, cfg, slot, sessions):
     os.close(setup_r)
     session = _Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
     if ok:
-        session.proc_fd = open_proc_dir(pid, pidfd, cfg["isolation"] == "strict")
+        session.proc_fd = open_proc_dir(pid, pidfd, zygote.settings.strict)
         if session.proc_fd is not None and not _settles_idle(session.proc_fd):
             # the kernel does not show it waiting for its first cell (no /proc/<pid>/syscall, say):
             # the check cannot be made here, and the done byte is trusted as before
@@ -1129,13 +1193,13 @@ def open_session(job, cfg, slot, sessions):
             err = os.read(err_r, 4096).decode(errors="replace")
         except BlockingIOError:
             err = ""
-        _close_session(session, cfg)
+        _close_session(session, zygote)
         return _fail(f"the session did not start: {err}", time.monotonic() - started)
     sessions[job["session"]] = session
     return {"status": "ok", "exit_code": 0, "duration_s": time.monotonic() - started, "truncated": False, "notes": []}
 
 
-def _close_session(session, cfg):
+def _close_session(session, zygote):
     try:
         os.kill(session.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -1144,10 +1208,10 @@ def _close_session(session, cfg):
         os.waitpid(session.pid, 0)
     except ChildProcessError:
         pass
-    _close_session_fds(session, cfg)
+    _close_session_fds(session, zygote)
 
 
-def run_cell(job, cfg, sessions, job_fd):
+def run_cell(job, zygote, sessions, job_fd):
     """One cell in a live session. A timeout, output flood, OOM or cancellation ends the session
     (its state is gone: the result says so); the next cell on it gets a fresh one from the service.
     The cell's body goes from the job pipe to the session's cell pipe and its output into memfds,
@@ -1158,9 +1222,9 @@ def run_cell(job, cfg, sessions, job_fd):
         splice_exact(job_fd, _devnull(), body)
         job["body_moved"] = True
         return _fail("no such session (it was closed or its worker restarted)"), None, None
-    limits = cfg["limits"]
+    limits = zygote.settings.limits
     started = time.monotonic()
-    oom_before = cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) if session.cgroup_fds else 0
+    oom_before = cgroups.oom_kills(zygote.runtime.cgroup_version, session.cgroup_fds) if session.cgroup_fds else 0
     out, err = _Sink(session.out_r, limits["stdout_bytes"]), _Sink(session.err_r, limits["stderr_bytes"])
     sinks = {session.out_r: out, session.err_r: err}
     reason = wait_status = done = None
@@ -1200,7 +1264,7 @@ def run_cell(job, cfg, sessions, job_fd):
     if done in (b"0", b"1") and reason is None:
         return _cell_header(done == b"1", duration), out, err
     if done in CELL_LEFT_THREADS and reason in (None, "ended"):  # it ended itself, as it said: the cell's result
-        _close_session(sessions.pop(job["session"]), cfg)
+        _close_session(sessions.pop(job["session"]), zygote)
         note = ("[the cell left threads running; the session's interpreter was ended so that they cannot write "
                 "into later cells: earlier variables are gone]")
         return _cell_header(done == CELL_LEFT_THREADS[1], duration, note, session_ended=True), out, err
@@ -1210,7 +1274,7 @@ def run_cell(job, cfg, sessions, job_fd):
     except ProcessLookupError:
         pass
     _, wait_status, rusage = os.wait4(session.pid, 0)
-    oom = (cgroups.oom_kills(cfg["cgroup_version"], session.cgroup_fds) - oom_before) if session.cgroup_fds else 0
+    oom = (cgroups.oom_kills(zygote.runtime.cgroup_version, session.cgroup_fds) - oom_before) if session.cgroup_fds else 0
     header = _result(wait_status, None if reason == "ended" else reason, job, duration, setup_done=True,
                      oom_kills=oom, cpu_s=0.0, over_cap=out.size > out.cap or err.size > err.cap)
     if reason == "ended" and os.WIFEXITED(wait_status):
@@ -1218,7 +1282,7 @@ def run_cell(job, cfg, sessions, job_fd):
     header["notes"].append("[the session's interpreter has ended: earlier variables are gone]")
     header["session_ended"] = True
     sessions.pop(job["session"])
-    _close_session_fds(session, cfg)
+    _close_session_fds(session, zygote)
     return header, out, err
 
 
@@ -1250,46 +1314,47 @@ def _confirm_done(session, sinks, deadline, done):
     return written[-1:] or done, None
 
 
-def _close_session_fds(session, cfg):
+def _close_session_fds(session, zygote):
     for fd in session.fds():
         try:
             os.close(fd)
         except OSError:
             pass
     if session.cgroup_fds is not None:
-        cgroups.remove_child(cfg["cgroup_sessions_fds"], session.cgroup_name, session.cgroup_fds)
-    if cfg["isolation"] != "strict":
-        remove_tree(os.path.join(cfg["work_root"], session.cgroup_name))
+        cgroups.remove_child(zygote.runtime.cgroup_sessions_fds, session.cgroup_name, session.cgroup_fds)
+    if not zygote.settings.strict:
+        remove_tree(os.path.join(zygote.settings.work_root, session.cgroup_name))
 
 
-def close_session(job, cfg, sessions):
+def close_session(job, zygote, sessions):
     session = sessions.pop(job["session"], None)
     if session is not None:
-        _close_session(session, cfg)
+        _close_session(session, zygote)
     return {"status": "ok", "exit_code": 0, "duration_s": 0.0, "truncated": False, "notes": []}
 
 
-def worker_loop(slot, kind, job_fd, result_fd, cfg):
+def worker_loop(slot, kind, job_fd, result_fd, zygote):
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if cfg["isolation"] == "strict":
+    if zygote.settings.strict:
         confine.unshare(CLONE_NEWNET)  # abstract unix sockets are per network namespace: one per slot
-        if cfg["worker_seccomp"] is not None:
+        if zygote.settings.worker_seccomp is not None:
             confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
-            confine.load_seccomp(cfg["worker_seccomp"])
-    slot_fds = cfg["cgroup_slot_fds"][slot] if cfg["cgroup_slot_fds"] else None
-    for i, fds in enumerate(cfg["cgroup_slot_fds"] or []):
+            confine.load_seccomp(zygote.settings.worker_seccomp)
+    slot_fds = zygote.runtime.cgroup_slot_fds[slot] if zygote.runtime.cgroup_slot_fds else None
+    for i, fds in enumerate(zygote.runtime.cgroup_slot_fds or []):
         if i != slot:
             for fd in fds.values():
                 os.close(fd)
-    cfg["cgroup_fds"] = slot_fds
-    if cfg.get("closer_fd") is not None:
-        _CLOSER.append(socket.socket(fileno=cfg["closer_fd"]))
-    _FORKER.append(Forker(cfg, slot))
-    if cfg.get("proc_fd") is not None:  # the forker's alone (a replacement forker goes without)
-        os.close(cfg.pop("proc_fd"))
+    zygote.runtime.cgroup_fds = slot_fds
+    if zygote.runtime.closer_fd is not None:
+        _CLOSER.append(socket.socket(fileno=zygote.runtime.closer_fd))
+    _FORKER.append(Forker(zygote, slot))
+    if zygote.runtime.proc_fd is not None:  # the forker's alone (a replacement forker goes without)
+        os.close(zygote.runtime.proc_fd)
+        zygote.runtime.proc_fd = None
     counter = 0
     sessions = {}
-    state = WorkerState(cfg["state_page"], slot, kind)
+    state = WorkerState(zygote.runtime.state_page, slot, kind)
     while True:
         state.set(IDLE)
         select.select([job_fd], [], [])  # idle until a job arrives: nothing of it consumed yet
@@ -1297,30 +1362,30 @@ def worker_loop(slot, kind, job_fd, result_fd, cfg):
         job = read_msg(job_fd)  # the header only: its body stays on the pipe, moved by splice
         if job is None:
             for session in list(sessions.values()):
-                _close_session(session, cfg)
+                _close_session(session, zygote)
             os._exit(0)
         if "cancel" in job:
             continue  # for a job that already finished
         counter += 1
         state.set(RUNNING, job.get("id"))
-        _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions, state)
+        _serve_one(job, zygote, slot, counter, job_fd, result_fd, sessions, state)
         job = None  # the next call is forked from this frame: it must not find this job here
 
 
-def _serve_one(job, cfg, slot, counter, job_fd, result_fd, sessions, state):
+def _serve_one(job, zygote, slot, counter, job_fd, result_fd, sessions, state):
     """Run one job and send its result. Its header lives only in this frame; its data never in
     this process (module docstring)."""
     op = job.get("op", "run")
     out = err = None
     try:
         if op == "run":
-            header, out, err = execute(job, cfg, slot, counter, job_fd)
+            header, out, err = execute(job, zygote, slot, counter, job_fd)
         elif op == "session_open":
-            header = open_session(job, cfg, slot, sessions)
+            header = open_session(job, zygote, slot, sessions)
         elif op == "session_run":
-            header, out, err = run_cell(job, cfg, sessions, job_fd)
+            header, out, err = run_cell(job, zygote, sessions, job_fd)
         elif op == "session_close":
-            header = close_session(job, cfg, sessions)
+            header = close_session(job, zygote, sessions)
         else:
             header = _fail(f"unknown op {op!r}")
     except Exception as e:  # noqa: BLE001 - a broken call must not take the worker down
@@ -1383,12 +1448,12 @@ def interpreter_dirs():
     return kept
 
 
-def isolate_master(cfg):
+def isolate_master(zygote):
     """Namespaces and the minimal root shared by all calls of this zygote (made once)."""
     confine.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
     needed = interpreter_dirs()
-    cfg["rebind"] = confine.covered_by_call_mounts(needed)
+    zygote.runtime.rebind = confine.covered_by_call_mounts(needed)
     root = confine.root_mount_point(needed)
     # a fresh tmpfs over an existing directory (in this mount namespace only)
     confine.mount("tmpfs", root, "tmpfs", confine.MS_NOSUID | confine.MS_NODEV, "size=1m,mode=0755")
@@ -1416,14 +1481,14 @@ def main():
     minimal root), then heavy workers. A call is forked from a light or heavy worker of its slot
     (the service routes by the modules the code names): forking a process with sympy and numpy
     loaded costs ~2.4 ms of page-table copying, one with the standard library ~0.5 ms."""
-    cfg = json.loads(sys.argv[1])
-    channels = cfg["channels"]  # [{kind: [job_fd, result_fd]}] per slot, inherited from the service
-    status_fd = cfg["status_fd"]
+    zygote = Zygote(Settings(json.loads(sys.argv[1])), Runtime())
+    channels = zygote.settings.channels  # [{kind: [job_fd, result_fd]}] per slot, inherited from the service
+    status_fd = zygote.settings.status_fd
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     facts = {}
     workers = {}  # pid -> (slot, kind)
-    cfg["state_page"] = mmap.mmap(-1, 16 * 2 * len(channels))  # MAP_SHARED: seen by every worker
+    zygote.runtime.state_page = mmap.mmap(-1, 16 * 2 * len(channels))  # MAP_SHARED: seen by every worker
 
     def spawn(slot, kind):
         pid = os.fork()
@@ -1435,14 +1500,14 @@ def main():
                         os.close(result_fd)
             os.close(status_fd)
             os.close(own_status)
-            worker_loop(slot, kind, channels[slot][kind][0], channels[slot][kind][1], cfg)
+            worker_loop(slot, kind, channels[slot][kind][0], channels[slot][kind][1], zygote)
             os._exit(0)
         return pid
 
     def worker_died(slot, kind, status):
         """Answer the call the dead worker was running (if any) and give its slot a new worker; if
         it died half-way through a message, stop: the service starts a new zygote."""
-        phase, job_id = WorkerState(cfg["state_page"], slot, kind).get()
+        phase, job_id = WorkerState(zygote.runtime.state_page, slot, kind).get()
         if phase in (READING, WRITING):
             os._exit(1)
         if phase == RUNNING:
@@ -1459,31 +1524,30 @@ def main():
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(str(OOM_SCORE_ADJ))
         own_status = os.open("/proc/self/status", os.O_RDONLY)  # still readable after pivot_root
-        cfg["proc_fd"] = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # for each forker's own maps
-        for name in cfg["light_preload"]:
+        zygote.runtime.proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # for each forker's own maps
+        for name in zygote.settings.light_preload:
             __import__(name)
-        for name in ("seccomp", "worker_seccomp"):  # built by the service (see ZygotePool.start)
-            cfg[name] = bytes.fromhex(cfg[name]) if cfg[name] else None
-        facts["seccomp"] = cfg["seccomp"] is not None
-        tree = cfg.get("cgroups")
-        cfg["cgroup_version"] = tree["version"] if tree else None
-        cfg["cgroup_slot_fds"] = [cgroups.open_dirs(s) for s in tree["slots"]] if tree else None
-        cfg["cgroup_sessions_fds"] = cgroups.open_dirs(tree["sessions"]) if tree else None
-        if cfg["isolation"] == "strict":
-            isolate_master(cfg)
+        facts["seccomp"] = zygote.settings.seccomp is not None
+        tree = zygote.settings.cgroups
+        if tree:
+            zygote.runtime.cgroup_version = tree["version"]
+            zygote.runtime.cgroup_slot_fds = [cgroups.open_dirs(s) for s in tree["slots"]]
+            zygote.runtime.cgroup_sessions_fds = cgroups.open_dirs(tree["sessions"])
+        if zygote.settings.strict:
+            isolate_master(zygote)
         else:
-            os.makedirs(cfg["work_root"], mode=0o700, exist_ok=True)
-        facts["minimal_root"] = cfg["isolation"] == "strict"
-        cfg["closer_fd"] = start_closer() if cfg["isolation"] == "strict" else None
+            os.makedirs(zygote.settings.work_root, mode=0o700, exist_ok=True)
+        facts["minimal_root"] = zygote.settings.strict
+        zygote.runtime.closer_fd = start_closer() if zygote.settings.strict else None
         for kind in channels[0]:  # "light" first, then (if any) "heavy"
             if kind == "heavy":
-                for name in cfg["heavy_preload"]:
+                for name in zygote.settings.heavy_preload:
                     __import__(name)
-                if cfg.get("warmup"):
+                if zygote.settings.warmup:
                     # First calls into sympy import submodules lazily and fill caches: pay that once here.
-                    exec(compile(cfg["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
+                    exec(compile(zygote.settings.warmup, "<warmup>", "exec"), {"__name__": "__warmup__"})
             # RLIMIT_AS (without a cgroup) counts the worker's own mappings: the limit is on top
-            cfg["address_space_base"] = _vm_size(own_status)
+            zygote.runtime.address_space_base = _vm_size(own_status)
             for slot in range(len(channels)):
                 workers[spawn(slot, kind)] = (slot, kind)
     except BaseException as e:  # noqa: BLE001
