@@ -29,14 +29,15 @@ MULTIPLE_CHOICE = {"gpqa_diamond"}
 
 
 def resolve_benchmark(name: str, data_dir: str | None) -> Benchmark:
-    """A known benchmark name (its file under `data_dir`) or the path of any JSONL problem file
+    """A known benchmark name (its file under `data_dir`) or the path of any problem set (data/problems.py)
     (named after the file; multiple choice if its name says gpqa). Nothing is looked up outside
     what the caller names: the benchmark files are not shipped (README: Evaluation)."""
-    if name.endswith(".jsonl"):
-        stem = os.path.splitext(os.path.basename(name))[0]
+    if name.endswith((".jsonl", ".parquet")) or os.path.sep in name or os.path.exists(name):  # a path
+        stem = os.path.splitext(os.path.basename(os.path.normpath(name)))[0]
         return Benchmark(stem, name, multiple_choice="gpqa" in stem.lower())
     if name not in BENCHMARK_FILES:
-        raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARK_FILES)} (or a path to a .jsonl file)")
+        raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARK_FILES)} (or the path of a problem set: JSONL, "
+                         "Parquet or a datasets folder)")
     if not data_dir:
         raise ValueError(f"benchmark {name!r} is read from {BENCHMARK_FILES[name]} in a data directory: pass "
                          f"--data_dir DIR (or set RSTAR2_DATA_DIR), or give the .jsonl path; README (Evaluation) "

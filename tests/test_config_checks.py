@@ -3,6 +3,8 @@ a value out of range or an unknown name is refused by RunConfig's check, named b
 
 import copy
 import dataclasses
+import os
+import tempfile
 import typing
 
 import pytest
@@ -16,10 +18,17 @@ from rstar2_jax.rl.config import RunConfig, base_config
 
 # Free-form strings, and the setting under which each is read (and so checked): a path that
 # does not exist, or a URL of the wrong scheme, is refused there.
+PROBLEM_FILE = os.path.join(tempfile.mkdtemp(prefix="config-checks-"), "problems.jsonl")
+with open(PROBLEM_FILE, "w") as _f:
+    _f.write('{"problem": "1+1", "answer": "2", "id": "a"}\n')
+PROBLEM_SETS = {"data.task": "problems", "data.train_path": PROBLEM_FILE, "data.eval_path": PROBLEM_FILE}
 FREE_STRINGS = {
     "model.path": ({}, "/no/such/model"),
     "data.train_path": ({"data.task": "jsonl"}, "/no/such/train.jsonl"),
-    "data.eval_path": ({"data.task": "jsonl"}, "/no/such/eval.jsonl"),
+    "data.eval_path": ({"data.task": "problems"}, "/no/such/eval.jsonl"),
+    "data.question_key": (PROBLEM_SETS, "no_such.field"),
+    "data.answer_key": (PROBLEM_SETS, "no_such_field"),
+    "data.id_key": (PROBLEM_SETS, "problem.id"),
     "sandbox.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
     "rollout.vllm_sync_dir": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"]}, "/no/such/dir"),
     "rollout.vllm_sync_host": ({}, ""),

@@ -46,16 +46,26 @@ def test_pass_at_1_is_averaged_over_samples_with_an_interval():
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", [[], ["--page_size=16", "--kv_pages=20"]], ids=["slot_rows", "paged"])
 def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
+    """The paged variant scores a verl Parquet set as its second benchmark (issue 39), by path."""
     model = tiny.build_tiny_model(tmp_path / "m")
     out = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", "--benchmarks=aime24,gpqa_diamond",
+    second = "gpqa_diamond"
+    if kv:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        second = str(tmp_path / "dapo.parquet")
+        pq.write_table(pa.Table.from_pylist([
+            {"data_source": "math_dapo", "prompt": [{"content": f"What is {i}+{i}?", "role": "user"}],
+             "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+             "extra_info": {"index": f"p{i}"}} for i in range(3)]), second)
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", f"--benchmarks=aime24,{second}",
                            f"--data_dir={benchmark_dir}", "--limit=2", "--samples=2", "--max_tokens=40", "--max_turns=2",
                            "--format=tiny", f"--out={out}", "--slots=4", *kv], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert results["protocol"]["samples"] == 2
-    for name in ("aime24", "gpqa_diamond"):
+    for name in ("aime24", "dapo" if kv else "gpqa_diamond"):
         r = results["results"][name]
         assert r["problems"] == 2 and 0 <= r["pass@1"] <= 1
         assert os.listdir(out / "traces" / name)

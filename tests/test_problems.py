@@ -26,7 +26,7 @@ def test_answers_keep_their_text_and_integral_floats_become_integers(benchmark_d
     ('{"problem": "x", "answer": 1}\n{oops}\n', r"bad.jsonl:2: invalid JSON"),
     ('{"problem": "x"}\n', r"bad.jsonl:1: no answer"),
     ('{"answer": 3}\n', r"bad.jsonl:1: no problem text"),
-    ('[1, 2]\n', r"bad.jsonl:1: expected a JSON object"),
+    ('[1, 2]\n', r"bad.jsonl:1: expected an object"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)

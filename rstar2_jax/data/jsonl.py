@@ -16,8 +16,13 @@ def iter_jsonl(path: str | os.PathLike, what: str = "data file") -> Iterator[tup
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{what} not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line, so that bytes that are not UTF-8 name their line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (JSONL is one JSON object per line; is the file "
+                                "Parquet or Arrow under another name?)") from None
             if not line.strip():
                 continue
             try:

@@ -4,7 +4,10 @@ A task gives the trainer problems (id, question, gold answer) for training and f
 and optionally synthetic SFT traces for a warm start. The trainer knows nothing else about it:
 
     "arith"  the CPU demo's synthetic multi-digit arithmetic (data/arith.py), with SFT traces
-    "jsonl"  problem sets from JSONL files (data.train_path, data.eval_path; data/problems.py)
+    "problems"  problem sets from files (data.train_path, data.eval_path): JSONL, Parquet or a
+             datasets folder, in the verl, open-r1, rStar2-Agent or plain layout, or any other
+             through data.question_key / answer_key / id_key (data/problems.py); "jsonl" is its
+             older name
 
 Add a task with `@register_task("name")` on a function (data_cfg, seed) -> Task, and give it a
 `check` that names every bad field of `data.*` before anything runs ((field, message) pairs).
@@ -17,7 +20,10 @@ import os
 from typing import Callable, Iterable, Protocol, Sequence
 
 from rstar2_jax.config_types import Section, setting
-from rstar2_jax.data.problems import load_problems
+from rstar2_jax.data.jsonl import DataError
+from rstar2_jax.data.problems import MISSING, Columns, describe_fields, layout_of, load_problems
+from rstar2_jax.data.problems import field as field_of
+from rstar2_jax.data.rows import iter_rows
 from rstar2_jax.registry import Registry
 
 
@@ -60,11 +66,17 @@ def register_task(name: str, check: Callable[..., Iterable[tuple[str, str]]] = l
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Section):
     task: str = setting("arith", "what the run trains and evaluates on (arith: synthetic arithmetic, "
-                        "jsonl: train_path / eval_path)", choices=TASKS)
-    train_problems: int = setting(4000, "arith: how many; jsonl: the first N (0 = all)", min=0)
-    eval_problems: int = setting(200, "arith: how many; jsonl: the first N (0 = all)", min=0)
-    train_path: str = setting("", "jsonl task: problem/answer rows for training")
-    eval_path: str = setting("", "jsonl task: problem/answer rows for evaluation")
+                        "problems: problem sets from train_path / eval_path)", choices=TASKS)
+    train_problems: int = setting(4000, "arith: how many; problems: the first N (0 = all)", min=0)
+    eval_problems: int = setting(200, "arith: how many; problems: the first N (0 = all)", min=0)
+    train_path: str = setting("", "problems task: the training set (JSONL, Parquet, a folder of Parquet shards, "
+                              "or a datasets save_to_disk folder)")
+    eval_path: str = setting("", "problems task: the evaluation set (same formats)")
+    question_key: str = setting("", "problems task: the problem text's field, a dotted path (a chat list gives its "
+                                "last user turn); '' = told from the layout")
+    answer_key: str = setting("", "problems task: the gold answer's field, a dotted path (e.g. "
+                              "reward_model.ground_truth); '' = told from the layout")
+    id_key: str = setting("", "problems task: the problem id's field; '' = the layout's, else the row number")
 
     def rules(self):
         if self.task in TASKS:
@@ -89,14 +101,50 @@ def arith_task(data_cfg, seed: int) -> Task:
                 arith.make_problems(data_cfg.eval_problems, seed=10_000 + seed), sft_data=arith.sft_dataset)
 
 
-def _check_jsonl(data_cfg):
+def columns_of(data_cfg) -> Columns:
+    """The column mapping of a data config (typed, or a ConfigDict of one)."""
+    return Columns(data_cfg.question_key, data_cfg.answer_key, data_cfg.id_key)
+
+
+def _check_problem_sets(data_cfg):
+    """Each set exists and its first row reads in a known layout (or through the mapping): a file
+    that cannot load fails here, before anything starts."""
     for field in ("train_path", "eval_path"):
-        if not os.path.isfile(getattr(data_cfg, field)):
-            yield field, f"no such file {getattr(data_cfg, field)!r} (a JSONL of problem/answer rows)"
+        path = getattr(data_cfg, field)
+        if not path:
+            yield field, "must be set for the problems task (a JSONL, Parquet or datasets folder of problems)"
+            continue
+        if not os.path.exists(path):
+            yield field, f"no such file or folder {path!r}"
+            continue
+        yield from _check_mapping(data_cfg, path)
+        try:
+            layout_of(path, columns_of(data_cfg))
+        except (DataError, OSError) as e:
+            yield field, str(e)
 
 
-@register_task("jsonl", check=_check_jsonl)
-def jsonl_task(data_cfg, seed: int) -> Task:
+def _check_mapping(data_cfg, path):
+    """Each key of the column mapping names a field of the set's first row (problems under the key)."""
+    keys = [(k, getattr(data_cfg, k)) for k in ("question_key", "answer_key", "id_key") if getattr(data_cfg, k)]
+    if not keys:
+        return
+    try:
+        file, _, row = next(iter_rows(path, "problem file"))
+    except (StopIteration, DataError, OSError):
+        return  # the path's own check says why
+    for key, value in keys:
+        if field_of(row, value) is MISSING:
+            yield key, (f"{value!r} is not a field of {file}'s rows (a dotted path; the first row has "
+                        f"{describe_fields(row)})")
+
+
+def _problem_sets_task(data_cfg, seed: int) -> Task:
     del seed  # the files fix the problems; the trainer shuffles them per epoch
-    return Task("jsonl", load_problems(data_cfg.train_path, limit=data_cfg.train_problems or None),
-                load_problems(data_cfg.eval_path, limit=data_cfg.eval_problems or None))
+    columns = columns_of(data_cfg)
+    return Task(data_cfg.task, load_problems(data_cfg.train_path, data_cfg.train_problems or None, columns),
+                load_problems(data_cfg.eval_path, data_cfg.eval_problems or None, columns))
+
+
+register_task("problems", check=_check_problem_sets)(_problem_sets_task)
+register_task("jsonl", check=_check_problem_sets)(_problem_sets_task)  # its name before other formats were read

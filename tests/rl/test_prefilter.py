@@ -61,12 +61,30 @@ def _two_stage_config(steps=3):
     return cfg
 
 
+def _verl_parquet(path, problems):
+    """The problems as verl RL Parquet rows (prompt as chat, reward_model.ground_truth, extra_info.index)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "arith", "prompt": [{"role": "user", "content": p.question}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": p.answer}, "extra_info": {"index": f"row-{p.id}"}}
+        for p in problems]), path)
+    return str(path)
+
+
 @pytest.mark.slow
 def test_a_run_pre_filters_when_the_stage_begins_and_never_trains_on_dropped_problems(tmp_path):
+    """Trained from a verl Parquet set (issue 39): the pre-filter, traces and ids are the file's."""
+    from rstar2_jax.data import arith
     from rstar2_jax.data.tasks import make_task
 
     cfg = _two_stage_config()
+    cfg.sft.steps = 0  # the problems task has no SFT data: the tiny model starts untrained
+    cfg.data.task = "problems"
+    cfg.data.train_path = _verl_parquet(tmp_path / "train.parquet", arith.make_problems(6, seed=1))
+    cfg.data.eval_path = _verl_parquet(tmp_path / "eval.parquet", arith.make_problems(4, seed=2))
     ids = [p.id for p in make_task(cfg.data, cfg.seed).train_problems]
+    assert ids == [f"row-1-{i}" for i in range(6)]  # extra_info.index
     # Results already on disk for 4 of the 6 problems (as after a crash mid-pre-pass): two of them
     # "solved 2/2". The run samples the other two for real and drops whatever is solved 2/2.
     pre = tmp_path / "prefilter"
