@@ -14,7 +14,7 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory")
+_MODEL = flags.DEFINE_string("model", None, "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint and format")
 _PROMPT = flags.DEFINE_string("prompt", "Solve the system of equations: 2x + 3y = 7, x - y = 1", "the problem")
 _FORMAT = flags.DEFINE_string("format", None, "prompt format the model was trained in: rstar2, compact or "
@@ -62,13 +62,13 @@ def main(argv):
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
         raise app.UsageError("give exactly one of --model or --checkpoint")
-    cli.check_model_dir(_MODEL.value)
+    model_dir = cli.model_dir(_MODEL.value)  # a directory, or a hub id through the cache
     run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
     format_name = _FORMAT.value or run.get("format", "rstar2")
     if format_name not in FORMATS:
         raise app.UsageError(f"--format: {FORMATS.problem(format_name)}")
-    model = models.load_pretrained(_MODEL.value) if _MODEL.value else load_run_policy(_CHECKPOINT.value)
-    asyncio.run(_chat(model, _MODEL.value or run["model_dir"], format_name))
+    model = models.load_pretrained(model_dir) if model_dir else load_run_policy(_CHECKPOINT.value)
+    asyncio.run(_chat(model, model_dir or run["model_dir"], format_name))
 
 
 if __name__ == "__main__":

@@ -142,8 +142,13 @@ def _load_config_file(path: str, arg: str) -> str | None:
     return None
 
 
-def check_model_dir(model_dir: str | None, flag: str = "--model"):
-    """A HF model directory, or a UsageError that says what is missing."""
-    if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
-        what = "no such directory" if not os.path.isdir(model_dir) else "not a HF model directory (no config.json)"
-        raise app.UsageError(f"{flag}={model_dir}: {what}")
+def model_dir(path: str | None, flag: str = "--model") -> str | None:
+    """The local directory of a model flag's value: a HF model directory, or a hub id through the
+    Hugging Face cache (models/hub.py); a UsageError that says what is missing."""
+    if path is None:
+        return None
+    from rstar2_jax.models.hub import ModelNotFound, model_directory
+    try:
+        return model_directory(path, flag)
+    except ModelNotFound as e:
+        raise app.UsageError(str(e)) from None

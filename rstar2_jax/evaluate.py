@@ -32,7 +32,7 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory")
+_MODEL = flags.DEFINE_string("model", None, "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint")
 _BENCHMARKS = flags.DEFINE_list("benchmarks", ["aime24", "aime25", "math500"],
                                 "benchmark names (aime24, aime25, math500, amc23, gpqa_diamond) or .jsonl paths")
@@ -256,7 +256,7 @@ def main(argv):
         raise app.UsageError("give exactly one of --model or --checkpoint")
     max_tokens, max_turns = run_defaults(_CHECKPOINT.value, _MAX_TOKENS.value, _MAX_TURNS.value)
     engine_cfg = rollout_config(max_tokens)
-    cli.check_model_dir(_MODEL.value)
+    model_path = cli.model_dir(_MODEL.value)  # a directory, or a hub id through the cache
     run = run_info(_CHECKPOINT.value) if _CHECKPOINT.value else {}
     format_name = _FORMAT.value or run.get("format", "rstar2")
     try:
@@ -270,7 +270,7 @@ def main(argv):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
     # every file read and checked (a malformed line: DataError with file and line) before any rollout
     loaded = [(bench, load_problems(bench.path, limit=_LIMIT.value or None)) for bench in benchmarks]
-    model_dir = _MODEL.value or run["model_dir"]
+    model_dir = model_path or run["model_dir"]
     tokenizer = Tokenizer.from_pretrained(model_dir)
     positions = ModelConfig.from_json_file(os.path.join(model_dir, "config.json")).max_position_embeddings
     budgets = {bench.name: token_budget(max(len(tokenizer.encode(fmt.prompt(q))) for q in questions_of(bench, problems)),
@@ -287,7 +287,7 @@ def main(argv):
         with open(os.path.join(_OUT.value, "results.md"), "w") as f:
             f.write(markdown_table(results) + "\n")
 
-    make_engine = engine_factory(_MODEL.value, _CHECKPOINT.value, tokenizer, engine_cfg)
+    make_engine = engine_factory(model_path, _CHECKPOINT.value, tokenizer, engine_cfg)
     try:
         results = asyncio.run(run_eval(make_engine, tokenizer, loaded, fmt, budgets, max_turns, write))
     except KeyboardInterrupt:

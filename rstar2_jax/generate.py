@@ -35,7 +35,7 @@ def main(argv):
     if _BUILD_TINY.value and not os.path.exists(os.path.join(model_dir, "config.json")):
         tiny.build_tiny_model(model_dir)
         print(f"built tiny random Qwen3 model in {model_dir}")
-    cli.check_model_dir(model_dir)
+    model_dir = cli.model_dir(model_dir)
     model = models.load_pretrained(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,

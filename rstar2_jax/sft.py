@@ -13,7 +13,7 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory", required=True)
+_MODEL = flags.DEFINE_string("model", None, "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache", required=True)
 _DATA = flags.DEFINE_string("data", None, "JSONL of {'messages': [...]} conversations", required=True)
 _OUT = flags.DEFINE_string("out", None, "output HF directory", required=True)
 _STEPS = flags.DEFINE_integer("steps", 1000, "optimizer steps", lower_bound=1)
@@ -34,19 +34,19 @@ def main(argv):
     from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
     from rstar2_jax.models.tokenizer import Tokenizer
 
-    cli.check_model_dir(_MODEL.value)
+    model_dir = cli.model_dir(_MODEL.value)  # a directory, or a hub id through the cache
     if not os.path.isfile(_DATA.value):
         raise app.UsageError(f"--data={_DATA.value}: no such file")
-    tokenizer = Tokenizer.from_pretrained(_MODEL.value)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
     data = [tuple(x[:_MAX_LEN.value] for x in tokenize_conversation(tokenizer, row))
             for row in load_conversations(_DATA.value)]
-    model = models.load_pretrained(_MODEL.value)
+    model = models.load_pretrained(model_dir)
     trainer = SFTTrainer(model, lr=_LR.value, warmup_steps=_WARMUP.value)
     bar = tqdm(zip(range(_STEPS.value), iterate_batches(data, min(_BATCH.value, len(data)), _SEED.value)),
                total=_STEPS.value, desc="SFT")
     for _, batch in bar:
         bar.set_postfix(loss=f"{trainer.step(batch)['loss']:.4f}")
-    models.save_pretrained(trainer.model(), _OUT.value, tokenizer_dir=_MODEL.value)
+    models.save_pretrained(trainer.model(), _OUT.value, tokenizer_dir=model_dir)
     print(f"saved {_OUT.value}")
 
 

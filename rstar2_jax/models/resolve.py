@@ -1,5 +1,5 @@
-"""The run's model settings (`model.*`) and the model directory they name: a HF checkpoint, or
-the tiny random model."""
+"""The run's model settings (`model.*`) and the model directory they name: a HF checkpoint (a
+directory, or a hub id through the Hugging Face cache: models/hub.py), or the tiny random model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import jax.numpy as jnp
 
 from rstar2_jax.config_types import Section, setting
+from rstar2_jax.models import hub
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION, REMAT_POLICIES
 from rstar2_jax.registry import Registry
 
@@ -19,7 +20,8 @@ DTYPES.register("bfloat16", jnp.bfloat16)
 
 @dataclasses.dataclass(frozen=True)
 class PolicyModelConfig(Section):
-    path: str = setting("", "HF model directory; '' builds the tiny random model in the run directory")
+    path: str = setting("", "HF model directory, or a hub id (owner/name[@revision]) read through the Hugging Face "
+                        "cache; '' builds the tiny random model in the run directory")
     tiny_layers: int = setting(2, "tiny model (path ''): decoder layers", min=1)
     tiny_hidden: int = setting(128, "tiny model (path ''): hidden size", min=32)
     dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
@@ -30,17 +32,16 @@ class PolicyModelConfig(Section):
                                     "unless paged)", choices=DECODE_ATTENTION)
 
     def rules(self):
-        if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
-            yield "path", f"{self.path!r} is not a HF model directory (no config.json)"
+        problem = hub.check(self.path)
+        if problem:
+            yield "path", problem
 
 
 def resolve(model_cfg: PolicyModelConfig, workdir: str, seed: int) -> str:
     """`model_cfg.path` when set; otherwise the tiny random model (`tiny_layers`, `tiny_hidden`),
     built once into `workdir/base_model` and reused by every later start of the run."""
     if model_cfg.path:
-        if not os.path.exists(os.path.join(model_cfg.path, "config.json")):
-            raise FileNotFoundError(f"model.path {model_cfg.path!r} is not a HF model directory (no config.json)")
-        return model_cfg.path
+        return hub.model_directory(model_cfg.path)  # a directory as it is; a hub id through the cache
     model_dir = os.path.join(workdir, "base_model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         from rstar2_jax.models import tiny  # loads only for runs that build it

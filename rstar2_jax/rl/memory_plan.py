@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 
 import jax.numpy as jnp
@@ -295,7 +294,8 @@ def _param_count(arch: ModelConfig) -> int:
 def architecture(cfg: RunConfig) -> ModelConfig:
     """The run's architecture from config.json alone (model.path), or the tiny model's settings."""
     if cfg.model.path:
-        return ModelConfig.from_json_file(os.path.join(cfg.model.path, "config.json"))
+        from rstar2_jax.models.hub import config_file  # a hub id: its config.json alone, through the cache
+        return ModelConfig.from_json_file(config_file(cfg.model.path))
     from rstar2_jax.models.tiny import tiny_config
     return tiny_config(num_layers=cfg.model.tiny_layers, hidden_size=cfg.model.tiny_hidden,
                        intermediate_size=3 * cfg.model.tiny_hidden)
