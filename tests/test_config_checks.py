@@ -32,10 +32,14 @@ FREE_STRINGS = {
     "sandbox.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
     "rollout.vllm_sync_dir": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"]}, "/no/such/dir"),
     "rollout.vllm_sync_host": ({}, ""),
+    "logging.project": ({}, ""),
+    "logging.wandb_entity": ({"logging.backends": ["wandb"]}, "no such team"),
+    "logging.mlflow_tracking_uri": ({}, "relative/mlruns"),
     "run_name": ({}, ""),
 }
 # Lists of strings: the element check, under the setting that reads them.
 STRING_LISTS = {"rl.correction.names": ({}, ["no_such_correction"]),
+                "logging.backends": ({}, ["no_such_tracker"]),
                 "rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
                 "rollout.vllm_fetch_urls": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"],
                                              "rollout.vllm_sync": "pull"}, ["not-a-url"])}

@@ -6,7 +6,8 @@
 
 Sections and where they live: model (models/resolve.py), data (data/tasks.py), sft
 (learner/sft.py), rollout (rollout/engines/factory.py), sandbox (rollout/sandboxes.py), rl.roc
-(rl/grpo_roc.py), rl.loss (algo/losses.py), mesh (sharding.py), checkpoint (checkpoints.py);
+(rl/grpo_roc.py), rl.loss (algo/losses.py), mesh (sharding.py), checkpoint (checkpoints.py),
+logging (trackers/__init__.py);
 rl, stages and eval are the trainer's own (here). `python -m rstar2_jax.train --helpconfig`
 prints every field with its documentation.
 """
@@ -30,6 +31,7 @@ from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
 from rstar2_jax.rl.carry import StalenessConfig
 from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
+from rstar2_jax.trackers import LoggingConfig
 from rstar2_jax.rl.grpo_roc import RoCConfig
 from rstar2_jax.rollout.engines.factory import RolloutConfig
 from rstar2_jax.rollout.prompt import FORMATS
@@ -126,6 +128,7 @@ class RunConfig(Section):
     mesh: MeshConfig = setting(MeshConfig, "device mesh")
     distributed: bool = setting(False, "jax.distributed.initialize() before anything (several processes)")
     checkpoint: CheckpointConfig = setting(CheckpointConfig, "checkpoints")
+    logging: LoggingConfig = setting(LoggingConfig, "trackers besides metrics.jsonl (TensorBoard, W&B, MLflow)")
 
     def rules(self):
         r, rl = self.rollout, self.rl

@@ -1,4 +1,4 @@
-"""A step's metrics and where they go: metrics.jsonl and TensorBoard (MetricsLog), the per-step
+"""A step's metrics and where they go: metrics.jsonl and the trackers (MetricsLog), the per-step
 table of rollout metrics, wall-time breakdown and engine counters, and the console lines."""
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from rstar2_jax.timeline import Timeline, exclusive_length, overlap_length
 
 
 class MetricsLog:
-    """metrics.jsonl, and TensorBoard: RL steps under their names, SFT steps under sft/, the
-    before/after evaluations under eval/<label>/ (at the RL step they ran at). Primary process
-    only; the TensorBoard writer is opened on first use (a re-run with nothing to log adds no
-    event file)."""
+    """metrics.jsonl (always), and the trackers of `logging.backends` (rstar2_jax/trackers): RL
+    steps under their names, SFT steps under sft/, the before/after evaluations under
+    eval/<label>/ (at the RL step they ran at); the same names in every one. Primary process
+    only; the trackers are opened on first use (a re-run with nothing to log opens none)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, settings=None, run_name: str = "", config: dict | None = None):
+        from rstar2_jax.trackers import LoggingConfig, TrackerSet
         self.workdir = workdir
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tb = None
+        self.trackers = TrackerSet(workdir, settings if settings is not None else LoggingConfig(), run_name, config)
 
     def write(self, record: dict[str, Any]):
         if not processes.is_primary():
@@ -36,21 +37,16 @@ class MetricsLog:
         prefix = {"rl": "", "sft": "sft/", "eval": f"eval/{record.get('label', '')}/"}.get(phase)
         if prefix is None:
             return
-        tb = self.tensorboard()
-        for k, v in record.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                tb.add_scalar(prefix + k, v, record["step"])
+        self.trackers.log({prefix + k: v for k, v in record.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"},
+                          record["step"], axis="sft" if phase == "sft" else "rl")
 
-    def tensorboard(self):
-        if self._tb is None:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
-        return self._tb
+    def text(self, name: str, text: str, step: int):
+        if processes.is_primary():
+            self.trackers.text(name, text, step)
 
     def close(self):
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self.trackers.close()
 
 
 def step_metrics(engine, out: StepRollouts, kept: int) -> dict[str, float]:

@@ -125,7 +125,7 @@ class RLRun:
         self.model.set_attention(full=cfg.model.attention, decode=cfg.model.decode_attention)
         self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep)
         self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
-        self.log = MetricsLog(self.workdir)
+        self.log = MetricsLog(self.workdir, cfg.logging, cfg.run_name, cfg.to_dict())
         self.learner: Learner | None = None
         self.data: DataStream | None = None  # the training problems' stream (train_steps)
         self.sandbox = None  # the session's sandbox
@@ -215,7 +215,7 @@ class RLRun:
             if processes.is_primary():
                 self.run_dir.save_results(results)
                 if self._evaluated:  # the before/after table as text, once per evaluation that ran
-                    self.log.tensorboard().add_text(
+                    self.log.text(
                         "results", "\n".join("    " + line for line in format_results(results).splitlines()),
                         cfg.rl.steps)
         finally:

@@ -56,6 +56,8 @@ def tensorboard_tags(directory) -> set[str]:
 @pytest.mark.slow
 def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, benchmark_dir):
     cfg = small_config()
+    cfg.logging.backends = ("tensorboard", "wandb", "mlflow")  # issue 39: every tracker, one run
+    cfg.logging.wandb_mode = "offline"
     results = run(cfg, str(tmp_path))
     assert set(results) == {"before", "after"} and "accuracy" in results["after"]["sampled"]
     traces = read_traces(tmp_path / "traces")
@@ -82,6 +84,15 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
     for tag in ("accuracy", "tool_error_ratio_correct", "sft/loss", "eval/before_rl/greedy/accuracy",
                 "eval/after_rl/sampled/mean_tool_calls", "results/text_summary"):
         assert tag in tags, sorted(tags)
+    # W&B (offline run files) and MLflow (its SQLite store) got the same names, and the same values
+    from rstar2_jax.trackers.mlflow_tracker import mlflow_name, tracking_uri
+    from tests.tracker_files import mlflow_metrics, wandb_history
+    history = wandb_history(tmp_path)
+    logged = {k for row in history for k in row} - {"rl_step", "sft/step", "results"}
+    mlflow = mlflow_metrics(tracking_uri("", str(tmp_path)), json.loads((tmp_path / "trackers.json").read_text())["mlflow"])
+    assert {mlflow_name(k) for k in logged} == set(mlflow) == tags - {"results/text_summary"}
+    assert [r["accuracy"] for r in history if "accuracy" in r] == [l["accuracy"] for l in lines if l["phase"] == "rl"]
+    assert [v for _, v in mlflow["accuracy"]] == [l["accuracy"] for l in lines if l["phase"] == "rl"]
     # the trained policy evaluates straight from the run directory
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--checkpoint={tmp_path}", "--benchmarks=aime24",
                            f"--data_dir={benchmark_dir}", "--limit=1", "--samples=1",
