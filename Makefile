@@ -36,7 +36,8 @@ venv-dev: $(VENV)/.dev
 venv-vllm: $(VLLM_VENV)/.installed
 
 # redis-server backs the distributed sandbox and its tests, libseccomp2 the sandbox's syscall
-# filter: install them when missing (root only).
+# filter, slurm-wlm and munge the one-node SLURM cluster of the launcher's test: install them when
+# missing (root only).
 redis:
 	@ldconfig -p 2>/dev/null | grep -q 'libseccomp.so.2 ' || { \
 	  if [ "$$(id -u)" = 0 ]; then \
@@ -48,6 +49,11 @@ redis:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
 	      || { echo "could not install redis-server with apt-get"; exit 1; }; \
 	  else echo "redis-server is missing: run 'sudo apt-get install redis-server' and retry"; exit 1; fi; }
+	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
+	      || { echo "could not install slurm-wlm and munge with apt-get"; exit 1; }; \
+	  else echo "slurm-wlm / munge are missing: run 'sudo apt-get install slurm-wlm munge' and retry"; exit 1; fi; }
 
 # The CPU demo: tiny model -> SFT -> GRPO-RoC with the real sandbox; prints before/after RL.
 # Re-running resumes (or just reports) the run in runs/tiny_arith; `make clean-demo` starts over.

@@ -11,7 +11,7 @@ foreground until Ctrl-C; its weights are replaced by the trainer's at every sync
 
 from __future__ import annotations
 
-import os
+import signal
 import sys
 
 from absl import app, flags
@@ -19,7 +19,8 @@ from absl import app, flags
 from rstar2_jax.rollout.engines.vllm_server import (ServerOptions, VLLMServer, default_python, server_command,
                                                     shell_command)
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory to launch with", required=True)
+_MODEL = flags.DEFINE_string("model", None, "HF model directory to launch with, or a hub id through the Hugging Face "
+                             "cache", required=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0 for other machines)")
 _PORT = flags.DEFINE_integer("port", 8100, "port")
 _DTYPE = flags.DEFINE_string("dtype", "auto", "float32 | bfloat16 | auto (the checkpoint's)")
@@ -35,20 +36,29 @@ _FETCH_PORT = flags.DEFINE_integer("fetch_port", None, "also run a weight fetche
 _FETCH_DIR = flags.DEFINE_string("fetch_dir", "/dev/shm/rstar2_pulled", "where the fetcher keeps pulled weights")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv):
     del argv
-    if not os.path.exists(os.path.join(_MODEL.value, "config.json")):
-        sys.exit(f"--model {_MODEL.value}: no config.json there (an HF model directory is expected)")
+    from rstar2_jax.models.hub import ModelNotFound, model_directory
+    try:
+        model_dir = model_directory(_MODEL.value, "--model")  # a directory, or a hub id through the cache
+    except ModelNotFound as e:
+        sys.exit(str(e))
     opts = ServerOptions(host=_HOST.value, port=_PORT.value, dtype=_DTYPE.value, max_model_len=_MAX_LEN.value,
                          tensor_parallel_size=_TP.value, gpu_memory_utilization=_GPU_MEM.value,
                          cpu_kv_cache_gib=_CPU_KV.value, extra_args=tuple(_EXTRA.value))
     python = _PYTHON.value or default_python()
-    argv, env = server_command(_MODEL.value, opts, python)
+    argv, env = server_command(model_dir, opts, python)
     print(shell_command(argv, env), flush=True)
     if _PRINT_ONLY.value:
         return
-    server = VLLMServer(_MODEL.value, opts, python=python)
+    server = VLLMServer(model_dir, opts, python=python)
     fetcher = None
+    # SIGTERM (scancel, a job's end, kill) stops the server like Ctrl-C: nothing left holding the port
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if _FETCH_PORT.value is not None:
             from rstar2_jax.rollout.engines.weight_pull import WeightFetcher

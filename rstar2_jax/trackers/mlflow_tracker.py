@@ -11,6 +11,7 @@ Metric names are TensorBoard's: a character other than a letter, digit or _ - . 
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import time
 
@@ -32,10 +33,14 @@ def tracking_uri(setting: str, workdir: str) -> str:
 class MLflow:
     def __init__(self, context: LoggingContext):
         from mlflow.tracking import MlflowClient
-        self.client = MlflowClient(tracking_uri=tracking_uri(context.settings.mlflow_tracking_uri, context.workdir))
+        uri = tracking_uri(context.settings.mlflow_tracking_uri, context.workdir)
+        self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(context.settings.project)
+        # a local store's artifacts go beside it (MLflow's default is ./mlruns under the cwd)
+        artifacts = pathlib.Path(os.path.abspath(context.workdir), "mlflow-artifacts").as_uri() \
+            if uri.startswith("sqlite:") else None
         experiment_id = experiment.experiment_id if experiment else \
-            self.client.create_experiment(context.settings.project)
+            self.client.create_experiment(context.settings.project, artifact_location=artifacts)
         run_id = context.saved_ids.get("mlflow")
         if run_id is None:
             run_id = self.client.create_run(experiment_id, run_name=context.run_name or None).info.run_id

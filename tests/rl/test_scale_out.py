@@ -1,18 +1,29 @@
-"""The paper's recipe as one system on this machine: experiments/rstar2_agent_14b.py's structure
-(three stages, the offline pre-filter before the last with an optimizer reset) shrunk to the tiny
-CPU model, run by two trainer processes with asynchronous rollouts (max_staleness=1), then
-extended by a step and resumed from its checkpoint."""
+"""The paper's recipe as one system on this machine, launched as one SLURM job (issue 39):
+experiments/rstar2_agent_14b.py's structure (three stages, the offline pre-filter before the last
+with an optimizer reset) shrunk to the tiny CPU model, written and submitted by
+`python -m rstar2_jax.launch slurm` to a one-node SLURM cluster the test starts (slurmctld,
+slurmd, munged): Redis, two sandbox workers, a vLLM CPU server with its weight fetcher, and two
+trainer processes that find each other through SLURM, with asynchronous rollouts
+(max_staleness=1). The job is scancel-led mid-run and its script resubmitted: the run finishes
+from its checkpoint."""
 
 import json
 import os
+import re
+import subprocess
 import sys
+import time
 
 import pytest
 
 from rstar2_jax.rl.prefilter import read_results
 from rstar2_jax.traces import read_traces
-from tests.rl.launch import launch
+from rstar2_jax.rollout.engines.vllm_server import free_port
+from tests.rl.launch import ROOT
 from tests.rl.test_training import rl_lines
+from tests.slurm_cluster import SlurmCluster
+
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 # Shrunk sizes, the recipe's structure. The barely trained policy solves nothing, so an advantage
 # of alternating signs (registered in every process as the file loads) makes every step update,
@@ -28,7 +39,7 @@ ADVANTAGES["test_alternating_signs"] = lambda rewards, eps=1e-6: np.where(
 
 def get_config():
     c = rstar2_agent_14b.get_config()
-    c.model.path, c.model.dtype, c.model.remat = "", "float32", "none"      # the tiny model on CPU
+    c.model.path, c.model.dtype, c.model.remat = {model!r}, "float32", "none"  # the tiny model on CPU
     c.model.attention = c.model.decode_attention = "xla"
     c.data.task, c.data.train_problems, c.data.eval_problems = "arith", 12, 4
     c.format = "tiny"
@@ -51,12 +62,28 @@ def get_config():
 
 
 @pytest.mark.slow
-def test_the_paper_recipe_runs_on_two_processes_with_async_rollouts_and_the_pre_filter(tmp_path):
-    config = tmp_path / "shrunk_rstar2_agent_14b.py"
-    config.write_text(CONFIG)
-    work = tmp_path / "run"
-    args = [sys.executable, "-m", "rstar2_jax.train", f"--config={config}", f"--workdir={work}"]
+def test_the_paper_recipe_runs_as_a_slurm_job_survives_scancel_and_resumes(tmp_path, tiny_dir):
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make test` installs it (make venv-vllm)")
+    cluster = SlurmCluster(str(tmp_path / "slurm"))
+    try:
+        _run_kill_and_resume(tmp_path, tiny_dir, cluster)
+    finally:
+        cluster.stop()
 
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout:g} s")
+        time.sleep(1.0)
+
+
+def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
+    config = tmp_path / "shrunk_rstar2_agent_14b.py"
+    config.write_text(CONFIG.format(model=tiny_dir))
+    work = tmp_path / "run"
     # 4 of the 12 problems already pre-filtered (as after a crash mid pre-pass), two solved 2/2
     from rstar2_jax.data.tasks import DataConfig, make_task
     ids = [p.id for p in make_task(DataConfig(train_problems=12, eval_problems=4), seed=0).train_problems]
@@ -64,12 +91,43 @@ def test_the_paper_recipe_runs_on_two_processes_with_async_rollouts_and_the_pre_
     seeded = [{"id": i, "solved": n, "k": 2} for i, n in zip(ids[:4], (2, 0, 2, 1))]
     (work / "prefilter" / "stage2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in seeded))
 
-    results = launch(args, tmp_path / "first", n=2)
-    assert all(status == 0 for status, _, _ in results), [err[-3000:] for _, _, err in results]
+    launch = [sys.executable, "-m", "rstar2_jax.launch", "slurm", f"--config={config}", f"--workdir={work}",
+              "--nodes=1", "--learner_tasks_per_node=2", "--sandbox_nodes=1", "--sandbox_tasks_per_node=2",
+              "--sandbox_concurrency=2", "--rollout_nodes=1", f"--vllm_python={VLLM_PYTHON}", "--cpu_kv_cache_gib=1",
+              f"--redis_port={free_port()}", f"--vllm_port={free_port()}", f"--fetch_port={free_port()}"]
+    # a request the cluster cannot place is refused before anything is written
+    refused = subprocess.run(launch + ["--nodes=2", "--learner_nodes=2"], cwd=ROOT, env=cluster.env,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--nodes=2: the partition has 1 node(s)" in refused.stderr, refused.stderr
+    assert not (work / "slurm").exists()
+    done = subprocess.run(launch, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = re.search(r"submitted job (\d+)", done.stdout)[1]
+    script = (work / "slurm" / "job.sh").read_text()
+    assert "--config.sandbox.url=$REDIS_URL" in script and "rstar2_jax.rollout.serve" in script
+
+    # stop it once two RL steps are checkpointed (the pre-filter and stage 2 still to come)
+    checkpoints = work / "checkpoints"
+    _wait(lambda: (checkpoints / "2").exists() or first not in cluster.jobs(), 1200, "checkpoint 2")
+    assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
+    cluster.run("scancel", first)
+    cluster.wait_gone(first, 120)
+    assert not (checkpoints / "4").exists()
+
+    # the same script, submitted again, finishes the run from its last checkpoint
+    second = cluster.run("sbatch", "--parsable", str(work / "slurm" / "job.sh")).stdout.strip().split(";")[0]
+    cluster.wait_gone(second, 1200)
+    trainer_log = (work / "slurm" / f"{second}.trainer.0.log").read_text()
+    assert cluster.exit_status(second) == 0, trainer_log[-3000:]
+    assert "resumed from" in trainer_log
+    assert (checkpoints / "4").exists()
+
     lines = rl_lines(work)
-    assert [l["step"] for l in lines] == [0, 1, 2, 3] and [l["stage"] for l in lines] == [0, 0, 1, 2]
-    assert all(l["staleness/max"] <= 1 for l in lines) and max(l["staleness/max"] for l in lines) == 1
-    assert all(l["kept_rollouts"] == 4 for l in lines)  # both processes' halves gathered: 2 problems x G
+    steps = {l["step"]: l for l in lines}  # a step cut by the scancel is run again: its last line counts
+    assert sorted(steps) == [0, 1, 2, 3] and [steps[s]["stage"] for s in range(4)] == [0, 0, 1, 2]
+    assert all(l["staleness/max"] <= 1 for l in lines)
+    assert all(steps[s]["kept_rollouts"] == 4 for s in range(4))  # both processes' halves: 2 problems x G
+    assert all(l["sync/failures"] == 0 for l in lines)
 
     # the pre-filter: each problem once (only the primary process writes), the seeded lines kept,
     # both processes' halves of each problem's k rollouts counted
@@ -80,14 +138,10 @@ def test_the_paper_recipe_runs_on_two_processes_with_async_rollouts_and_the_pre_
     assert {ids[0], ids[2]} <= dropped
     traces = read_traces(work / "traces")
     assert not set(traces[traces["step"] >= 3]["problem_id"]) & dropped
-    assert len(traces) == 4 * 2 * 4  # steps x problems x 2G: every rollout traced once, by the primary
 
-    # one more step: the run resumes from its checkpoint on both processes, the pre-filter is not redone
-    extended = launch(args + ["--config.rl.steps=5"], tmp_path / "second", n=2)
-    assert all(status == 0 for status, _, _ in extended), [err[-3000:] for _, _, err in extended]
-    assert "resumed from" in extended[0][1] and "pre-filter" not in extended[0][1]
-    assert [l["step"] for l in rl_lines(work)] == [0, 1, 2, 3, 4]
-    assert len((work / "prefilter" / "stage2.jsonl").read_text().splitlines()) == len(ids)
-    history = [json.loads(l) for l in open(work / "config_history.jsonl")]
-    assert [sorted(h["changes"]) for h in history] == [["rl.steps"]]
-    assert os.path.exists(work / "checkpoints" / "5")
+    # every part ran where the script put it: the sandbox workers served, the server reloaded weights
+    sandbox_logs = "".join((work / "slurm" / f).read_text() for f in os.listdir(work / "slurm")
+                           if f.startswith(f"{second}.sandbox."))
+    assert "slots on redis://" in sandbox_logs
+    vllm_log = (work / "slurm" / f"{second}.vllm.0.0.log").read_text()
+    assert "ready: http://" in vllm_log

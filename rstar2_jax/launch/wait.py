@@ -1,0 +1,49 @@
+"""`python -m rstar2_jax.launch.wait [--timeout S] ADDRESS...`: wait until each answers.
+
+redis://HOST:PORT[/DB] is up when a PING gets PONG; http(s)://... when a GET returns 2xx. Exits 1
+naming what did not answer in time (the batch script stops there, before the trainer starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+
+def answers(address: str) -> bool:
+    url = urllib.parse.urlparse(address)
+    try:
+        if url.scheme == "redis":
+            with socket.create_connection((url.hostname, url.port or 6379), timeout=2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        with urllib.request.urlopen(address, timeout=5) as r:
+            return 200 <= r.status < 300
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m rstar2_jax.launch.wait")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("addresses", nargs="+")
+    args = p.parse_args(argv)
+    deadline = time.monotonic() + args.timeout
+    waiting = list(args.addresses)
+    while waiting and time.monotonic() < deadline:
+        waiting = [a for a in waiting if not answers(a)]
+        if waiting:
+            time.sleep(1.0)
+    if waiting:
+        print(f"no answer within {args.timeout:g} s from: {', '.join(waiting)}", file=sys.stderr)
+        sys.exit(1)
+    print(f"up: {', '.join(args.addresses)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

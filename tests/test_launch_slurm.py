@@ -1,0 +1,109 @@
+"""The SLURM launcher's script and placement checks, without a cluster (the end-to-end run on a
+one-node SLURM cluster is tests/rl/test_scale_out.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rstar2_jax.launch.slurm import ClusterInfo, Ports, Roles, SlurmJob, _gpus, batch_script, placement_problems
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def job(**kw) -> SlurmJob:
+    roles = kw.pop("roles", Roles(learner_nodes=2, rollout_nodes=1, servers_per_node=2, sandbox_nodes=1,
+                                  sandbox_tasks_per_node=2))
+    base = dict(name="x", workdir="/shared/runs/x", repo="/repo", python="/venv/bin/python",
+                train_args=("--config=/repo/experiments/rstar2_agent_14b.py:/ckpt,/data/train.parquet",
+                            "--config.rl.steps=5"),
+                roles=roles, nodes=roles.wanted_nodes(), model_path="/ckpt", dtype="bfloat16", gpus_per_node=8,
+                ports=Ports(6379, 8000, 8001))
+    base.update(kw)
+    return SlurmJob(**base)
+
+
+@given(st.integers(0, 4), st.integers(0, 4), st.integers(1, 4), st.integers(1, 12))
+def test_roles_take_distinct_nodes_when_the_job_has_enough_and_wrap_when_it_has_fewer(sandbox, rollout, learner,
+                                                                                      nodes):
+    roles = Roles(learner_nodes=learner, rollout_nodes=rollout, sandbox_nodes=sandbox)
+    placed = roles.node_indices(nodes)
+    assert [len(placed[r]) for r in ("sandbox", "rollout", "learner")] == [sandbox, rollout, learner]
+    every = [i for r in placed.values() for i in r]
+    assert all(0 <= i < nodes for i in every)
+    if nodes >= roles.wanted_nodes():
+        assert len(set(every)) == len(every)  # no two roles on one node
+    for indices in placed.values():
+        if len(indices) <= nodes:
+            assert len(set(indices)) == len(indices)  # a role never uses a node twice
+
+
+def test_the_script_wires_every_address_and_is_valid_bash():
+    text = batch_script(job())
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    lines = text.splitlines()
+    redis = next(line for line in lines if "redis-server" in line)
+    assert "--nodelist=$REDIS_HOST" in redis and "--port 6379" in redis
+    sandbox = next(line for line in lines if "-m sandbox worker" in line)
+    assert "--nodes=1 --ntasks=2 --ntasks-per-node=2" in sandbox and '--redis "$REDIS_URL"' in sandbox
+    servers = [line for line in lines if "rstar2_jax.rollout.serve" in line]
+    assert len(servers) == 2 and "--port=8000" in servers[0] and "--port=8002" in servers[1]
+    assert all("--dtype=bfloat16" in s and "--model=/ckpt" in s for s in servers)
+    assert "VLLM_URLS+=(http://$H:8000)" in text and "FETCH_URLS+=(http://$H:8003)" in text
+    trainer = next(line for line in lines if "rstar2_jax.train" in line)
+    assert "--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=$(hosts 2 3)" in trainer.replace(
+        " --cpus-per-task=$(( CPUS / 1 > 0 ? CPUS / 1 : 1 ))", "")
+    for wired in ("--config.sandbox.backend=redis", '"--config.sandbox.url=$REDIS_URL"', "--config.rollout.engine=vllm",
+                  "--config.rollout.vllm_sync=pull", '"--config.rollout.vllm_sync_host=$(host 2)"',
+                  "--config.rl.steps=5", "--config.distributed=True"):
+        assert wired in trainer, wired
+    assert trainer.index("--config=/repo/experiments") < trainer.index("--config.rl.steps=5")
+
+
+def test_a_one_node_job_puts_every_role_on_its_node():
+    assert placement_problems(job(nodes=1, gpus_per_node=0)) == [
+        "--learner_nodes=2 exceeds the job's 1 nodes (--nodes): a role's nodes must be distinct"]
+    roles = Roles(learner_nodes=1, learner_tasks_per_node=2, rollout_nodes=1, sandbox_nodes=1)
+    assert placement_problems(job(roles=roles, nodes=1, gpus_per_node=0)) == []
+    assert "sandbox [0] rollout [0] learner [0]" in batch_script(job(roles=roles, nodes=1, gpus_per_node=0))
+
+
+def test_placement_problems_are_all_named_at_once():
+    roles = Roles(learner_nodes=2, learner_tasks_per_node=9, rollout_nodes=1, servers_per_node=4, tensor_parallel=4,
+                  sandbox_nodes=1)
+    problems = placement_problems(job(roles=roles, model_path=""), ClusterInfo(nodes=2, cpus_per_node=8,
+                                                                                gpus_per_node=4))
+    text = "\n".join(problems)
+    assert "--learner_tasks_per_node=9 is more trainer processes than the 8 GPUs" in text
+    assert "--servers_per_node=4 x --tensor_parallel=4 GPUs is more than a node's 8" in text
+    assert "--rollout_nodes needs model.path" in text
+    assert "--nodes=4: the partition has 2 node(s)" in text
+    assert "--gpus_per_node=8: the partition's nodes have 4 GPU(s)" in text
+    assert "9 tasks on a node is more than its 8 CPUs" in text
+    assert placement_problems(job(roles=Roles(learner_nodes=0), nodes=1)) == ["--learner_nodes=0: must be at least 1"]
+
+
+@pytest.mark.parametrize("gres,gpus", [("(null)", 0), ("gpu:8", 8), ("gpu:h100:8(S:0-1)", 8), ("gpu:a:2,gpu:b:2", 4)])
+def test_gpus_are_read_from_sinfo_gres(gres, gpus):
+    assert _gpus(gres) == gpus
+
+
+def test_dry_run_checks_the_config_and_prints_the_script_without_slurm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    args = [sys.executable, "-m", "rstar2_jax.launch", "slurm", "--config=experiments/tiny_arith.py",
+            f"--workdir={tmp_path / 'run'}", "--sandbox_nodes=1", "--learner_tasks_per_node=2", "--nodes=1"]
+    done = subprocess.run(args + ["--dry_run", "--config.rl.steps=3"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("#!/bin/bash") and "--config.rl.steps=3" in done.stdout
+    assert (tmp_path / "run" / "slurm" / "job.sh").read_text() == done.stdout
+    bad = subprocess.run(args + ["--dry_run", "--config.rollout.max_len=64"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "does not pass `train --plan` for 2 process(es)" in bad.stderr
+    assert "max_response_tokens" in bad.stderr
