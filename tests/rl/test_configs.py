@@ -17,9 +17,10 @@ def test_roc_grid_cells_validate(cell):
     assert (cfg.rl.roc.mode, cfg.rl.group_size, cfg.rl.oversample, cfg.rl.roc.eps) == cell
 
 
-def test_paper_recipe_matches_the_paper():
+def test_paper_recipe_matches_the_paper(tmp_path):
     c = rstar2_agent_14b.get_config("")
-    c.data.train_path = c.data.eval_path = __file__  # any existing file: the paths are the user's
+    (tmp_path / "problems.jsonl").write_text('{"problem": "1+1", "answer": 2}\n')
+    c.data.train_path = c.data.eval_path = str(tmp_path / "problems.jsonl")  # the paths are the user's
     assert (c.rl.batch_problems, c.rl.group_size * c.rl.oversample, c.rl.group_size) == (512, 32, 16)
     assert c.rl.lr == 1e-6 and c.rollout.temperature == 1.0 and c.rl.steps == 510
     assert [(s.start_step, s.max_response_tokens, s.max_turns, s.filter_solved_k, s.reset_optimizer)
