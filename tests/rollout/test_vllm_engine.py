@@ -514,14 +514,15 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     from tests.rl.test_training import rl_lines
 
     class FailingOnce(WeightFetcher):
-        """A real fetcher whose second copy (step 0's sync) fails, as a full disk would."""
+        """A real fetcher whose second bucket copy (step 0's sync: one bucket a sync) fails, as a
+        full disk would."""
         copies = 0
 
-        def fetch(self, base_url, files, version):
+        def fetch_part(self, base_url, file, bucket, version):
             FailingOnce.copies += 1
             if FailingOnce.copies == 2:
                 raise OSError("injected: the copy failed")
-            return super().fetch(base_url, files, version)
+            return super().fetch_part(base_url, file, bucket, version)
 
     config = tmp_path / "moving_tiny_arith.py"
     config.write_text(CONFIG)
@@ -548,17 +549,22 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
 
 def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_server, tiny_model, tmp_path):
     """sync="pull": the trainer exports into a directory of its own and serves it over HTTP; the
-    fetcher beside the server copies it into the server's directory; the server reloads that copy.
+    fetcher beside the server copies each bucket into the server's directory as soon as it is
+    written, and the server reloads that bucket's copy; the copy is whole once committed.
     The trainer's export is deleted before the probe, so the server cannot have read it."""
     from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
 
     fetcher = WeightFetcher(str(tmp_path / "server_side"))
     engine = VLLMEngine(vllm_server.url, tiny_model, sync="pull", fetch_url=fetcher.url,
-                        sync_dir=str(tmp_path / "trainer_side"))
+                        sync_dir=str(tmp_path / "trainer_side"), bucket_bytes=1)  # a bucket per layer: streamed
+    buckets = len(engine.export_plan(tiny_model).buckets)
+    assert buckets > 1
     try:
         for version, seed in ((11, 3), (12, 4)):
             engine.update_weights(perturbed(tiny_model, seed=seed), version)  # reload, then the log-prob probe
             assert os.path.dirname(engine._synced_dir) == str(tmp_path / "server_side")
+            copied = [f for f in os.listdir(engine._synced_dir) if f.endswith(".safetensors")]
+            assert len(copied) == buckets  # every bucket fetched (and reloaded) on its own, then committed
             assert not any(f.endswith(".safetensors") for _, _, files in os.walk(tmp_path / "trainer_side")
                            for f in files)
             served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]

@@ -1,6 +1,7 @@
 """The pull path of weight sync without a vLLM server: the trainer's read-only file server, the
-fetcher beside a server (real HTTP over loopback), whole copies, old versions dropped, bad
-requests refused."""
+fetcher beside a server (real HTTP over loopback) copying an export bucket by bucket into a
+partial copy that becomes whole on commit, old versions and abandoned partial copies dropped,
+bad requests refused."""
 
 import json
 import os
@@ -9,28 +10,38 @@ import urllib.request
 
 import pytest
 
-from rstar2_jax.rollout.engines.weight_pull import WeightFetcher, WeightFileServer, ask_to_fetch
+from rstar2_jax.rollout.engines.weight_pull import WeightFetcher, WeightFileServer, ask_to_commit, ask_to_fetch
+
+BUCKETS = [("model-b00000.safetensors", "b00000"), ("model-b00001.safetensors", "b00001")]
 
 
 def export(root, version, size=1 << 20):
     d = root / "rstar2_sync_1" / f"v{version}"
     d.mkdir(parents=True)
-    (d / "model.safetensors").write_bytes(os.urandom(size))
-    (d / "config.json").write_text(json.dumps({"version": version}))
+    for file, _ in BUCKETS:
+        (d / file).write_bytes(os.urandom(size))
     return d
 
 
-def test_the_fetcher_copies_each_export_whole_and_keeps_the_newest_two(tmp_path):
+def test_the_fetcher_copies_bucket_by_bucket_commits_whole_and_keeps_the_newest_two(tmp_path):
     files = WeightFileServer(str(tmp_path / "trainer"))
     fetcher = WeightFetcher(str(tmp_path / "server"), keep=2)
+    server = tmp_path / "server"
     try:
         for version in (1, 2, 3):
             src = export(tmp_path / "trainer", version)
-            path = ask_to_fetch(fetcher.url, files.url_for(str(src)), ["config.json", "model.safetensors"], version)
-            assert path == str(tmp_path / "server" / f"v{version}")
-            for name in ("config.json", "model.safetensors"):
-                assert (src / name).read_bytes() == open(os.path.join(path, name), "rb").read()
-        assert sorted(os.listdir(tmp_path / "server")) == ["v2", "v3"]
+            for file, bucket in BUCKETS:
+                part = ask_to_fetch(fetcher.url, files.url_for(str(src)), file, bucket, version)
+                # what the server reloads at once: the bucket's directory, its file behind a link
+                assert part == str(server / f"v{version}.partial" / bucket)
+                assert open(os.path.join(part, "model.safetensors"), "rb").read() == (src / file).read_bytes()
+                assert f"v{version}" not in os.listdir(server)  # not whole before the commit
+            whole = ask_to_commit(fetcher.url, version)
+            assert whole == str(server / f"v{version}")
+            for file, bucket in BUCKETS:  # a whole reload reads the files; a bucket's link still holds
+                assert (src / file).read_bytes() == open(os.path.join(whole, file), "rb").read()
+                assert os.path.exists(os.path.join(whole, bucket, "model.safetensors"))
+        assert sorted(os.listdir(server)) == ["v2", "v3"]
         with pytest.raises(ValueError, match="is not under"):
             files.url_for(str(tmp_path))
     finally:
@@ -38,18 +49,36 @@ def test_the_fetcher_copies_each_export_whole_and_keeps_the_newest_two(tmp_path)
         fetcher.close()
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"url": "http://127.0.0.1:1", "files": ["../etc/passwd"], "version": 1}, 400),   # no path tricks
-    ({"url": "http://127.0.0.1:1", "files": ["model.safetensors"]}, 400),             # no version
-    ({"url": "http://127.0.0.1:1", "files": ["model.safetensors"], "version": 1}, 502),  # trainer unreachable
-])
-def test_the_fetcher_refuses_bad_requests_and_says_why(tmp_path, body, status):
+def test_a_sync_abandoned_half_way_is_dropped_by_the_next_commit(tmp_path):
+    files = WeightFileServer(str(tmp_path / "trainer"))
     fetcher = WeightFetcher(str(tmp_path / "server"))
     try:
-        req = urllib.request.Request(f"{fetcher.url}/fetch", data=json.dumps(body).encode(), method="POST")
+        ask_to_fetch(fetcher.url, files.url_for(str(export(tmp_path / "trainer", 4))), *BUCKETS[0], 4)  # then failed
+        src = export(tmp_path / "trainer", 5)
+        for file, bucket in BUCKETS:
+            ask_to_fetch(fetcher.url, files.url_for(str(src)), file, bucket, 5)
+        ask_to_commit(fetcher.url, 5)
+        assert sorted(os.listdir(tmp_path / "server")) == ["v5"]
+    finally:
+        files.close()
+        fetcher.close()
+
+
+@pytest.mark.parametrize("route, body, status", [
+    ("fetch", {"url": "http://127.0.0.1:1", "file": "../etc/passwd", "bucket": "b0", "version": 1}, 400),  # no tricks
+    ("fetch", {"url": "http://127.0.0.1:1", "file": "m.safetensors", "bucket": "../x", "version": 1}, 400),
+    ("fetch", {"url": "http://127.0.0.1:1", "file": "m.safetensors", "bucket": "b0"}, 400),            # no version
+    ("fetch", {"url": "http://127.0.0.1:1", "file": "m.safetensors", "bucket": "b0", "version": 1}, 502),  # unreachable
+    ("commit", {"version": 7}, 400),                                                                    # nothing copied
+])
+def test_the_fetcher_refuses_bad_requests_and_says_why(tmp_path, route, body, status):
+    fetcher = WeightFetcher(str(tmp_path / "server"))
+    try:
+        req = urllib.request.Request(f"{fetcher.url}/{route}", data=json.dumps(body).encode(), method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == status and "error" in json.loads(e.value.read())
-        assert os.listdir(tmp_path / "server") == []  # nothing half copied is left
+        left = [f for _, _, fs in os.walk(tmp_path / "server") for f in fs]
+        assert left == []  # nothing half copied is left
     finally:
         fetcher.close()

@@ -57,7 +57,7 @@ from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
-from rstar2_jax.rollout.engines.weight_export import ExportPlan, ExportSlots, model_plan, param_arrays, take_part
+from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays, take_part
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -304,13 +304,17 @@ class VLLMEngine(Engine):
         self.client.request("POST", "/collective_rpc", {"method": "reload_weights",
                                                         "kwargs": {"weights_path": bucket_dir}})
 
-    def _fetch_and_reload(self, slot: str, plan: ExportPlan, version: int) -> str:
-        """sync=pull: the fetcher beside the server copies the export, which the server reloads whole."""
+    def _pull_part(self, slot: str, bucket: Bucket, version: int):
+        """sync=pull: the fetcher beside the server copies one written bucket, which the server
+        reloads from the fetcher's copy (weight_pull.py)."""
         from rstar2_jax.rollout.engines.weight_pull import ask_to_fetch
         url = _file_server(self._sync_base, self.sync_host).url_for(slot)
-        server_dir = ask_to_fetch(self.fetch_url, url, plan.file_names, version)
-        self._reload_part(server_dir)
-        return server_dir
+        self._reload_part(ask_to_fetch(self.fetch_url, url, bucket.file_name, bucket.dir_name, version))
+
+    def _commit_pull(self, version: int) -> str:
+        """sync=pull, every bucket reloaded: the fetcher's whole copy (what a roll-back reloads)."""
+        from rstar2_jax.rollout.engines.weight_pull import ask_to_commit
+        return ask_to_commit(self.fetch_url, version)
 
     def _publish(self, version: int):
         c = self.client
@@ -463,9 +467,9 @@ class SyncReport:
 
 def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
     """The learner's weights to every server: one export, bucket by bucket (weight_export.py),
-    each bucket reloaded by every server (sync=files) as soon as it is written, so a sync costs
-    about the slowest server's reload, not an export plus a reload; with sync=pull each server's
-    fetcher copies the whole export, which it then reloads. The servers are paused throughout
+    each bucket reloaded by every server as soon as it is written (sync=files: from the trainer's
+    files; sync=pull: from the copy its fetcher makes of that bucket), so a sync costs about the
+    slowest server's reload, not an export plus a reload. The servers are paused throughout
     (their requests wait, and resume on the new weights), then every server's log-prob probe.
 
     A sync that fails part-way (a server that errs or dies) leaves every server on its last
@@ -495,14 +499,14 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
         for bucket in plan.buckets:
             written = bucket.index + 1  # write() takes part in all of its bucket's gathers, even failing
             bucket_dir = lead.slots.write(slot, bucket, arrays)
-            pending += [queues[e].submit(e._reload_part, bucket_dir) for e in engines if e.sync == "files"]
+            pending += [queues[e].submit(e._reload_part, bucket_dir) if e.sync == "files" else
+                        queues[e].submit(e._pull_part, slot, bucket, version) for e in engines]
             if any(f.done() and f.exception() for f in pending):
                 break  # a server already failed: stop writing
         report.export_s = time.perf_counter() - start
-        fetched = {e: queues[e].submit(e._fetch_and_reload, slot, plan, version) for e in engines if e.sync == "pull"}
         for f in pending:
             f.result()
-        landed = {e: (fetched[e].result() if e in fetched else slot) for e in engines}
+        landed = {e: (e._commit_pull(version) if e.sync == "pull" else slot) for e in engines}
         report.reload_s = time.perf_counter() - start
         for e in engines:
             e._publish(version)

@@ -2,17 +2,22 @@
 
     trainer host                                   each server host
     export -> sync dir --- WeightFileServer ----->  WeightFetcher (beside vLLM) -> its own dir
-              (HTTP, read-only, a thread)           POST /fetch {"url", "files", "version"}
-                                                    then vLLM reload_weights(that dir)
+              (HTTP, read-only, a thread)           POST /fetch  {"url", "file", "bucket", "version"}
+                                                      -> vLLM reload_weights(that bucket's dir)
+                                                    POST /commit {"version"}: the copy is whole
 
-The trainer exports once (vllm_engine.push_to_servers), serves the export's files, asks every
-server's fetcher to copy them (in parallel), then tells each vLLM server to reload from the path
-its fetcher returned. `python -m rstar2_jax.rollout.serve --fetch_port P` runs a fetcher next to
-the server; `python -m rstar2_jax.rollout.engines.weight_pull --port P --dir D` runs one alone.
+It streams like the files sync (vllm_engine.push_to_servers): as soon as the trainer has written
+bucket k of an export, every server's fetcher copies that bucket's file and the server reloads
+it, while bucket k+1 is written. The copy of a version builds up in `v<version>.partial` and is
+renamed `v<version>` once every bucket is in (/commit): a whole copy, which a later roll-back or
+a restarted server reloads. `python -m rstar2_jax.rollout.serve --fetch_port P` runs a fetcher
+next to the server; `python -m rstar2_jax.rollout.engines.weight_pull --port P --dir D` runs one
+alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -53,31 +58,29 @@ class _QuietFiles(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def fetch(base_url: str, files: list[str], dest: str, timeout: float = 600.0) -> str:
-    """Copy `files` from `base_url` into `dest` (whole or not at all: a temporary directory is
-    renamed when every file is there)."""
-    for name in files:
-        if "/" in name or name.startswith(".") or not name:
-            raise ValueError(f"bad file name {name!r}")
+def fetch_file(url: str, dest: str, timeout: float = 600.0):
+    """Copy `url` to `dest`, whole or not at all (a temporary name renamed once complete)."""
     tmp = dest + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     try:
-        for name in files:
-            with urllib.request.urlopen(f"{base_url}/{name}", timeout=timeout) as src, \
-                    open(os.path.join(tmp, name), "wb") as out:
-                shutil.copyfileobj(src, out, CHUNK)
+        with urllib.request.urlopen(url, timeout=timeout) as src, open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, CHUNK)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         raise
-    shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
-    return dest
+
+
+def _checked_name(name: str, what: str) -> str:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"bad {what} {name!r}")
+    return name
 
 
 class WeightFetcher:
-    """Beside a vLLM server: copies exports it is told about into `root`/v<version> (keeping only
-    the newest `keep`) and answers with the local path for reload_weights."""
+    """Beside a vLLM server: copies the buckets of each export it is told about into
+    `root`/v<version>.partial, which /commit renames `root`/v<version> (keeping only the newest
+    `keep` whole versions), and answers with the local paths for reload_weights."""
 
     def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, keep: int = 2):
         self.root = os.path.abspath(root)
@@ -90,11 +93,15 @@ class WeightFetcher:
                 pass
 
             def do_POST(self):
-                if self.path != "/fetch":
-                    return self._reply(404, {"error": f"no route {self.path}; POST /fetch"})
+                if self.path not in ("/fetch", "/commit"):
+                    return self._reply(404, {"error": f"no route {self.path}; POST /fetch or /commit"})
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                    path = fetcher.fetch(str(body["url"]), [str(f) for f in body["files"]], int(body["version"]))
+                    if self.path == "/fetch":
+                        path = fetcher.fetch_part(str(body["url"]), str(body["file"]), str(body["bucket"]),
+                                                  int(body["version"]))
+                    else:
+                        path = fetcher.commit(int(body["version"]))
                     self._reply(200, {"path": path})
                 except (KeyError, TypeError, ValueError) as e:
                     self._reply(400, {"error": f"bad request: {e!r}"})
@@ -116,12 +123,35 @@ class WeightFetcher:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="weight-fetcher", daemon=True)
         self._thread.start()
 
-    def fetch(self, base_url: str, files: list[str], version: int) -> str:
-        with self._lock:  # one sync at a time; older copies go once a newer one is whole
-            dest = fetch(base_url, files, os.path.join(self.root, f"v{version}"))
-            versions = sorted(int(d[1:]) for d in os.listdir(self.root) if d.startswith("v") and d[1:].isdigit())
-            for old in versions[:-self.keep]:
+    def fetch_part(self, base_url: str, file: str, bucket: str, version: int) -> str:
+        """One bucket's file from `base_url` into version `version`'s partial copy, with the
+        bucket's own directory (a link to the file, what a partial reload reads); that directory."""
+        _checked_name(file, "file name")
+        _checked_name(bucket, "bucket name")
+        partial = os.path.join(self.root, f"v{version}.partial")
+        with self._lock:
+            os.makedirs(os.path.join(partial, bucket), exist_ok=True)
+            fetch_file(f"{base_url}/{file}", os.path.join(partial, file))
+            link = os.path.join(partial, bucket, "model.safetensors")
+            if not os.path.lexists(link):
+                os.symlink(os.path.join("..", file), link)
+            return os.path.join(partial, bucket)
+
+    def commit(self, version: int) -> str:
+        """Version `version`'s copy is whole: it becomes v<version>; older versions beyond the
+        newest `keep`, and partial copies of older versions (syncs that failed), are deleted."""
+        with self._lock:
+            partial, dest = os.path.join(self.root, f"v{version}.partial"), os.path.join(self.root, f"v{version}")
+            if not os.path.isdir(partial):
+                raise ValueError(f"no copy of version {version} to commit (fetch its buckets first)")
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(partial, dest)
+            whole = sorted(int(d[1:]) for d in os.listdir(self.root) if d.startswith("v") and d[1:].isdigit())
+            for old in whole[:-self.keep]:
                 shutil.rmtree(os.path.join(self.root, f"v{old}"), ignore_errors=True)
+            for d in os.listdir(self.root):
+                if d.endswith(".partial") and d[1:-len(".partial")].isdigit() and int(d[1:-len(".partial")]) < version:
+                    shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
             return dest
 
     def close(self):
@@ -129,13 +159,24 @@ class WeightFetcher:
         self._httpd.server_close()
 
 
-def ask_to_fetch(fetcher_url: str, files_url: str, files: list[str], version: int, timeout: float = 600.0) -> str:
-    """Tell the fetcher at `fetcher_url` to copy an export; the path it holds the copy at."""
-    req = urllib.request.Request(f"{fetcher_url.rstrip('/')}/fetch", method="POST",
-                                 data=json.dumps({"url": files_url, "files": files, "version": version}).encode(),
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())["path"]
+        return json.loads(resp.read())
+
+
+def ask_to_fetch(fetcher_url: str, files_url: str, file: str, bucket: str, version: int,
+                 timeout: float = 600.0) -> str:
+    """Tell the fetcher at `fetcher_url` to copy one bucket's `file` of the export at
+    `files_url`; the path of that bucket's directory on the fetcher's host."""
+    return _post(f"{fetcher_url.rstrip('/')}/fetch", {"url": files_url, "file": file, "bucket": bucket,
+                                                      "version": version}, timeout)["path"]
+
+
+def ask_to_commit(fetcher_url: str, version: int, timeout: float = 600.0) -> str:
+    """Every bucket of `version` is copied: the path of the whole copy on the fetcher's host."""
+    return _post(f"{fetcher_url.rstrip('/')}/commit", {"version": version}, timeout)["path"]
 
 
 def main(argv=None):
