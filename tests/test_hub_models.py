@@ -68,12 +68,13 @@ def test_a_cached_hub_id_resolves_offline_to_its_snapshot_and_loads(hub_env):
 def test_an_uncached_id_offline_says_how_to_get_it_and_config_checks_refuse_it(hub_env):
     from rstar2_jax.config_types import ConfigValueError
     from rstar2_jax.rl.config import RunConfig, base_config
-    with pytest.raises(ModelNotFound, match=r"model.path='test-org/absent': offline \(HF_HUB_OFFLINE=1\).*"
-                                            r"hf download test-org/absent"):
+    with pytest.raises(ModelNotFound, match=r"model.path='test-org/absent': no directory of that name here; as a hub "
+                                            r"id, offline \(HF_HUB_OFFLINE=1\).*hf download test-org/absent"):
         model_directory("test-org/absent")
     tree = base_config().to_dict()
     tree["model"]["path"] = "test-org/absent"
-    with pytest.raises(ConfigValueError, match=r"model.path: 'test-org/absent': offline"):
+    with pytest.raises(ConfigValueError, match=r"model.path: 'test-org/absent': no directory of that name here; as a "
+                                               r"hub id, offline"):
         RunConfig.from_config(tree)
     tree["model"]["path"] = REPO
     assert RunConfig.from_config(tree).model.path == REPO
@@ -88,7 +89,7 @@ def test_an_unreachable_hub_falls_back_to_the_cache_and_names_the_cache_when_abs
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     assert model_directory(REPO) == snapshot
-    with pytest.raises(ModelNotFound, match=r"the hub could not be reached, and it is not in the Hugging Face cache"):
+    with pytest.raises(ModelNotFound, match=r"the hub could not be reached and it is not in the Hugging Face cache"):
         model_directory("test-org/absent")
 
 

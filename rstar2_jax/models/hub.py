@@ -68,14 +68,15 @@ def model_directory(path: str, what: str = "model.path") -> str:
         snapshot = hub.snapshot_download(repo, revision=revision, cache_dir=cache_dir(), allow_patterns=MODEL_FILES,
                                          local_files_only=offline(), endpoint=os.environ.get("HF_ENDPOINT") or None)
     except errors.RepositoryNotFoundError:
-        raise ModelNotFound(f"{what}={path!r}: no such model on the Hugging Face hub (or it is private: log in "
-                            "with `hf auth login`)") from None
+        raise ModelNotFound(f"{what}={path!r}: no directory of that name here, and no such model on the Hugging Face "
+                            "hub (or it is private: log in with `hf auth login`)") from None
     except errors.RevisionNotFoundError:
         raise ModelNotFound(f"{what}={path!r}: the hub has no revision {revision!r} of {repo}") from None
     except (errors.LocalEntryNotFoundError, OSError) as e:
-        where = "offline (HF_HUB_OFFLINE=1), and it is not" if offline() else "the hub could not be reached, and it is not"
+        where = "offline (HF_HUB_OFFLINE=1) it is not" if offline() else "the hub could not be reached and it is not"
         raise ModelNotFound(
-            f"{what}={path!r}: {where} in the Hugging Face cache {cache_dir()} ({type(e).__name__}). Download it where "
+            f"{what}={path!r}: no directory of that name here; as a hub id, {where} in the Hugging Face cache "
+            f"{cache_dir()} ({type(e).__name__}). Download it where "
             f"there is network (`hf download {repo}`) into this cache (HF_HUB_CACHE / HF_HOME), or give a local "
             "model directory") from None
     missing = [name for name in ("config.json",) if not os.path.isfile(os.path.join(snapshot, name))]
