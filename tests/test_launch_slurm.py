@@ -64,6 +64,9 @@ def test_the_script_wires_every_address_and_is_valid_bash():
                   "--config.rl.steps=5", "--config.distributed=True"):
         assert wired in trainer, wired
     assert trainer.index("--config=/repo/experiments") < trainer.index("--config.rl.steps=5")
+    # the user's own arguments reach the trainer as typed: the shell expands only what the script wires
+    odd = batch_script(job(train_args=("--config=/repo/x.py", "--config.run_name=a$b c")))
+    assert "'--config.run_name=a$b c'" in odd
 
 
 def test_a_one_node_job_puts_every_role_on_its_node():

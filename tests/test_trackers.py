@@ -5,6 +5,7 @@ is not installed is refused by the config check."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -61,15 +62,21 @@ def test_a_restarted_run_continues_the_same_tracker_runs(tmp_path):
     assert mlflow_metrics(tracking_uri("", str(tmp_path)), ids["mlflow"])["accuracy"] == [(0, 0.25), (1, 0.75)]
 
 
+@contextlib.contextmanager
+def registered(name, open_fn):
+    """A tracker registered for the length of one test."""
+    TRACKERS[name] = TrackerSpec(open_fn, None, None)
+    try:
+        yield
+    finally:
+        del TRACKERS[name]
+
+
 def test_a_tracker_that_cannot_start_is_reported_once_and_the_others_go_on(tmp_path, caplog):
     def broken(context):
         raise ConnectionError("no route to the tracking server")
-    TRACKERS["broken_tracker"] = TrackerSpec(broken, None, None)
-    try:
-        with caplog.at_level(logging.WARNING):
-            trackers = log_run(tmp_path, ("broken_tracker", "tensorboard"))
-    finally:
-        del TRACKERS["broken_tracker"]
+    with registered("broken_tracker", broken), caplog.at_level(logging.WARNING):
+        trackers = log_run(tmp_path, ("broken_tracker", "tensorboard"))
     assert "broken_tracker" in trackers.failed and "no route" in trackers.failed["broken_tracker"]
     assert sum("broken_tracker could not start" in r.getMessage() for r in caplog.records) == 1
     assert "accuracy" in tensorboard_tags(tmp_path / "tensorboard")
@@ -90,12 +97,8 @@ def test_a_tracker_that_fails_mid_run_is_dropped_once(tmp_path, caplog):
 
         def close(self):
             pass
-    TRACKERS["flaky_tracker"] = TrackerSpec(Flaky, None, None)
-    try:
-        with caplog.at_level(logging.WARNING):
-            trackers = log_run(tmp_path, ("flaky_tracker", "mlflow"))
-    finally:
-        del TRACKERS["flaky_tracker"]
+    with registered("flaky_tracker", Flaky), caplog.at_level(logging.WARNING):
+        trackers = log_run(tmp_path, ("flaky_tracker", "mlflow"))
     assert "disk full" in trackers.failed["flaky_tracker"]
     assert sum("flaky_tracker failed to log" in r.getMessage() for r in caplog.records) == 1
     ids = json.loads((tmp_path / "trackers.json").read_text())

@@ -48,10 +48,6 @@ class Columns:
     answer: str = ""
     id: str = ""
 
-    @property
-    def given(self) -> bool:
-        return bool(self.question or self.answer or self.id)
-
 
 class _Missing:
     pass
@@ -174,7 +170,7 @@ def parse_row(row: Any, where: str, layout: Layout, columns: Columns) -> MathPro
     if isinstance(answer, float) and answer.is_integer():
         answer = int(answer)  # AMC23 stores 27.0
     id_path = columns.id or layout.columns.id
-    pid = field(row, id_path) if id_path else _first(row, ID_FIELDS)
+    pid = field(row, id_path) if id_path else MISSING
     if pid is MISSING or pid is None:
         pid = _first(row, ID_FIELDS)
     return MathProblem("" if pid is MISSING or pid is None else str(pid), question, str(answer))
@@ -201,11 +197,22 @@ def load_problems(path: str | os.PathLike, limit: int | None = None,
 def layout_of(path: str | os.PathLike, columns: Columns = Columns()) -> str:
     """The layout a set is read with, once its first row has been read with it (a set that cannot
     load says so here, before a run starts)."""
-    for file, n, row in iter_rows(path, "problem file"):
-        layout = _layout(row, file, columns)
-        parse_row(row, f"{file}:{n}", layout, columns)
-        return layout.name
+    return first_row_layout(first_row(path), columns).name
+
+
+def first_row(path: str | os.PathLike) -> tuple[str, int, Any]:
+    """(file, row number, row) of a set's first row; a set without rows is a DataError."""
+    for located in iter_rows(path, "problem file"):
+        return located
     raise DataError(f"{os.fspath(path)}: no rows")
+
+
+def first_row_layout(located: tuple[str, int, Any], columns: Columns) -> Layout:
+    """The layout of a set whose first row is `located`, that row read with it."""
+    file, n, row = located
+    layout = _layout(row, file, columns)
+    parse_row(row, f"{file}:{n}", layout, columns)
+    return layout
 
 
 def _layout(row, file: str, columns: Columns) -> Layout:

@@ -46,11 +46,7 @@ def _iter_parquet(path: str) -> Iterator[Row]:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    n = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            n += 1
-            yield path, n, row
+    yield from _numbered(path, parquet.iter_batches(batch_size=1024))
 
 
 def _iter_arrow(path: str) -> Iterator[Row]:
@@ -66,6 +62,11 @@ def _iter_arrow(path: str) -> Iterator[Row]:
             batches = iter(reader)
     except Exception as e:  # noqa: BLE001
         raise DataError(f"{path}: not a readable Arrow file ({type(e).__name__}: {e})") from None
+    yield from _numbered(path, batches)
+
+
+def _numbered(path: str, batches) -> Iterator[Row]:
+    """The rows of Arrow record batches, numbered from 1 across them."""
     n = 0
     for batch in batches:
         for row in batch.to_pylist():

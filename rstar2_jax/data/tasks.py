@@ -21,9 +21,8 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError
-from rstar2_jax.data.problems import MISSING, Columns, describe_fields, layout_of, load_problems
+from rstar2_jax.data.problems import MISSING, Columns, describe_fields, first_row, first_row_layout, load_problems
 from rstar2_jax.data.problems import field as field_of
-from rstar2_jax.data.rows import iter_rows
 from rstar2_jax.registry import Registry
 
 
@@ -117,26 +116,26 @@ def _check_problem_sets(data_cfg):
         if not os.path.exists(path):
             yield field, f"no such file or folder {path!r}"
             continue
-        yield from _check_mapping(data_cfg, path)
         try:
-            layout_of(path, columns_of(data_cfg))
+            located = first_row(path)
         except (DataError, OSError) as e:
+            yield field, str(e)
+            continue
+        yield from _check_mapping(data_cfg, located)
+        try:
+            first_row_layout(located, columns_of(data_cfg))
+        except DataError as e:
             yield field, str(e)
 
 
-def _check_mapping(data_cfg, path):
+def _check_mapping(data_cfg, located):
     """Each key of the column mapping names a field of the set's first row (problems under the key)."""
-    keys = [(k, getattr(data_cfg, k)) for k in ("question_key", "answer_key", "id_key") if getattr(data_cfg, k)]
-    if not keys:
-        return
-    try:
-        file, _, row = next(iter_rows(path, "problem file"))
-    except (StopIteration, DataError, OSError):
-        return  # the path's own check says why
-    for key, value in keys:
-        if field_of(row, value) is MISSING:
+    file, _, row = located
+    for key in ("question_key", "answer_key", "id_key"):
+        value = getattr(data_cfg, key)
+        if value and field_of(row, value) is MISSING:
             yield key, (f"{value!r} is not a field of {file}'s rows (a dotted path; the first row has "
-                        f"{describe_fields(row)})")
+                        f"{describe_fields(row) if isinstance(row, dict) else type(row).__name__})")
 
 
 def _problem_sets_task(data_cfg, seed: int) -> Task:

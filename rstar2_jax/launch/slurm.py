@@ -153,14 +153,11 @@ def cluster_info(partition: str = "") -> ClusterInfo | None:
         lines = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return None
-    nodes, cpus, gpus = 0, None, None
-    for line in filter(None, (x.strip() for x in lines)):
-        n, c, gres = line.split(None, 2) if len(line.split()) == 3 else (*line.split(), "(null)")
-        nodes += int(n)
-        cpus = min(cpus or int(c.rstrip("+")), int(c.rstrip("+")))
-        g = _gpus(gres)
-        gpus = g if gpus is None else min(gpus, g)
-    return ClusterInfo(nodes, cpus or 0, gpus or 0) if nodes else None
+    groups = [line.split(None, 2) for line in lines if line.strip()]  # nodes, CPUs ("64+"), gres
+    if not groups:
+        return None
+    return ClusterInfo(nodes=sum(int(g[0]) for g in groups), cpus_per_node=min(int(g[1].rstrip("+")) for g in groups),
+                       gpus_per_node=min(_gpus(g[2] if len(g) > 2 else "") for g in groups))
 
 
 def _gpus(gres: str) -> int:
@@ -175,6 +172,16 @@ def _gpus(gres: str) -> int:
 
 def _q(x) -> str:
     return shlex.quote(str(x))
+
+
+def _hosts(indices: list[int]) -> str:
+    """The script's expression for the comma-separated hostnames of these node indices."""
+    return "$(hosts " + " ".join(map(str, indices)) + ")"
+
+
+def _cpus_per_task(tasks_per_node: int) -> str:
+    """--cpus-per-task: the node's CPUs split between a step's tasks on it (at least one)."""
+    return f"--cpus-per-task=$(( CPUS / {tasks_per_node} > 0 ? CPUS / {tasks_per_node} : 1 ))"
 
 
 def batch_script(job: SlurmJob) -> str:
@@ -212,10 +219,11 @@ def batch_script(job: SlurmJob) -> str:
         f"echo \"job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: sandbox {roles['sandbox']} rollout {roles['rollout']} "
         f"learner {roles['learner']} (node indices)\"",
     ]
-    train = [f"--workdir={job.workdir}", *job.train_args, "--config.distributed=True"]  # the file, then overrides
+    # the user's arguments as given (the file, then its overrides), then what the script wires in,
+    # which the shell expands (the addresses are known only when the job runs)
+    train = [_q(a) for a in (f"--workdir={job.workdir}", *job.train_args, "--config.distributed=True")]
     step = "srun --overlap --kill-on-bad-exit=1"
     if r.sandbox_nodes:
-        sandbox_hosts = "$(hosts " + " ".join(map(str, roles["sandbox"])) + ")"
         body += [
             "",
             "# Redis (the sandbox queue) on the first sandbox node, then the sandbox workers",
@@ -226,12 +234,12 @@ def batch_script(job: SlurmJob) -> str:
             "STEPS+=($!)",
             f"{py} -m rstar2_jax.launch.wait --timeout 120 \"$REDIS_URL\" || exit 1",
             f"{step} --nodes={r.sandbox_nodes} --ntasks={r.sandbox_nodes * r.sandbox_tasks_per_node} "
-            f"--ntasks-per-node={r.sandbox_tasks_per_node} --cpus-per-task=$(( CPUS / {r.sandbox_tasks_per_node} > 0 ? "
-            f"CPUS / {r.sandbox_tasks_per_node} : 1 )) --nodelist={sandbox_hosts} --output={logs}/%j.sandbox.%t.log "
+            f"--ntasks-per-node={r.sandbox_tasks_per_node} {_cpus_per_task(r.sandbox_tasks_per_node)} "
+            f"--nodelist={_hosts(roles['sandbox'])} --output={logs}/%j.sandbox.%t.log "
             f"{py} -m sandbox worker --redis \"$REDIS_URL\" --concurrency {r.sandbox_concurrency} &",
             "STEPS+=($!)",
         ]
-        train += ["--config.sandbox.backend=redis", "--config.sandbox.url=$REDIS_URL"]
+        train += ["--config.sandbox.backend=redis", '"--config.sandbox.url=$REDIS_URL"']
     if r.rollout_nodes:
         body += ["", "# vLLM servers, each with a weight fetcher (sync=pull: no shared filesystem needed)",
                  "VLLM_URLS=()", "FETCH_URLS=()"]
@@ -254,19 +262,15 @@ def batch_script(job: SlurmJob) -> str:
                 ]
         body += [f"{py} -m rstar2_jax.launch.wait --timeout 1800 $(printf '%s/health ' \"${{VLLM_URLS[@]}}\") || exit 1"]
         train += ["--config.rollout.engine=vllm", "--config.rollout.vllm_sync=pull",
-                  f"--config.rollout.vllm_sync_host=$(host {roles['learner'][0]})"]
-    learner_hosts = "$(hosts " + " ".join(map(str, roles["learner"])) + ")"
-    train_cmd = " ".join(["python", "-m", "rstar2_jax.train"] + [_train_arg(a) for a in train])
-    if r.rollout_nodes:
-        train_cmd += ' $(printf -- "--config.rollout.vllm_urls=%s " "${VLLM_URLS[@]}")' \
-                     ' $(printf -- "--config.rollout.vllm_fetch_urls=%s " "${FETCH_URLS[@]}")'
+                  f'"--config.rollout.vllm_sync_host=$(host {roles["learner"][0]})"',
+                  '$(printf -- "--config.rollout.vllm_urls=%s " "${VLLM_URLS[@]}")',
+                  '$(printf -- "--config.rollout.vllm_fetch_urls=%s " "${FETCH_URLS[@]}")']
     body += [
         "",
         "# the trainer: its exit status is the job's",
         f"{step} --nodes={r.learner_nodes} --ntasks={r.learner_tasks} --ntasks-per-node={r.learner_tasks_per_node} "
-        f"--cpus-per-task=$(( CPUS / {r.learner_tasks_per_node} > 0 ? CPUS / {r.learner_tasks_per_node} : 1 )) "
-        f"--nodelist={learner_hosts} --output={logs}/%j.trainer.%t.log "
-        + train_cmd.replace("python -m", f"{py} -m", 1) + " &",
+        f"{_cpus_per_task(r.learner_tasks_per_node)} --nodelist={_hosts(roles['learner'])} "
+        f"--output={logs}/%j.trainer.%t.log {py} -m rstar2_jax.train {' '.join(train)} &",
         "TRAINER=$!",
         'wait "$TRAINER"',
         "STATUS=$?",
@@ -274,13 +278,6 @@ def batch_script(job: SlurmJob) -> str:
         "exit $STATUS",
     ]
     return "\n".join(head + [""] + body) + "\n"
-
-
-def _train_arg(arg: str) -> str:
-    """A trainer argument for the script: quoted, except the shell expansions the script wires in."""
-    if "$" in arg:
-        return '"' + arg.replace('"', '\\"') + '"'
-    return _q(arg)
 
 
 def write_script(job: SlurmJob) -> str:

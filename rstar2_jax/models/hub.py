@@ -54,12 +54,20 @@ def _hub():
 def model_directory(path: str, what: str = "model.path") -> str:
     """The local directory of the model `path` names: `path` itself when it is a model directory,
     else the hub id's snapshot in the cache (downloaded first unless offline)."""
+    try:
+        return _resolve(path)
+    except ModelNotFound as e:
+        raise ModelNotFound(f"{what}={path!r}: {e}") from None
+
+
+def _resolve(path: str) -> str:
+    """model_directory, its errors saying what is wrong without naming the setting."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelNotFound(f"{what}={path!r} is not a HF model directory (no config.json)")
+            raise ModelNotFound("it is not a HF model directory (no config.json)")
         return path
     if not is_hub_id(path):
-        raise ModelNotFound(f"{what}={path!r}: no such directory, and not a Hugging Face hub id (owner/name)")
+        raise ModelNotFound("no such directory, and not a Hugging Face hub id (owner/name)")
     m = HUB_ID.match(path)
     repo, revision = m["repo"], m["revision"]
     hub = _hub()
@@ -68,23 +76,22 @@ def model_directory(path: str, what: str = "model.path") -> str:
         snapshot = hub.snapshot_download(repo, revision=revision, cache_dir=cache_dir(), allow_patterns=MODEL_FILES,
                                          local_files_only=offline(), endpoint=os.environ.get("HF_ENDPOINT") or None)
     except errors.RepositoryNotFoundError:
-        raise ModelNotFound(f"{what}={path!r}: no directory of that name here, and no such model on the Hugging Face "
-                            "hub (or it is private: log in with `hf auth login`)") from None
+        raise ModelNotFound("no directory of that name here, and no such model on the Hugging Face hub (or it is "
+                            "private: log in with `hf auth login`)") from None
     except errors.RevisionNotFoundError:
-        raise ModelNotFound(f"{what}={path!r}: the hub has no revision {revision!r} of {repo}") from None
+        raise ModelNotFound(f"the hub has no revision {revision!r} of {repo}") from None
     except (errors.LocalEntryNotFoundError, OSError) as e:
         where = "offline (HF_HUB_OFFLINE=1) it is not" if offline() else "the hub could not be reached and it is not"
         raise ModelNotFound(
-            f"{what}={path!r}: no directory of that name here; as a hub id, {where} in the Hugging Face cache "
-            f"{cache_dir()} ({type(e).__name__}). Download it where "
-            f"there is network (`hf download {repo}`) into this cache (HF_HUB_CACHE / HF_HOME), or give a local "
-            "model directory") from None
+            f"no directory of that name here; as a hub id, {where} in the Hugging Face cache {cache_dir()} "
+            f"({type(e).__name__}). Download it where there is network (`hf download {repo}`) into this cache "
+            "(HF_HUB_CACHE / HF_HOME), or give a local model directory") from None
     missing = [name for name in ("config.json",) if not os.path.isfile(os.path.join(snapshot, name))]
     if not any(f.endswith(".safetensors") for f in os.listdir(snapshot)):
         missing.append("*.safetensors")
     if missing:
-        raise ModelNotFound(f"{what}={path!r}: its snapshot {snapshot} lacks {', '.join(missing)} (an incomplete "
-                            f"download: `hf download {repo}` again, or unset HF_HUB_OFFLINE)")
+        raise ModelNotFound(f"its snapshot {snapshot} lacks {', '.join(missing)} (an incomplete download: "
+                            f"`hf download {repo}` again, or unset HF_HUB_OFFLINE)")
     return snapshot
 
 
@@ -104,17 +111,11 @@ def config_file(path: str, what: str = "model.path") -> str:
 def check(path: str) -> str | None:
     """What is wrong with a model path, without downloading anything (for config checks): a
     directory without config.json, a string that is neither a directory nor a hub id, or a hub id
-    that is not cached while offline. None when it may load."""
-    if not path:
+    that is not cached while offline. None when it may load (a hub id online is fetched at start)."""
+    if not path or (is_hub_id(path) and not offline()):
         return None
-    if os.path.isdir(path):
-        return None if os.path.isfile(os.path.join(path, "config.json")) else \
-            f"{path!r} is not a HF model directory (no config.json)"
-    if not is_hub_id(path):
-        return f"{path!r}: no such directory, and not a Hugging Face hub id (owner/name)"
-    if offline():
-        try:
-            model_directory(path)
-        except ModelNotFound as e:
-            return f"{path!r}: " + str(e).split(": ", 1)[-1]
+    try:
+        _resolve(path)
+    except ModelNotFound as e:
+        return f"{path!r}: {e}"
     return None

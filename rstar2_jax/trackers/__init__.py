@@ -160,12 +160,8 @@ class TrackerSet:
         self._each("log text", lambda t: t.text(name, text, step))
 
     def close(self):
-        if self._open is not None:
-            for name, tracker in list(self._open.items()):
-                try:
-                    tracker.close()
-                except Exception as e:  # noqa: BLE001
-                    self._fail(name, "failed to close", e)
+        if self._open is not None:  # none opened: nothing to close (and nothing to open for it)
+            self._each("close", lambda t: t.close())
             self._open = None
 
 
