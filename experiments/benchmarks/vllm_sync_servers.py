@@ -2,9 +2,9 @@
 
 - whole export: every tensor cast and laid out, one safetensors file written (save_pretrained),
   then every server reloads it in parallel (the sync before issue 38);
-- buckets: `vllm_engine.push_to_servers`, the servers paused, the export written bucket by bucket
-  (whole decoder layers, straight into reused files) and each bucket reloaded by every server
-  while the next is written;
+- buckets: `vllm_engine.push_to_servers`, the export written bucket by bucket (whole decoder
+  layers, straight into reused files), each server paused before its first reload and each
+  bucket reloaded by every server while the next is written;
 - reload alone: every server reloads an export already written (the floor a sync can reach
   without a faster path into vLLM).
 
@@ -143,17 +143,20 @@ def main(argv=None):
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     gb = params * 4 / 1e9
-    rows = [["whole export, then every server reloads it", f"{med(whole):.2f}",
+    rows = [["whole export, then every server reloads it", f"{med(whole):.2f}", "",
              f"export {med(whole_export_s):.2f} s ({gb / med(whole_export_s):.2f} GB/s)",
              f"{med(whole) / med(floor):.2f}x"],
             *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, each reloaded while the next is written",
-               f"{med(x.total_s for x in r):.2f}", f"export {med(x.export_s for x in r):.2f} s, all reloaded at "
-               f"{med(x.reload_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s",
+               f"{med(x.total_s for x in r):.2f}",
+               f"{med(x.resumed_s for x in r):.2f} ({med(x.resumed_s for x in r) / med(floor):.2f}x)",
+               f"export {med(x.export_s for x in r):.2f} s, all reloaded at {med(x.reload_s for x in r):.2f} s, "
+               f"servers paused {med(x.paused_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s",
                f"{med(x.total_s for x in r) / med(floor):.2f}x"] for size, r in bucketed.items()],
-            ["reload alone (an export already written)", f"{med(floor):.2f}", "the slowest server", "1.00x"],
-            [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}",
+            ["reload alone (an export already written)", f"{med(floor):.2f}", "", "the slowest server", "1.00x"],
+            [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}", "",
              f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s", ""]]
-    table = common.markdown_table(["sync to all servers", "seconds (median)", "parts", "vs reload alone"], rows)
+    table = common.markdown_table(["sync to all servers", "seconds (median)", "servers generate again at (vs reload alone)",
+                                   "parts", "whole sync vs reload alone"], rows)
     common.record(args.record, f"vLLM weight sync to {args.servers} CPU servers ({args.sync}): buckets against a "
                   "whole export",
                   common.command_line("experiments.benchmarks.vllm_sync_servers", argv),

@@ -268,7 +268,7 @@ def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> 
     else:
         positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
     split = arch.num_kv_heads // _split(arch.num_kv_heads, "kv_heads", {"data": 1, "fsdp": 1, "tensor": engine_devices})
-    return positions * position / split, f"{what} positions x {position / 2**10:.0f} KiB, split {split} way(s)"
+    return positions * position / split, f"{what} positions x {position / 2**10:.3g} KiB, split {split} way(s)"
 
 
 def _sync_window(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], processes: int) -> tuple[float, str]:
@@ -281,7 +281,7 @@ def _sync_window(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], proces
     whole = processes > 1
     sizes = sorted(_shard_sizes(arch, {"data": 1, "fsdp": 1, "tensor": 1} if whole else mesh))
     how = f"whole (gathered over {processes} processes)" if whole else \
-        f"split like the parameters (its {r.vllm_sync_bucket_mb} MiB buckets are host memory)"
+        f"split like the parameters (its {r.vllm_sync_bucket_mb:g} MiB buckets are host memory)"
     return float(sum(sizes[-2:]) * dtype.itemsize), f"the export's two largest tensors in {dtype.name}, {how}"
 
 

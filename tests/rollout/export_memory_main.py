@@ -1,6 +1,10 @@
-"""Subprocess with 8 fake CPU devices: the device memory a vLLM sync's export holds beyond the
-learner's (sharded) parameters, sampled from jax.live_arrays() at every tensor it hands to the
-writer, against the memory plan's "weight sync" line. Prints JSON lines (one per layout path)."""
+"""Subprocess with 8 fake CPU devices, the memory plan's lines against the bytes of live arrays:
+- what a vLLM sync's export holds beyond the learner's (sharded) parameters, sampled from
+  jax.live_arrays() at every tensor it hands to the writer, against the "weight sync" line (one
+  JSON line per layout path, "what": "export");
+- what the embedded engine holds once built as the trainer builds it (its bf16 copy of the
+  weights, split over the process's devices, and its KV cache, rows or pages), against the
+  "engine weights" and "KV pool" lines (one JSON line per KV layout, "what": "engine")."""
 
 import collections
 import json
@@ -18,7 +22,9 @@ from rstar2_jax.models import checkpoint
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import architecture, memory_plan, mesh_sizes
+from rstar2_jax.rl import processes
 from rstar2_jax.rollout.engines import weight_export
+from rstar2_jax.rollout.engines.factory import engine_mesh, make_engine
 
 
 def per_device_bytes() -> collections.Counter:
@@ -36,6 +42,40 @@ def per_device_bytes() -> collections.Counter:
 
 def main():
     assert jax.device_count() == 8
+    export_lines()
+    engine_lines()
+
+
+def engine_lines():
+    """The engine built as RLRun.session builds it: a bf16 copy of the learner's split float32
+    parameters placed on the engine's mesh (RLRun.engine_weights), then make_engine."""
+    import jax.numpy as jnp
+
+    for page_size in (0, 16):
+        c = tiny_arith.get_config()
+        c.model.tiny_layers, c.model.tiny_hidden, c.model.dtype = 2, 256, "bfloat16"
+        c.rollout.slots, c.rollout.max_len, c.rollout.page_size = 8, 128, page_size
+        c.rollout.kv_pages = 24 if page_size else 0  # fewer pages than slots x max_len / page_size (64)
+        c.stages = [{**stage, "max_response_tokens": 64} for stage in c.stages]
+        cfg, problems = RunConfig.parse(c.to_dict())
+        assert not problems, problems
+        arch = architecture(cfg)
+        plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
+        graphdef, params = nnx.split(Decoder(arch, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Param)
+        params = jax.device_put(params, sharding.param_shardings(params, sharding.make_mesh(**mesh_sizes(cfg, 8))))
+        baseline = per_device_bytes()
+        mesh = engine_mesh(cfg.model.decode_attention)
+        weights = processes.local_copy(params, jnp.bfloat16, sharding.param_shardings(params, mesh))
+        engine = make_engine(cfg.rollout, nnx.merge(graphdef, weights), None, seed=0)
+        del weights  # the engine holds what it needs
+        now = per_device_bytes()
+        print(json.dumps(dict(what="engine", page_size=page_size, extra=[now[d] - baseline[d] for d in sorted(now)],
+                              weights_line=plan.line("engine weights").bytes, kv_line=plan.line("KV pool").bytes,
+                              kv_how=plan.line("KV pool").how, engine_devices=len(mesh.devices.flat))), flush=True)
+        del engine, params
+
+
+def export_lines():
     c = tiny_arith.get_config()
     c.model.tiny_layers, c.model.tiny_hidden = 2, 256
     c.rollout.engine, c.rollout.vllm_urls, c.rollout.vllm_export_dtype = "vllm", ("http://127.0.0.1:1",), "bfloat16"
@@ -72,7 +112,7 @@ def main():
             written.update(load_file(os.path.join(slot, name)))
         reference = checkpoint.model_params_host(model, "bfloat16")
         equal = set(written) == set(reference) and all(np.array_equal(written[k], v) for k, v in reference.items())
-        print(json.dumps(dict(on_device=on_device, extra=extra[0], line=plan.line("weight sync").bytes,
+        print(json.dumps(dict(what="export", on_device=on_device, extra=extra[0], line=plan.line("weight sync").bytes,
                               buckets=len(export.buckets), sharded=sharded, equal=equal,
                               files=sorted(os.listdir(slot)))), flush=True)
         slots.close()

@@ -506,21 +506,25 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     """Several trainer processes sample from the same servers: process 0 pushes each update (one
     reload per version, not one per process) while both gather the weights, which are split over
     the two processes, tensor by tensor in the same order; the other stamps its tokens with the
-    version once it is on the server. The sync goes through a weight fetcher (sync=pull) whose
-    copy fails once: that sync is undone and both processes sync again at once, in step."""
+    version once it is on the server. The sync goes through a weight fetcher (sync=pull), one
+    bucket per decoder layer, whose copy of step 0's second bucket fails once: the server has
+    reloaded the first bucket by then, the first process stops writing while the second still
+    gathers every tensor, the server goes back to its previous weights, and both processes sync
+    again at once, in step."""
     from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
     from tests.rl.launch import launch
     from tests.rl.test_multiprocess import CONFIG, train_args
     from tests.rl.test_training import rl_lines
 
     class FailingOnce(WeightFetcher):
-        """A real fetcher whose second bucket copy (step 0's sync: one bucket a sync) fails, as a
-        full disk would."""
-        copies = 0
+        """A real fetcher whose copy of the second bucket of the second sync (step 0's) fails, as
+        a full disk would."""
+        copies: list[tuple[int, str]] = []  # (version, bucket) of every copy asked for
 
         def fetch_part(self, base_url, file, bucket, version):
-            FailingOnce.copies += 1
-            if FailingOnce.copies == 2:
+            FailingOnce.copies.append((version, bucket))
+            versions = sorted({v for v, _ in FailingOnce.copies})
+            if len(versions) == 2 and bucket == "b00001" and FailingOnce.copies.count((version, bucket)) == 1:
                 raise OSError("injected: the copy failed")
             return super().fetch_part(base_url, file, bucket, version)
 
@@ -532,13 +536,18 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     try:
         results = launch(train_args(str(config), work, 2) + [
             "--config.rollout.engine=vllm", f"--config.rollout.vllm_urls={vllm_server.url}",
-            "--config.rollout.vllm_sync=pull", f"--config.rollout.vllm_fetch_urls={fetcher.url}"], work, n=2)
+            "--config.rollout.vllm_sync=pull", f"--config.rollout.vllm_fetch_urls={fetcher.url}",
+            "--config.rollout.vllm_sync_bucket_mb=1e-6"], work, n=2)  # a bucket per layer
     finally:
         fetcher.close()
     assert all(status == 0 for status, _, _ in results), [err[-3000:] for _, _, err in results]
     reloads = open(vllm_server.log_path).read().count("POST /update_weight_version") - reloads_before
     assert reloads == 1 + 2  # the start (after SFT), then one per RL step: pushed by one process
-    assert FailingOnce.copies == 1 + 2 + 1  # step 0's sync was made twice
+    syncs = [v for v, b in FailingOnce.copies if b == "b00000"]
+    assert len(syncs) == 1 + 2 + 1 and syncs[1] == syncs[2]  # step 0's sync was made twice
+    first_try = [b for v, b in FailingOnce.copies[:FailingOnce.copies.index((syncs[2], "b00000"))] if v == syncs[1]]
+    assert first_try == ["b00000", "b00001"]  # it failed after the server had reloaded a bucket
+    assert len({b for _, b in FailingOnce.copies}) == 3  # a bucket a sync for each of the 2 layers, with the rest
     served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
     lines = rl_lines(work)
     assert [l["step"] for l in lines] == [0, 1] and served == "2"

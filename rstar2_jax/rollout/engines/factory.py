@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.registry import Registry
 from rstar2_jax.rollout.engines.base import Engine
+from rstar2_jax.rollout.engines.reach import default_sync_root, unreadable_by_servers
 from rstar2_jax.rollout.scheduler_policies import POLICIES
 
 
@@ -58,9 +60,10 @@ class RolloutConfig(Section):
                                  "sync=files, servers on other hosts need a shared filesystem path)")
     vllm_fetch_urls: tuple[str, ...] = setting((), "vllm, sync=pull: the weight fetcher beside each server, in "
                                                "vllm_urls order (python -m rstar2_jax.rollout.serve --fetch_port)")
-    vllm_sync_bucket_mb: int = setting(2048, "vllm: the weight sync's bucket (MiB of whole decoder layers, in host "
-                                       "memory): each server reloads one bucket while the next is written; each "
-                                       "reload has a fixed cost (BENCHMARKS.md 'vLLM weight sync')", min=1)
+    vllm_sync_bucket_mb: float = setting(2048.0, "vllm: the weight sync's bucket (MiB of whole decoder layers, in "
+                                         "host memory): each server reloads one bucket while the next is written; "
+                                         "each reload has a fixed cost (BENCHMARKS.md 'vLLM weight sync'); a "
+                                         "fraction of a MiB splits a tiny model", min=1e-6)
     vllm_sync_host: str = setting("127.0.0.1", "vllm, sync=pull: the address the fetchers reach this trainer at",
                                   nonempty=True)
 
@@ -134,7 +137,7 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     fetchers = cfg.vllm_fetch_urls or (None,) * len(cfg.vllm_urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance,
                           sync_dir=cfg.vllm_sync_dir or None, sync=cfg.vllm_sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host,
-                          bucket_bytes=cfg.vllm_sync_bucket_mb << 20)
+                          bucket_bytes=max(1, int(cfg.vllm_sync_bucket_mb * 2**20)))
                for url, fetch in zip(cfg.vllm_urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
 
@@ -161,6 +164,14 @@ def _check_vllm(cfg: RolloutConfig):
             yield f"vllm_fetch_urls[{i}]", f"must be an http(s) URL, got {url!r}"
     if cfg.vllm_sync_dir and not (os.path.isdir(cfg.vllm_sync_dir) and os.access(cfg.vllm_sync_dir, os.W_OK)):
         yield "vllm_sync_dir", f"{cfg.vllm_sync_dir!r} is not a writable directory (the servers read synced weights there)"
+    elif cfg.vllm_sync == "files":
+        why = unreadable_by_servers([urlsplit(u).hostname or "" for u in cfg.vllm_urls],
+                                    cfg.vllm_sync_dir or default_sync_root())
+        if why:
+            yield "vllm_sync", (f"files: {why}. Set rollout.vllm_sync=pull (a weight fetcher beside each server: "
+                                "python -m rstar2_jax.rollout.serve --fetch_port PORT, its URL in "
+                                "rollout.vllm_fetch_urls), or rollout.vllm_sync_dir to a path on a filesystem the "
+                                "servers' hosts mount too")
 
 
 ENGINES.register("jax", EngineKind(_build_jax, _check_jax))

@@ -41,7 +41,6 @@ import functools
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Any, Hashable, Sequence
 
@@ -55,6 +54,7 @@ from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
+from rstar2_jax.rollout.engines.reach import default_sync_root
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
 from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays, take_part
@@ -96,10 +96,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _default_sync_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 class VLLMEngine(Engine):
     """model: a Decoder of the served architecture (its graph is used to export and to probe
     synced weights; its parameters are the starting point, and need not be the server's)."""
@@ -135,7 +131,7 @@ class VLLMEngine(Engine):
         info = self.client.request("GET", "/v1/models", timeout=30.0)["data"][0]
         self.model_name = model_name or info["id"]
         self.max_model_len = int(info.get("max_model_len") or 0) or None
-        self._sync_base = sync_dir or _default_sync_root()
+        self._sync_base = sync_dir or default_sync_root()
         if sync_dir is None:  # this host's own directory: exports of trainers that died are this host's to free
             remove_orphaned_exports(self._sync_base)
         self._sync_root = os.path.join(self._sync_base, f"{SYNC_ROOT_PREFIX}{os.getpid()}_{id(self):x}")
@@ -304,12 +300,12 @@ class VLLMEngine(Engine):
         self.client.request("POST", "/collective_rpc", {"method": "reload_weights",
                                                         "kwargs": {"weights_path": bucket_dir}})
 
-    def _pull_part(self, slot: str, bucket: Bucket, version: int):
-        """sync=pull: the fetcher beside the server copies one written bucket, which the server
-        reloads from the fetcher's copy (weight_pull.py)."""
+    def _fetch_part(self, slot: str, bucket: Bucket, version: int) -> str:
+        """sync=pull: the fetcher beside the server copies one written bucket; the server reloads
+        from that copy, whose directory this returns (weight_pull.py)."""
         from rstar2_jax.rollout.engines.weight_pull import ask_to_fetch
         url = _file_server(self._sync_base, self.sync_host).url_for(slot)
-        self._reload_part(ask_to_fetch(self.fetch_url, url, bucket.file_name, bucket.dir_name, version))
+        return ask_to_fetch(self.fetch_url, url, bucket.file_name, bucket.dir_name, version)
 
     def _commit_pull(self, version: int) -> str:
         """sync=pull, every bucket reloaded: the fetcher's whole copy (what a roll-back reloads)."""
@@ -448,6 +444,10 @@ def _file_server(root: str, host: str):
     return _FILE_SERVERS[root, host]
 
 
+class _Abandoned(Exception):
+    """A bucket a server did not load because another load of the same sync had failed."""
+
+
 @dataclasses.dataclass
 class SyncReport:
     """One sync to a set of servers: its times, and the error that stopped it (None: it landed)."""
@@ -456,8 +456,10 @@ class SyncReport:
     bytes: int
     export_s: float = 0.0        # writing every bucket (the servers reload meanwhile)
     reload_s: float = 0.0        # until the last server had the last bucket (from the start)
-    probe_s: float = 0.0         # resume, then every server's log-prob probe (in parallel)
-    total_s: float = 0.0         # the whole sync
+    resumed_s: float = 0.0       # until every server generates again, on the new weights (from the start)
+    paused_s: float = 0.0        # the longest time a server did not generate (its pause to its resume)
+    probe_s: float = 0.0         # every server's log-prob probe (in parallel), after they resumed
+    total_s: float = 0.0         # the whole sync, as the trainer waits for it
     error: str | None = None
 
     @property
@@ -469,8 +471,9 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     """The learner's weights to every server: one export, bucket by bucket (weight_export.py),
     each bucket reloaded by every server as soon as it is written (sync=files: from the trainer's
     files; sync=pull: from the copy its fetcher makes of that bucket), so a sync costs about the
-    slowest server's reload, not an export plus a reload. The servers are paused throughout
-    (their requests wait, and resume on the new weights), then every server's log-prob probe.
+    slowest server's reload, not an export plus a reload. A server generates on while the first
+    bucket is written (and fetched, for pull) and pauses right before its first reload (its
+    requests wait, and resume on the new weights); then every server's log-prob probe.
 
     A sync that fails part-way (a server that errs or dies) leaves every server on its last
     whole weights and version: the ones that took new buckets reload the previous export. The
@@ -486,26 +489,39 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     # processes, in the same order of collectives as take_part_in_sync)
     reference = probe_logprobs(model, lead._probe_tokens)
     slot = lead.slots.begin(plan)
-    paused: list[VLLMEngine] = []
+    paused: dict[VLLMEngine, float] = {}  # server -> when it paused (each entry written by that server's queue)
+    failed: list[BaseException] = []      # the errors of servers' loads; one is enough to end the sync
+
+    def load(e: VLLMEngine, bucket: Bucket, bucket_dir: str):
+        """One server's part of one bucket, on that server's queue (so in bucket order)."""
+        if failed:
+            raise _Abandoned()  # no server loads more of a sync that is failing: it is rolled back
+        try:
+            source = e._fetch_part(slot, bucket, version) if e.sync == "pull" else bucket_dir
+            if e not in paused:  # it generated until now: only its reloads need it paused
+                e._pause()
+                paused[e] = time.perf_counter()
+            e._reload_part(source)
+        except BaseException as err:
+            failed.append(err)
+            raise
+
     landed: dict[VLLMEngine, str] = {}
     written = 0
     queues = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-sync") for e in engines}
     try:
-        for e in engines:
-            e._pause()
-            paused.append(e)
         # one queue per server: it reloads the buckets in order, bucket k while k+1 is written
         pending: list[concurrent.futures.Future] = []
         for bucket in plan.buckets:
             written = bucket.index + 1  # write() takes part in all of its bucket's gathers, even failing
             bucket_dir = lead.slots.write(slot, bucket, arrays)
-            pending += [queues[e].submit(e._reload_part, bucket_dir) if e.sync == "files" else
-                        queues[e].submit(e._pull_part, slot, bucket, version) for e in engines]
-            if any(f.done() and f.exception() for f in pending):
+            pending += [queues[e].submit(load, e, bucket, bucket_dir) for e in engines]
+            if failed:
                 break  # a server already failed: stop writing
         report.export_s = time.perf_counter() - start
-        for f in pending:
-            f.result()
+        concurrent.futures.wait(pending)
+        if failed:
+            raise failed[0]
         landed = {e: (e._commit_pull(version) if e.sync == "pull" else slot) for e in engines}
         report.reload_s = time.perf_counter() - start
         for e in engines:
@@ -517,8 +533,9 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
                   ", v".join(str(e.version) for e in engines))
         for q in queues.values():  # no bucket reload may still run beside the roll-back
             q.shutdown(wait=True, cancel_futures=True)
-        for e in paused:
+        for e in engines:
             e.sync_failures += 1
+        for e in paused:  # only a paused server may hold some of the new buckets
             try:
                 e._roll_back()
             except Exception as undo:  # noqa: BLE001 - it is restored when it answers again
@@ -526,11 +543,13 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     finally:
         for q in queues.values():
             q.shutdown(wait=True, cancel_futures=True)
-        for e in paused:
+        for e, since in paused.items():
             try:
                 e._resume()
             except Exception as err:  # noqa: BLE001
                 log.error("%s: resume failed (%s)", e.url, err)
+            report.paused_s = max(report.paused_s, time.perf_counter() - since)
+        report.resumed_s = time.perf_counter() - start
     if report.ok:
         if all(e.sync == "pull" for e in engines):
             shutil.rmtree(slot, ignore_errors=True)  # every server holds its fetcher's copy
@@ -547,6 +566,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     for e in engines:
         e.last_sync = report
     log.info("synced weights v%d to %d server(s) in %d bucket(s): %.2f s (export %.2f s, reloaded at %.2f s, "
-             "probes %.2f s)%s", version, len(engines), report.buckets, report.total_s, report.export_s,
-             report.reload_s, report.probe_s, "" if report.ok else f"; FAILED: {report.error}")
+             "generating again at %.2f s after a pause of at most %.2f s, probes %.2f s)%s", version, len(engines),
+             report.buckets, report.total_s, report.export_s, report.reload_s, report.resumed_s, report.paused_s,
+             report.probe_s, "" if report.ok else f"; FAILED: {report.error}")
     return report

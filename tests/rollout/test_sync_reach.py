@@ -1,0 +1,77 @@
+"""The files sync's reach check (rollout/engines/reach.py): a server on another host cannot read
+this host's /dev/shm, and the config check says so before a run starts."""
+
+import socket
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rstar2_jax.rl.config import RunConfig, base_config
+from rstar2_jax.rollout.engines import reach
+
+# 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this host.
+ELSEWHERE = "192.0.2.7"
+
+
+def mountinfo(*mounts: tuple[str, str]) -> str:
+    """/proc/self/mountinfo lines for (mount point, filesystem type) pairs."""
+    return "\n".join(f"{i + 20} 1 0:{i} / {point} rw,relatime shared:{i} - {fstype} src{i} rw"
+                     for i, (point, fstype) in enumerate(mounts))
+
+
+def test_this_host_is_recognised_by_every_name_and_address_and_others_are_not():
+    for host in ("127.0.0.1", "localhost", socket.gethostname()):
+        assert reach.is_this_host(host), host
+    assert not reach.is_this_host(ELSEWHERE)
+    assert not reach.is_this_host("no-such-host.invalid")  # RFC 2606: never resolves
+
+
+def test_a_path_s_filesystem_is_its_longest_mount_point_s():
+    table = mountinfo(("/", "ext4"), ("/dev/shm", "tmpfs"), ("/mnt/shared", "nfs4"), ("/mnt/shared/scratch", "lustre"),
+                      ("/mnt/my dir", "cephfs"))
+    assert reach.filesystem_type("/dev/shm/rstar2", table) == "tmpfs"
+    assert reach.filesystem_type("/mnt/shared/run1", table) == "nfs4"
+    assert reach.filesystem_type("/mnt/shared/scratch/x/y", table) == "lustre"
+    assert reach.filesystem_type("/mnt/sharedness", table) == "ext4"  # a name that begins like a mount point is not in it
+    assert reach.filesystem_type("/mnt/my dir/x", table.replace("/mnt/my dir", "/mnt/my\\040dir")) == "cephfs"
+    assert reach.filesystem_type("/dev/shm") in ("tmpfs", "unknown")  # this host's own table reads
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from("abc"), min_size=1, max_size=3), min_size=1, max_size=6, unique_by=tuple),
+       st.lists(st.sampled_from("abc"), min_size=1, max_size=4))
+def test_the_deepest_mount_holding_a_path_decides_its_type(mounts, path):
+    """Law: the type returned is that of the longest mount point that is the path or one of its
+    parents; the root mount holds every path."""
+    points = ["/" + "/".join(m) for m in mounts]
+    table = mountinfo(("/", "rootfs"), *[(p, f"fs{i}") for i, p in enumerate(points)])
+    target = "/" + "/".join(path)
+    holding = [(len(p), f"fs{i}") for i, p in enumerate(points) if target == p or target.startswith(p + "/")]
+    assert reach.filesystem_type(target, table) == (max(holding)[1] if holding else "rootfs")
+
+
+def test_servers_elsewhere_cannot_read_a_local_filesystem_but_can_read_a_shared_one():
+    table = mountinfo(("/", "ext4"), ("/dev/shm", "tmpfs"), ("/shared", "nfs"))
+    assert reach.unreadable_by_servers(["127.0.0.1", "localhost"], "/dev/shm", table) is None
+    why = reach.unreadable_by_servers(["127.0.0.1", ELSEWHERE], "/dev/shm", table)
+    assert ELSEWHERE in why and "tmpfs" in why and "127.0.0.1" not in why
+    assert reach.unreadable_by_servers([ELSEWHERE], "/shared/sync", table) is None
+    assert "ext4" in reach.unreadable_by_servers([ELSEWHERE], "/home/me/sync", table)
+
+
+def vllm_config(**rollout) -> list:
+    tree = base_config().to_dict()
+    tree["rollout"].update(engine="vllm", **rollout)
+    return RunConfig.parse(tree)[1]
+
+
+def test_the_config_check_refuses_a_files_sync_that_servers_on_other_hosts_cannot_read(tmp_path):
+    problems = vllm_config(vllm_urls=[f"http://{ELSEWHERE}:8100", "http://127.0.0.1:8100"], vllm_sync_dir="/dev/shm")
+    refused = [p for p in problems if p.path == "rollout.vllm_sync"]
+    assert len(refused) == 1, problems
+    message = str(refused[0])
+    assert ELSEWHERE in message and "rollout.vllm_sync=pull" in message and "rollout.vllm_sync_dir" in message
+    # the same servers on this host, or a pull sync: nothing to refuse
+    assert not [p for p in vllm_config(vllm_urls=["http://localhost:8100"]) if p.path == "rollout.vllm_sync"]
+    assert not [p for p in vllm_config(vllm_urls=[f"http://{ELSEWHERE}:8100"], vllm_sync="pull",
+                                       vllm_fetch_urls=[f"http://{ELSEWHERE}:8101"])]
