@@ -110,6 +110,10 @@ class Scheduler(Engine):
     def sync_error(self) -> str | None:
         return next((err for err in (e.sync_error() for e in self.engines) if err), None)
 
+    def sync_paused_s(self) -> float | None:
+        paused = [p for p in (e.sync_paused_s() for e in self.engines) if p is not None]
+        return max(paused) if paused else None
+
     def _shared(self) -> list:
         """The vLLM engines that share one export (push_to_servers): those syncing by files or pull."""
         from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine

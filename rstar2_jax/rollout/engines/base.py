@@ -128,6 +128,11 @@ class Engine(abc.ABC):
         """Why the last push to shared servers did not land (None: it did, or nothing to say)."""
         return None
 
+    def sync_paused_s(self) -> float | None:
+        """The longest time a shared server stopped generating during the last push from this
+        process (None: no push from here, or no servers)."""
+        return None
+
     @abc.abstractmethod
     def load(self) -> ServerLoad:
         """KV load, what the scheduler balances on."""

@@ -343,14 +343,17 @@ class VLLMEngine(Engine):
         """A trainer process other than the one that pushes, while it pushes `params` split over
         processes: the same collectives (push_to_servers), nothing sent."""
         model = self.as_model(params)
-        probe_logprobs(model, self._probe_tokens)
         take_part(self.export_plan(model), param_arrays(model))
+        probe_logprobs(model, self._probe_tokens)
 
     def synced_dirs(self) -> dict[str, str]:
         return {self.url: self._synced_dir} if self._synced_dir else {}
 
     def sync_error(self) -> str | None:
         return self.last_sync.error if self.last_sync is not None else None
+
+    def sync_paused_s(self) -> float | None:
+        return self.last_sync.paused_s if self.last_sync is not None else None
 
     def _sync_nccl(self, model: Decoder, version: int) -> bool:
         """Broadcast over NCCL (nccl_sync.py); False: unavailable here, use the files path."""
@@ -485,9 +488,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     arrays = param_arrays(model)
     report = SyncReport(version, len(plan.buckets), plan.nbytes)
     start = time.perf_counter()
-    # the probe's reference first, while the servers still generate (and, with several trainer
-    # processes, in the same order of collectives as take_part_in_sync)
-    reference = probe_logprobs(model, lead._probe_tokens)
+    reference: np.ndarray | None = None  # the probe's reference: the learner's log-probs of the probe
     slot = lead.slots.begin(plan)
     paused: dict[VLLMEngine, float] = {}  # server -> when it paused (each entry written by that server's queue)
     failed: list[BaseException] = []      # the errors of servers' loads; one is enough to end the sync
@@ -519,6 +520,10 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
             if failed:
                 break  # a server already failed: stop writing
         report.export_s = time.perf_counter() - start
+        take_part(plan, arrays, start=written)  # writing stopped early: the other processes' gathers go on
+        written = len(plan.buckets)
+        # while the servers reload; after every gather, the order of collectives of take_part_in_sync
+        reference = probe_logprobs(model, lead._probe_tokens)
         concurrent.futures.wait(pending)
         if failed:
             raise failed[0]
@@ -529,6 +534,11 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     except Exception as err:  # noqa: BLE001 - any failure: every server back on its last weights
         report.error = f"{type(err).__name__}: {err}"
         take_part(plan, arrays, start=written)  # the other trainer processes gather every tensor: so must this one
+        if reference is None:  # ... and then compute the probe's reference
+            try:
+                probe_logprobs(model, lead._probe_tokens)
+            except Exception as probe_err:  # noqa: BLE001 - the roll-back below must still run
+                log.error("the probe's reference failed too (%s)", probe_err)
         log.error("weight sync v%d failed (%s); the servers keep their weights (v%s)", version, report.error,
                   ", v".join(str(e.version) for e in engines))
         for q in queues.values():  # no bucket reload may still run beside the roll-back
