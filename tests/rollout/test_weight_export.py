@@ -120,43 +120,6 @@ def test_a_bad_bucket_size_is_refused():
         we.export_plan({"embed": (4, 4)}, np.float32, 0)
 
 
-@pytest.fixture(scope="module")
-def live_bytes_on_8_devices() -> list[dict]:
-    """One subprocess with 8 fake CPU devices for both plan-against-live-arrays checks."""
-    from tests.fake_devices import run_on_8_fake_devices
-    return run_on_8_fake_devices("tests.rollout.export_memory_main")
-
-
-@pytest.mark.slow  # a subprocess with 8 fake CPU devices (~20 s), shared with the engine's check
-def test_the_export_holds_no_more_than_the_plan_s_weight_sync_line(live_bytes_on_8_devices):
-    """Parameters sharded over 8 devices, exported in bf16: the bytes of live arrays on any device
-    beyond the parameters, sampled at every tensor handed to the writer, stay within the memory
-    plan's weight-sync line (two of the largest tensors), on the accelerator path (the device lays
-    each tensor out) and on the CPU one. Dispatching a bucket's tensors all at once (the first
-    version of weight_export) held the whole bf16 model here: 3.9x the line; laying a sharded
-    tensor out on the devices replicated each copy: 9.9x."""
-    results = [r for r in live_bytes_on_8_devices if r["what"] == "export"]
-    assert len(results) == 2
-    for r in results:
-        assert r["sharded"] and r["buckets"] == 1 and r["equal"], r  # and what it wrote is the model
-        assert 0.5 * r["line"] <= r["extra"] <= r["line"], r
-
-
-@pytest.mark.slow
-def test_the_embedded_engine_holds_what_the_plan_s_engine_lines_say(live_bytes_on_8_devices):
-    """The embedded engine, built as a run builds it on 8 devices, holds on every device exactly
-    the plan's engine weights + KV pool lines: bf16 weights split over the devices by the rules,
-    and a KV cache of 2 KV heads, which cannot split 8 ways and so is whole on each device; for
-    row KV (slots x max_len) and for a paged pool smaller than that. A plan that split the KV by
-    the device count, or counted slots x max_len whatever the pages, fails here (within 1%)."""
-    results = [r for r in live_bytes_on_8_devices if r["what"] == "engine"]
-    assert [r["page_size"] for r in results] == [0, 16], results
-    for r in results:
-        assert r["engine_devices"] == 8 and "split 1 way(s)" in r["kv_how"], r
-        line = r["weights_line"] + r["kv_line"]
-        assert len(r["extra"]) == 8 and all(abs(extra - line) <= 0.01 * line for extra in r["extra"]), r
-
-
 def test_no_room_for_a_bucket_is_a_clear_error_not_a_crash(tmp_path):
     """A full /dev/shm would kill an mmap writer with SIGBUS; the writer reserves a bucket's pages
     first and says where to write instead. (The file-size limit stands in for a full tmpfs.)"""

@@ -169,7 +169,7 @@ def lays_out_on_device() -> bool:
 def laid_out_by_device(x: jax.Array) -> bool:
     """Whether host_tensors gives `x` in the HF layout: on an accelerator, for a tensor on one
     device. A tensor split over devices is cast where it lies and laid out by the host: XLA would
-    replicate the transposed copy on every device (measured: tests/rollout/export_memory_main.py)."""
+    replicate the transposed copy on every device (measured: tests/rl/plan_memory_main.py)."""
     return lays_out_on_device() and len(x.sharding.device_set) == 1
 
 

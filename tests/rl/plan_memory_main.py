@@ -4,7 +4,10 @@
   JSON line per layout path, "what": "export");
 - what the embedded engine holds once built as the trainer builds it (its bf16 copy of the
   weights, split over the process's devices, and its KV cache, rows or pages), against the
-  "engine weights" and "KV pool" lines (one JSON line per KV layout, "what": "engine")."""
+  "engine weights" and "KV pool" lines (one JSON line per KV layout, "what": "engine");
+- what the learner holds between updates (float32 parameters and AdamW's moments, split over
+  an FSDP mesh of the 8 devices) against the "parameters" and "optimizer" lines ("what":
+  "learner")."""
 
 import collections
 import json
@@ -20,9 +23,9 @@ from experiments import tiny_arith
 from rstar2_jax import sharding
 from rstar2_jax.models import checkpoint
 from rstar2_jax.models.decoder import Decoder
+from rstar2_jax.rl import processes
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import architecture, memory_plan, mesh_sizes
-from rstar2_jax.rl import processes
 from rstar2_jax.rollout.engines import weight_export
 from rstar2_jax.rollout.engines.factory import engine_mesh, make_engine
 
@@ -44,6 +47,33 @@ def main():
     assert jax.device_count() == 8
     export_lines()
     engine_lines()
+    learner_lines()
+
+
+def learner_lines():
+    """The learner as RLRun.session builds it: the model's parameters loaded onto the run's mesh,
+    then Learner(own_params=True), which adds the optimizer state."""
+    import jax.numpy as jnp
+
+    from rstar2_jax.learner import Learner, LearnerConfig
+
+    c = tiny_arith.get_config()
+    c.model.tiny_layers, c.model.tiny_hidden = 2, 256
+    cfg, problems = RunConfig.parse(c.to_dict())
+    assert not problems, problems
+    arch = architecture(cfg)
+    plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
+    baseline = per_device_bytes()
+    mesh = sharding.make_mesh(**mesh_sizes(cfg, 8))
+    model = Decoder(arch, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    model = nnx.merge(graphdef, jax.device_put(params, sharding.param_shardings(params, mesh)))
+    learner = Learner(model, LearnerConfig(), mesh=mesh, own_params=True)
+    del model, params
+    now = per_device_bytes()
+    print(json.dumps(dict(what="learner", mesh=mesh_sizes(cfg, 8), extra=[now[d] - baseline[d] for d in sorted(now)],
+                          line=plan.line("parameters").bytes + plan.line("optimizer").bytes)), flush=True)
+    del learner
 
 
 def engine_lines():
