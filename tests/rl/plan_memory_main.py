@@ -10,6 +10,7 @@
   "learner")."""
 
 import collections
+import contextlib
 import json
 import os
 import tempfile
@@ -43,6 +44,46 @@ def per_device_bytes() -> collections.Counter:
     return out
 
 
+def tiny_run(max_response_tokens: int | None = None, **settings):
+    """tiny_arith's run at 2 layers x 256 hidden (every line of the plan many KiB), with
+    `settings` ("section__field": value) and the stages' max_response_tokens set; (config, its
+    architecture)."""
+    c = tiny_arith.get_config()
+    c.model.tiny_layers, c.model.tiny_hidden = 2, 256
+    for key, value in settings.items():
+        section, field = key.split("__")
+        setattr(c[section], field, value)
+    if max_response_tokens is not None:
+        c.stages = [{**stage, "max_response_tokens": max_response_tokens} for stage in c.stages]
+    cfg, problems = RunConfig.parse(c.to_dict())
+    assert not problems, problems
+    return cfg, architecture(cfg)
+
+
+# A run whose rollouts are on vLLM servers, synced in bf16: the export's settings
+VLLM_RUN = dict(rollout__engine="vllm", rollout__vllm_urls=("http://127.0.0.1:1",), rollout__vllm_export_dtype="bfloat16",
+                rollout__page_size=0, rollout__kv_pages=0, rollout__kv_memory_gb=0.0)
+
+
+@contextlib.contextmanager
+def most_held_during_export(reference: collections.Counter):
+    """While it is open, the export samples per_device_bytes() at every tensor it hands on; yields
+    [the most bytes any device held beyond `reference`], filled in as it goes."""
+    unsampled, extra = weight_export.host_tensors, [0]
+
+    def sampled(bucket, arrays, to_host=True):
+        for x in unsampled(bucket, arrays, to_host):
+            now = per_device_bytes()
+            extra[0] = max(extra[0], max(now[d] - reference[d] for d in now))
+            yield x
+
+    weight_export.host_tensors = sampled
+    try:
+        yield extra
+    finally:
+        weight_export.host_tensors = unsampled
+
+
 def main():
     assert jax.device_count() == 8
     export_lines()
@@ -57,11 +98,7 @@ def learner_lines():
 
     from rstar2_jax.learner import Learner, LearnerConfig
 
-    c = tiny_arith.get_config()
-    c.model.tiny_layers, c.model.tiny_hidden = 2, 256
-    cfg, problems = RunConfig.parse(c.to_dict())
-    assert not problems, problems
-    arch = architecture(cfg)
+    cfg, arch = tiny_run()
     plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
     baseline = per_device_bytes()
     mesh = sharding.make_mesh(**mesh_sizes(cfg, 8))
@@ -82,14 +119,9 @@ def engine_lines():
     import jax.numpy as jnp
 
     for page_size in (0, 16):
-        c = tiny_arith.get_config()
-        c.model.tiny_layers, c.model.tiny_hidden, c.model.dtype = 2, 256, "bfloat16"
-        c.rollout.slots, c.rollout.max_len, c.rollout.page_size = 8, 128, page_size
-        c.rollout.kv_pages = 24 if page_size else 0  # fewer pages than slots x max_len / page_size (64)
-        c.stages = [{**stage, "max_response_tokens": 64} for stage in c.stages]
-        cfg, problems = RunConfig.parse(c.to_dict())
-        assert not problems, problems
-        arch = architecture(cfg)
+        # fewer pages than slots x max_len / page_size (64)
+        cfg, arch = tiny_run(64, model__dtype="bfloat16", rollout__slots=8, rollout__max_len=128,
+                             rollout__page_size=page_size, rollout__kv_pages=24 if page_size else 0)
         plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
         graphdef, params = nnx.split(Decoder(arch, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Param)
         params = jax.device_put(params, sharding.param_shardings(params, sharding.make_mesh(**mesh_sizes(cfg, 8))))
@@ -106,36 +138,20 @@ def engine_lines():
 
 
 def export_lines():
-    c = tiny_arith.get_config()
-    c.model.tiny_layers, c.model.tiny_hidden = 2, 256
-    c.rollout.engine, c.rollout.vllm_urls, c.rollout.vllm_export_dtype = "vllm", ("http://127.0.0.1:1",), "bfloat16"
-    c.rollout.page_size = c.rollout.kv_pages = 0
-    c.rollout.kv_memory_gb = 0.0
-    cfg, problems = RunConfig.parse(c.to_dict())
-    assert not problems, problems
-    arch = architecture(cfg)
+    cfg, arch = tiny_run(**VLLM_RUN)
     plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
     graphdef, params = nnx.split(Decoder(arch, rngs=nnx.Rngs(0)), nnx.Param)
     params = jax.device_put(params, sharding.param_shardings(params, sharding.make_mesh(**mesh_sizes(cfg, 8))))
     model = nnx.merge(graphdef, params)
     export = weight_export.model_plan(model, "bfloat16", 1 << 30)
     arrays = weight_export.param_arrays(model)
-    unsampled = weight_export.host_tensors
     for on_device in (True, False):  # the accelerator path (the device lays out) and the CPU one (casts only)
         weight_export.lays_out_on_device = lambda: on_device
-        baseline, extra = per_device_bytes(), [0]
-
-        def sampled(bucket, arrays):
-            for x in unsampled(bucket, arrays):
-                now = per_device_bytes()
-                extra[0] = max(extra[0], max(now[d] - baseline[d] for d in now))
-                yield x
-
-        weight_export.host_tensors = sampled
         slots = weight_export.ExportSlots(tempfile.mkdtemp())
         slot = slots.begin(export)
-        for bucket in export.buckets:
-            slots.write(slot, bucket, arrays)
+        with most_held_during_export(per_device_bytes()) as extra:
+            for bucket in export.buckets:
+                slots.write(slot, bucket, arrays)
         sharded = all(len(x.sharding.device_set) == 8 for x in arrays.values())
         written = {}
         for name in export.file_names:

@@ -27,23 +27,14 @@ def main():
     import jax.numpy as jnp
     from flax import nnx
 
-    from experiments import tiny_arith
     from rstar2_jax import sharding
     from rstar2_jax.learner import Learner, LearnerConfig
     from rstar2_jax.models.decoder import Decoder
-    from rstar2_jax.rl.config import RunConfig
-    from rstar2_jax.rl.memory_plan import architecture, memory_plan, mesh_sizes
+    from rstar2_jax.rl.memory_plan import memory_plan, mesh_sizes
     from rstar2_jax.rollout.engines import weight_export
-    from tests.rl.plan_memory_main import per_device_bytes
+    from tests.rl.plan_memory_main import VLLM_RUN, most_held_during_export, per_device_bytes, tiny_run
 
-    c = tiny_arith.get_config()
-    c.model.tiny_layers, c.model.tiny_hidden = 2, 256
-    c.rollout.engine, c.rollout.vllm_urls, c.rollout.vllm_export_dtype = "vllm", ("http://127.0.0.1:1",), "bfloat16"
-    c.rollout.page_size = c.rollout.kv_pages = 0
-    c.rollout.kv_memory_gb = 0.0
-    cfg, problems = RunConfig.parse(c.to_dict())
-    assert not problems, problems
-    arch = architecture(cfg)
+    cfg, arch = tiny_run(**VLLM_RUN)
     plan = memory_plan(arch, cfg, devices=4, devices_per_process=2, capacity=None)
 
     baseline = per_device_bytes()
@@ -58,23 +49,15 @@ def main():
     model = nnx.merge(learner.graphdef, learner.model_state())
     export = weight_export.model_plan(model, "bfloat16", 1 << 30)
     arrays = weight_export.param_arrays(model)
-    unsampled, extra = weight_export.host_tensors, [0]
-
-    def sampled(bucket, arrays, to_host=True):
-        for x in unsampled(bucket, arrays, to_host):
-            now = per_device_bytes()
-            extra[0] = max(extra[0], max(now[d] - held[d] for d in now))
-            yield x
-
-    weight_export.host_tensors = sampled
-    if process_id == 0:
-        slots = weight_export.ExportSlots(tempfile.mkdtemp())
-        slot = slots.begin(export)
-        for bucket in export.buckets:
-            slots.write(slot, bucket, arrays)
-        slots.close()
-    else:
-        weight_export.take_part(export, arrays)
+    with most_held_during_export(held) as extra:
+        if process_id == 0:
+            slots = weight_export.ExportSlots(tempfile.mkdtemp())
+            slot = slots.begin(export)
+            for bucket in export.buckets:
+                slots.write(slot, bucket, arrays)
+            slots.close()
+        else:
+            weight_export.take_part(export, arrays)
     split = all(not x.is_fully_addressable for x in arrays.values() if x.ndim == 2)
     print(json.dumps(dict(what="processes", process=process_id, state=state,
                           state_line=plan.line("parameters").bytes + plan.line("optimizer").bytes,
