@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from rstar2_jax.rl.config import RunConfig, base_config
 from rstar2_jax.rollout.engines import reach
 
-# 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this host.
-ELSEWHERE = "192.0.2.7"
+# 203.0.113.0/24 is TEST-NET-3 (RFC 5737), for documentation: not an address of this host (this
+# machine type numbers its VMs in TEST-NET-1, 192.0.2.0/24, so that range is not used here).
+ELSEWHERE = "203.0.113.7"
 
 
 def mountinfo(*mounts: tuple[str, str]) -> str:
@@ -20,7 +21,18 @@ def mountinfo(*mounts: tuple[str, str]) -> str:
 
 
 def test_this_host_is_recognised_by_every_name_and_address_and_others_are_not():
-    for host in ("127.0.0.1", "localhost", socket.gethostname()):
+    names = ["127.0.0.1", "localhost"]
+    try:  # the host's own name, where it resolves (not every machine lists it)
+        names += [socket.gethostname(), *{a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}]
+    except socket.gaierror:
+        pass
+    try:  # the address of the interface this host's outward traffic leaves by (a UDP connect sends nothing)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            names.append(s.getsockname()[0])
+    except OSError:  # no route out: loopback only
+        pass
+    for host in names:
         assert reach.is_this_host(host), host
     assert not reach.is_this_host(ELSEWHERE)
     assert not reach.is_this_host("no-such-host.invalid")  # RFC 2606: never resolves
