@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 
 # W&B's transaction log (run-<id>.wandb): a 7-byte header (":W&B", 0xBEE1, version), then
@@ -46,13 +47,23 @@ def wandb_history(workdir) -> list[dict]:
     """Every history row (metric name -> value) of every offline W&B run file under workdir/wandb,
     in the order written."""
     rows = []
-    for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))):
+    for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")), key=_segment_order):
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
                 row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                        for item in record.history.item}
                 rows.append({k: v for k, v in row.items() if not k.startswith("_")})  # W&B's own (_step, ...)
     return rows
+
+
+def _segment_order(path: str) -> tuple[str, int]:
+    """A run file's place among the offline segments: their directories are
+    offline-run-<YYYYMMDD_HHMMSS>-<run id>, and a segment that starts in the same second as an
+    earlier one of the same run gets a "-<n>" suffix. Plain name order would put "...-<id>-1"
+    before "...-<id>/" ('-' sorts before '/'), so order by (time, n)."""
+    name = os.path.basename(os.path.dirname(path))
+    m = re.fullmatch(r"offline-run-(\d{8}_\d{6})-[^-]+(?:-(\d+))?", name)
+    return (m.group(1), int(m.group(2) or 0)) if m else (name, 0)
 
 
 def wandb_run_ids(workdir) -> set[str]:
