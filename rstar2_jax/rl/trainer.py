@@ -550,8 +550,8 @@ class RLRun:
             await self.push_weights(engine, self.engine_weights(), self.learner.version)
         if engine.weights_on_servers:
             metrics["sync/failures"] = self.sync_failures  # the run's so far (each was retried at once)
-            if engine.sync_paused_s() is not None:  # the process that pushed: how long the servers stood
-                metrics["sync/servers_paused_s"] = engine.sync_paused_s()
+            if (paused := engine.sync_paused_s()) is not None:  # the process that pushed: how long the servers stood
+                metrics["sync/servers_paused_s"] = paused
         return metrics
 
     async def push_weights(self, engine: Engine, params, version: int):

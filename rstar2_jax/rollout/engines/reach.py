@@ -15,7 +15,6 @@ Both questions are answered from this host alone, at config time:
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import tempfile
@@ -42,9 +41,8 @@ def is_this_host(host: str) -> bool:
             try:
                 s.bind((address[0], 0))
                 return True
-            except OSError as e:
-                if e.errno != errno.EADDRNOTAVAIL:  # another error (say, no IPv6 here): not ours either way
-                    continue
+            except OSError:  # not an address of ours (EADDRNOTAVAIL), or no such family here
+                continue
     return False
 
 
@@ -71,11 +69,11 @@ def filesystem_type(path: str, mountinfo: str | None = None) -> str:
 def unreadable_by_servers(server_hosts: list[str], sync_dir: str, mountinfo: str | None = None) -> str | None:
     """Why some servers cannot read exports written to `sync_dir` (None: they can, or we cannot
     tell). `server_hosts`: each server's host name or address."""
-    remote = [h for h in server_hosts if not is_this_host(h)]
+    remote = sorted(h for h in set(server_hosts) if not is_this_host(h))  # each host resolved once
     if not remote:
         return None
     fstype = filesystem_type(sync_dir, mountinfo)
     if fstype not in LOCAL_FILESYSTEMS:
         return None
-    return (f"server(s) on {', '.join(sorted(set(remote)))} run on other hosts, and {sync_dir} is on {fstype}, "
-            f"which only this host sees")
+    return (f"server(s) on {', '.join(remote)} run on other hosts, and {sync_dir} is on {fstype}, which only this "
+            "host sees")

@@ -373,14 +373,13 @@ class VLLMEngine(Engine):
         return True
 
     def _reload(self, weights_dir: str, version: int):
-        c = self.client
-        c.request("POST", "/pause?mode=keep")
+        """A whole export into the server, alone: a sync's steps for one directory."""
+        self._pause()
         try:
-            c.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-            c.request("POST", "/reset_prefix_cache")
-            c.request("POST", "/update_weight_version", {"new_version": str(version)})
+            self._reload_part(weights_dir)
+            self._publish(version)
         finally:
-            c.request("POST", "/resume")
+            self._resume()
 
     def check_sync(self, model: Decoder, ours: np.ndarray | None = None) -> float:
         """Largest |log-prob difference| between the server and `model` on the probe tokens
