@@ -223,6 +223,16 @@ def mount_call_filesystems(uid, tmpfs_bytes, rebind=()):
         os.close(fd)
 
 
+def seal_call_proc():
+    """Make the call's own /proc read-only, once the call has named itself through it: no write
+    under /proc/self then succeeds, whatever the call does first. The one that matters is
+    oom_score_adj: the kernel's floor (oom_score_adj_min) is set only by a writer holding
+    CAP_SYS_RESOURCE, which root lacks on some hosts, and prctl(PR_SET_DUMPABLE, 1) gives a call its
+    own /proc/self files, so it could otherwise lower its score below 1000. A call cannot remount:
+    it has no capabilities and cannot make a user namespace (seccomp)."""
+    mount(None, "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
 # ------------------------------------------------------------------------------------------------
 # seccomp
 

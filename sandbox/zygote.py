@@ -76,9 +76,19 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves out the script's dir
 import cgroups  # noqa: E402 - siblings, imported as top-level modules (no package inside the zygote)
 import confine  # noqa: E402
+
 sys.path.pop(0)
-from confine import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_PARENT, CLONE_PARENT_SETTID,  # noqa: E402
-                     CLONE_VFORK, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG)
+from confine import (  # noqa: E402
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_PARENT,
+    CLONE_PARENT_SETTID,
+    CLONE_VFORK,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+)
 
 USER_FILE = "<code>"
 EOF_GRACE_S = 2.0  # after the call exits, how long to wait for its pipes to close
@@ -552,6 +562,8 @@ def _confine(zygote, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
     else:
         workdir = zygote.runtime.workdir
     _set_name(name)
+    if strict:
+        confine.seal_call_proc()
     os.setsid()  # own session and process group: kill(0, ...) reaches only this call
     # Move the fds up first: a source may already sit on a target number (e.g. a pipe on fd 4).
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
