@@ -13,8 +13,15 @@ scaled sum by it, so M micro-batches give exactly the one-batch loss for every m
     token_mean            sum l / sum m                        (DAPO, rStar2-Agent; verl "token-mean")
     seq_mean_token_mean   mean over sequences of token means   (GRPO as published; verl "seq-mean-token-mean")
     seq_mean_token_sum    mean over sequences of token sums    (verl "seq-mean-token-sum")
-    constant              sum l / (sequences x C)              (Dr. GRPO, arXiv 2503.20783; verl
-                                                                "seq-mean-token-sum-norm" with a constant C)
+    constant              sum l / (sequences x C)              (Dr. GRPO, arXiv 2503.20783: 1/G over
+                                                                the group, each sequence's token sum
+                                                                over a constant C, no 1/|o_i|)
+
+The verl names are `agg_loss`'s modes in verl/trainer/ppo/core_algos.py at volcengine/verl
+b178a3c (2026-01-29), one process. `constant` differs from verl's "seq-mean-token-sum-norm" on
+purpose: verl divides the whole batch's token sum by C alone (sum l / C), which grows with the
+number of sequences in a batch; we keep Dr. GRPO's 1/G, so the loss's scale does not depend on the
+batch size (tests/algo/test_losses.py checks ours = verl's / sequences).
 
 Sequences with no model token (padding rows) count in no mode (verl excludes them as well).
 """

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from rstar2_jax.algo.aggregation import aggregate
 from rstar2_jax.algo.corrections import (CORRECTIONS, CorrectionConfig, CorrectionInputs, apply_correction,
                                          combined_correction, compose, correction_metrics, effective_sample_size,
                                          mismatch_metrics)
@@ -182,24 +183,53 @@ def test_token_tis_matches_verl_compute_rollout_correction_weights():
     np.testing.assert_array_equal(clipped, [[True, False, False], [True, False, False]])
 
 
+def verl_rejection_keep(log_ratio, mask, option, threshold):
+    """verl compute_rollout_rejection_mask (verl/trainer/ppo/rollout_corr_helper.py at
+    volcengine/verl b178a3c) for its k1 sequence options: log_ratio = old - rollout, clamped to
+    +-20 per token; k1 = -log_ratio; a sequence is kept when log(lower) <= stat <= log(upper), stat
+    the masked sum ("seq_sum_k1") or mean ("seq_mean_k1") of k1. Returns the modified response mask."""
+    lower, upper = (float(v) for v in threshold.split("_"))
+    k1 = -np.clip(log_ratio, -20.0, 20.0)
+    m = mask.astype(np.float64)
+    total = (k1 * m).sum(-1)
+    stat = total if option == "seq_sum_k1" else total / (m.sum(-1) + 1e-8)
+    keep = (stat >= math.log(lower)) & (stat <= math.log(upper))
+    return mask & keep[:, None]
+
+
 def test_seq_tis_and_seq_mis_match_verl_sequence_level_weights_and_rejection():
-    """verl: rollout_is="sequence" gives exp(sum log r) truncated at C, broadcast to the row;
-    the seq_mis preset (seq_is_rs with rs_threshold_lower=0) also rejects rows above C. Row 0:
-    R = 3 x 0.5 x 1 = 1.5; row 1: R = 8."""
+    """verl: rollout_is="sequence" gives exp(sum log r) truncated at C, broadcast to the row. Row 0:
+    R = 3 x 0.5 x 1 = 1.5; row 1: R = 8. seq_mis(C) keeps what verl's rollout_rs="seq_sum_k1" with
+    "1/C_inf" keeps; verl's own preset "0.5_2.0" would also drop R < 1/2, which seq_mis keeps."""
     weight, keep, _ = _apply("seq_tis", CapSettings(cap=2.0), LOG_R, MASK)
     np.testing.assert_allclose(weight, [[1.5] * 3, [2.0, 2.0, 0.0]], rtol=1e-5)
     weight, keep, _ = _apply("seq_mis", CapSettings(cap=2.0), LOG_R, MASK)
     np.testing.assert_array_equal(keep, [[True] * 3, [False] * 3])
+    np.testing.assert_array_equal(keep, verl_rejection_keep(LOG_R, MASK, "seq_sum_k1", "0.5_inf"))
     np.testing.assert_allclose(weight[0], [1.5] * 3, rtol=1e-5)
+    low = np.log(np.array([[0.25, 1.0, 1.0]], np.float32))  # R = 1/4: kept by seq_mis, dropped by the preset
+    _, keep, _ = _apply("seq_mis", CapSettings(cap=2.0), low, np.ones((1, 3), bool))
+    assert keep.all() and not verl_rejection_keep(low, np.ones((1, 3), bool), "seq_sum_k1", "0.5_2.0").any()
 
 
-def test_geo_mask_matches_verl_geometric_rejection():
-    """verl compute_rollout_rejection_mask(rollout_rs="geometric"): exp(mean log r) in [lower,
-    upper]. Row 0: (1.5)^(1/3) = 1.1447; row 1: 8^(1/2) = 2.83."""
-    _, keep, _ = _apply("geo_mask", GeoBandSettings(low=0.5, high=1.2), LOG_R, MASK)
-    np.testing.assert_array_equal(keep, [[True] * 3, [False] * 3])
-    _, keep, _ = _apply("geo_mask", GeoBandSettings(low=0.5, high=1.1), LOG_R, MASK)
-    assert not keep.any()
+@pytest.mark.parametrize("low,high", [(0.5, 1.2), (0.5, 1.1), (0.9, 1.5), (0.999, 1.001)])
+def test_geo_mask_matches_verl_seq_mean_k1_with_its_bounds_inverted(low, high):
+    """verl's geometric rejection (rollout_rs="seq_mean_k1", the decoupled_geo_rs preset) bounds
+    exp(mean -log r), the inverse ratio: geo_mask's [low, high] is verl's "1/high_1/low". Row 0's
+    geometric mean is (1.5)^(1/3) = 1.1447, row 1's 8^(1/2) = 2.83."""
+    _, keep, _ = _apply("geo_mask", GeoBandSettings(low=low, high=high), LOG_R, MASK)
+    np.testing.assert_array_equal(keep & MASK, verl_rejection_keep(LOG_R, MASK, "seq_mean_k1", f"{1 / high}_{1 / low}"))
+    assert keep[0].all() == (low <= 1.5 ** (1 / 3) <= high)
+
+
+def test_geo_mask_with_verls_bounds_as_written_drops_other_sequences():
+    """The inversion matters for an asymmetric band: with [0.5, 1.2] written as verl's "0.5_1.2"
+    (bounds on the inverse ratio), row 0 (geometric mean 1.1447, inverse 0.874) is kept by both,
+    but a row of geometric mean 1.5 (inverse 0.667) is dropped by geo_mask and kept by verl."""
+    row = np.log(np.full((1, 2), 1.5, np.float32))
+    one = np.ones((1, 2), bool)
+    _, keep, _ = _apply("geo_mask", GeoBandSettings(low=0.5, high=1.2), row, one)
+    assert not keep.any() and verl_rejection_keep(row, one, "seq_mean_k1", "0.5_1.2").all()
 
 
 def test_icepop_matches_the_ring_1t_mask():
@@ -209,11 +239,30 @@ def test_icepop_matches_the_ring_1t_mask():
     np.testing.assert_allclose(weight, [[3.0, 0.5, 1.0], [0.0, 1.0, 0.0]], rtol=1e-6)
 
 
-def test_decoupled_ppo_matches_areal_behaviour_weight():
-    """AReaL ppo_actor_loss_fn: behav_imp_weight = exp(proximal - old); tokens with a weight above
-    behav_imp_weight_cap are masked (their weight set to 0)."""
+def areal_ppo_actor_loss(pg_loss, proximal, behaviour, loss_mask, upper):
+    """AReaL ppo_actor_loss_fn's rejection and aggregation (areal/utils/functional/functional.py
+    at inclusionAI/AReaL 4aef98d) for RejectionSamplingConfig(level="token", action="mask",
+    metric="ratio", upper): the count is taken before the drop; tokens whose behaviour weight
+    exp(proximal - behaviour) exceeds `upper` leave loss_mask; pg_loss x weight summed over the
+    remaining mask, over that count."""
+    count = max(loss_mask.sum(), 1)
+    weight = np.exp(proximal - behaviour)
+    kept = loss_mask & (weight <= upper)
+    return np.where(kept, pg_loss * np.where(kept, weight, 0.0), 0.0).sum() / count
+
+
+def test_decoupled_ppo_matches_areal_behaviour_weight_and_differs_in_the_count_on_purpose():
+    """AReaL: behav_imp_weight = exp(proximal - old); tokens with a weight above the cap are
+    masked. Ours drops them from the count too (verl's rule for every rejection mask): under
+    token_mean, ours x N_kept / N = AReaL's loss."""
     weight, keep, _ = _apply("decoupled_ppo", DecoupledSettings(cap=5.0), LOG_R, MASK)
-    np.testing.assert_allclose(weight, [[3.0, 0.5, 1.0], [0.0, 1.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(np.where(keep, weight, 0.0), [[3.0, 0.5, 1.0], [0.0, 1.0, 0.0]], rtol=1e-6)
+    pg_loss = np.array([[0.3, -1.2, 0.7], [2.0, 0.4, 9.0]])
+    learner = np.full(LOG_R.shape, -1.0)
+    areal = areal_ppo_actor_loss(pg_loss, learner, learner - LOG_R, MASK, 5.0)
+    ours = float(aggregate("token_mean", jnp.asarray(pg_loss * weight, jnp.float32), jnp.asarray(keep & MASK)))
+    assert ours * (keep & MASK).sum() / MASK.sum() == pytest.approx(areal, rel=1e-5)
+    assert ours != pytest.approx(areal, rel=1e-2)  # a token was dropped: the counts differ (4 against 5)
 
 
 # ---- metrics ------------------------------------------------------------------------------------

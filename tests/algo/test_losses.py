@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rstar2_jax.algo import AGGREGATIONS, KL_ESTIMATORS, LOSSES, LossInputs, PolicyLossConfig, advantages, aggregate
 from rstar2_jax.algo.losses import policy_loss_terms, stat_names
@@ -66,14 +67,16 @@ def verl_cispo(old, new, adv, mask, low, high):
 
 
 def verl_agg_loss(loss_mat, mask, mode, scale=None):
-    """verl agg_loss, one process (dp_size 1, global sizes from the batch)."""
+    """verl agg_loss (verl/trainer/ppo/core_algos.py at volcengine/verl b178a3c), one process
+    (dp_size 1, global sizes from the batch), transcribed mode by mode."""
     m = mask.astype(np.float64)
     seq_mask = (m.sum(-1) > 0).astype(np.float64)
     if mode == "token-mean":
         return (loss_mat * m).sum() / m.sum()
-    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        out = ((loss_mat * m).sum(-1) * seq_mask).sum() / seq_mask.sum()
-        return out / scale if mode == "seq-mean-token-sum-norm" else out
+    if mode == "seq-mean-token-sum":
+        return ((loss_mat * m).sum(-1) * seq_mask).sum() / seq_mask.sum()
+    if mode == "seq-mean-token-sum-norm":  # torch.sum(seq_losses) / loss_scale_factor: no mean over sequences
+        return (loss_mat * m).sum(-1).sum() / scale
     seq = (loss_mat * m).sum(-1) / (m.sum(-1) + 1e-8)
     return (seq * seq_mask).sum() / seq_mask.sum()
 
@@ -229,8 +232,7 @@ def test_micro_batch_sums_over_the_whole_batchs_count_are_the_aggregated_loss(se
 
 
 @pytest.mark.parametrize("ours,verls", [("token_mean", "token-mean"), ("seq_mean_token_mean", "seq-mean-token-mean"),
-                                        ("seq_mean_token_sum", "seq-mean-token-sum"),
-                                        ("constant", "seq-mean-token-sum-norm")])
+                                        ("seq_mean_token_sum", "seq-mean-token-sum")])
 def test_aggregations_equal_verl_agg_loss(ours, verls):
     rng = np.random.default_rng(5)
     loss_mat, mask = rng.normal(size=(6, 9)), rng.random((6, 9)) < 0.5
@@ -238,6 +240,21 @@ def test_aggregations_equal_verl_agg_loss(ours, verls):
     want = verl_agg_loss(loss_mat, mask, verls, scale=400.0)
     assert float(aggregate(ours, jnp.asarray(loss_mat, jnp.float32), jnp.asarray(mask), 400.0)) == \
         pytest.approx(want, rel=1e-5)
+
+
+def test_constant_is_verls_token_sum_norm_over_the_number_of_sequences():
+    """Where we differ on purpose: verl's "seq-mean-token-sum-norm" is sum l / C for the whole
+    batch; `constant` keeps Dr. GRPO's 1/G (arXiv 2503.20783), sum l / (sequences x C). Rows with
+    no model token count in neither."""
+    rng = np.random.default_rng(5)
+    loss_mat, mask = rng.normal(size=(6, 9)), rng.random((6, 9)) < 0.5
+    mask[2] = False
+    verl = verl_agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", scale=400.0)
+    ours = float(aggregate("constant", jnp.asarray(loss_mat, jnp.float32), jnp.asarray(mask), 400.0))
+    sequences = int((mask.sum(-1) > 0).sum())
+    assert sequences == 5
+    assert ours == pytest.approx(verl / sequences, rel=1e-5)
+    assert ours != pytest.approx(verl, rel=1e-2)
 
 
 @settings(max_examples=100, deadline=None)

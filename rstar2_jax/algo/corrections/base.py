@@ -53,9 +53,6 @@ class CorrectionInputs:
         """log(pi_learner / pi_sampler) per token, 0 outside the mask (never NaN from padding)."""
         return jnp.where(self.mask, self.learner_logprobs - self.sampler_logprobs, 0.0)
 
-    def token_ratio(self) -> jax.Array:
-        return jnp.exp(jnp.clip(self.token_log_ratio(), -SAFETY_BOUND, SAFETY_BOUND))
-
     @property
     def seq_lengths(self) -> jax.Array:
         return jnp.sum(self.mask, axis=-1)

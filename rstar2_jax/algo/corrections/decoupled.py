@@ -4,10 +4,17 @@ AReaL's asynchronous PPO, arXiv 2505.24298).
 The policy loss already clips pi / pi_prox, where pi_prox is the learner's recomputed log-probs
 (the proximal policy); decoupled PPO adds the behaviour weight pi_prox / pi_behav, pi_behav the
 sampler's, which makes the update an importance-sampled estimate under the policy that
-actually sampled. AReaL's `ppo_actor_loss_fn` drops the tokens whose
-behaviour weight exceeds `behav_imp_weight_cap` (must be > 1) rather than truncating them:
+actually sampled. AReaL drops the tokens whose behaviour weight exceeds the cap rather than
+truncating them (areal/utils/functional/functional.py `ppo_actor_loss_fn` with
+`RejectionSamplingConfig(level="token", action="mask", metric="ratio", upper=cap)` at
+inclusionAI/AReaL 4aef98d, 2026-05-21; the older `behav_imp_weight_cap` it replaced):
 
     w_t = pi_prox(y_t) / pi_behav(y_t),   token dropped when w_t > cap   (cap None: none dropped)
+
+One difference on purpose: AReaL divides the loss by the token count *before* the drop (a dropped
+token still counts, so a step with many stale tokens takes a smaller step); here, as for every
+correction (base.py), a dropped token leaves the count too, which is verl's rule for its rejection
+masks. Under token_mean the two differ by N_kept / N (tests/algo/test_corrections.py).
 """
 
 from __future__ import annotations
@@ -23,13 +30,13 @@ from rstar2_jax.config_types import Section, setting
 
 @dataclasses.dataclass(frozen=True)
 class DecoupledSettings(Section):
-    """AReaL's `behav_imp_weight_cap` (None: no cap; AReaL's examples use 5)."""
+    """AReaL's upper bound on the behaviour weight (None: no cap; AReaL's default `upper` is 5)."""
     cap: float | None = setting(5.0, "tokens whose behaviour weight pi_prox / pi_behav exceeds it are dropped "
                                 "(None: kept whatever their weight)", min=1.0)
 
     def rules(self):
         if self.cap is not None and self.cap <= 1.0:
-            yield "cap", f"must be > 1 (AReaL's rule: a cap at 1 drops every token the learner prefers), got {self.cap}"
+            yield "cap", f"must be > 1 (a cap at 1 drops every token the learner prefers), got {self.cap}"
 
 
 @register_correction("decoupled_ppo", settings=DecoupledSettings, level="token")

@@ -7,10 +7,15 @@ per sequence. With r_t = pi_learner(y_t) / pi_sampler(y_t) and R = prod_t r_t:
     seq_mis     w_t = R,    sequence dropped when R > C
 
 Sources: truncated IS, F. Yao et al., "Your Efficient RL Framework Secretly Brings You
-Off-Policy RL Training" (2025; C = 2); verl `compute_rollout_correction_weights` and
-`compute_rollout_rejection_mask` (verl/trainer/ppo/rollout_corr_helper.py; presets token_is,
-seq_is, and seq_mis = sequence IS with rejection above the same threshold, lower bound 0);
-J. Liu, Y. Li et al., "When Speed Kills Stability" (2025) for the masked (MIS) variants.
+Off-Policy RL Training" (2025; C = 2); J. Liu, Y. Li et al., "When Speed Kills Stability"
+(2025) for the masked (MIS) variants; verl/trainer/ppo/rollout_corr_helper.py at volcengine/verl
+b178a3c (2026-01-29): `compute_rollout_correction_weights(rollout_is="token" | "sequence")` is
+token_tis / seq_tis exactly; its sequence rejection is `compute_rollout_rejection_mask(
+rollout_rs="seq_sum_k1", rollout_rs_threshold="lower_upper")`, which keeps a sequence when
+log(lower) <= sum_t -log r_t <= log(upper), i.e. 1/upper <= R <= 1/lower. seq_mis drops only
+above C, which is verl's "seq_sum_k1" with "1/C_inf"; verl's `decoupled_seq_is_rs` preset
+("0.5_2.0") also drops sequences with R < 1/2, which seq_mis keeps on purpose (a sequence the
+learner finds less likely than the sampler did is down-weighted by R already).
 Token weights are unbiased-but-truncated per step; sequence weights are the unbiased
 trajectory ratio, with far higher variance on long responses (hence the cap or the mask).
 """

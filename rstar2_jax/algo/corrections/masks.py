@@ -4,7 +4,10 @@
     icepop     token dropped unless low <= r_t <= high;  kept tokens weigh r_t
 
 Sources: the geometric-mean sequence mask, SkyRL's off-policy correction docs (recommends
-0.99-1.01) and verl's `geo_rs` preset (rollout_corr_helper.py, rollout_rs="geometric"); IcePop,
+0.99-1.01) and verl's `decoupled_geo_rs` preset (verl/trainer/config/algorithm.py at
+volcengine/verl b178a3c: rollout_rs="seq_mean_k1", "0.999_1.001"). verl's bounds apply to
+exp(mean_t -log r_t), the sampler-over-learner ratio, so geo_mask's [low, high] is verl's
+"1/high_1/low" (tests/algo/test_corrections.py checks both ways round); IcePop,
 inclusionAI's Ring-1T report (2025), "IcePop": J = E[M(k) min(kA, clip(k)A)], M(k) = k on
 [alpha, beta] and 0 outside, alpha 0.5, beta 5; NeMo-RL's `icepop` applies the same mask.
 """
