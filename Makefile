@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # the ablation, a module's fixture) stay on one worker (tests/conftest.py assigns the groups).
 TEST_WORKERS ?= 2
 
-.PHONY: demo clean-demo test test-quick venv venv-dev venv-vllm redis clean tensorboard notebook
+.PHONY: demo clean-demo test test-quick lint venv venv-dev venv-vllm redis clean tensorboard notebook
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,8 +78,12 @@ notebook: $(VENV)/.viewers
 
 # The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 30 minutes
 # from a fresh clone on a 2-core machine, installs included (README, "Tests").
-test: $(VENV)/.dev $(VLLM_VENV)/.installed redis
+test: lint $(VENV)/.dev $(VLLM_VENV)/.installed redis
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+
+# The linter, with the rules in pyproject.toml ([tool.ruff]): make test runs it first.
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
 
 # Everything not marked slow (no vLLM servers, training runs, ablation, notebooks): for development,
 # on two pytest workers (pytest-xdist).

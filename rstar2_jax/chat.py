@@ -14,7 +14,8 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
+_MODEL = flags.DEFINE_string("model", None,
+                             "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint and format")
 _PROMPT = flags.DEFINE_string("prompt", "Solve the system of equations: 2x + 3y = 7, x - y = 1", "the problem")
 _FORMAT = flags.DEFINE_string("format", None, "prompt format the model was trained in: rstar2, compact or "

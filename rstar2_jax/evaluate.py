@@ -32,7 +32,8 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
+_MODEL = flags.DEFINE_string("model", None,
+                             "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory: its latest checkpoint")
 _BENCHMARKS = flags.DEFINE_list("benchmarks", ["aime24", "aime25", "math500"],
                                 "benchmark names (aime24, aime25, math500, amc23, gpqa_diamond) or .jsonl paths")

@@ -13,7 +13,9 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 
-_MODEL = flags.DEFINE_string("model", None, "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache", required=True)
+_MODEL = flags.DEFINE_string("model", None,
+                             "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache",
+                             required=True)
 _DATA = flags.DEFINE_string("data", None, "JSONL of {'messages': [...]} conversations", required=True)
 _OUT = flags.DEFINE_string("out", None, "output HF directory", required=True)
 _STEPS = flags.DEFINE_integer("steps", 1000, "optimizer steps", lower_bound=1)

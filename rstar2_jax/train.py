@@ -41,7 +41,8 @@ def main(argv):
     from rstar2_jax.rl.memory_plan import MemoryPlanError, plan_for_launch
     from rstar2_jax.rl.plan import SyncPlanError, describe_fields, describe_plan, sync_refusal
     from rstar2_jax.rl.run_dir import RunDirectory
-    from rstar2_jax.rl.trainer import format_results, run, validate
+    from rstar2_jax.rl.step_metrics import format_results
+    from rstar2_jax.rl.trainer import run, validate
 
     cfg = _CONFIG.value
     if cfg is None:

@@ -51,7 +51,8 @@ async def _serve(args):
     except ValueError as e:
         await backend.close()
         raise SystemExit(f"sandbox serve: {e} (export SANDBOX_TOKEN)") from None
-    print(f"sandbox serving on http://{args.host}:{port} ({'redis ' + args.redis if args.redis else f'{args.workers} local workers'})",
+    backend = "redis " + args.redis if args.redis else f"{args.workers} local workers"
+    print(f"sandbox serving on http://{args.host}:{port} ({backend})",
           flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -65,7 +66,8 @@ async def _worker(args):
     from sandbox.distributed import RedisWorker
 
     worker = RedisWorker(args.redis, concurrency=args.concurrency, visibility_timeout_s=args.visibility_timeout,
-                         max_deliveries=args.max_deliveries, isolation=args.isolation, limits=_limits(args), uid_base=args.uid_base)
+                         max_deliveries=args.max_deliveries, isolation=args.isolation, limits=_limits(args),
+                         uid_base=args.uid_base)
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, worker.stop)
     print(f"sandbox worker {worker.name}: {args.concurrency} slots on {args.redis}", flush=True)

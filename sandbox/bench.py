@@ -116,7 +116,8 @@ async def run_bench(args) -> dict:
                 report["workloads"][name] = {"sandbox": ours, "fresh_interpreter": base,
                                              "throughput_ratio": ours["calls_per_s"] / base["calls_per_s"]}
                 print(f"{name:8s} sandbox {ours['calls_per_s']:7.0f} calls/s  p50 {ours['p50']:6.1f} ms  "
-                      f"p99 {ours['p99']:6.1f} ms  (call alone p50 {ours['exec_p50']:5.1f} ms) | fresh interpreter {base['calls_per_s']:6.1f} calls/s  "
+                      f"p99 {ours['p99']:6.1f} ms  (call alone p50 {ours['exec_p50']:5.1f} ms) | "
+                      f"fresh interpreter {base['calls_per_s']:6.1f} calls/s  "
                       f"p50 {base['p50']:7.1f} ms | x{report['workloads'][name]['throughput_ratio']:.1f}", flush=True)
         if args.burst:
             report["burst"] = await _burst(sb, args.burst)

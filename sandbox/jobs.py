@@ -85,7 +85,7 @@ def parse_job(fields: Mapping[Any, Any], prefix: str, now: float | None = None) 
         raise MalformedJob(f"op {op!r}: " + "; ".join(
             ([f"missing {', '.join(sorted(missing))}"] if missing else []) +
             ([f"unknown keys {', '.join(sorted(map(str, extra)))[:200]}"] if extra else [])))
-    for key, tp in _TYPES.items():
+    for key, _tp in _TYPES.items():
         if key in d:
             _text(d[key], key)
     if not d["reply_to"].startswith(f"{prefix}:replies:"):

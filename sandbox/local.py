@@ -44,7 +44,7 @@ ISOLATION_MODES = ("strict", "basic")
 
 
 class LocalSandbox:
-    def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits = Limits(),
+    def __init__(self, workers: int = 4, *, isolation: str = "strict", limits: Limits | None = None,
                  preload: Sequence[str] = DEFAULT_PRELOAD, default_timeout: float = 5.0,
                  max_pending: int = 4096, uid_base: int | None = None, max_sessions: int = 256,
                  session_idle_timeout_s: float = 600.0, session_wait_s: float = 5.0,
@@ -55,7 +55,7 @@ class LocalSandbox:
             raise ValueError(f"isolation must be 'strict' or 'basic', got {isolation!r}")
         self.workers = workers
         self.isolation = isolation
-        self.limits = limits
+        self.limits = limits = Limits() if limits is None else limits
         self.default_timeout = default_timeout
         # All sessions' memory together, idle ones included (cgroups only): a quarter of the host's
         # memory unless given. Past it the kernel ends one session (its next cell says so).

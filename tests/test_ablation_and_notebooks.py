@@ -141,7 +141,8 @@ def algorithm_ablation_dir(ablation_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("algorithms")
     shutil.copytree(ablation_dir / "_warm_start", workdir / "_warm_start")
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.ablate", "--config=experiments/algorithm_ablation.py",
-                           "--seeds=1", f"--workdir={workdir}", *SMALL, "--config.rl.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                           "--seeds=1", f"--workdir={workdir}", *SMALL, "--config.rl.steps=2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 

@@ -210,4 +210,5 @@ def test_evaluate_cli_needs_urls_for_vllm(tmp_path, benchmark_dir):
     assert proc.returncode != 0 and "--url: rollout.engine=vllm needs the server URLs" in proc.stderr
     proc = _evaluate(tmp_path, f"--model={model}", "--engine=vllm", "--url=http://127.0.0.1:9", "--scheduler=fastest",
                      f"--data_dir={benchmark_dir}", f"--out={tmp_path / 'e'}")
-    assert proc.returncode != 0 and "--scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin" in proc.stderr
+    assert proc.returncode != 0
+    assert "--scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin" in proc.stderr

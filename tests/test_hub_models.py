@@ -93,6 +93,22 @@ def test_an_unreachable_hub_falls_back_to_the_cache_and_names_the_cache_when_abs
         model_directory("test-org/absent")
 
 
+def test_the_plan_resolves_a_hub_id_as_the_run_does(hub_env, monkeypatch, tmp_path):
+    """`train --plan` reads the architecture through the same resolution as the run: a cached id
+    with the hub unreachable is planned from the cache; an id neither cached nor reachable is the
+    run's ModelNotFound (the CLI prints it without a traceback), not a FileNotFoundError."""
+    from rstar2_jax.rl.config import RunConfig, base_config
+    from rstar2_jax.rl.plan import describe_plan
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    tree = base_config().to_dict()
+    tree["model"]["path"] = REPO
+    assert f"model: {REPO}: qwen3, " in describe_plan(RunConfig.from_config(tree), str(tmp_path / "run"))
+    tree["model"]["path"] = "test-org/absent"
+    with pytest.raises(ModelNotFound, match=r"model.path='test-org/absent': .*the hub could not be reached"):
+        describe_plan(RunConfig.from_config(tree), str(tmp_path / "run"))
+
+
 def test_an_incomplete_snapshot_is_refused(hub_env):
     _, snapshot = hub_env
     for name in os.listdir(snapshot):

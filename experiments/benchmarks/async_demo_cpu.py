@@ -72,7 +72,8 @@ def main(argv=None):
                      f"{statistics.median(r['learner_s'] for r in runs):.2f}",
                      f"{max(r['staleness_max'] for r in runs):.0f}"))
     header = ["schedule", "median s per step", "vs sync", "median learner s", "max token staleness"]
-    config = (f"experiments/tiny_arith.py with sft.steps=60, rl.batch_problems=8 (64 rollouts per step), rl.roc.reject_uniform_groups=False, {args.steps} "
+    config = (f"experiments/tiny_arith.py with sft.steps=60, rl.batch_problems=8 (64 rollouts per step), "
+              f"rl.roc.reject_uniform_groups=False, {args.steps} "
               f"steps per run (first excluded), {args.rounds} alternating rounds; JaxEngine 32 slots, strict sandbox, 2 workers")
     command = common.command_line("experiments.benchmarks.async_demo_cpu", argv)
     common.record(args.record, "CPU demo: synchronous vs asynchronous RL steps", command.strip(), config,

@@ -100,7 +100,8 @@ def main(argv=None):
         print(f"{variant}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
               f"(floor {floor_s / stats.decode_steps * 1e3:.2f} ms) = {floor_s / stats.decode_s:.1%} of roofline; "
               f"prefill {args.slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
-    table = common.markdown_table(["decode attention", "kv bucket", "pallas splits", "decode tok/s", "step ms", "roofline step ms",
+    table = common.markdown_table(["decode attention", "kv bucket", "pallas splits", "decode tok/s", "step ms",
+                                   "roofline step ms",
                                    "of roofline", "prefill tok/s", "slot utilization"], rows)
     common.record(args.record, f"JaxEngine decode: {args.model}, {args.slots} sequences",
                   "python -m experiments.benchmarks.engine_decode " + " ".join(argv if argv is not None else sys.argv[1:]),

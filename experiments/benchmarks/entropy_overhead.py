@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.benchmarks import common
-from rstar2_jax.learner import Learner, LearnerConfig
+from rstar2_jax.learner import Learner, LearnerSettings
 from rstar2_jax.models import Decoder
 
 
@@ -40,7 +40,7 @@ def main(argv=None):
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     model = Decoder(cfg, dtype=getattr(jnp, args.dtype), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    learner = Learner(model, LearnerConfig())
+    learner = Learner(model, LearnerSettings())
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.rows, args.seq), dtype=np.int32)
     passes = {"log-probs": lambda: learner.logprobs(tokens),
               "log-probs + entropy": lambda: learner.logprobs(tokens, with_entropy=True)}

@@ -116,7 +116,8 @@ def main(argv=None):
     wall = {name: statistics.median(x["seconds"] for x in r) for name, r in runs.items()}
     base = wall["rows, re-prefill every turn"]
     config = (f"model {args.model}, {args.trajectories} trajectories x {args.turns} turns, KV memory "
-              f"{args.slots} x max_len {_max_len(args)} tokens ({args.headroom:g}x the longest trajectory), prompt {args.prompt_tokens}, {args.turn_tokens} sampled + "
+              f"{args.slots} x max_len {_max_len(args)} tokens ({args.headroom:g}x the longest trajectory), "
+              f"prompt {args.prompt_tokens}, {args.turn_tokens} sampled + "
               f"{args.tool_tokens} tool tokens per turn, {args.tool_s * 1000:.0f} ms tool latency"
               + (f", pages of {args.page_size}" if args.paged_slots else "")
               + f", {args.repeats} alternating repeats (median)")

@@ -24,9 +24,8 @@ import numpy as np
 from flax import nnx
 
 from experiments.benchmarks import common
-from rstar2_jax.learner import Learner, LearnerConfig
+from rstar2_jax.learner import Learner, LearnerSettings
 from rstar2_jax.learner.batching import TrainBatch
-from rstar2_jax.learner.train_step import UpdateConfig
 from rstar2_jax.models import Decoder, flops
 
 
@@ -42,7 +41,7 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> TrainBatch:
 def run_variant(cfg, attention: str, remat: str, rows: int, seq: int, steps: int, profile_dir: str | None):
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=remat)
     model.set_attention(full=attention)
-    learner = Learner(model, LearnerConfig(lr=1e-6, warmup_steps=1, update=UpdateConfig()))
+    learner = Learner(model, LearnerSettings(lr=1e-6, warmup_steps=1))
     del model
     batch = make_batch(rows, seq, cfg.vocab_size)
     start = time.perf_counter()

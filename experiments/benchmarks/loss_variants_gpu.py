@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar2_jax.algo import LOSSES, PolicyLossConfig
-from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig, make_batch
+from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.models import Decoder, ModelConfig
 
 
@@ -54,8 +54,8 @@ def main():
             import flax.nnx as nnx
             model = Decoder(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
             loss = PolicyLossConfig(name=name, aggregation=agg)
-            learner = Learner(model, LearnerConfig(lr=1e-4, warmup_steps=1, update=UpdateConfig(
-                loss=loss, constant_tokens=float(args.length)), mini_batches=2, epochs=1), own_params=True)
+            learner = Learner(model, LearnerSettings(lr=1e-4, warmup_steps=1, loss=loss, mini_batches=2, epochs=1),
+                              constant_tokens=float(args.length), own_params=True)
             before = flat(learner)
             b = batch(args.rows, args.length, cfg.vocab_size)
             m = learner.update(b)                      # compiles; mini-batch 2 sees a moved policy

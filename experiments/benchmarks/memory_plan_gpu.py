@@ -26,7 +26,7 @@ from flax import nnx
 
 from experiments import qwen3_0p6b_math
 from experiments.benchmarks import common
-from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig
+from rstar2_jax.learner import Learner, LearnerSettings
 from rstar2_jax.models import Decoder
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import GiB, memory_plan
@@ -55,7 +55,7 @@ def measure(name: str, rows: int, seq: int, micro: int = 1):
     lines = {line.name: line.bytes for line in plan.lines}
     model = Decoder(arch, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=cfg.model.remat)
     model.set_attention(full=cfg.model.attention)
-    learner = Learner(model, LearnerConfig(update=UpdateConfig(micro_batches=micro)), own_params=True)  # no copy
+    learner = Learner(model, LearnerSettings(micro_batches=micro), own_params=True)  # no copy
     del model
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, arch.vocab_size, (rows, seq)).astype(np.int32),
@@ -69,7 +69,8 @@ def measure(name: str, rows: int, seq: int, micro: int = 1):
     state_plan = lines["parameters"] + lines["optimizer"]
     work_plan = lines["gradients"] + lines["activations"]
     args_xla = analysis.argument_size_in_bytes - sum(v.nbytes for v in batch.values())
-    row = [f"{name} {rows}x{seq}, {micro} micro-batch(es)", f"{state_plan / GiB:.2f} / {args_xla / GiB:.2f}", f"{work_plan / GiB:.2f} / "
+    row = [f"{name} {rows}x{seq}, {micro} micro-batch(es)", f"{state_plan / GiB:.2f} / {args_xla / GiB:.2f}",
+           f"{work_plan / GiB:.2f} / "
            f"{analysis.temp_size_in_bytes / GiB:.2f}", f"{(state_plan + work_plan) / GiB:.2f} / {peak / GiB:.2f}",
            f"{(state_plan + work_plan) / peak:.2f}"]
     print(" | ".join(row), flush=True)

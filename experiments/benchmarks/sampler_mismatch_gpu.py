@@ -26,7 +26,7 @@ from flax import nnx
 from experiments.benchmarks import common
 from experiments.benchmarks.engine_decode import _NoTokenizer
 from rstar2_jax.algo.corrections import CORRECTIONS, CorrectionConfig, CorrectionInputs, correction_metrics
-from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig, make_batch
+from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.models import Decoder
 from rstar2_jax.rollout.engines import JaxEngine
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -72,15 +72,15 @@ def main(argv=None):
     cfg = common.shape(args.model)
     print(f"{args.model}; {common.device_line()}", flush=True)
     fp32 = Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    learner = Learner(fp32, LearnerConfig(lr=1e-6, warmup_steps=0, token_entropy=False))
+    learner = Learner(fp32, LearnerSettings(lr=1e-6, warmup_steps=0, token_entropy=False))
     rows, last = [], None
     for batch_size in map(int, args.batches.split(",")):
         sampled_with = learner.model_state()
         batch = sample(engine_model(cfg, sampled_with), batch_size, args.new, seed=batch_size)
         k0 = gap(batch, learner.logprobs(batch.tokens))
         stale = Learner(nnx.merge(learner.graphdef, jax.tree.map(jnp.copy, sampled_with)),
-                        LearnerConfig(lr=1e-6, warmup_steps=0, token_entropy=False,  # 8-row micro-batches: memory
-                                      update=UpdateConfig(micro_batches=min(batch_size, 8))))
+                        LearnerSettings(lr=1e-6, warmup_steps=0, token_entropy=False,  # 8-row micro-batches: memory
+                                        micro_batches=min(batch_size, 8)))
         stale.update(batch)  # one version newer than the weights that sampled
         batch.old_logprobs = None
         k1_lp = stale.logprobs(batch.tokens)

@@ -61,7 +61,7 @@ import time
 import numpy as np
 
 from experiments.benchmarks import common
-from rstar2_jax.rollout.scheduler import POLICIES, EngineLoad, pick_with_affinity, reservation
+from rstar2_jax.rollout.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
 
 
 @dataclasses.dataclass
@@ -241,7 +241,7 @@ def make_workload(cfg: SimConfig, rng: np.random.Generator) -> list[Trajectory]:
     for _ in range(cfg.step_rollouts):
         calls = min(cfg.max_turns - 1, int(rng.geometric(1.0 / (cfg.mean_tool_calls + 1))) - 1)
         turns, budget = [], cfg.budget_tokens
-        for i in range(calls + 1):
+        for _i in range(calls + 1):
             n = int(min(budget, max(1, rng.lognormal(math.log(cfg.turn_tokens_median), cfg.turn_tokens_sigma))))
             turns.append(n)
             budget -= n + cfg.tool_response_tokens

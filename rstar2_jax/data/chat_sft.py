@@ -16,15 +16,15 @@ ROLES = ("system", "user", "assistant", "tool")
 
 def load_conversations(path: str | os.PathLike) -> list[dict]:
     out = []
-    for path, lineno, row in iter_jsonl(path, "SFT data"):
+    for file, lineno, row in iter_jsonl(path, "SFT data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{path}:{lineno}: expected a non-empty 'messages' list")
+            raise DataError(f"{file}:{lineno}: expected a non-empty 'messages' list")
         for m in msgs:
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
-                raise DataError(f"{path}:{lineno}: each message needs a role in {ROLES} and string content")
+                raise DataError(f"{file}:{lineno}: each message needs a role in {ROLES} and string content")
         if not any(m["role"] == "assistant" for m in msgs):
-            raise DataError(f"{path}:{lineno}: no assistant message to learn from")
+            raise DataError(f"{file}:{lineno}: no assistant message to learn from")
         out.append(row)
     return out
 

@@ -100,7 +100,8 @@ def main(argv):
         name=_JOB_NAME.value or os.path.basename(workdir.rstrip("/")) or "rstar2", workdir=workdir, repo=ROOT,
         python=sys.executable, train_args=tuple(_config_args(sys.argv[1:])), roles=roles,
         nodes=_NODES.value or roles.wanted_nodes(), model_path=str(cfg.model.path),
-        vllm_python=_VLLM_PYTHON.value, dtype=str(cfg.model.dtype), max_model_len=_MAX_MODEL_LEN.value or int(cfg.rollout.max_len),
+        vllm_python=_VLLM_PYTHON.value, dtype=str(cfg.model.dtype),
+        max_model_len=_MAX_MODEL_LEN.value or int(cfg.rollout.max_len),
         cpu_kv_cache_gib=_CPU_KV.value, vllm_args=tuple(_VLLM_ARG.value), gpus_per_node=_GPUS.value,
         ports=Ports(_REDIS_PORT.value, _VLLM_PORT.value, _FETCH_PORT.value), redis_server=_REDIS_SERVER.value,
         partition=_PARTITION.value, account=_ACCOUNT.value, time=_TIME.value, sbatch_args=tuple(_SBATCH_ARG.value))

@@ -88,10 +88,6 @@ class SlurmJob:
         return os.path.join(self.log_dir, "job.sh")
 
 
-class PlacementError(ValueError):
-    """A request the job (or the cluster) cannot place; the message says what to change."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ClusterInfo:
     """What `sinfo` says of a partition: its nodes, and the fewest CPUs and GPUs any node has."""

@@ -2,8 +2,9 @@
 
 Sequences are right-padded to a multiple of `pad_multiple` (few compiled shapes, little waste)
 and the batch can be padded with all-masked rows to a multiple of `rows_multiple`; the Learner
-pads what it is given to micro-batches x the mesh's batch width itself (`pad_rows`). Masks and log-probs stay aligned with token positions: position t holds
-the token, its loss mask, and log p(token_t | tokens_<t).
+pads what it is given to micro-batches x the mesh's batch width itself (`pad_rows`). Masks and
+log-probs stay aligned with token positions: position t holds the token, its loss mask, and
+log p(token_t | tokens_<t).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Learner: owns the train state, recomputes old log-probs, updates, and hands weights out.
 
-    learner = Learner(model, LearnerConfig(...), mesh=mesh)
+    learner = Learner(model, cfg.rl, temperature=..., constant_tokens=..., mesh=mesh)
     batch.old_logprobs = learner.logprobs(batch.tokens)
     metrics = learner.update(batch)          # mini_batches x epochs optimizer steps (micro-batches
                                              # inside each); fills batch.old_logprobs and
@@ -23,12 +23,12 @@ width, so every micro-batch splits evenly over the devices (never silently repli
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -37,46 +37,39 @@ from rstar2_jax.algo.corrections import CorrectionInputs, correction_metrics
 from rstar2_jax.algo.kl import sequence_kl
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
+from rstar2_jax.learner.settings import LearnerSettings
 from rstar2_jax.learner.train_step import TrainState, UpdateConfig, batch_logprobs, train_step
 
 
-@dataclasses.dataclass(frozen=True)
-class LearnerConfig:
-    lr: float = 1e-6
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    update: UpdateConfig = UpdateConfig()
-    mini_batches: int = 1   # optimizer steps per epoch of one update (row slices of the batch)
-    epochs: int = 1         # passes over the batch per update
-    # update() also returns per-token entropies from its old-log-prob pass, for the forking /
-    # reflection analysis; one more reduction over the logits: +15-22% on that pass on CPU
-    # (BENCHMARKS.md, "Entropy in the old-log-prob pass").
-    token_entropy: bool = True
-
-
 class Learner:
-    def __init__(self, model: nnx.Module, cfg: LearnerConfig = LearnerConfig(), *, mesh: Mesh | None = None,
-                 own_params: bool = False):
-        """own_params: the learner takes `model`'s parameter arrays as they are (the caller never
+    def __init__(self, model: nnx.Module, cfg: LearnerSettings | None = None, *, temperature: float = 1.0,
+                 constant_tokens: float = 1.0, mesh: Mesh | None = None, own_params: bool = False,
+                 optimizer: optax.GradientTransformation | None = None):
+        """cfg: the run's `rl` section (or a LearnerSettings). temperature: the sampler's (the
+        log-probs are those of the tempered distribution it drew from); constant_tokens: C of
+        aggregation=constant (RunConfig.constant_tokens). optimizer: in place of the settings' AdamW
+        (a research variant; tests use plain SGD, whose step is the accumulated gradient itself).
+        own_params: the learner takes `model`'s parameter arrays as they are (the caller never
         uses them again: the first update donates them). Otherwise it trains on a copy. Either
         way, parameters already on their mesh shardings (`load_pretrained(mesh=)`) are not moved."""
-        self.cfg = cfg
+        self.cfg = cfg = LearnerSettings() if cfg is None else cfg
+        self.update_cfg = update = UpdateConfig(loss=cfg.loss, kl=cfg.kl, temperature=temperature,
+                                                micro_batches=cfg.micro_batches, correction=cfg.correction,
+                                                constant_tokens=constant_tokens)
         self.mesh = mesh
         self.graphdef, params = nnx.split(model, nnx.Param)
         if not own_params:
             params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
-        self.tx = make_optimizer(cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.b1, cfg.b2, grad_clip=cfg.grad_clip)
+        self.tx = optimizer or make_optimizer(lr=cfg.lr, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+                                              grad_clip=cfg.grad_clip)
         if mesh is not None:
             params = _placed_on(params, sharding_lib.param_shardings(params, mesh))
         self.state = self._placed(TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)))
         self.version = 0
         # The frozen reference of a KL term: the weights the learner starts from (after SFT).
-        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.update.kl.enabled else None
-        self._train = jax.jit(partial(train_step, self.graphdef, self.tx, cfg.update), donate_argnums=(0,))
-        self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=cfg.update), static_argnames="with_entropy")
+        self.ref_params = jax.tree.map(jnp.copy, params) if update.kl.enabled else None
+        self._train = jax.jit(partial(train_step, self.graphdef, self.tx, update), donate_argnums=(0,))
+        self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=update), static_argnames="with_entropy")
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -84,7 +77,7 @@ class Learner:
         """Batch rows must be a multiple of this: mini-batches x micro-batches x the devices the
         batch is split over."""
         width = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        return self.cfg.mini_batches * self.cfg.update.micro_batches * width
+        return self.cfg.mini_batches * self.cfg.micro_batches * width
 
     def _placed(self, state: TrainState) -> TrainState:
         """Leaves made on one device (the step, optimizer counters) replicated over the mesh: a
@@ -121,9 +114,9 @@ class Learner:
         self._fill_old_logprobs(batch, padded)
         arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages,
                   "old_logprobs": padded.old_logprobs}
-        if self.cfg.update.needs_sampler_logprobs:
+        if self.update_cfg.needs_sampler_logprobs:
             arrays["sampler_logprobs"] = padded.sampler_logprobs
-        if self.cfg.update.kl.in_loss:
+        if self.update_cfg.kl.in_loss:
             arrays["ref_logprobs"] = self.logprobs(padded.tokens, params=self.ref_params)
         steps = []
         for _ in range(self.cfg.epochs):
@@ -138,7 +131,7 @@ class Learner:
         out["optimizer_steps"] = float(len(steps))
         out.update(sampler_mismatch(batch))
         if batch.old_logprobs is not None and batch.sampler_logprobs is not None:
-            c = self.cfg.update.correction
+            c = self.cfg.correction
             out.update(correction_metrics(c.names, c.settings_of, CorrectionInputs(
                 batch.old_logprobs, batch.sampler_logprobs, batch.loss_mask > 0)))
         if batch.entropy is not None and batch.num_tokens:
@@ -157,15 +150,15 @@ class Learner:
             batch.old_logprobs = padded.old_logprobs[:rows]
 
     def sequence_kl(self, batch: TrainBatch) -> np.ndarray:
-        """Each row's KL to the frozen reference [N] (cfg.update.kl's estimator summed over its
+        """Each row's KL to the frozen reference [N] (cfg.kl's estimator summed over its
         model tokens), from the current weights' log-probs, which it stores in `batch` (the
         update then reuses them): the KL-in-reward term, known before the advantages."""
         if self.ref_params is None:
-            raise ValueError("sequence_kl needs a reference: LearnerConfig.update.kl.coef > 0")
+            raise ValueError("sequence_kl needs a reference: cfg.kl.coef > 0")
         padded = pad_rows(batch, self.rows_multiple)
         self._fill_old_logprobs(batch, padded)
         ref = self.logprobs(padded.tokens, params=self.ref_params)[:batch.tokens.shape[0]]
-        return sequence_kl(self.cfg.update.kl.estimator, batch.old_logprobs, ref, batch.loss_mask)
+        return sequence_kl(self.cfg.kl.estimator, batch.old_logprobs, ref, batch.loss_mask)
 
     def reset_optimizer(self):
         """Fresh optimizer moments (the paper resets at the start of stage 3)."""

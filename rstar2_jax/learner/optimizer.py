@@ -11,8 +11,10 @@ def warmup_constant(lr: float, warmup_steps: int):
     return lambda count: lr * optax.safe_int32_increment(count).astype("float32").clip(max=warmup_steps) / warmup_steps
 
 
-def make_optimizer(lr: float = 1e-6, warmup_steps: int = 20, weight_decay: float = 0.01, b1: float = 0.9,
-                   b2: float = 0.999, eps: float = 1e-8, grad_clip: float = 1.0) -> optax.GradientTransformation:
+def make_optimizer(*, lr: float, warmup_steps: int, weight_decay: float, grad_clip: float, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """AdamW after a global-norm clip; the settings come from the caller's section (rl.* through
+    LearnerSettings, sft.*), never from defaults here. b1, b2, eps: AdamW's usual constants."""
     parts = []
     if grad_clip and grad_clip > 0:
         parts.append(optax.clip_by_global_norm(grad_clip))

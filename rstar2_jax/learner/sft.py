@@ -44,7 +44,7 @@ class SFTTrainer:
                  grad_clip: float = 1.0, pad_multiple: int = 64):
         self.graphdef, params = nnx.split(model, nnx.Param)
         params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
-        self.tx = make_optimizer(lr, warmup_steps, weight_decay, grad_clip=grad_clip)
+        self.tx = make_optimizer(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip)
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
         self.pad_multiple = pad_multiple
         self._step = jax.jit(partial(sft_step, self.graphdef, self.tx), donate_argnums=(0,))

@@ -21,12 +21,12 @@ from typing import Any, Mapping
 import ml_collections
 import numpy as np
 
-from rstar2_jax.algo import ADVANTAGES, KLConfig, PolicyLossConfig
-from rstar2_jax.algo.corrections import CorrectionConfig
+from rstar2_jax.algo import ADVANTAGES, KLConfig
 from rstar2_jax.algo.reward_shaping import OverlongConfig
 from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
 from rstar2_jax.data.tasks import TASKS, DataConfig
+from rstar2_jax.learner.settings import LearnerSettings
 from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
 from rstar2_jax.rl.carry import StalenessConfig
@@ -61,32 +61,19 @@ class EvalConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class RLConfig(Section):
-    """`rl.*`: GRPO-RoC and its learner."""
+class RLConfig(LearnerSettings):
+    """`rl.*`: GRPO-RoC; the learner's own settings (lr, loss, ...) come from LearnerSettings."""
     steps: int = setting(12, "RL steps (raise it to extend a finished run)", min=0)
     batch_problems: int = setting(16, "problems per step", min=1)
     group_size: int = setting(4, "G: rollouts kept per problem (advantages need a group of 2+)", min=2)
     oversample: int = setting(2, "rollouts per problem = group_size x oversample (RoC keeps G of them)", min=1)
-    lr: float = setting(2e-4, "peak learning rate (AdamW; warm-up then constant)", min=0.0)
-    warmup_steps: int = setting(2, "linear warm-up steps", min=0)
-    weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
-    grad_clip: float = setting(1.0, "global-norm gradient clip (0: off)", min=0.0)
-    micro_batches: int = setting(1, "micro-batches per optimizer step (gradients accumulated; memory)", min=1)
-    mini_batches: int = setting(1, "optimizer steps per epoch of an update: the kept rollouts split in this many "
-                                "row slices (1: the paper; verl's ppo_mini_batch_size)", min=1)
-    epochs: int = setting(1, "passes over the kept rollouts per update (1: the paper; verl's ppo_epochs)", min=1)
     advantage: str = setting("grpo", "group-relative advantage", choices=ADVANTAGES)
-    token_entropy: bool = setting(True, "per-token entropies of kept rollouts into the traces (learner pass)")
     max_staleness: int = setting(0, "async rollouts: versions a sampled token may lag the learner (0: on-policy, "
                                  "the paper)", min=0)
     tis_cap: float = setting(0.0, "replaced by rl.correction (kept so older runs' config.json reads): must be 0; "
                              "set rl.correction.names=(token_tis,) and rl.correction.token_tis.cap instead", min=0.0)
-    correction: CorrectionConfig = setting(CorrectionConfig, "off-policy corrections sampler -> learner (none: the "
-                                           "paper)")
     staleness: StalenessConfig = setting(StalenessConfig, "what a step does about its slowest groups (rl/carry.py)")
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
-    loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
-    kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
     dynamic_sampling: DynamicSamplingConfig = setting(DynamicSamplingConfig, "DAPO's draw-until-informative")
     overlong: OverlongConfig = setting(OverlongConfig, "DAPO's soft overlong punishment")
 
@@ -200,6 +187,11 @@ class RunConfig(Section):
     def sampler_differs_from_learner(self) -> bool:
         """The engine samples with other numerics than the float32 learner: bf16 weights, or vLLM."""
         return self.rollout.engine != "jax" or self.model.dtype != "float32"
+
+    @property
+    def constant_tokens(self) -> int:
+        """C of aggregation=constant: rl.loss.constant_tokens, else the largest stage's budget."""
+        return self.rl.loss.constant_tokens or max(s.max_response_tokens for s in self.stages)
 
     def stage_index(self, step: int) -> int:
         return max(i for i, s in enumerate(self.stages) if s.start_step <= step)

@@ -48,7 +48,7 @@ async def run_pipeline(steps: Sequence[int], *, max_lag: int, draw: Callable[[in
                     alone = exclusive(step)
                     after = step if alone else step - max_lag
                     async with trained:
-                        await trained.wait_for(lambda: done >= after)
+                        await trained.wait_for(lambda after=after: done >= after)
                     with processes.no_collectives(None) if alone else contextlib.nullcontext():
                         data = await draw(step)
                     launched.append(asyncio.ensure_future(data))

@@ -82,9 +82,9 @@ def _model_line(cfg: RunConfig) -> str:
     m = cfg.model
     if not m.path:
         return f"tiny random model ({m.tiny_layers} layers, hidden {m.tiny_hidden}), built in the run directory"
-    from rstar2_jax.models.config import ModelConfig
     from rstar2_jax.models.flops import param_count
-    arch = ModelConfig.from_json_file(os.path.join(m.path, "config.json"))
+    from rstar2_jax.rl.memory_plan import architecture  # resolves model.path as the run does (models/hub.py)
+    arch = architecture(cfg)
     return (f"{m.path}: {arch.family}, {param_count(arch) / 1e9:.2f}B parameters (float32 master weights "
             f"{param_count(arch) * 4 / 2**30:.1f} GiB), compute {m.dtype}, remat {m.remat}")
 

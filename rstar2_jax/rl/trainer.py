@@ -45,22 +45,21 @@ from rstar2_jax import models, sharding
 from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.config_types import ConfigValueError
 from rstar2_jax.data.tasks import make_task
-from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig, make_batch
+from rstar2_jax.learner import Learner, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rl import processes
 from rstar2_jax.rl.config import RunConfig, StageConfig
 from rstar2_jax.rl.dynamic_sampling import fill_summary, informative_groups, next_draw
-from rstar2_jax.rl.data_stream import DataStream, epoch_order, next_problems, solved_ids  # noqa: F401 (re-exported)
+from rstar2_jax.rl.data_stream import DataStream, solved_ids
 from rstar2_jax.rl.grpo_roc import KeptRollout, advantages_with_kl, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
 from rstar2_jax.rl.prefilter import prefilter_solved
 from rstar2_jax.rl.run_dir import RunDirectory
 from rstar2_jax.rl.carry import RunningGroups, gather_groups, wait_for_groups
 from rstar2_jax.rl.run_state import CarriedGroups, DataState, RunState
-from rstar2_jax.rl.step_metrics import (MetricsLog, format_breakdown, format_results, step_breakdown,  # noqa: F401
-                                        step_metrics)
+from rstar2_jax.rl.step_metrics import MetricsLog, format_breakdown, format_results, step_metrics
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
 from rstar2_jax.rollout.engines import Engine, engine_mesh, make_engine
@@ -185,16 +184,6 @@ class RLRun:
                                                                           for m, v in s.items()}})
         return out
 
-    def learner_config(self) -> LearnerConfig:
-        """The learner's settings: rl.loss and rl.kl as they are, and the rest of rl.* it reads."""
-        rl = self.cfg.rl
-        constant = rl.loss.constant_tokens or max(s.max_response_tokens for s in self.cfg.stages)
-        update = UpdateConfig(loss=rl.loss, kl=rl.kl, temperature=self.cfg.rollout.temperature,
-                              micro_batches=rl.micro_batches, correction=rl.correction, constant_tokens=constant)
-        return LearnerConfig(lr=rl.lr, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
-                             grad_clip=rl.grad_clip, token_entropy=rl.token_entropy, update=update,
-                             mini_batches=rl.mini_batches, epochs=rl.epochs)
-
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         """Evaluate before RL, train to rl.steps, evaluate after; a re-run of a finished run
@@ -234,7 +223,8 @@ class RLRun:
         # The learner owns the loaded (or SFT'd) arrays: no second copy of the model. From its first
         # update on, self.model serves only as the architecture (model_with).
         start_model = self.model_with(self.sft()) if warm_start else self.model
-        self.learner = Learner(start_model, self.learner_config(), mesh=self.mesh, own_params=True)
+        self.learner = Learner(start_model, cfg.rl, temperature=cfg.rollout.temperature,
+                               constant_tokens=cfg.constant_tokens, mesh=self.mesh, own_params=True)
         if latest is not None:
             self.learner.state, raw = self.checkpoints.restore(latest, self.learner.state)
             self.state = RunState.from_json(raw, f"{self.checkpoints.directory} step {latest}")

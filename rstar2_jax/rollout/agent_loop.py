@@ -61,7 +61,7 @@ async def _run_tool(sandbox, call: ToolCall, timeout: float, retries: int = 0) -
     if not call.ok:
         return ToolRecord(None, "", "parse_error", call.error, 0.0)
     start = time.monotonic()
-    for attempt in range(retries + 1):
+    for attempt in range(retries + 1):  # noqa: B007 - read after the loop: the retries that ran
         try:
             with span("tool"):  # wall time for the step breakdown (rstar2_jax.timeline)
                 result = await sandbox.run(call.code, call.stdin, timeout)
@@ -129,7 +129,8 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed,
                     comp.version_start, comp.version_end)
         traj.turns.append(turn)
 
-        calls = parse_tool_calls(turn.text, fmt.tool_call_start, fmt.tool_call_end, fmt.tool_name) if comp.finish_reason != "length" else []
+        calls = (parse_tool_calls(turn.text, fmt.tool_call_start, fmt.tool_call_end, fmt.tool_name)
+                 if comp.finish_reason != "length" else [])
         if comp.finish_reason == "stop" and not calls:
             calls = [ToolCall(turn.text, error=f"Tool call error: {fmt.tool_call_end} without {fmt.tool_call_start}")]
         if not calls:

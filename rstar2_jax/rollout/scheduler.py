@@ -39,8 +39,7 @@ from typing import Hashable, Sequence
 from rstar2_jax.rollout.engines.accounting import merge_work
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
-from rstar2_jax.rollout.scheduler_policies import (POLICIES, EngineLoad, pick_kv_aware, pick_least_requests,  # noqa: F401
-                                                   pick_round_robin, pick_with_affinity, reservation)
+from rstar2_jax.rollout.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
 from rstar2_jax.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

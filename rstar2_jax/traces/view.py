@@ -40,7 +40,8 @@ def render_trajectory(row: Any, html: bool = True) -> str:
            f"<div><i>problem</i>: {esc(str(row['problem']))}</div>",
            f"<div><i>gold</i>: {esc(str(row['gold']))} &nbsp; <i>extracted</i>: {esc(str(row['extracted_answer']))}</div>"]
     for i, turn in enumerate(turns):
-        out.append(f"<div style='margin-top:6px'><b>turn {i}</b> ({turn['num_tokens']} tokens, {esc(turn['finish_reason'])})</div>")
+        out.append(f"<div style='margin-top:6px'><b>turn {i}</b> "
+                   f"({turn['num_tokens']} tokens, {esc(turn['finish_reason'])})</div>")
         out.append(f"<pre style='{pre};background:#f6f8fa'>{esc(turn['text'])}</pre>")
         for tool in turn["tools"]:
             color = _STATUS_COLOR.get(tool["status"], "#57606a")

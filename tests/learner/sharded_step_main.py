@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from rstar2_jax import sharding
-from rstar2_jax.learner import Learner, LearnerConfig, UpdateConfig
+from rstar2_jax.learner import Learner, LearnerSettings
 from tests.learner.test_learner import _batch
 from tests.models.conftest import random_model, small_config
 
@@ -20,7 +20,7 @@ def flat(learner):
 def main():
     assert jax.device_count() == 8
     cfg = small_config("qwen3", num_heads=8, num_kv_heads=4, vocab_size=256)
-    lcfg = LearnerConfig(lr=1e-3, warmup_steps=1, update=UpdateConfig(micro_batches=2))
+    lcfg = LearnerSettings(lr=1e-3, warmup_steps=1, micro_batches=2)
     ref = Learner(random_model(cfg, seed=9), lcfg)
     ref_metrics = ref.update(_batch(seed=1, rows=8, vocab=256))
     for axes in MESHES:

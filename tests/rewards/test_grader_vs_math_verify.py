@@ -24,7 +24,8 @@ PAIRS = [
     ("text", "\\text{odd}", "\\text{even}", False), ("text", "x = 4 \\text{ or } x = -4", "\\pm 4", True),
     # matrices
     ("matrices", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", True),
-    ("matrices", "\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}", "\\begin{bmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{bmatrix}", True),
+    ("matrices", "\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}",
+     "\\begin{bmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{bmatrix}", True),
     ("matrices", "\\begin{pmatrix}-2\\\\-14\\\\-7\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\\\ -7 \\end{pmatrix}", True),
     ("matrices", "\\begin{bmatrix} 0 & 1 \\\\ 1 & 0 \\end{bmatrix}", "\\begin{pmatrix} 0 & 1 \\\\ 1 & 0 \\end{pmatrix}", True),
     ("matrices", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 5 \\end{pmatrix}", False),

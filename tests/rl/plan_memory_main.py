@@ -96,7 +96,7 @@ def learner_lines():
     then Learner(own_params=True), which adds the optimizer state."""
     import jax.numpy as jnp
 
-    from rstar2_jax.learner import Learner, LearnerConfig
+    from rstar2_jax.learner import Learner, LearnerSettings
 
     cfg, arch = tiny_run()
     plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
@@ -105,7 +105,7 @@ def learner_lines():
     model = Decoder(arch, dtype=jnp.float32, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     model = nnx.merge(graphdef, jax.device_put(params, sharding.param_shardings(params, mesh)))
-    learner = Learner(model, LearnerConfig(), mesh=mesh, own_params=True)
+    learner = Learner(model, LearnerSettings(), mesh=mesh, own_params=True)
     del model, params
     now = per_device_bytes()
     print(json.dumps(dict(what="learner", mesh=mesh_sizes(cfg, 8), extra=[now[d] - baseline[d] for d in sorted(now)],
@@ -146,7 +146,7 @@ def export_lines():
     export = weight_export.model_plan(model, "bfloat16", 1 << 30)
     arrays = weight_export.param_arrays(model)
     for on_device in (True, False):  # the accelerator path (the device lays out) and the CPU one (casts only)
-        weight_export.lays_out_on_device = lambda: on_device
+        weight_export.lays_out_on_device = lambda on_device=on_device: on_device
         slots = weight_export.ExportSlots(tempfile.mkdtemp())
         slot = slots.begin(export)
         with most_held_during_export(per_device_bytes()) as extra:

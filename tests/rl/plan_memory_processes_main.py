@@ -28,7 +28,7 @@ def main():
     from flax import nnx
 
     from rstar2_jax import sharding
-    from rstar2_jax.learner import Learner, LearnerConfig
+    from rstar2_jax.learner import Learner, LearnerSettings
     from rstar2_jax.models.decoder import Decoder
     from rstar2_jax.rl.memory_plan import memory_plan, mesh_sizes
     from rstar2_jax.rollout.engines import weight_export
@@ -42,7 +42,7 @@ def main():
     graphdef, params = nnx.split(Decoder(arch, dtype=jnp.float32, rngs=nnx.Rngs(0)), nnx.Param)
     model = nnx.merge(graphdef, jax.device_put(params, sharding.param_shardings(params, mesh)))
     del params
-    learner = Learner(model, LearnerConfig(), mesh=mesh, own_params=True)
+    learner = Learner(model, LearnerSettings(), mesh=mesh, own_params=True)
     held = per_device_bytes()
     state = [held[d] - baseline[d] for d in sorted(held)]
 

@@ -13,7 +13,8 @@ import pytest
 from rstar2_jax.algo import ADVANTAGES
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.checkpoints import RunCheckpoints
-from rstar2_jax.rl.trainer import ConfigValueError, RLRun, next_problems, run, validate
+from rstar2_jax.rl.data_stream import next_problems
+from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run, validate
 from rstar2_jax.traces import read_traces
 from tests.rl.test_training import rl_lines, small_config
 

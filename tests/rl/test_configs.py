@@ -24,7 +24,8 @@ def test_paper_recipe_matches_the_paper(tmp_path):
     assert (c.rl.batch_problems, c.rl.group_size * c.rl.oversample, c.rl.group_size) == (512, 32, 16)
     assert c.rl.lr == 1e-6 and c.rollout.temperature == 1.0 and c.rl.steps == 510
     assert [(s.start_step, s.max_response_tokens, s.max_turns, s.filter_solved_k, s.reset_optimizer)
-            for s in validate(c, processes_count=1).stages] == [(0, 8192, 10, 0, False), (300, 12288, 10, 0, False), (385, 12288, 15, 8, True)]
+            for s in validate(c, processes_count=1).stages] == [(0, 8192, 10, 0, False), (300, 12288, 10, 0, False),
+                                                                (385, 12288, 15, 8, True)]
     assert c.mesh.fsdp * c.mesh.tensor * c.mesh.data == 64 and c.distributed
 
 

@@ -99,7 +99,7 @@ def test_two_async_processes_fill_steps_alike_without_a_producer_collective_and_
                  "--config.rl.max_staleness=1", "--config.rl.correction.names=('token_tis',)"]
     for steps in (2, 3):  # 2 steps, then the same run extended: resumed from its step-2 checkpoint
         args = train_args("experiments/tiny_arith.py", tmp_path, steps) + overrides
-        for status, out, err in launch(args, tmp_path / f"s{steps}", n=2):
+        for status, _out, err in launch(args, tmp_path / f"s{steps}", n=2):
             assert status == 0, err[-3000:]
     assert "resumed from" in open(tmp_path / "s3.p0.out").read()
     lines = _rl_lines(tmp_path)

@@ -154,8 +154,7 @@ def test_the_state_lines_are_what_xla_takes_as_the_update_s_arguments(micro_batc
     from flax import nnx
 
     from experiments import tiny_arith
-    from rstar2_jax.learner import Learner, LearnerConfig
-    from rstar2_jax.learner.train_step import UpdateConfig
+    from rstar2_jax.learner import Learner, LearnerSettings
     from rstar2_jax.models.decoder import Decoder
     from rstar2_jax.rl.memory_plan import architecture
 
@@ -170,7 +169,7 @@ def test_the_state_lines_are_what_xla_takes_as_the_update_s_arguments(micro_batc
     arch = architecture(cfg)
     plan = memory_plan(arch, cfg, devices=1, devices_per_process=1, capacity=None)
     learner = Learner(Decoder(arch, dtype=jnp.float32, rngs=nnx.Rngs(0)),
-                      LearnerConfig(update=UpdateConfig(micro_batches=micro_batches)))
+                      LearnerSettings(micro_batches=micro_batches))
     batch = {"tokens": np.zeros((rows, seq), np.int32), "loss_mask": np.ones((rows, seq), np.float32),
              "advantages": np.ones((rows,), np.float32), "old_logprobs": np.zeros((rows, seq), np.float32)}
     compiled = learner._train.lower(learner.state, {k: jnp.asarray(v) for k, v in batch.items()}).compile()

@@ -30,7 +30,8 @@ def small_config(**rl):
     c.rl.oversample = 2
     c.rollout.slots = 8
     c.rollout.max_len = 256
-    c.stages = [dict(start_step=0, max_response_tokens=120, max_turns=2, filter_solved_k=0, filter_mode="offline", reset_optimizer=False)]
+    c.stages = [dict(start_step=0, max_response_tokens=120, max_turns=2, filter_solved_k=0, filter_mode="offline",
+                     reset_optimizer=False)]
     c.checkpoint.every = 1
     for k, v in rl.items():
         setattr(c.rl, k, v)
@@ -280,12 +281,14 @@ def test_validate_directly():
 
 @pytest.mark.parametrize("field, value, message", [
     ("rl.advantage", "grpoo", "rl.advantage: unknown advantage 'grpoo'; did you mean 'grpo'? registered: grpo, mean_only"),
-    ("rl.loss.name", "clip_hi", "rl.loss.name: unknown policy loss 'clip_hi'; did you mean 'clip_higher'? registered: cispo, clip_higher, gspo, reinforce"),
+    ("rl.loss.name", "clip_hi",
+     "rl.loss.name: unknown policy loss 'clip_hi'; did you mean 'clip_higher'? registered: cispo, clip_higher, gspo, reinforce"),
     ("rl.roc.mode", "best", "rl.roc.mode: unknown RoC mode 'best'; registered: off, paper, release"),
     ("format", "qwen", "format: unknown prompt format 'qwen'; registered: compact, rstar2, tiny"),
     ("data.task", "chess", "data.task: unknown task 'chess'; registered: arith, jsonl"),
     ("rollout.engine", "sglang", "rollout.engine: unknown engine 'sglang'; registered: jax, vllm"),
-    ("rollout.scheduler", "fastest", "rollout.scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin"),
+    ("rollout.scheduler", "fastest",
+     "rollout.scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin"),
     ("sandbox.isolation", "none", "sandbox.isolation: must be one of 'strict', 'basic'; got 'none'"),
     ("sandbox.backend", "k8s", "sandbox.backend: unknown sandbox backend 'k8s'; registered: http, local, redis"),
 ])
@@ -302,7 +305,8 @@ def test_names_are_checked_against_their_registries_before_anything_runs(tmp_pat
 def test_all_config_errors_are_reported_at_once_and_stages_are_checked():
     cfg = small_config()
     cfg.rl.advantage = "x"
-    cfg.stages = [dict(start_step=0, max_response_tokens=120, max_turns=0, filter_solved_k=9, filter_mode="online", reset_optimizer=False),
+    cfg.stages = [dict(start_step=0, max_response_tokens=120, max_turns=0, filter_solved_k=9, filter_mode="online",
+                       reset_optimizer=False),
                   dict(start_step=5, max_tokens=100)]
     with pytest.raises(ConfigValueError) as e:
         validate(cfg)
@@ -329,7 +333,7 @@ def test_dead_rollout_fields_are_gone():
 
 def test_training_problems_are_shuffled_per_epoch_and_the_stream_resumes_exactly():
     from rstar2_jax.data.arith import Problem
-    from rstar2_jax.rl.trainer import next_problems
+    from rstar2_jax.rl.data_stream import next_problems
 
     problems = [Problem(str(i), f"q{i}", "1", "1") for i in range(10)]
     ids = [p.id for p in next_problems(problems, 0, 30, seed=3, skip=set())[0]]
@@ -347,7 +351,7 @@ def test_training_problems_are_shuffled_per_epoch_and_the_stream_resumes_exactly
 
 def test_stage_filter_skips_solved_problems():
     from rstar2_jax.data.arith import Problem
-    from rstar2_jax.rl.trainer import next_problems
+    from rstar2_jax.rl.data_stream import next_problems
 
     problems = [Problem(str(i), f"q{i}", "1", "1") for i in range(5)]
     batch, pos = next_problems(problems, 0, 6, seed=0, skip={"4", "0"})
@@ -357,7 +361,7 @@ def test_stage_filter_skips_solved_problems():
 
 
 def test_step_breakdown_measures_tool_wait_against_engine_work():
-    from rstar2_jax.rl.trainer import step_breakdown
+    from rstar2_jax.rl.step_metrics import step_breakdown
     from rstar2_jax.rollout.engines import EngineStats
     from rstar2_jax.timeline import Timeline
 

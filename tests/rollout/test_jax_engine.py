@@ -220,7 +220,7 @@ def _turns(eng, tokenizer, sessions, turns=3, max_tokens=8):
 def test_kv_reuse_prefills_only_the_new_tokens_and_gives_the_same_turns(tiny_model, tokenizer):
     results, stats = {}, {}
     for reuse in (False, True):
-        async def go():
+        async def go(reuse=reuse):
             async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=256, reuse_kv=reuse) as eng:
                 out = await _turns(eng, tokenizer, range(3))
                 return out, eng.stats

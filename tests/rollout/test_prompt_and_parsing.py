@@ -84,7 +84,8 @@ def test_no_calls():
 @pytest.mark.parametrize("result,text", [
     (ExecResult("ok", "5\n"), "5\n"),
     (ExecResult("ok", ""), "(no output)"),
-    (ExecResult("error", "partial\n", "Traceback...\nZeroDivisionError: x\n", 1), "partial\n\nTraceback...\nZeroDivisionError: x"),
+    (ExecResult("error", "partial\n", "Traceback...\nZeroDivisionError: x\n", 1),
+     "partial\n\nTraceback...\nZeroDivisionError: x"),
     (ExecResult("timeout", "", "TimeoutError: ...", -9), "Timeout: the code did not finish in time."),
 ])
 def test_tool_output_text(result, text):

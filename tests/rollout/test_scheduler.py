@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
 from rstar2_jax.rollout.sampling import SamplingParams
-from rstar2_jax.rollout.scheduler import (POLICIES, EngineLoad, Scheduler, pick_kv_aware, pick_least_requests,
-                                          pick_round_robin, pick_with_affinity, reservation)
+from rstar2_jax.rollout.scheduler import Scheduler
+from rstar2_jax.rollout.scheduler_policies import (POLICIES, EngineLoad, pick_kv_aware, pick_least_requests,
+                                                   pick_round_robin, pick_with_affinity, reservation)
 
 loads_strategy = st.lists(st.builds(EngineLoad, capacity_tokens=st.integers(1, 10_000),
                                     reserved_tokens=st.integers(0, 10_000), used_tokens=st.integers(0, 10_000),
@@ -190,7 +191,7 @@ def test_without_affinity_kv_aware_moves_a_trajectory_off_its_prefix():
         engines = [FakeKVEngine(capacity=5000, duration=0.0) for _ in range(2)]
         scheduler = Scheduler(engines, "kv_aware", refresh_s=0.0, affinity=affinity)
 
-        async def main():
+        async def main(scheduler=scheduler):
             length, last = 50, None
             for _ in range(4):
                 if last is not None:

@@ -1,7 +1,7 @@
 """VLLMEngine against real vLLM CPU servers (.venv-vllm, installed by `make test`) serving the
 tiny model: parity with the JAX model, weight sync after a learner update, prefix-cache hits
-counted in /metrics, the tied-embedding trap, a multi-turn rollout with real sandbox calls, a server killed mid-batch, the scheduler
-over a vLLM server and a JaxEngine, a short training run, and the evaluate CLI on a server.
+counted in /metrics, the tied-embedding trap, a multi-turn rollout with real sandbox calls, a server
+killed mid-batch, the scheduler over a vLLM server and a JaxEngine, a short training run, and the evaluate CLI on a server.
 
 Each server takes about a minute to start on two cores; the session shares one where it can.
 """
@@ -23,7 +23,7 @@ from flax import nnx
 import sandbox
 from rstar2_jax import models
 from rstar2_jax.data import arith
-from rstar2_jax.learner import Learner, LearnerConfig, make_batch
+from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.learner.sft import SFTTrainer
 from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
@@ -97,7 +97,7 @@ def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 256, 48).tolist() for _ in range(4)]
     batch = make_batch(rows, [[0] * 8 + [1] * 40] * 4, [[-5.0] * 48] * 4, [1.0, -1.0, 0.5, -0.5], pad_multiple=16)
-    learner = Learner(tiny_model, LearnerConfig(lr=1e-2, warmup_steps=0))
+    learner = Learner(tiny_model, LearnerSettings(lr=1e-2, warmup_steps=0))
     engine = VLLMEngine(vllm_server.url, tiny_model)
     engine.update_weights(learner.model_state(), learner.version)
     before = np.asarray(engine.prompt_logprobs(ids))

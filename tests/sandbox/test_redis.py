@@ -426,7 +426,7 @@ def test_no_entry_on_the_stream_can_take_down_a_worker(redis_server):
             time.sleep(0.1)
         dead = {d["entry"]: d for d in map(json.loads, raw.lrange(Keys().dead, 0, -1))}
         assert sorted(dead) == sorted(bad)
-        for (fields, words), entry in zip(MALFORMED, bad):
+        for (_fields, words), entry in zip(MALFORMED, bad):
             assert words.split()[0] in dead[entry]["reason"], (words, dead[entry]["reason"])
         assert "not UTF-8" in dead[bad[-1]]["reason"]
         assert raw.xlen(Keys().jobs) == 0  # acknowledged and deleted, nothing left to redeliver

@@ -119,6 +119,7 @@ class Engine(abc.ABC):
     def take_part_in_sync(self, params: Any) -> None:
         """While another process pushes `params` (split over processes) to shared servers: the
         same collectives. Engines whose weights are their own take no part."""
+        return None
 
     def synced_dirs(self) -> dict[str, str]:
         """Where each server (by URL) reloaded its current weights from, for the other processes."""

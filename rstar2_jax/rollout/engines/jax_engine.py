@@ -3,9 +3,10 @@
 Each slot holds one request; by default its KV cache row is the slot's row of one static
 [slots, max_len] cache (paged KV below). A new request is prefilled alone (prompt length
 rounded up to a power of two, so a few shapes compile) and written into a free row; then every
-decode step advances all busy slots by one token in one jitted call. A slot that finishes (EOS, stop string, max_tokens, context full)
-is refilled before the next step. Idle slots decode at position `max_len`, where the cache write
-is dropped, so they cost compute but never corrupt anything.
+decode step advances all busy slots by one token in one jitted call. A slot that finishes (EOS,
+stop string, max_tokens, context full) is refilled before the next step. Idle slots decode at
+position `max_len`, where the cache write is dropped, so they cost compute but never corrupt
+anything.
 
 A step's attention reads what the model's decode implementation reads: the whole cache with
 "xla", only each row's live slots with `model.set_attention(decode="pallas")` (the fast path on

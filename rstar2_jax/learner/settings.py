@@ -1,0 +1,35 @@
+"""LearnerSettings: every setting the learner reads, defined once.
+
+They are `rl.*` settings: the run's RLConfig (rl/config.py) extends this section, so `rl.lr`,
+`rl.loss`, `rl.micro_batches`... have one definition and one default, here, and the trainer hands
+`cfg.rl` to the Learner as it is. Tests and benchmarks build a LearnerSettings directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rstar2_jax.algo import KLConfig, PolicyLossConfig
+from rstar2_jax.algo.corrections import CorrectionConfig
+from rstar2_jax.config_types import Section, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSettings(Section):
+    """The optimizer, the update's shape, and the loss with its corrections and KL term."""
+    lr: float = setting(2e-4, "peak learning rate (AdamW; warm-up then constant)", min=0.0)
+    warmup_steps: int = setting(2, "linear warm-up steps", min=0)
+    weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
+    grad_clip: float = setting(1.0, "global-norm gradient clip (0: off)", min=0.0)
+    micro_batches: int = setting(1, "micro-batches per optimizer step (gradients accumulated; memory)", min=1)
+    mini_batches: int = setting(1, "optimizer steps per epoch of an update: the kept rollouts split in this many "
+                                "row slices (1: the paper; verl's ppo_mini_batch_size)", min=1)
+    epochs: int = setting(1, "passes over the kept rollouts per update (1: the paper; verl's ppo_epochs)", min=1)
+    # update() also returns per-token entropies from its old-log-prob pass, for the forking /
+    # reflection analysis; one more reduction over the logits: +15-22% on that pass on CPU
+    # (BENCHMARKS.md, "Entropy in the old-log-prob pass").
+    token_entropy: bool = setting(True, "per-token entropies of kept rollouts into the traces (learner pass)")
+    correction: CorrectionConfig = setting(CorrectionConfig, "off-policy corrections sampler -> learner (none: the "
+                                           "paper)")
+    loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
+    kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
