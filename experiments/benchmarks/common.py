@@ -96,7 +96,9 @@ def record(path: str | None, title: str, command: str, config: str, table: str, 
     heading = f"## {title}\n"
     if heading in text:
         start = text.index(heading)
-        nxt = text.find("\n## ", start + len(heading))
+        # the section ends at the next section or subsystem heading (## or #)
+        ends = [i for i in (text.find("\n## ", start + len(heading)), text.find("\n# ", start + len(heading))) if i >= 0]
+        nxt = min(ends) if ends else -1
         text = text[:start] + block + (text[nxt:] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block

@@ -3,7 +3,7 @@
 Adding a loss: a module here that defines its settings Section and registers its function with
 `register_loss` (base.py says what it receives and returns), and its import below. Its settings
 appear as `rl.loss.<name>.*`; the update, the metrics and `--helpconfig` need nothing else
-(docs/DESIGN.md, "Adding an algorithm").
+(docs/DESIGN.md, "Adding a part").
 """
 
 from __future__ import annotations

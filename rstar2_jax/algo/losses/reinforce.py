@@ -3,7 +3,7 @@
 GPG (Chu et al. 2025, arXiv 2504.02546, eq. 5); verl `compute_policy_loss_gpg`. With one update
 per batch its gradient is the clip-higher loss's (every ratio is 1); with several optimizer
 steps per batch nothing holds the policy near the one that sampled. Also the worked example of
-docs/DESIGN.md, "Adding an algorithm".
+docs/DESIGN.md, "Adding a part".
 """
 
 from __future__ import annotations

@@ -1,0 +1,65 @@
+"""docs/DESIGN.md's layout is the tree: its "## Layout" block lists every package and module of
+rstar2_jax/ and sandbox/ at its place (two spaces of indent a level), and nothing that is not
+there. The layout lives on that page alone (README points to it)."""
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKED = ("rstar2_jax", "sandbox")  # the packages whose every module the layout names
+
+
+def layout_entries(text: str) -> set[str]:
+    """The paths the layout block names: 'pkg/' for a package, 'pkg/mod.py' for a module."""
+    section = text[text.index("## Layout\n"):]
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert block, "docs/DESIGN.md's Layout section has no ``` block"
+    entries, parents = set(), []
+    for line in block.group(1).splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        assert indent % 2 == 0, f"odd indent in the layout: {line!r}"
+        name = line.split()[0]
+        depth = indent // 2
+        assert depth <= len(parents), f"a level skipped in the layout: {line!r}"
+        parents = parents[:depth]
+        path = "".join(parents) + name
+        entries.add(path)
+        if name.endswith("/"):
+            parents.append(name)
+    return entries
+
+
+def tree_entries() -> set[str]:
+    out = set()
+    for top in CHECKED:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            rel = os.path.relpath(dirpath, ROOT).replace(os.sep, "/") + "/"
+            out.add(rel)
+            out.update(rel + f for f in filenames if f.endswith(".py") and not f.startswith("__"))
+    return out
+
+
+def test_the_layout_block_reads_as_a_tree():
+    entries = layout_entries("## Layout\n```\na/\n  b.py   x\n  c/\n    d.py  y\ne/\n```\n")
+    assert entries == {"a/", "a/b.py", "a/c/", "a/c/d.py", "e/"}
+    with pytest.raises(AssertionError, match="a level skipped"):
+        layout_entries("## Layout\n```\na/\n    b.py\n```\n")
+
+
+def test_design_md_lists_every_package_and_module_and_nothing_else():
+    listed = layout_entries(open(os.path.join(ROOT, "docs", "DESIGN.md")).read())
+    listed = {e for e in listed if e.split("/")[0] in CHECKED}
+    tree = tree_entries()
+    assert not tree - listed, f"in the tree, missing from docs/DESIGN.md's layout: {sorted(tree - listed)}"
+    assert not listed - tree, f"in docs/DESIGN.md's layout, not in the tree: {sorted(listed - tree)}"
+
+
+def test_readme_has_no_layout_of_its_own():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "## Layout" not in readme
+    assert len(readme.splitlines()) <= 300, "README.md grew past 300 lines: move detail to docs/"
