@@ -23,7 +23,7 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	@touch $@
 
 # The vLLM rollout server's own environment (it pins its own torch). CPU build here; on GPU
-# hosts install plain `vllm` instead (README). torchvision & co. from PyPI break its imports.
+# hosts install plain `vllm` instead (docs/ENGINES.md). torchvision & co. from PyPI break its imports.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed: requirements-vllm.txt
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

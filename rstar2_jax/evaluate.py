@@ -97,10 +97,10 @@ def rollout_config(max_tokens: int):
 def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg):
     """A function max_len -> async context manager of the engine for one benchmark (the embedded
     engine's KV is sized to the benchmark's longest prompt + its token budget)."""
-    from rstar2_jax.rollout.engines import make_engine
+    from rstar2_jax.rollout.engines import engine_kind, make_engine
     from rstar2_jax.rollout.engines.kv_pages import pages_for
 
-    model = load_policy(model_dir, checkpoint) if cfg.engine == "jax" else None  # vllm: the servers' weights
+    model = load_policy(model_dir, checkpoint) if engine_kind(cfg).embedded else None  # served: the servers' weights
 
     def engine_for(max_len: int):
         if cfg.page_size:  # whole pages

@@ -63,3 +63,19 @@ def test_import_rule(subject, kind, targets):
         reached = loads(subject, graph)
         broken = sorted(m for m in reached for t in targets if within(m, t))
     assert not broken, f"docs/DESIGN.md: `{subject} {kind}: {', '.join(targets) or 'nothing'}` is broken by {broken}"
+
+
+def test_no_module_outside_the_engines_compares_an_engine_s_name():
+    """Code asks an engine's kind (rollout/engines/factory.EngineKind) what it needs to know; a
+    comparison with a registered name outside rollout/engines/ is a branch a new engine misses."""
+    from rstar2_jax.rollout.engines import ENGINES
+    names = "|".join(map(re.escape, ENGINES))
+    compare = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("rstar2_jax.rollout.engines") or not module.startswith("rstar2_jax"):
+            continue
+        for i, line in enumerate(open(path), 1):
+            if compare.search(line.split("#", 1)[0]):
+                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -24,7 +24,7 @@ def layout_entries(text: str) -> set[str]:
         assert indent % 2 == 0, f"odd indent in the layout: {line!r}"
         name = line.split()[0]
         depth = indent // 2
-        assert depth <= len(parents), f"a level skipped in the layout: {line!r}"
+        assert depth <= len(parents), f"a level skipped in the layout (one line an entry): {line!r}"
         parents = parents[:depth]
         path = "".join(parents) + name
         entries.add(path)

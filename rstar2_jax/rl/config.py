@@ -33,7 +33,7 @@ from rstar2_jax.rl.carry import StalenessConfig
 from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
 from rstar2_jax.trackers import LoggingConfig
 from rstar2_jax.rl.grpo_roc import RoCConfig
-from rstar2_jax.rollout.engines.factory import RolloutConfig
+from rstar2_jax.rollout.engines.factory import RolloutConfig, engine_kind
 from rstar2_jax.rollout.prompt import FORMATS
 from rstar2_jax.rollout.sandboxes import SandboxConfig
 from rstar2_jax.sharding import MeshConfig
@@ -186,7 +186,7 @@ class RunConfig(Section):
     @property
     def sampler_differs_from_learner(self) -> bool:
         """The engine samples with other numerics than the float32 learner: bf16 weights, or vLLM."""
-        return self.rollout.engine != "jax" or self.model.dtype != "float32"
+        return not engine_kind(self.rollout).samples_like_learner(self.rollout, self.model.dtype)
 
     @property
     def constant_tokens(self) -> int:

@@ -46,16 +46,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import jax.numpy as jnp
 import numpy as np
 
-from rstar2_jax import sharding
 from rstar2_jax.models.config import ModelConfig
+from rstar2_jax.models.shard_sizes import shard_bytes, shard_shape, split_dim
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rl.config import RunConfig
-from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
+from rstar2_jax.rollout.engines.factory import EnginePlanInputs, engine_kind
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05
@@ -148,40 +147,6 @@ def mesh_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
     return axes
 
 
-def shard_bytes(arch: ModelConfig, mesh: dict[str, int], dtype_bytes: int) -> float:
-    """Bytes of one device's shard of every parameter, split by the logical-axis rules."""
-    return float(sum(_shard_sizes(arch, mesh)) * dtype_bytes)
-
-
-def _shard_sizes(arch: ModelConfig, mesh: dict[str, int]) -> list[int]:
-    """Elements of one device's shard of each parameter, split by the logical-axis rules."""
-    from flax import nnx
-
-    from rstar2_jax.models.checkpoint import abstract_model
-
-    sizes = []
-    for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)):
-        shape = var.get_value().shape
-        sizes.append(int(np.prod(_shard_shape(getattr(var, "axes", None) or (None,) * len(shape), shape, mesh))))
-    return sizes
-
-
-def _shard_shape(axes, shape, mesh: dict[str, int]) -> tuple[int, ...]:
-    """One device's part of a tensor with logical `axes`, by the same rules that place it
-    (`sharding.logical_to_spec`: a dimension a mesh axis does not divide stays whole)."""
-    spec = sharding.logical_to_spec(axes, shape, types.SimpleNamespace(shape=mesh))  # reads only .shape
-    out = []
-    for dim, part in zip(shape, spec):
-        parts = (part,) if isinstance(part, str) else (part or ())
-        out.append(dim // int(np.prod([mesh[a] for a in parts])) if parts else dim)
-    return tuple(out)
-
-
-def _split(size: int, axis: str, mesh: dict[str, int]) -> int:
-    """A dimension of logical `axis` on one device."""
-    return _shard_shape((axis,), (size,), mesh)[0]
-
-
 def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> tuple[float, str]:
     """One micro-batch's activations on one device during the update, and how they were counted."""
     rl = cfg.rl
@@ -192,10 +157,10 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
     tokens = rows * seq
     b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
     h, hd = arch.hidden_size, arch.head_dim
-    q = _split(arch.num_heads, "q_heads", mesh) * hd
-    kv = _split(arch.num_kv_heads, "kv_heads", mesh) * hd
-    mlp = _split(arch.intermediate_size, "mlp", mesh)
-    vocab = _split(arch.vocab_size, "vocab", mesh)
+    q = split_dim(arch.num_heads, "q_heads", mesh) * hd
+    kv = split_dim(arch.num_kv_heads, "kv_heads", mesh) * hd
+    mlp = split_dim(arch.intermediate_size, "mlp", mesh)
+    vocab = split_dim(arch.vocab_size, "vocab", mesh)
     # per-token widths of what a layer keeps for its backward pass
     kept = {"none": 4 * h + q + 2 * kv + q + 4 * mlp,   # norms, residuals, q/k/v, attention out, gate/up/act/product
             "dots": 2 * h + q + 2 * kv + 2 * mlp,       # matmul outputs
@@ -203,7 +168,7 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
     working = 2 * (3 * h + q + 2 * kv + q + 3 * mlp)    # one layer recomputed: values and cotangents
     scores = 0.0
     if cfg.model.attention == "xla":                     # [heads, S, S] float32 per row
-        per_layer_scores = rows * _split(arch.num_heads, "q_heads", mesh) * seq * seq * 4
+        per_layer_scores = rows * split_dim(arch.num_heads, "q_heads", mesh) * seq * seq * 4
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
@@ -226,21 +191,10 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
         lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
     lines.append(Line("activations", *activation_bytes(arch, cfg, mesh)))
 
-    compute = DTYPES[cfg.model.dtype]
-    b = jnp.dtype(compute).itemsize
-    engine_devices = 1
-    if cfg.rollout.engine != "jax":
-        lines += [Line("engine weights", 0.0, "rollouts run on vLLM servers"), Line("KV pool", 0.0, "on the servers"),
-                  Line("weight sync", *_sync_window(arch, cfg, mesh, devices // devices_per_process))]
-    else:
-        engine_devices = 1 if cfg.model.decode_attention == "pallas" else devices_per_process
-        engine_mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
-        shares = (compute == jnp.float32 and devices == 1 and cfg.rl.max_staleness == 0)
-        lines.append(Line("engine weights", 0.0 if shares else shard_bytes(arch, engine_mesh, b),
-                          "shares the learner's (float32, one device, on-policy)" if shares else
-                          f"{jnp.dtype(compute).name}, split over {engine_devices} device(s)" +
-                          (" (the Pallas decode kernel runs on one)" if cfg.model.decode_attention == "pallas" else "")))
-        lines.append(Line("KV pool", *_kv_pool(arch, cfg, engine_devices, b)))
+    engine_lines, engine_devices = engine_kind(cfg.rollout).plan(EnginePlanInputs(
+        arch, cfg.rollout, cfg.model.dtype, cfg.model.decode_attention, devices=devices,
+        devices_per_process=devices_per_process, learner_mesh=mesh, on_policy=cfg.rl.max_staleness == 0))
+    lines += [Line(x.name, x.bytes, x.how) for x in engine_lines]
     if capacity is not None:
         lines.append(Line("allowance", ALLOWANCE_FRACTION * capacity,
                           f"{ALLOWANCE_FRACTION:.0%} of the device: XLA workspace, programs, fragmentation"))
@@ -250,39 +204,11 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
 def _gradient_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], params: float) -> tuple[float, str]:
     """Gradients at the update's peak (module docstring): the LM head's, plus the accumulator
     with several micro-batches."""
-    head = _shard_shape(("embed", "vocab"), (arch.hidden_size, arch.vocab_size), mesh)
+    head = shard_shape(("embed", "vocab"), (arch.hidden_size, arch.vocab_size), mesh)
     first = float(np.prod(head) * 4)
     if cfg.rl.micro_batches > 1:
         return params + first, "float32: the accumulator + the LM head's of the micro-batch under way"
     return first, "float32: the LM head's, formed first (the rest as the backward frees activations)"
-
-
-def _kv_pool(arch: ModelConfig, cfg: RunConfig, engine_devices: int, b: int) -> tuple[float, str]:
-    from rstar2_jax.rollout.engines.factory import kv_pool_pages
-
-    r = cfg.rollout
-    position = kv_bytes_per_position(arch.num_layers, arch.num_kv_heads, arch.head_dim, b)
-    if r.page_size:
-        pages = kv_pool_pages(r, arch, b) or r.slots * r.max_len // r.page_size
-        positions, what = pages * r.page_size, f"{pages} pages of {r.page_size}"
-    else:
-        positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
-    split = arch.num_kv_heads // _split(arch.num_kv_heads, "kv_heads", {"data": 1, "fsdp": 1, "tensor": engine_devices})
-    return positions * position / split, f"{what} positions x {position / 2**10:.3g} KiB, split {split} way(s)"
-
-
-def _sync_window(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], processes: int) -> tuple[float, str]:
-    """What the vLLM weight sync holds on one device beyond the learner's state."""
-    r = cfg.rollout
-    if r.vllm_sync == "nccl":
-        return float(_param_count(arch) * 4), "NCCL: a whole float32 copy on each process's first device"
-    dtype = jnp.dtype(DTYPES[r.vllm_export_dtype] if r.vllm_export_dtype else jnp.float32)
-    # over several processes each tensor is gathered whole onto every device (weight_export.host_tensors)
-    whole = processes > 1
-    sizes = sorted(_shard_sizes(arch, {"data": 1, "fsdp": 1, "tensor": 1} if whole else mesh))
-    how = f"whole (gathered over {processes} processes)" if whole else \
-        f"split like the parameters (its {r.vllm_sync_bucket_mb:g} MiB buckets are host memory)"
-    return float(sum(sizes[-2:]) * dtype.itemsize), f"the export's two largest tensors in {dtype.name}, {how}"
 
 
 def _param_count(arch: ModelConfig) -> int:

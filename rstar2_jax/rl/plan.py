@@ -11,6 +11,7 @@ from rstar2_jax import sharding
 from rstar2_jax.config_types import leaves
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.run_dir import RunDirectory, refused_changes
+from rstar2_jax.rollout.engines.factory import engine_kind
 
 
 def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -> str:
@@ -34,9 +35,7 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
             extra += ", optimizer reset"
         lines.append(f"stage {i}: steps {stage.start_step}-{end}: {stage.max_response_tokens} tokens, "
                      f"{stage.max_turns} turns{extra}")
-    engine = (f"jax, {r.slots} slots x {r.max_len} KV positions" +
-              (f", paged ({r.page_size} per page)" if r.page_size else "") if r.engine == "jax"
-              else f"vllm, {len(r.vllm_urls)} server(s), scheduler {r.scheduler}")
+    engine = engine_kind(r).describe(r)
     sb = cfg.sandbox
     lines.append(f"engine: {engine}; sandbox: {sb.backend}" +
                  (f", {sb.workers} workers, {sb.isolation}" if sb.backend == "local" else f" at {sb.url}") +
@@ -52,15 +51,7 @@ class SyncPlanError(ValueError):
 def sync_refusal(cfg: RunConfig) -> str | None:
     """Why the run's vLLM weight sync cannot work on this host (None: it can, as far as the config
     and this host's devices say; pull without fetchers is a config error already)."""
-    r = cfg.rollout
-    if r.engine != "vllm" or r.vllm_sync != "nccl":
-        return None
-    platform = jax.devices()[0].platform
-    if platform != "gpu":
-        return (f"rollout.vllm_sync=nccl broadcasts the weights from the learner's GPUs, but this host's devices are "
-                f"{platform}: use rollout.vllm_sync=files (servers that read this host's /dev/shm or a shared "
-                "rollout.vllm_sync_dir) or rollout.vllm_sync=pull (a weight fetcher beside each server)")
-    return None
+    return engine_kind(cfg.rollout).host_refusal(cfg.rollout, jax.devices()[0].platform)
 
 
 def _run_directory_state(cfg: RunConfig, workdir: str, config_mismatch: str) -> str:

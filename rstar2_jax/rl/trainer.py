@@ -62,7 +62,7 @@ from rstar2_jax.rl.run_state import CarriedGroups, DataState, RunState
 from rstar2_jax.rl.step_metrics import MetricsLog, format_breakdown, format_results, step_metrics
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat, make_format
-from rstar2_jax.rollout.engines import Engine, engine_mesh, make_engine
+from rstar2_jax.rollout.engines import Engine, engine_kind, engine_mesh, make_engine
 from rstar2_jax.rollout import journal
 from rstar2_jax.rollout.engines.accounting import merge_work, owned_by
 from rstar2_jax.rollout.journal import StepJournal
@@ -289,26 +289,18 @@ class RLRun:
             bar.close()
 
     def engine_weights(self):
-        """The learner's parameters for this process's embedded engine: in the compute dtype (a
-        bf16 run samples with bf16 weights, as the learner computes with them) and split over
-        the engine's mesh (`engine_mesh`). The learner's update donates its buffers, so this is
-        a copy, except in the one case where sharing is safe and costs nothing: float32, one
-        process, one device, on-policy (the engine is idle during updates). vLLM servers get
-        the float32 master weights, cast on export (rollout.vllm_export_dtype): the learner's own
-        arrays, streamed tensor by tensor (no copy); for NCCL, still a whole local copy on each
-        process's first device."""
+        """The learner's parameters as this process's engine holds them (the engine's kind says
+        how: rollout/engines/factory.EngineWeights): the learner's own arrays where that is safe
+        (a served engine's sync streams them; float32 on one device, on-policy), else a copy in the
+        engine's dtype, split over its devices (`engine_mesh`). The learner's update donates its
+        buffers, so anything the engine keeps across an update is a copy."""
         params = self.learner.model_state()
-        if self.cfg.rollout.engine == "vllm" and self.cfg.rollout.vllm_sync != "nccl":
-            # streamed to the servers tensor by tensor from the learner's own arrays (weight_export.py;
-            # split over processes, each tensor is gathered by all), which the sync is done with
-            # before the next update donates them
+        how = engine_kind(self.cfg.rollout).weights(self.cfg.rollout, self.cfg.model.dtype)
+        if how.shares(learner_devices=jax.device_count(), on_policy=self.cfg.rl.max_staleness == 0):
             return params
-        dtype = DTYPES[self.cfg.model.dtype] if self.cfg.rollout.engine == "jax" else None
-        mesh = engine_mesh(self.cfg.model.decode_attention) if self.cfg.rollout.engine == "jax" else None
-        if dtype in (None, jnp.float32) and mesh is None and self.cfg.rl.max_staleness == 0 \
-                and jax.process_count() == 1 and self.mesh is None:
-            return params
-        return processes.local_copy(params, dtype, sharding.param_shardings(params, mesh) if mesh else None)
+        mesh = engine_mesh(self.cfg.model.decode_attention) if how.split else None
+        return processes.local_copy(params, DTYPES[how.dtype] if how.dtype else None,
+                                    sharding.param_shardings(params, mesh) if mesh else None)
 
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""

@@ -5,7 +5,7 @@
 
 Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm_urls=http://127.0.0.1:8100`
 (several URLs go through the KV-aware scheduler). The server runs in vLLM's own venv
-(--python, default .venv-vllm/bin/python; README "vLLM rollout server"). It stays in the
+(--python, default .venv-vllm/bin/python; docs/ENGINES.md "Rollout server (vLLM)"). It stays in the
 foreground until Ctrl-C; its weights are replaced by the trainer's at every sync.
 """
 

@@ -28,7 +28,7 @@ from rstar2_jax.rl import processes
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import architecture, memory_plan, mesh_sizes
 from rstar2_jax.rollout.engines import weight_export
-from rstar2_jax.rollout.engines.factory import engine_mesh, make_engine
+from rstar2_jax.rollout.engines import engine_mesh, make_engine
 
 
 def per_device_bytes() -> collections.Counter:

@@ -17,7 +17,7 @@ from rstar2_jax import models
 from rstar2_jax.models import tiny
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rollout.engines import JaxEngine, RolloutConfig, engine_mesh
-from rstar2_jax.rollout.engines.factory import kv_pool_pages
+from rstar2_jax.rollout.engines.jax_kind import kv_pool_pages
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 from rstar2_jax.rollout.sampling import SamplingParams
 

@@ -5,7 +5,7 @@ dtype it is given, with a KV pool sized by a memory budget."""
 import pytest
 
 from rstar2_jax.rollout.engines import RolloutConfig
-from rstar2_jax.rollout.engines.factory import kv_pool_pages
+from rstar2_jax.rollout.engines.jax_kind import kv_pool_pages
 from rstar2_jax.models.tiny import tiny_config
 from tests.fake_devices import run_on_8_fake_devices
 

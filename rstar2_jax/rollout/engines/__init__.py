@@ -2,10 +2,11 @@
 which load when first used (`make_engine` or `engines.JaxEngine`), never on import."""
 
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
-from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_mesh, make_engine
+from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_kind, make_engine
+from rstar2_jax.rollout.engines.jax_kind import engine_mesh
 
-__all__ = ["Completion", "ENGINES", "Engine", "EngineStats", "JaxEngine", "RolloutConfig", "ServerLoad", "engine_mesh",
-           "make_engine"]
+__all__ = ["Completion", "ENGINES", "Engine", "EngineStats", "JaxEngine", "RolloutConfig", "ServerLoad", "engine_kind",
+           "engine_mesh", "make_engine"]
 
 
 def __getattr__(name):

@@ -1,30 +1,76 @@
 """The rollout settings (`rollout.*`) and the one way to build an engine from them, shared by
 train, evaluate and chat.
 
-ENGINES maps `rollout.engine` to an `EngineKind`: how to build that engine from a RolloutConfig
-and how to check the settings only it reads. Engine modules are imported when built, so choosing
-one never loads the other (vLLM's client needs no JAX engine, and the reverse).
+ENGINES maps `rollout.engine` to an `EngineKind`: how to build that engine, how to check the
+settings only it reads, and the facts the rest of the code needs about it (whether it runs in
+the trainer's process, how it holds the learner's weights, what it adds to each device's memory,
+how --plan names it). Nothing outside `rollout/engines/` compares an engine's name: it asks the
+kind. Each kind is its own module (jax_kind.py, vllm_kind.py), registered by its import at the
+end of this file; the engines themselves are imported when built, so choosing one never loads
+the other (vLLM's client needs no JAX engine, and the reverse).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, Iterable
-from urllib.parse import urlsplit
 
 from rstar2_jax.config_types import Section, setting
+from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.registry import Registry
 from rstar2_jax.rollout.engines.base import Engine
-from rstar2_jax.rollout.engines.reach import default_sync_root, unreadable_by_servers
 from rstar2_jax.rollout.scheduler_policies import POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineWeights:
+    """How an engine holds the learner's weights: the trainer hands them over accordingly and the
+    memory plan counts them (one rule for both)."""
+    streams_learner_arrays: bool = False  # a served engine's sync reads the learner's own arrays (no copy)
+    dtype: str | None = None              # else a local copy in this dtype (None: the parameters' own)
+    split: bool = False                   # ... split over the process's devices (engine_mesh), when several
+
+    def shares(self, *, learner_devices: int, on_policy: bool) -> bool:
+        """Whether the engine may use the learner's own arrays: it streams them, or a copy would
+        equal them (float32 on the one device the learner and the engine both have) and nothing
+        reads them during an update (on-policy: the engine is idle then; the update donates its
+        buffers)."""
+        if self.streams_learner_arrays:
+            return True
+        return self.dtype in (None, "float32") and learner_devices == 1 and on_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlanInputs:
+    """What an engine's memory-plan lines are computed from (rl/memory_plan.py fills it)."""
+    arch: ModelConfig
+    rollout: RolloutConfig
+    compute_dtype: str                 # model.dtype
+    decode_attention: str              # model.decode_attention
+    devices: int                       # the learner's devices, every process's
+    devices_per_process: int
+    learner_mesh: dict[str, int]       # the learner's (data, fsdp, tensor) sizes
+    on_policy: bool                    # rl.max_staleness == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLine:
+    name: str
+    bytes: float
+    how: str
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineKind:
-    build: Callable[..., Engine]                               # (rollout_cfg, model, tokenizer, seed) -> Engine
-    check: Callable[["RolloutConfig"], Iterable[tuple[str, str]]]  # (field, message) of each problem
+    build: Callable[..., Engine]                                     # (rollout_cfg, model, tokenizer, seed) -> Engine
+    check: Callable[[RolloutConfig], Iterable[tuple[str, str]]]      # (field, message) of each problem
+    embedded: bool                                                   # in the trainer's process (it needs the model)
+    samples_like_learner: Callable[[RolloutConfig, str], bool]       # (rollout, compute dtype): the float32 learner's numerics
+    weights: Callable[[RolloutConfig, str], EngineWeights]           # (rollout, compute dtype)
+    plan: Callable[[EnginePlanInputs], tuple[list[PlanLine], int]]   # its memory lines, and the devices it runs on
+    describe: Callable[[RolloutConfig], str]                         # its one line in train --plan
+    host_refusal: Callable[[RolloutConfig, str], str | None]         # (rollout, device platform): why it cannot run here
 
 
 ENGINES: Registry[EngineKind] = Registry("engine")
@@ -78,101 +124,9 @@ def make_engine(cfg: RolloutConfig, model, tokenizer, *, seed: int) -> Engine:
     return ENGINES[cfg.engine].build(cfg, model, tokenizer, seed)
 
 
-def engine_mesh(decode_attention: str, devices=None):
-    """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
-    split over them, as vLLM's tensor parallelism). None (one device) when there is one, or with
-    the Pallas decode kernel, which runs on a single device."""
-    import jax
-    devices = jax.local_devices() if devices is None else list(devices)
-    if len(devices) == 1 or decode_attention == "pallas":
-        return None
-    from rstar2_jax.sharding import make_mesh
-    return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
+def engine_kind(cfg: RolloutConfig) -> EngineKind:
+    return ENGINES[cfg.engine]
 
 
-def kv_pool_pages(cfg: RolloutConfig, model_cfg, dtype_bytes: int) -> int | None:
-    """Pages of the embedded engine's paged KV pool: kv_pages, or what kv_memory_gb holds (None:
-    unpaged, or slots x max_len's worth)."""
-    from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position, pages_in_budget
-    if cfg.kv_pages or not cfg.kv_memory_gb:
-        return cfg.kv_pages or None
-    position = kv_bytes_per_position(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype_bytes)
-    pages = pages_in_budget(cfg.kv_memory_gb * 2**30, cfg.page_size, position)
-    if pages * cfg.page_size < cfg.max_len:
-        raise ValueError(f"rollout.kv_memory_gb={cfg.kv_memory_gb} holds {pages} page(s) of {cfg.page_size} positions "
-                         f"({position} bytes each), fewer than one rollout.max_len={cfg.max_len} sequence")
-    return pages
-
-
-# ----------------------------------------------------------------------------------------------
-def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
-    import jax.numpy as jnp
-
-    from rstar2_jax.rollout.engines.jax_engine import JaxEngine
-    return JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, seed=seed, reuse_kv=cfg.reuse_kv,
-                     page_size=cfg.page_size or None,
-                     kv_pages=kv_pool_pages(cfg, model.cfg, jnp.dtype(model.dtype).itemsize),
-                     mesh=engine_mesh(model.decode_attention))
-
-
-def _check_jax(cfg: RolloutConfig):
-    if cfg.page_size and cfg.max_len % cfg.page_size:
-        yield "page_size", f"{cfg.page_size} must divide rollout.max_len={cfg.max_len}"
-    if cfg.kv_pages and not cfg.page_size:
-        yield "kv_pages", "needs rollout.page_size > 0 (kv_pages sizes the paged KV pool)"
-    if cfg.kv_memory_gb and not cfg.page_size:
-        yield "kv_memory_gb", "needs rollout.page_size > 0 (it sizes the paged KV pool)"
-    if cfg.kv_memory_gb and cfg.kv_pages:
-        yield "kv_memory_gb", "and rollout.kv_pages both size the pool: set one (the other 0)"
-    if cfg.kv_pages and cfg.page_size and cfg.kv_pages * cfg.page_size < cfg.max_len:
-        yield "kv_pages", (f"{cfg.kv_pages} x page_size={cfg.page_size} cannot hold one max_len={cfg.max_len} "
-                           "sequence")
-
-
-def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
-    del tokenizer, seed  # the servers tokenize and seed per request
-    from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-    from rstar2_jax.rollout.scheduler import Scheduler
-    export_dtype = DTYPES[cfg.vllm_export_dtype] if cfg.vllm_export_dtype else None
-    fetchers = cfg.vllm_fetch_urls or (None,) * len(cfg.vllm_urls)
-    engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm_probe_tolerance,
-                          sync_dir=cfg.vllm_sync_dir or None, sync=cfg.vllm_sync, fetch_url=fetch, sync_host=cfg.vllm_sync_host,
-                          bucket_bytes=max(1, int(cfg.vllm_sync_bucket_mb * 2**20)))
-               for url, fetch in zip(cfg.vllm_urls, fetchers)]
-    return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.scheduler)
-
-
-def _check_vllm(cfg: RolloutConfig):
-    if not cfg.vllm_urls:
-        yield "vllm_urls", ("rollout.engine=vllm needs the server URLs (start one with "
-                            "`python -m rstar2_jax.rollout.serve --model DIR`)")
-    for i, url in enumerate(cfg.vllm_urls):
-        if not url.startswith(("http://", "https://")):
-            yield f"vllm_urls[{i}]", f"must be an http(s) URL, got {url!r}"
-    if cfg.page_size or cfg.kv_pages or cfg.kv_memory_gb:
-        yield "page_size", ("pages the embedded engine's KV (rollout.engine=jax); vLLM servers page their own "
-                            "(--block-size)")
-    if cfg.reuse_kv:
-        yield "reuse_kv", "is the embedded engine's; vLLM servers reuse KV by their prefix cache"
-    if cfg.vllm_sync == "pull" and len(cfg.vllm_fetch_urls) != len(cfg.vllm_urls):
-        yield "vllm_fetch_urls", (f"sync=pull needs one weight fetcher URL per server ({len(cfg.vllm_urls)}), got "
-                                  f"{len(cfg.vllm_fetch_urls)}")
-    if cfg.vllm_sync != "pull" and cfg.vllm_fetch_urls:
-        yield "vllm_fetch_urls", "are only read with rollout.vllm_sync=pull"
-    for i, url in enumerate(cfg.vllm_fetch_urls):
-        if not url.startswith(("http://", "https://")):
-            yield f"vllm_fetch_urls[{i}]", f"must be an http(s) URL, got {url!r}"
-    if cfg.vllm_sync_dir and not (os.path.isdir(cfg.vllm_sync_dir) and os.access(cfg.vllm_sync_dir, os.W_OK)):
-        yield "vllm_sync_dir", f"{cfg.vllm_sync_dir!r} is not a writable directory (the servers read synced weights there)"
-    elif cfg.vllm_sync == "files":
-        why = unreadable_by_servers([urlsplit(u).hostname or "" for u in cfg.vllm_urls],
-                                    cfg.vllm_sync_dir or default_sync_root())
-        if why:
-            yield "vllm_sync", (f"files: {why}. Set rollout.vllm_sync=pull (a weight fetcher beside each server: "
-                                "python -m rstar2_jax.rollout.serve --fetch_port PORT, its URL in "
-                                "rollout.vllm_fetch_urls), or rollout.vllm_sync_dir to a path on a filesystem the "
-                                "servers' hosts mount too")
-
-
-ENGINES.register("jax", EngineKind(_build_jax, _check_jax))
-ENGINES.register("vllm", EngineKind(_build_vllm, _check_vllm))
+# Each kind registers itself (one import a kind).
+from rstar2_jax.rollout.engines import jax_kind, vllm_kind  # noqa: E402, F401

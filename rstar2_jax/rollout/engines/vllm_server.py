@@ -102,7 +102,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         if not os.path.exists(self.python):
             raise ServerStartError(f"no vLLM interpreter at {self.python}: create the venv (`make .venv-vllm/.installed`, "
-                                   "README 'vLLM rollout server') or pass python=")
+                                   "docs/ENGINES.md 'Rollout server (vLLM)') or pass python=")
         argv, env = server_command(self.model_dir, self.opts, self.python)
         log = open(self.log_path, "ab") if self.log_path else None  # None: the server prints to our stdout
         # its own process group, so stop() also ends the engine-core child process

@@ -1,0 +1,106 @@
+"""The embedded engine's kind (`rollout.engine=jax`): JaxEngine in the trainer's process, on its
+devices, with a local copy of the learner's weights in the compute dtype."""
+
+from __future__ import annotations
+
+from rstar2_jax.models.resolve import DTYPES
+from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
+from rstar2_jax.rollout.engines.base import Engine
+from rstar2_jax.rollout.engines.factory import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
+                                                RolloutConfig)
+from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
+
+
+def engine_mesh(decode_attention: str, devices=None):
+    """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
+    split over them, as vLLM's tensor parallelism). None (one device) when there is one, or with
+    the Pallas decode kernel, which runs on a single device."""
+    import jax
+    devices = jax.local_devices() if devices is None else list(devices)
+    if len(devices) == 1 or decode_attention == "pallas":
+        return None
+    from rstar2_jax.sharding import make_mesh
+    return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
+
+
+def kv_pool_pages(cfg: RolloutConfig, model_cfg, dtype_bytes: int) -> int | None:
+    """Pages of the embedded engine's paged KV pool: kv_pages, or what kv_memory_gb holds (None:
+    unpaged, or slots x max_len's worth)."""
+    from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position, pages_in_budget
+    if cfg.kv_pages or not cfg.kv_memory_gb:
+        return cfg.kv_pages or None
+    position = kv_bytes_per_position(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype_bytes)
+    pages = pages_in_budget(cfg.kv_memory_gb * 2**30, cfg.page_size, position)
+    if pages * cfg.page_size < cfg.max_len:
+        raise ValueError(f"rollout.kv_memory_gb={cfg.kv_memory_gb} holds {pages} page(s) of {cfg.page_size} positions "
+                         f"({position} bytes each), fewer than one rollout.max_len={cfg.max_len} sequence")
+    return pages
+
+
+def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+    import jax.numpy as jnp
+
+    from rstar2_jax.rollout.engines.jax_engine import JaxEngine
+    return JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, seed=seed, reuse_kv=cfg.reuse_kv,
+                     page_size=cfg.page_size or None,
+                     kv_pages=kv_pool_pages(cfg, model.cfg, jnp.dtype(model.dtype).itemsize),
+                     mesh=engine_mesh(model.decode_attention))
+
+
+def _check_jax(cfg: RolloutConfig):
+    if cfg.page_size and cfg.max_len % cfg.page_size:
+        yield "page_size", f"{cfg.page_size} must divide rollout.max_len={cfg.max_len}"
+    if cfg.kv_pages and not cfg.page_size:
+        yield "kv_pages", "needs rollout.page_size > 0 (kv_pages sizes the paged KV pool)"
+    if cfg.kv_memory_gb and not cfg.page_size:
+        yield "kv_memory_gb", "needs rollout.page_size > 0 (it sizes the paged KV pool)"
+    if cfg.kv_memory_gb and cfg.kv_pages:
+        yield "kv_memory_gb", "and rollout.kv_pages both size the pool: set one (the other 0)"
+    if cfg.kv_pages and cfg.page_size and cfg.kv_pages * cfg.page_size < cfg.max_len:
+        yield "kv_pages", (f"{cfg.kv_pages} x page_size={cfg.page_size} cannot hold one max_len={cfg.max_len} "
+                           "sequence")
+
+
+def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
+    # the engine samples with the compute dtype's weights, as the learner computes with them
+    return EngineWeights(dtype=compute_dtype, split=True)
+
+
+def _engine_devices(decode_attention: str, devices_per_process: int) -> int:
+    return 1 if decode_attention == "pallas" else devices_per_process  # as engine_mesh
+
+
+def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
+    import jax.numpy as jnp
+
+    b = jnp.dtype(DTYPES[x.compute_dtype]).itemsize
+    engine_devices = _engine_devices(x.decode_attention, x.devices_per_process)
+    mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
+    shares = _weights(x.rollout, x.compute_dtype).shares(learner_devices=x.devices, on_policy=x.on_policy)
+    weights = PlanLine("engine weights", 0.0 if shares else shard_bytes(x.arch, mesh, b),
+                       "shares the learner's (float32, one device, on-policy)" if shares else
+                       f"{x.compute_dtype}, split over {engine_devices} device(s)" +
+                       (" (the Pallas decode kernel runs on one)" if x.decode_attention == "pallas" else ""))
+    return [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b))], engine_devices
+
+
+def _kv_pool(x: EnginePlanInputs, engine_devices: int, b: int) -> tuple[float, str]:
+    r, arch = x.rollout, x.arch
+    position = kv_bytes_per_position(arch.num_layers, arch.num_kv_heads, arch.head_dim, b)
+    if r.page_size:
+        pages = kv_pool_pages(r, arch, b) or r.slots * r.max_len // r.page_size
+        positions, what = pages * r.page_size, f"{pages} pages of {r.page_size}"
+    else:
+        positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
+    split = arch.num_kv_heads // split_dim(arch.num_kv_heads, "kv_heads", {"data": 1, "fsdp": 1, "tensor": engine_devices})
+    return positions * position / split, f"{what} positions x {position / 2**10:.3g} KiB, split {split} way(s)"
+
+
+def _describe(r: RolloutConfig) -> str:
+    return f"jax, {r.slots} slots x {r.max_len} KV positions" + (f", paged ({r.page_size} per page)" if r.page_size else "")
+
+
+ENGINES.register("jax", EngineKind(
+    build=_build_jax, check=_check_jax, embedded=True,
+    samples_like_learner=lambda r, compute_dtype: compute_dtype == "float32",
+    weights=_weights, plan=_plan, describe=_describe, host_refusal=lambda r, platform: None))
