@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from rstar2_jax.config_types import Section, setting
-from rstar2_jax.rl import processes
+from rstar2_jax import processes
 
 POLICIES = ("wait", "carry")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rstar2_jax.rl import processes
+from rstar2_jax import processes
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout.scoring import summarize
 from rstar2_jax.timeline import Timeline, exclusive_length, overlap_length

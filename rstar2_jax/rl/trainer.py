@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 from typing import Any, Sequence
@@ -49,7 +48,7 @@ from rstar2_jax.learner import Learner, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.tokenizer import Tokenizer
-from rstar2_jax.rl import processes
+from rstar2_jax import processes
 from rstar2_jax.rl.config import RunConfig, StageConfig
 from rstar2_jax.rl.dynamic_sampling import fill_summary, informative_groups, next_draw
 from rstar2_jax.rl.data_stream import DataStream, solved_ids
@@ -70,8 +69,6 @@ from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout, stable_seed, summarize
 from rstar2_jax.timeline import Timeline
 from rstar2_jax.traces import TraceWriter
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ConfigValueError", "RLRun", "RunConfig", "run", "validate"]
 
@@ -100,7 +97,6 @@ class RLRun:
         history). Extending rl.steps and the like never stops (run_dir.RESUMABLE_CHANGES)."""
         cfg = validate(cfg)
         self.cfg, self.workdir = cfg, os.path.abspath(workdir)
-        self.sync_failures = 0  # weight syncs to vLLM servers that failed part-way (then retried)
         self.run_dir = RunDirectory(self.workdir)
         self.fmt = make_format(cfg.format)
         if processes.is_primary():  # the others read what it wrote (one run directory)
@@ -240,7 +236,7 @@ class RLRun:
         try:
             async with make_sandbox(cfg.sandbox) as sb, \
                     self.make_engine(self.model_with(weights)) as engine:
-                await self.push_weights(engine, weights, self.learner.version)
+                await engine.sync(weights, self.learner.version)
                 self.sandbox = sb  # dynamic sampling's extra rollouts (consume)
                 yield engine, sb, self.state
         finally:
@@ -529,43 +525,12 @@ class RLRun:
             for i, k in enumerate(kept):
                 records[k.record]["entropy"] = batch.entropy[i, :len(k.trajectory.token_ids)].tolist()
         with timeline.span("sync"):
-            await self.push_weights(engine, self.engine_weights(), self.learner.version)
+            await engine.sync(self.engine_weights(), self.learner.version)
         if engine.weights_on_servers:
-            metrics["sync/failures"] = self.sync_failures  # the run's so far (each was retried at once)
+            metrics["sync/failures"] = engine.failed_syncs  # this session's so far (each was retried at once)
             if (paused := engine.sync_paused_s()) is not None:  # the process that pushed: how long the servers stood
                 metrics["sync/servers_paused_s"] = paused
         return metrics
-
-    async def push_weights(self, engine: Engine, params, version: int):
-        """The learner's weights to the engine. Weights on shared servers (vLLM) are pushed by
-        the primary process alone, on a worker thread (rollouts in flight go on meanwhile), while
-        the others take part in the export's gathers; the primary then tells them whether the
-        sync landed, and they take the version on only then, so no token is stamped with a
-        version its server does not have yet. A sync that failed is made once more; a second
-        failure stops the run. An embedded engine is updated in place."""
-        if not engine.weights_on_servers:
-            engine.update_weights(params, version)
-            return
-        for attempt in (1, 2):  # a sync that failed part-way left the servers on their weights: once more
-            if processes.is_primary():
-                await asyncio.to_thread(engine.update_weights, params, version)
-                outcome = (engine.version == version, engine.synced_dirs(), engine.sync_error())
-            else:  # the parameters may be split over processes: the export's gathers need every process
-                await asyncio.to_thread(engine.take_part_in_sync, params)
-                outcome = None
-            # what the primary's sync did, on every process (also the barrier: no token is stamped
-            # with a version its server does not have yet)
-            landed, synced, error = processes.gather_shares([outcome] if processes.is_primary() else [], 1)[0]
-            if landed:
-                break
-            self.sync_failures += 1
-            log.warning("weights v%d did not reach the servers (%s)%s", version, error,
-                        "; syncing again" if attempt == 1 else "")
-        else:
-            raise RuntimeError(f"weights v{version} could not reach the vLLM servers twice in a row: {error} (the "
-                               "servers answer with their previous weights; see the trainer's and servers' logs)")
-        if not processes.is_primary():
-            engine.adopt_weights(params, version, synced)
 
 
 def resumed_counts(journal: StepJournal) -> dict[str, int]:

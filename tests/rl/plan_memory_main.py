@@ -24,7 +24,7 @@ from experiments import tiny_arith
 from rstar2_jax import sharding
 from rstar2_jax.models import checkpoint
 from rstar2_jax.models.decoder import Decoder
-from rstar2_jax.rl import processes
+from rstar2_jax import processes
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import architecture, memory_plan, mesh_sizes
 from rstar2_jax.rollout.engines import weight_export

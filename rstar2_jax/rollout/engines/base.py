@@ -10,10 +10,20 @@ evaluation and the agent loop never probe an engine for optional members.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
+import logging
 from typing import Any, Hashable, Sequence
 
+from rstar2_jax import processes
 from rstar2_jax.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncFailed(RuntimeError):
+    """A version could not reach the shared servers twice in a row (they answer with their
+    previous weights)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +104,7 @@ class Engine(abc.ABC):
 
     version: int = 0                    # version of the weights it samples with
     stats: EngineStats | None = None    # device-time accounting, where the engine can measure it
+    failed_syncs: int = 0               # versions whose push to shared servers failed part-way (each made again)
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
@@ -106,9 +117,44 @@ class Engine(abc.ABC):
     # pushes them (update_weights), the others only adopt the new version (adopt_weights).
     weights_on_servers: bool = False
 
+    async def sync(self, params: Any, version: int) -> None:
+        """Sample with `params` as `version` from now on: what the trainer calls after every
+        update, on every trainer process. An engine whose weights are its own updates in place.
+        Weights on shared servers (vLLM) are pushed by the primary process alone, on a worker
+        thread (rollouts in flight go on meanwhile), while the others take part in the export's
+        gathers; the primary then tells them whether the sync landed, and they take the version
+        on only then, so no token is stamped with a version its server does not have yet. A
+        sync that failed part-way (the servers were rolled back to their previous weights) is
+        made once more, counted in `failed_syncs`; a second failure raises WeightSyncFailed."""
+        if not self.weights_on_servers:
+            self.update_weights(params, version)
+            return
+        primary = processes.is_primary()
+        for attempt in (1, 2):
+            if primary:
+                await asyncio.to_thread(self.update_weights, params, version)
+                outcome = (self.version == version, self.synced_dirs(), self.sync_error())
+            else:  # the parameters may be split over processes: the export's gathers need every process
+                await asyncio.to_thread(self.take_part_in_sync, params)
+                outcome = None
+            # what the primary's sync did, on every process (also the barrier)
+            landed, synced, error = processes.gather_shares([outcome] if primary else [], 1)[0]
+            if landed:
+                break
+            self.failed_syncs += 1
+            log.warning("weights v%d did not reach the servers (%s)%s", version, error,
+                        "; syncing again" if attempt == 1 else "")
+        else:
+            raise WeightSyncFailed(f"weights v{version} could not reach the vLLM servers twice in a row: {error} "
+                                   "(the servers answer with their previous weights; see the trainer's and servers' "
+                                   "logs)")
+        if not primary:
+            self.adopt_weights(params, version, synced)
+
     @abc.abstractmethod
     def update_weights(self, params: Any, version: int | None = None) -> None:
-        """Sample with `params` (an nnx.State of the model's Params) from now on."""
+        """Sample with `params` (an nnx.State of the model's Params) from now on (this process
+        alone: the trainer calls `sync`)."""
 
     def adopt_weights(self, params: Any, version: int, synced: dict[str, str] | None = None) -> None:
         """Another process pushed `params` as `version` to the servers this engine shares: take
