@@ -106,7 +106,8 @@ def write_summary(workdir: str, order: list[str], curves: dict[str, str] | None 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax.rl.trainer import run, validate
+    from rstar2_jax.rl.config import validate
+    from rstar2_jax.rl.trainer import run
 
     if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/roc_ablation.py")

@@ -42,7 +42,8 @@ def main(argv):
     from rstar2_jax.rl.plan import SyncPlanError, describe_fields, describe_plan, sync_refusal
     from rstar2_jax.rl.run_dir import RunDirectory
     from rstar2_jax.rl.step_metrics import format_results
-    from rstar2_jax.rl.trainer import run, validate
+    from rstar2_jax.rl.config import validate
+    from rstar2_jax.rl.trainer import run
 
     cfg = _CONFIG.value
     if cfg is None:

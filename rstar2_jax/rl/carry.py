@@ -22,10 +22,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import time
 from typing import Any
 
-from rstar2_jax.config_types import Section, setting
 from rstar2_jax import processes
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.rl.run_state import CarriedGroups
+from rstar2_jax.rollout.engines.accounting import merge_work
 
 POLICIES = ("wait", "carry")
 
@@ -97,3 +100,48 @@ def gather_groups(running: RunningGroups, groups: list[int], n_roll: int) -> lis
     wanted = {b * n_roll + j for b in groups for j in range(n_roll)}
     everyone = processes.gather_shares(_local(running.tasks, n, lambda t: t.result(), only=wanted), n)
     return [everyone[b * n_roll + j] for b in groups for j in range(n_roll)]
+
+
+async def cut(out, carried_in: RunningGroups | None, engine, *, n_roll: int, staleness: StalenessConfig,
+              last: bool) -> RunningGroups | None:
+    """In the consumer (collectives): the step of `out` (launched: out.running) is cut once
+    staleness.wanted of its groups are in (all of them at the run's last step), and the groups
+    carried into it are waited for whole. Fills `out` with what the step trains, every process's
+    results gathered, and the engine's work on them; returns the groups carried out of it."""
+    running = out.running
+    # the cut first: what the step trains of its own is decided when enough of it is in, not
+    # after waiting on the groups carried into it (by then all of it would be)
+    done = await wait_for_groups(running, n_roll, want=len(running.groups) if last else
+                                 staleness.wanted(len(running.groups)))
+    problems, scored, work = [], [], None
+    if carried_in is not None:
+        await wait_for_groups(carried_in, n_roll, want=len(carried_in.groups))
+        problems += [carried_in.problems[b] for b in carried_in.groups]
+        scored += gather_groups(carried_in, carried_in.groups, n_roll)
+        work = engine.take_owned(("rollout", carried_in.step))
+    problems += [running.problems[b] for b in done]
+    scored += gather_groups(running, done, n_roll)
+    left = [b for b in running.groups if b not in done]
+    work = merge_work([work, engine.take_owned(("rollout", running.step))])
+    if work is not None:
+        out.timeline.extend("engine", work.busy)
+    out.problems, out.scored, out.work = problems, scored, work
+    out.rollout_s = time.monotonic() - out.started
+    out.counts.update(running.journal.resumed_counts(), **{"staleness/carried_in": len(carried_in.groups)
+                                                           if carried_in else 0, "staleness/carried_out": len(left)})
+    return dataclasses.replace(running, groups=left) if left else None
+
+
+def relaunch(carried: CarriedGroups | None, producer, problems) -> RunningGroups | None:
+    """After a restart: the groups a checkpoint says were carried, started again through the
+    rollout producer (their journals resume them where they were) for the next step to train."""
+    if carried is None:
+        return None
+    by_id = {p.id: p for p in problems}
+    return producer.launch(carried.step, [by_id[i] for i in carried.problem_ids], carried.groups).running
+
+
+def carried_state(carried: RunningGroups | None) -> CarriedGroups | None:
+    """What a checkpoint records of the groups carried into the next step."""
+    return None if carried is None else CarriedGroups(carried.step, tuple(p.id for p in carried.problems),
+                                                      tuple(carried.groups))

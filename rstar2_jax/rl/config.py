@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import ml_collections
 import numpy as np
@@ -215,3 +215,23 @@ class RunConfig(Section):
 def base_config() -> ml_collections.ConfigDict:
     """Every field of a run at its default: what experiment files start from and overlay."""
     return RunConfig.defaults()
+
+
+def validate(cfg: ml_collections.ConfigDict | RunConfig, processes_count: int | None = None) -> RunConfig:
+    """The run's typed config, every field checked (against `processes_count` trainer processes,
+    default: this job's) before anything runs; ConfigValueError lists every problem."""
+    if isinstance(cfg, RunConfig):
+        cfg = cfg.to_dict()
+    if processes_count is None:
+        import jax  # the job's processes (1 unless jax.distributed is initialized)
+        processes_count = jax.process_count()
+    return RunConfig.from_config(cfg, processes_count)
+
+
+def check_prompt_room(fmt, tokenizer, problems, stages: Sequence[StageConfig], max_len: int):
+    """The longest prompt of `problems` plus every stage's response budget must fit max_len."""
+    longest = max(len(tokenizer.encode(fmt.prompt(p.question))) for p in problems)
+    for i, stage in enumerate(stages):
+        if longest + stage.max_response_tokens > max_len:
+            raise ConfigValueError([f"the longest prompt ({longest} tokens) + stages[{i}].max_response_tokens "
+                                    f"({stage.max_response_tokens}) exceeds rollout.max_len ({max_len})"])

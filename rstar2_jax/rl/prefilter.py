@@ -68,3 +68,22 @@ def _drop_cut_line(path: str):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
+
+
+async def prefilter_stage(producer, problems, cfg, stage_i: int, step: int, path: str) -> set[str]:
+    """The pre-pass before stage `stage_i`: its filter_solved_k rollouts of every problem, through
+    the rollout producer (every process's share, gathered), chunk by chunk, resumable from
+    `path`; the ids solved k/k."""
+    from rstar2_jax import processes
+    from rstar2_jax.rollout.scoring import stable_seed
+
+    agent = producer.agent(step)
+
+    async def solve(chunk, k):
+        seeds = [stable_seed(cfg.seed, "prefilter", stage_i, p.id, j) for p in chunk for j in range(k)]
+        rewards = [s.reward for s in await producer.rollouts(chunk, k, agent, seeds)]
+        return [sum(r > 0 for r in rewards[i * k:(i + 1) * k]) for i in range(len(chunk))]
+
+    return await prefilter_solved(problems, cfg.stages[stage_i].filter_solved_k, path, solve,
+                                  chunk=cfg.rl.batch_problems, desc=f"stage {stage_i} pre-filter",
+                                  write=processes.is_primary())

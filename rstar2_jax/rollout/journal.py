@@ -142,6 +142,10 @@ class StepJournal:
         return RolloutJournal(os.path.join(self.dir, f"r{index:06d}.jsonl"), (question, seed, repr(agent)),
                               self.max_version, self.counts)
 
+    def resumed_counts(self) -> dict[str, int]:
+        """The step's rollouts this process took back from the journal: the step's metrics."""
+        return {"inflight/resumed_finished": self.counts["finished"], "inflight/resumed_partial": self.counts["partial"]}
+
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step{step:06d}")

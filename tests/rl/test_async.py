@@ -14,7 +14,9 @@ from rstar2_jax.algo import ADVANTAGES
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.rl.data_stream import next_problems
-from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run, validate
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.rl.config import validate
+from rstar2_jax.rl.trainer import RLRun, run
 from rstar2_jax.traces import read_traces
 from tests.rl.test_training import rl_lines, small_config
 
@@ -60,11 +62,11 @@ def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loo
     sequential = RLRun(cfg, str(tmp_path / "sequential"))
 
     async def loop():
-        async with sequential.session() as (engine, sb, _):
+        async with sequential.session():
             start = params_of(sequential)
             for step in range(cfg.rl.steps):
-                out = await sequential.produce(engine, sb, step)
-                await sequential.consume(engine, step, out)
+                out = await sequential.roll_out(step, *await sequential.draw(step))
+                await sequential.consume(step, out)
             return start
 
     start = asyncio.run(loop())

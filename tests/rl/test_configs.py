@@ -3,7 +3,8 @@
 import pytest
 
 from experiments import qwen3_0p6b_math, roc_ablation, rstar2_agent_14b, tiny_arith
-from rstar2_jax.rl.trainer import ConfigValueError, validate
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.rl.config import validate
 
 
 def test_tiny_arith_validates():

@@ -90,7 +90,7 @@ def test_two_async_processes_fill_steps_alike_without_a_producer_collective_and_
 
     from experiments import tiny_arith
     from rstar2_jax.data.tasks import make_task
-    from rstar2_jax.rl.trainer import validate
+    from rstar2_jax.rl.config import validate
     from rstar2_jax.traces import read_traces
     from tests.rl.launch import launch
     from tests.rl.test_multiprocess import train_args

@@ -5,7 +5,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from rstar2_jax.rl.trainer import ConfigValueError, RLRun, validate
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.rl.config import validate
+from rstar2_jax.rl.trainer import RLRun
 from rstar2_jax.traces import read_traces
 from tests.rl.test_async import moving_advantage, moving_config, params_of  # noqa: F401 - a fixture
 from tests.rl.test_training import COMPARED, rl_lines, small_config

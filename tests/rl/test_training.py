@@ -11,7 +11,9 @@ import pytest
 
 from experiments import tiny_arith
 from rstar2_jax.rl.run_dir import ConfigMismatchError, RunDirectory
-from rstar2_jax.rl.trainer import ConfigValueError, RLRun, run, validate
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.rl.config import validate
+from rstar2_jax.rl.trainer import RLRun, run
 from rstar2_jax.traces import read_traces, render_trajectory, with_trajectory_columns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
