@@ -9,17 +9,18 @@
         ...
 """
 
+from sandbox.client import SandboxClient, SandboxSession
 from sandbox.local import ISOLATION_MODES, LocalSandbox, Session, SessionLimitError
 from sandbox.pool import SandboxStartError
 from sandbox.result import STATUSES, ExecResult, Limits
 
 __all__ = ["ExecResult", "HTTPSandbox", "ISOLATION_MODES", "Limits", "LocalSandbox", "RedisSandbox", "STATUSES",
-           "SandboxStartError", "Session", "SessionLimitError"]
+           "SandboxClient", "SandboxSession", "SandboxStartError", "Session", "SessionLimitError"]
 
 
 def __getattr__(name):  # the remote clients' libraries (redis, aiohttp) load only for those who use them
     if name == "RedisSandbox":
-        from sandbox.distributed import RedisSandbox
+        from sandbox.redis_client import RedisSandbox
         return RedisSandbox
     if name == "HTTPSandbox":
         from sandbox.http_client import HTTPSandbox

@@ -33,7 +33,7 @@ def _limits(args) -> Limits:
 
 
 async def _serve(args):
-    from sandbox.distributed import RedisSandbox
+    from sandbox.redis_client import RedisSandbox
     from sandbox.http_api import SandboxHTTPServer
     from sandbox.local import LocalSandbox
 
@@ -63,7 +63,7 @@ async def _serve(args):
 
 
 async def _worker(args):
-    from sandbox.distributed import RedisWorker
+    from sandbox.redis_worker import RedisWorker
 
     worker = RedisWorker(args.redis, concurrency=args.concurrency, visibility_timeout_s=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, isolation=args.isolation, limits=_limits(args),

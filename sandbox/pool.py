@@ -18,12 +18,11 @@ import json
 import logging
 import os
 import re
-import struct
 import subprocess
 import sys
 from typing import Sequence
 
-from sandbox import confine
+from sandbox import confine, wire
 from sandbox.cgroups import CgroupTree
 from sandbox.result import ExecResult, Limits
 
@@ -51,16 +50,10 @@ class _ZygoteDied(Exception):
     pass
 
 
-async def _read_msg(reader: asyncio.StreamReader):
-    header = await reader.readexactly(4)
-    (n,) = struct.unpack(">I", header)
-    return json.loads(await reader.readexactly(n))
-
-
 async def _read_result(reader: asyncio.StreamReader) -> dict:
     """A worker's result: its header, then the stdout and stderr bytes it announces (decoded here,
     in the service: the worker never holds them), with the worker's notes after stderr."""
-    msg = await _read_msg(reader)
+    msg = await wire.read_msg_async(reader)
     stdout = (await reader.readexactly(msg.get("stdout", 0))).decode("utf-8", "replace")
     stderr = (await reader.readexactly(msg.get("stderr", 0))).decode("utf-8", "replace")
     for note in msg.pop("notes", ()):
@@ -69,21 +62,16 @@ async def _read_result(reader: asyncio.StreamReader) -> dict:
     return msg
 
 
-def _encode(obj) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
-
-
 def _encode_job(header: dict, code: str | None = None, stdin: str | None = None) -> bytes:
     """A job header and its body, which the worker moves without reading: the code's UTF-8 bytes,
     then stdin's ("body": the total, "stdin": the second part's length). surrogatepass: a lone
     surrogate (valid JSON from a client, invalid UTF-8) must not fail the call."""
     if code is None:
-        return _encode({**header, "body": 0, "stdin": 0})
+        return wire.encode({**header, "body": 0, "stdin": 0})
     code_bytes = code.encode("utf-8", "surrogatepass")
     stdin_bytes = (stdin or "").encode("utf-8", "surrogatepass")
     sizes = {"body": len(code_bytes) + len(stdin_bytes), "stdin": len(stdin_bytes)}
-    return _encode({**header, **sizes}) + code_bytes + stdin_bytes
+    return wire.encode({**header, **sizes}) + code_bytes + stdin_bytes
 
 
 HEAVY_MODULES = ("numpy", "sympy")
@@ -219,7 +207,7 @@ class ZygotePool:
             os.close(fd)
         try:
             status_reader = await self._reader(loop, status_r)
-            status = await asyncio.wait_for(_read_msg(status_reader), self.startup_timeout_s)
+            status = await asyncio.wait_for(wire.read_msg_async(status_reader), self.startup_timeout_s)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError):
             self.proc.kill()
             err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
@@ -328,7 +316,7 @@ class ZygotePool:
         """The caller of `job_id` gave up: stop the call, wait for its (discarded) result, free the slot."""
         reader, writer = slot.channels[slot.busy_kind]
         try:
-            writer.write(_encode({"cancel": job_id}))
+            writer.write(wire.encode({"cancel": job_id}))
             while (await _read_result(reader)).get("id") != job_id:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError):

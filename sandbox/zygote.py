@@ -76,6 +76,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves out the script's dir
 import cgroups  # noqa: E402 - siblings, imported as top-level modules (no package inside the zygote)
 import confine  # noqa: E402
+import wire  # noqa: E402
 
 sys.path.pop(0)
 from confine import (  # noqa: E402
@@ -160,39 +161,9 @@ class Zygote:
 
 
 # ------------------------------------------------------------------------------------------------
-# wire format
+# wire format: wire.py (shared with the service)
 
-def read_msg(fd):
-    header = _read_exact(fd, 4)
-    if header is None:
-        return None
-    (n,) = struct.unpack(">I", header)
-    body = _read_exact(fd, n)
-    if body is None:
-        return None
-    return json.loads(body)
-
-
-def _read_exact(fd, n):
-    chunks = []
-    while n:
-        try:
-            chunk = os.read(fd, n)
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def write_msg(fd, obj):
-    body = json.dumps(obj).encode()
-    data = struct.pack(">I", len(body)) + body
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+read_msg, write_msg, _read_exact = wire.read_msg, wire.write_msg, wire.read_exact
 
 
 def splice_exact(src, dst, n, *, offset_src=None):

@@ -17,7 +17,9 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from sandbox.client import SandboxClient, SandboxSession
 
 from rstar2_jax.rollout.prompt import PromptFormat, tool_output_text
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -26,6 +28,9 @@ from rstar2_jax.rewards.penalties import INFRA_TOOL_STATUSES
 from rstar2_jax.rollout.journal import RolloutJournal
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 from rstar2_jax.timeline import span
+
+if TYPE_CHECKING:  # the engines import this module's neighbours; the type alone is needed here
+    from rstar2_jax.rollout.engines.base import Engine
 
 
 _SESSIONS = itertools.count()
@@ -54,7 +59,7 @@ class AgentConfig:
             raise ValueError(f"tool_state must be one of {TOOL_STATES}, got {self.tool_state!r}")
 
 
-async def _run_tool(sandbox, call: ToolCall, timeout: float, retries: int = 0) -> ToolRecord:
+async def _run_tool(sandbox: SandboxClient | SandboxSession, call: ToolCall, timeout: float, retries: int = 0) -> ToolRecord:
     """One call. A call the sandbox failed to serve (INFRA_TOOL_STATUSES: a worker died under it,
     the sandbox was unreachable, its client raised) is run again up to `retries` times (only
     where that is safe: a stateless call); what the model reads then is the last attempt's."""
@@ -73,7 +78,7 @@ async def _run_tool(sandbox, call: ToolCall, timeout: float, retries: int = 0) -
     return ToolRecord(call.code, call.stdin, status, output, time.monotonic() - start, retries=attempt)
 
 
-async def run_agent(engine, sandbox, tokenizer, problem: str, cfg: AgentConfig = AgentConfig(), *,
+async def run_agent(engine: Engine, sandbox: SandboxClient, tokenizer, problem: str, cfg: AgentConfig = AgentConfig(), *,
                     on_turn: Callable[[Turn], None] | None = None, seed: int | None = None,
                     journal: RolloutJournal | None = None) -> Trajectory:
     """seed: makes the trajectory reproducible (each turn samples from its own key) regardless of

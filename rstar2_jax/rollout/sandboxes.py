@@ -10,7 +10,7 @@ never from the config, which is written into the run directory).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import sandbox
 from rstar2_jax.config_types import Section, setting
@@ -20,7 +20,7 @@ from rstar2_jax.rollout.agent_loop import TOOL_STATES
 
 @dataclasses.dataclass(frozen=True)
 class SandboxBackend:
-    build: Callable[["SandboxConfig"], Any]                        # -> an async context manager with run()
+    build: Callable[["SandboxConfig"], sandbox.SandboxClient]      # an async context manager
     check: Callable[["SandboxConfig"], Iterable[tuple[str, str]]]  # (field, message) of each problem
 
 
@@ -44,7 +44,7 @@ class SandboxConfig(Section):
             yield from SANDBOXES[self.backend].check(self)
 
 
-def make_sandbox(cfg: SandboxConfig):
+def make_sandbox(cfg: SandboxConfig) -> sandbox.SandboxClient:
     """The sandbox client `cfg.backend` names (use it as `async with make_sandbox(cfg) as sb`)."""
     return SANDBOXES[cfg.backend].build(cfg)
 

@@ -114,3 +114,28 @@ def test_timeouts_at_the_boundaries_say_timeout_and_cost_no_worker(sb):
     assert set(statuses) <= {"timeout", "ok"} and statuses[:2] == ["timeout", "timeout"], statuses
     assert sb.run("print(2)", timeout=Limits().max_timeout_s).stdout == "2\n"
     assert workers() == before
+
+
+def test_every_client_and_its_session_are_the_typed_interfaces():
+    """LocalSandbox, RedisSandbox and HTTPSandbox are each a sandbox.SandboxClient and their
+    sessions each a SandboxSession (sandbox/client.py): the same methods, with the same
+    parameters, so code typed against the two never learns which backend it has."""
+    import inspect
+
+    from sandbox.client import SandboxClient, SandboxSession
+    from sandbox.http_client import HTTPSandbox, HTTPSession
+    from sandbox.local import LocalSandbox, Session
+    from sandbox.redis_client import RedisSandbox, RedisSession
+
+    def params(fn):
+        return [p.name for p in inspect.signature(fn).parameters.values()][:4]
+
+    for protocol, classes in ((SandboxClient, (LocalSandbox, RedisSandbox, HTTPSandbox)),
+                              (SandboxSession, (Session, RedisSession, HTTPSession))):
+        for cls in classes:
+            for name in ("run", "run_many", "session", "close", "__aenter__", "__aexit__"):
+                if not hasattr(protocol, name):
+                    continue
+                assert inspect.iscoroutinefunction(getattr(cls, name)), (cls, name)
+                if name == "run":
+                    assert params(getattr(cls, name)) == params(getattr(protocol, name)), cls

@@ -12,8 +12,9 @@ import time
 import pytest
 import redis
 
-from sandbox.distributed import Keys, RedisSandbox
-from sandbox.distributed import RedisWorker
+from sandbox.redis_client import RedisSandbox
+from sandbox.redis_protocol import Keys
+from sandbox.redis_worker import RedisWorker
 from sandbox import uids
 from sandbox.result import ExecResult
 from tests.sandbox.helpers import wait_no_processes
