@@ -51,9 +51,8 @@ async def _serve(args):
     except ValueError as e:
         await backend.close()
         raise SystemExit(f"sandbox serve: {e} (export SANDBOX_TOKEN)") from None
-    backend = "redis " + args.redis if args.redis else f"{args.workers} local workers"
-    print(f"sandbox serving on http://{args.host}:{port} ({backend})",
-          flush=True)
+    behind = "redis " + args.redis if args.redis else f"{args.workers} local workers"
+    print(f"sandbox serving on http://{args.host}:{port} ({behind})", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
