@@ -20,6 +20,7 @@ import numpy as np
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.registry import Registry
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 KL_PLACES = ("loss", "reward")
@@ -37,7 +38,7 @@ def kl_k2(logprobs, ref_logprobs):
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logprobs, ref_logprobs):
-    log_r = jnp.clip(ref_logprobs - logprobs, -20.0, 20.0)
+    log_r = jnp.clip(ref_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -10.0, 10.0)
 
 

@@ -37,9 +37,10 @@ import numpy as np
 
 from rstar2_jax.config_types import Section
 from rstar2_jax.registry import Registry
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
-# log-ratios are clamped to +-20 before exp (verl rollout_corr_helper.py SAFETY_BOUND)
-SAFETY_BOUND = 20.0
+# log-ratios are clamped to +-20 before exp (verl rollout_corr_helper.py's name for it)
+SAFETY_BOUND = LOG_RATIO_BOUND
 
 
 @flax.struct.dataclass

@@ -15,6 +15,7 @@ from rstar2_jax.algo.losses import cispo, clip_higher, gspo, reinforce  # noqa: 
 from rstar2_jax.algo.losses.base import (COMMON_STATS, LOSSES, LossInputs, LossSpec, LossTerms, policy_loss_terms,
                                          register_loss, stat_names)
 from rstar2_jax.config_types import Section, changed_fields, setting
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
 __all__ = ["COMMON_STATS", "LOSSES", "LossInputs", "LossSpec", "LossTerms", "PolicyLossConfig", "policy_loss_terms",
            "register_loss", "stat_names"]
@@ -58,7 +59,7 @@ def _make_policy_loss_config() -> type[Section]:
         ("constant_tokens", int, setting(0, "aggregation=constant: C in sum / (sequences x C) (0: the largest "
                                          "stages[].max_response_tokens, Dr. GRPO's maximum response length)",
                                          min=0)),
-        ("log_ratio_clamp", float, setting(20.0, "log(pi / pi_old) clamped to +-this before exp (verl: 20)",
+        ("log_ratio_clamp", float, setting(LOG_RATIO_BOUND, "log(pi / pi_old) clamped to +-this before exp (verl: 20)",
                                            min=1.0)),
     ]
     fields += [(name, spec.settings, setting(spec.settings, f"settings of the {name!r} loss"))

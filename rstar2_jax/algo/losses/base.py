@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from rstar2_jax.config_types import Section
 from rstar2_jax.registry import Registry
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
 
 @flax.struct.dataclass
@@ -44,7 +45,7 @@ class LossInputs:
     mask: jax.Array                   # bool [B, T]
     sampler_logprobs: jax.Array | None = None   # the engine's, as it sampled (None when not needed)
     ref_logprobs: jax.Array | None = None       # the frozen reference's (KL runs only)
-    log_ratio_clamp: float = flax.struct.field(pytree_node=False, default=20.0)   # rl.loss.log_ratio_clamp
+    log_ratio_clamp: float = flax.struct.field(pytree_node=False, default=LOG_RATIO_BOUND)   # rl.loss.log_ratio_clamp
 
     @property
     def token_advantages(self) -> jax.Array:
