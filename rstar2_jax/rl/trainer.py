@@ -4,7 +4,7 @@ RLRun is wiring. A step: the data stream draws problems (rl/data_stream.py) -> t
 producer rolls them out (rl/rollouts.py: engine, sandbox, seeds, shares, journal) -> the consumer
 gathers them (carry.py cuts a step under rl.staleness=carry), applies the stage's filter and
 dynamic sampling, RoC selection (rl/grpo_roc.py), the learner's update, the engine's weight sync
-(Engine.sync), traces, metrics (rl/step_metrics.py) and checkpoints; the staleness-gated loop that
+(Engine.sync_weights), traces, metrics (rl/step_metrics.py) and checkpoints; the staleness-gated loop that
 overlaps producer and consumer is rl/pipeline.py. The task, the model and the engine come from the
 config by name.
 
@@ -181,7 +181,7 @@ class RLRun:
         try:
             async with make_sandbox(cfg.sandbox) as sb, \
                     make_engine(cfg.rollout, self.model_with(weights), self.tokenizer, seed=cfg.seed) as engine:
-                await engine.sync(weights, self.learner.version)
+                await engine.sync_weights(weights, self.learner.version)
                 self.producer = RolloutProducer(cfg, engine, sb, self.tokenizer, self.fmt,
                                                 inflight_dir=self.inflight_dir, restored_version=self.restored_version)
                 yield self.producer
@@ -336,7 +336,7 @@ class RLRun:
                 records[k.record]["entropy"] = batch.entropy[i, :len(k.trajectory.token_ids)].tolist()
         engine = self.producer.engine
         with timeline.span("sync"):
-            await engine.sync(self.engine_weights(), self.learner.version)
+            await engine.sync_weights(self.engine_weights(), self.learner.version)
         if engine.weights_on_servers:
             metrics["sync/failures"] = engine.failed_syncs  # this session's so far (each was retried at once)
             if (paused := engine.sync_paused_s()) is not None:  # the process that pushed: how long the servers stood

@@ -1,4 +1,4 @@
-"""Engine.sync, the one call the trainer makes after every update (rollout/engines/base.py): an
+"""Engine.sync_weights, the one call the trainer makes after every update (rollout/engines/base.py): an
 engine whose weights are its own updates in place; on shared servers a push that fails part-way
 is made once more and counted, a second failure stops the run. The real protocol over two
 trainer processes and vLLM servers: tests/rollout/test_vllm_engine.py."""
@@ -41,18 +41,18 @@ class ServedStandIn(Engine):
 @pytest.mark.parametrize("fails,pushes,failed", [(0, [3], 0), (1, [3, 3], 1)])
 def test_a_push_that_fails_once_is_made_again_and_counted(fails, pushes, failed):
     engine = ServedStandIn(fails)
-    asyncio.run(engine.sync({"w": 1}, 3))
+    asyncio.run(engine.sync_weights({"w": 1}, 3))
     assert engine.pushes == pushes and engine.version == 3 and engine.failed_syncs == failed
 
 
 def test_a_second_failure_in_a_row_stops_the_run():
     engine = ServedStandIn(2)
     with pytest.raises(WeightSyncFailed, match="weights v3 could not reach the vLLM servers twice in a row: bucket 1"):
-        asyncio.run(engine.sync({"w": 1}, 3))
+        asyncio.run(engine.sync_weights({"w": 1}, 3))
     assert engine.pushes == [3, 3] and engine.version == 0
 
 
 def test_an_engine_with_its_own_weights_updates_in_place_once():
     engine = ServedStandIn(1, embedded=True)
-    asyncio.run(engine.sync({"w": 1}, 3))
+    asyncio.run(engine.sync_weights({"w": 1}, 3))
     assert engine.pushes == [3] and engine.failed_syncs == 0  # no protocol: no retry either

@@ -117,7 +117,7 @@ class Engine(abc.ABC):
     # pushes them (update_weights), the others only adopt the new version (adopt_weights).
     weights_on_servers: bool = False
 
-    async def sync(self, params: Any, version: int) -> None:
+    async def sync_weights(self, params: Any, version: int) -> None:
         """Sample with `params` as `version` from now on: what the trainer calls after every
         update, on every trainer process. An engine whose weights are its own updates in place.
         Weights on shared servers (vLLM) are pushed by the primary process alone, on a worker
