@@ -55,6 +55,7 @@ from rstar2_jax.models.shard_sizes import shard_bytes, shard_shape, split_dim
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rollout.engines.factory import EnginePlanInputs, engine_kind
+from rstar2_jax.rollout.engines.factory import PlanLine as Line  # one line type: the engines add theirs
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05
@@ -78,13 +79,6 @@ REMEDIES = {
 
 class MemoryPlanError(ValueError):
     """A run whose memory plan does not fit its devices (train refuses it before loading weights)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Line:
-    name: str
-    bytes: float
-    how: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +188,7 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
     engine_lines, engine_devices = engine_kind(cfg.rollout).plan(EnginePlanInputs(
         arch, cfg.rollout, cfg.model.dtype, cfg.model.decode_attention, devices=devices,
         devices_per_process=devices_per_process, learner_mesh=mesh, on_policy=cfg.rl.max_staleness == 0))
-    lines += [Line(x.name, x.bytes, x.how) for x in engine_lines]
+    lines += engine_lines
     if capacity is not None:
         lines.append(Line("allowance", ALLOWANCE_FRACTION * capacity,
                           f"{ALLOWANCE_FRACTION:.0%} of the device: XLA workspace, programs, fragmentation"))
