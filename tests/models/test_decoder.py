@@ -77,11 +77,16 @@ def test_decode_compiles_once_for_all_steps(qwen3_model):
     assert len(traces) == 1
 
 
+@nnx.jit
+def cached_forward(model, tokens, positions, cache):
+    return model(tokens, positions, cache=cache)
+
+
 def test_cache_write_past_end_is_dropped_not_clamped(qwen3_model):
     cache = models.init_cache(qwen3_model.cfg, batch=1, max_len=8)
-    _, cache = qwen3_model(_tokens(1, 8), jnp.arange(8, dtype=jnp.int32)[None], cache=cache)
+    _, cache = cached_forward(qwen3_model, _tokens(1, 8), jnp.arange(8, dtype=jnp.int32)[None], cache)
     before = [np.asarray(k) for k in cache.keys]
-    _, after = qwen3_model(_tokens(1, 1, seed=5), jnp.array([[8]], jnp.int32), cache=cache)
+    _, after = cached_forward(qwen3_model, _tokens(1, 1, seed=5), jnp.array([[8]], jnp.int32), cache)
     for b, a in zip(before, after.keys):
         np.testing.assert_array_equal(b, np.asarray(a))
 

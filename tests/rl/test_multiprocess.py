@@ -103,26 +103,17 @@ def params(workdir, step: int | None = None) -> list[np.ndarray]:
 
 @pytest.mark.slow
 def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
-    one, two = tmp_path / "one", tmp_path / "two"
+    """One run over two processes, SIGKILLed mid-run and resumed, against one uninterrupted process
+    over two devices: the same rollouts, metrics and weights at every step. (Both claims at once:
+    an interrupted two-process run that equals the one-process run trains as one and resumes
+    exactly; the first pins either failure down by step: a step before the kill that differs is
+    the two processes', a later one the resume's.)"""
+    one = tmp_path / "one"
     one_process_two_devices(config_file, one, steps=3)
-    two_processes(config_file, two, steps=3)
-
-    # the same rollouts, token for token: each process ran half of them with the same seeds
-    a, b = rollouts(one), rollouts(two)
-    assert len(a) == 3 * 2 * 4 and a == b
-    # the same update, exactly (module docstring): every step's metrics and weights
-    la, lb = rl_lines(one), rl_lines(two)
-    assert [l["step"] for l in lb] == [0, 1, 2]  # only the primary process writes metrics
-    for x, y in zip(la, lb):
-        for key in COMPARED:
-            if key in x:
-                assert y[key] == x[key], (x["step"], key)
+    la = rl_lines(one)
     assert all(l["kept_rollouts"] > 0 for l in la)  # every step updated ...
     trained = {step: params(one, step) for step in (1, 2, 3)}
     assert any(not np.array_equal(x, y) for x, y in zip(params(one, step=0), trained[3]))  # ... and moved the weights
-    for step in (1, 2, 3):
-        for x, y in zip(trained[step], params(two, step)):
-            np.testing.assert_array_equal(y, x)
 
     # process 1 SIGKILLed mid-run (its step-2 checkpoint written, step 2 under way): process 0
     # stops at its next collective (not minutes later in jax.distributed's shutdown), and both
@@ -158,17 +149,25 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path, config_file):
     out = two_processes(config_file, resumed, steps=3)
     assert "resumed from" in out
     lr = rl_lines(resumed)
-    assert [l["step"] for l in lr] == [0, 1, 2]
+    assert [l["step"] for l in lr] == [0, 1, 2]  # only the primary process writes metrics
     # process 0 had saved turns of its share of step 2 when it stopped: the restart took those rollouts
     # back from the journal (rollout/journal.py) instead of generating them again
     assert lr[2]["inflight/resumed_finished"] + lr[2]["inflight/resumed_partial"] >= 1
-    for x, y in zip(lb, lr):
+    # the same rollouts, token for token: each process ran half of them with the same seeds
+    a = rollouts(one)
+    assert len(a) == 3 * 2 * 4 and rollouts(resumed) == a
+    # the same update, exactly (module docstring): every step's weights, and the metrics of the
+    # steps before the kill; the resumed step's metrics to float rounding (as before this run was
+    # one with the uninterrupted two-process run: a journaled rollout's statistics are re-read)
+    for x, y in zip(la, lr):
         for key in COMPARED:
-            if key in x:
+            if key in x and x["step"] < 2:
+                assert y[key] == x[key], (x["step"], key)
+            elif key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-7), (x["step"], key)
-    assert rollouts(resumed) == b
-    for x, y in zip(params(two), params(resumed)):
-        np.testing.assert_array_equal(y, x)
+    for step in (1, 2, 3):
+        for x, y in zip(trained[step], params(resumed, step)):
+            np.testing.assert_array_equal(y, x)
 
 
 @pytest.mark.slow

@@ -1,0 +1,105 @@
+"""The ablation CLI end to end (grid x seeds, shared warm starts, resume, summary) on a small
+FIG4 grid, and the notebooks executed headless against what it produced: a notebook that raises
+fails the suite. Notebooks are stored without outputs."""
+
+import json
+import os
+
+import nbformat
+import numpy as np
+import pandas as pd
+import pytest
+
+from tests.ablations.conftest import NOTEBOOKS, ablate, execute, outputs_text, with_warm_start
+
+pytestmark = pytest.mark.slow  # a 6-run ablation and two notebooks
+
+CELLS = ["roc_off_4_2_0.001", "roc_paper_4_2_0.001", "roc_release_4_2_0.001"]
+
+
+def fig4(workdir, *extra):
+    return ablate(workdir, "--grid=FIG4", "--seeds=2", *extra)
+
+
+@pytest.fixture(scope="module")
+def ablation_dir(tmp_path_factory, seed0_warm_start):
+    """2 seeds x 3 cells of 3 RL steps. Seed 0's warm start is the session's (copied in, as a
+    re-run finds it); seed 1's is trained by the grid itself."""
+    workdir = tmp_path_factory.mktemp("fig4")
+    with_warm_start(workdir, seed0_warm_start)
+    proc = fig4(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_ablate_runs_every_cell_and_seed_from_one_warm_start_per_seed(ablation_dir, seed0_warm_start):
+    for cell in CELLS:
+        for seed in (0, 1):
+            run = ablation_dir / cell / f"seed{seed}"
+            assert json.loads((run / "cell.json").read_text()) == {"cell": cell, "arg": cell[4:].replace("_", ","),
+                                                                     "seed": seed}
+            config = json.loads((run / "config.json").read_text())
+            assert config["rl"]["steps"] == 3 and config["seed"] == seed and config["sft"]["steps"] == 0
+            assert config["rl"]["roc"]["mode"] == cell.split("_")[1]
+            assert config["model"]["path"].startswith(str(ablation_dir / "_warm_start"))
+            assert (run / "results.json").exists() and sorted(os.listdir(run / "traces"))[-1] == "step_000002.parquet"
+    warm = os.listdir(ablation_dir / "_warm_start")
+    assert len(warm) == 2 and seed0_warm_start[0] in warm  # seed 1's was trained by the grid: a key of its own
+    assert os.path.exists(ablation_dir / "_warm_start" / [k for k in warm if k != seed0_warm_start[0]][0] / "build")
+    for seed in (0, 1):  # the same warm start and evaluation seeds: the same policy before RL in every cell
+        before = [json.loads((ablation_dir / c / f"seed{seed}" / "results.json").read_text())["before"] for c in CELLS]
+        assert before[0] == before[1] == before[2]
+
+
+def test_ablate_summary_is_mean_and_spread_over_seeds(ablation_dir):
+    runs = pd.read_csv(ablation_dir / "runs.csv")
+    summary = pd.read_csv(ablation_dir / "summary.csv").set_index("cell")
+    assert list(summary.index) == CELLS and (summary["seeds"] == 2).all()
+    for cell in CELLS:
+        for metric in ("greedy_accuracy", "sampled_accuracy", "tool_error_ratio_correct", "mean_response_tokens"):
+            values = [json.loads((ablation_dir / cell / f"seed{s}" / "results.json").read_text())["after"]
+                      ["greedy" if metric == "greedy_accuracy" else "sampled"]
+                      [{"greedy_accuracy": "accuracy", "sampled_accuracy": "accuracy"}.get(metric, metric)]
+                      for s in (0, 1)]
+            assert sorted(runs[runs.cell == cell][metric]) == pytest.approx(sorted(values))
+            assert summary.loc[cell, f"{metric}_mean"] == pytest.approx(np.mean(values))
+            assert summary.loc[cell, f"{metric}_std"] == pytest.approx(np.std(values, ddof=1))
+    table = (ablation_dir / "summary.md").read_text()
+    assert all(f"| {cell} | 2 |" in table for cell in CELLS)
+    for png in ("curves.png", "finals.png"):
+        assert (ablation_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablate_rerun_skips_finished_runs_and_rewrites_the_same_summary(ablation_dir):
+    before = (ablation_dir / "summary.csv").read_text()
+    proc = fig4(ablation_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("finished, skipped") == 6
+    assert (ablation_dir / "summary.csv").read_text() == before
+
+
+def test_ablate_rejects_an_unknown_grid(tmp_path):
+    proc = ablate(tmp_path, "--grid=NOPE")
+    assert proc.returncode != 0 and "has no non-empty list 'NOPE'" in proc.stderr
+
+
+def test_explore_traces_notebook_runs_on_a_finished_run(ablation_dir):
+    nb = execute("explore_traces.ipynb", {"RSTAR2_RUN": str(ablation_dir / "roc_paper_4_2_0.001" / "seed0")})
+    text = outputs_text(nb)
+    assert "3 steps, 96 rollouts" in text                        # 3 steps x 4 problems x 8 rollouts
+    assert "turn 0" in text and "tool" in text                   # the trajectory viewer rendered
+    assert "reflection_share" in text and "forking" in text      # the entropy section ran on real entropies
+    assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))
+
+
+def test_roc_ablation_notebook_runs_on_the_ablation(ablation_dir):
+    text = outputs_text(execute("roc_ablation.ipynb", {"RSTAR2_ABLATION": str(ablation_dir)}))
+    assert all(cell in text for cell in CELLS) and "± " in text
+
+
+@pytest.mark.parametrize("name", ["explore_traces.ipynb", "roc_ablation.ipynb", "algorithm_ablation.ipynb",
+                                  "offpolicy_ablation.ipynb"])
+def test_notebooks_are_stored_without_outputs(name):
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.outputs == [] and c.execution_count is None for c in code)
