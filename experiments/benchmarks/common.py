@@ -86,7 +86,8 @@ def command_line(module: str, argv) -> str:
 def record(path: str | None, title: str, command: str, config: str, table: str, notes: str = ""):
     """Write one result block (device, date, config, command, table) into a BENCHMARKS.md: it
     replaces the section of the same title (one section per subject, always the current figures;
-    the section's commentary goes with it and is rewritten for the new figures), or is appended."""
+    the section's commentary goes with it and is rewritten for the new figures), or is added before
+    the "History" section of superseded figures (at the end when there is none)."""
     block = (f"## {title}\n\n- Device: {device_line()}. Date: {datetime.date.today().isoformat()}.\n"
              f"- Config: {config}\n- Command: `{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
     print(block)
@@ -100,6 +101,9 @@ def record(path: str | None, title: str, command: str, config: str, table: str, 
         ends = [i for i in (text.find("\n## ", start + len(heading)), text.find("\n# ", start + len(heading))) if i >= 0]
         nxt = min(ends) if ends else -1
         text = text[:start] + block + (text[nxt:] if nxt >= 0 else "")
+    elif "\n# History\n" in text:  # a new subject goes before the superseded figures, which stay last
+        at = text.index("\n# History\n")
+        text = text[:at].rstrip("\n") + "\n\n" + block + text[at:]
     else:
         text = text.rstrip("\n") + "\n\n" + block
     with open(path, "w") as f:
