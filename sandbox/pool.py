@@ -33,7 +33,7 @@ DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
 # pages for its heap (where the kernel offers them "madvise"), so the processes forked per call
 # copy and tear down fewer page-table entries: +3-5% trivial calls/s over HTTP, measured alternating.
 ZYGOTE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-CALL_NAME = "sandbox-call"  # /proc/<pid>/comm of a running call (zygote.CALL_NAME)
+CALL_NAME = "sandbox-call"  # /proc/<pid>/comm of a running call (zygote_state.CALL_NAME)
 DEFAULT_WARMUP = """
 import sympy
 x, y = sympy.symbols("x y")
@@ -371,7 +371,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 def process_name(pid: int) -> str | None:
-    """A process's name (/proc/<pid>/comm: zygote.CALL_NAME, FORKER_NAME, ...), None once it is gone."""
+    """A process's name (/proc/<pid>/comm: zygote_state.CALL_NAME, FORKER_NAME, ...), None once it is gone."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()

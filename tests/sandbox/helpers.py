@@ -9,7 +9,7 @@ import threading
 import time
 
 import sandbox
-from sandbox import zygote
+from sandbox import zygote_state
 from sandbox.pool import process_name
 from sandbox.zygote import interpreter_dirs  # the directories the sandbox binds, links included
 
@@ -90,7 +90,7 @@ def ls(path: str) -> str:
 def _calls_in(cgroup_dir: str) -> list[str]:
     """The pids in a slot's cgroup but its forker's."""
     pids = open(os.path.join(cgroup_dir, "cgroup.procs")).read().split()
-    return [pid for pid in pids if process_name(int(pid)) not in (zygote.FORKER_NAME, None)]  # None: gone meanwhile
+    return [pid for pid in pids if process_name(int(pid)) not in (zygote_state.FORKER_NAME, None)]  # None: gone meanwhile
 
 
 def leftover_work_files(sb: SyncSandbox) -> list[str]:

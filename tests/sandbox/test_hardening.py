@@ -20,7 +20,7 @@ import time
 import pytest
 
 import sandbox
-from sandbox import cgroups, zygote
+from sandbox import cgroups, zygote, zygote_state
 from sandbox.pool import child_pids, process_name
 from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls, prometheus_total
 from tests.sandbox.test_hostile import run_beside_benign
@@ -299,7 +299,7 @@ def test_a_spawn_pool_over_the_snippet_s_functions_fails_plainly(sb):
 
 def _worker_pids(box):
     """The zygote's workers: its children but the closer."""
-    return [p for p in child_pids(box.sb.zygote_pid) if process_name(p) != zygote.CLOSER_NAME]
+    return [p for p in child_pids(box.sb.zygote_pid) if process_name(p) != zygote_state.CLOSER_NAME]
 
 
 def _fd_count(pid):
@@ -307,12 +307,12 @@ def _fd_count(pid):
 
 
 def test_calls_mount_namespaces_are_all_freed_and_calls_survive_the_closers_death(one_slot):
-    """Each call's mount namespace is handed to the closer (zygote.release_mount_namespace), which
+    """Each call's mount namespace is handed to the closer (zygote_closer.release_mount_namespace), which
     drops them in batches: none may be kept once it is idle; without a closer, calls still work."""
-    closers = [p for p in child_pids(one_slot.sb.zygote_pid) if process_name(p) == zygote.CLOSER_NAME]
+    closers = [p for p in child_pids(one_slot.sb.zygote_pid) if process_name(p) == zygote_state.CLOSER_NAME]
     assert len(closers) == 1
     closer = closers[0]
-    idle = 4  # its own: stdin, stdout, stderr and the socket the workers send on (zygote.start_closer)
+    idle = 4  # its own: stdin, stdout, stderr and the socket the workers send on (zygote_closer.start_closer)
     for _ in range(20):
         assert one_slot.run("print(1)").stdout == "1\n"
     deadline = time.monotonic() + 5
@@ -352,10 +352,7 @@ def test_deep_directory_tree_loses_no_output_and_leaves_nothing(one_slot):
 
 
 def test_remove_tree_handles_depth_past_path_max_and_recursion_limit(tmp_path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("zygote_for_test", os.path.join(ROOT, "sandbox", "zygote.py"))
-    zygote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zygote)
+    import zygote_supervise  # a top-level module of the zygote's, imported by `from sandbox import zygote` above
     top = tmp_path / "tree"
     top.mkdir()
     fd = os.open(top, os.O_RDONLY)
@@ -366,7 +363,7 @@ def test_remove_tree_handles_depth_past_path_max_and_recursion_limit(tmp_path):
         os.close(fd)
         fd = nxt
     os.close(fd)
-    zygote.remove_tree(str(top))
+    zygote_supervise.remove_tree(str(top))
     assert not top.exists()
 
 

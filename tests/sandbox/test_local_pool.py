@@ -101,12 +101,12 @@ def test_timeouts_at_the_boundaries_say_timeout_and_cost_no_worker(sb):
     """The smallest timeouts (shorter than starting a process), many at once, and the largest
     allowed: each call is `timeout` (or `ok` when it finished first), never `worker_died`, and the
     zygote's workers are the same processes before and after (no slot restarted)."""
-    from sandbox import zygote
+    from sandbox import zygote_state
     from sandbox.pool import child_pids, process_name
     from sandbox.result import Limits
 
     def workers():
-        return sorted(p for p in child_pids(sb.sb.zygote_pid) if process_name(p) != zygote.CLOSER_NAME)
+        return sorted(p for p in child_pids(sb.sb.zygote_pid) if process_name(p) != zygote_state.CLOSER_NAME)
 
     before = workers()
     statuses = [sb.run("print(1)", timeout=t).status for t in (1e-9, 1e-6, 1e-4, 1e-3)]

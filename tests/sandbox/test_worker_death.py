@@ -11,7 +11,7 @@ import time
 import pytest
 
 import sandbox
-from sandbox import zygote
+from sandbox import zygote_state
 from sandbox.pool import child_pids, process_name, running_calls
 
 
@@ -68,7 +68,7 @@ def _forkers(zygote_pid: int, expected: int) -> dict[int, int]:
         found = {}
         for worker in child_pids(zygote_pid):
             for pid in child_pids(worker):
-                if process_name(pid) == zygote.FORKER_NAME:
+                if process_name(pid) == zygote_state.FORKER_NAME:
                     found[worker] = pid
         if len(found) == expected or time.monotonic() > deadline:
             return found
@@ -81,7 +81,7 @@ def _state(pid: int) -> str:
 
 
 def test_calls_are_the_workers_children_cloned_by_a_forker_that_sleeps_while_they_run():
-    """The worker supervises a call it did not fork (zygote.Forker): the call is the worker's child,
+    """The worker supervises a call it did not fork (zygote_forker.Forker): the call is the worker's child,
     and the forker that cloned it waits in the kernel (vfork) until it is gone."""
 
     async def go():
