@@ -37,10 +37,7 @@ limit is reached, so connections without the token cannot starve those with it.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
@@ -50,238 +47,13 @@ from typing import Any
 
 from aiohttp import web
 
+from sandbox.http_guards import FairTurns, HTTPError, ReadDeadline, RefuseConnection, is_loopback, parse_body
+from sandbox.http_metrics import Metrics
 from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox.http")
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GETS = {"/health", "/metrics", "/status", "/ping"}
 POSTS = {"/run", "/run/batch", "/run/long-batch", "/judge", "/judge/batch", "/judge/long-batch"}
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 35\r\n"
-         b"Connection: close\r\n\r\n{\"error\": \"too many connections\"}\n")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _Refuse(asyncio.Protocol):
-    """A connection past the limit: one 503, then closed (never reaches aiohttp). It reads what
-    the client sent first: closing with unread data would reset the connection and lose the 503."""
-
-    def connection_made(self, transport):
-        self.transport = transport
-        transport.write(_BUSY)
-        self.timer = asyncio.get_running_loop().call_later(1.0, transport.close)
-
-    def data_received(self, data):
-        self.timer.cancel()
-        self.transport.close()
-
-
-class _Deadline(asyncio.Protocol):
-    """aiohttp's protocol with a read deadline: from the first byte a client sends (or from
-    connecting) until its request is read, at most `timeout_s`, or `auth_timeout_s` while the
-    connection has made no authorised request; otherwise the connection is closed. aiohttp times
-    out idle connections between requests, not slow heads or bodies."""
-
-    def __init__(self, inner, timeout_s, connections, *, auth_timeout_s=None, write_timeout_s=30.0, metrics=None):
-        self.inner, self.timeout_s, self.connections = inner, timeout_s, connections
-        self.auth_timeout_s = auth_timeout_s
-        self.write_timeout_s, self.metrics = write_timeout_s, metrics
-        self.write_timer = None
-        self.authenticated = auth_timeout_s is None  # no token: every connection is
-        self.timer = None
-        self.transport = None
-
-    def connection_made(self, transport):
-        self.transport = transport
-        self.connections[transport] = self
-        self.arm()
-        self.inner.connection_made(transport)
-
-    def arm(self):
-        if self.timer is None:
-            limit = self.timeout_s if self.authenticated else min(self.timeout_s, self.auth_timeout_s)
-            self.timer = asyncio.get_running_loop().call_later(limit, self.transport.abort)
-
-    def request_read(self):
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def response_ready(self):
-        """The next request's deadline starts now: bytes of it may already be here (pipelined in
-        the same packet as this one), and no more may ever come to re-arm it. So a connection
-        gets `timeout_s`, not aiohttp's longer keep-alive, to send its next request whole."""
-        self.request_read()
-        self.arm()
-
-    def data_received(self, data):
-        self.arm()
-        self.inner.data_received(data)
-
-    def eof_received(self):
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc):
-        self.request_read()
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-        self.connections.pop(self.transport, None)
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self):
-        # the client stopped reading and the send buffer is full: it has write_timeout_s to resume
-        if self.write_timer is None:
-            self.write_timer = asyncio.get_running_loop().call_later(self.write_timeout_s, self._write_timed_out)
-        self.inner.pause_writing()
-
-    def resume_writing(self):
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
-        self.inner.resume_writing()
-
-    def _write_timed_out(self):
-        if self.metrics is not None:
-            self.metrics.count("write_timeouts")
-        self.transport.abort()  # frees the unsent response at once
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-MAX_NUMBER_CHARS = 100  # a JSON number longer than this is refused (Python's int() of 4,300+ digits raises)
-
-
-def _bounded_number(text: str):
-    if len(text) > MAX_NUMBER_CHARS:
-        raise ValueError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
-    return text
-
-
-def parse_body(raw: bytes):
-    """The JSON of a request body; every malformed body is an HTTPError 400 naming why."""
-    try:  # UTF-8 only (json.loads of bytes would also take UTF-16 and UTF-32)
-        return json.loads(raw.decode("utf-8"), parse_int=lambda t: int(_bounded_number(t)),
-                          parse_float=lambda t: float(_bounded_number(t))) if raw else None
-    except json.JSONDecodeError as e:
-        raise HTTPError(400, f"invalid JSON body: line {e.lineno} column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise HTTPError(400, "invalid JSON body: nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise HTTPError(400, f"invalid JSON body: {e}") from None
-
-
-class FairTurns:
-    """At most `capacity` calls at once, granted round robin over requests: each request (key) gets
-    one call in before any request gets a second, whatever order they queued in."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.running = 0
-        self.queues: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
-
-    @contextlib.asynccontextmanager
-    async def turn(self, key):
-        if self.running < self.capacity and not self.queues:
-            self.running += 1
-        else:
-            waiter = asyncio.get_running_loop().create_future()
-            self.queues.setdefault(key, collections.deque()).append(waiter)
-            try:
-                await waiter  # running was counted for us by whoever handed the turn over
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self._release()  # granted as we were cancelled: pass it on
-                else:
-                    self._forget(key, waiter)
-                raise
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _forget(self, key, waiter):
-        queue = self.queues.get(key)
-        if queue is not None and waiter in queue:
-            queue.remove(waiter)
-            if not queue:
-                del self.queues[key]
-
-    def _release(self):
-        self.running -= 1
-        while self.queues and self.running < self.capacity:
-            key, queue = next(iter(self.queues.items()))
-            waiter = queue.popleft()
-            del self.queues[key]
-            if queue:
-                self.queues[key] = queue  # to the back of the rotation
-            if not waiter.done():
-                self.running += 1
-                waiter.set_result(None)
-
-
-class Metrics:
-    """The service's Prometheus metrics, kept by prometheus_client (one registry per server, so
-    several servers in one process do not share counters); /metrics is its text exposition.
-    Counters are bumped with `count(name)`; reads (`metrics.cancelled`, ...) give their values."""
-
-    COUNTERS = {
-        "bad_requests": "Requests rejected with a 4xx.",
-        "cancelled": "Calls cancelled because their client went away.",
-        "refused_connections": "Connections refused past the limit.",
-        "evicted_connections": "Unauthenticated connections closed to admit others.",
-        "write_timeouts": "Connections closed because the client stopped reading.",
-    }
-
-    def __init__(self):
-        import prometheus_client as prom
-        self.registry = prom.CollectorRegistry()
-        r = self.registry
-        self._queue_depth = prom.Gauge("sandbox_queue_depth", "Calls waiting for a worker.", registry=r)
-        self._in_flight = prom.Gauge("sandbox_in_flight", "Calls accepted and not yet answered.", registry=r)
-        self._results = prom.Counter("sandbox_results", "Results by status.", ["status"], registry=r)
-        self._counters = {name: prom.Counter(f"sandbox_{name}", doc, registry=r) for name, doc in self.COUNTERS.items()}
-        self._latency = prom.Histogram("sandbox_latency_seconds", "Time from request to result.",
-                                       buckets=LATENCY_BUCKETS, registry=r)
-
-    def count(self, name: str):
-        self._counters[name].inc()
-
-    def __getattr__(self, name: str) -> int:  # metrics.cancelled, metrics.write_timeouts, ...
-        if name in Metrics.COUNTERS:
-            return int(self.registry.get_sample_value(f"sandbox_{name}_total") or 0)
-        raise AttributeError(name)
-
-    @property
-    def in_flight(self) -> int:
-        return int(self.registry.get_sample_value("sandbox_in_flight") or 0)
-
-    def call_started(self):
-        self._in_flight.inc()
-
-    def call_ended(self):
-        self._in_flight.dec()
-
-    def observe(self, result: ExecResult, seconds: float):
-        self._results.labels(status=result.status).inc()
-        self._latency.observe(seconds)
-
-    def render(self, queue_depth: int) -> str:
-        import prometheus_client as prom
-        self._queue_depth.set(queue_depth)
-        return prom.generate_latest(self.registry).decode()
-
-
 def code_judge_result(sub_id: str, result: ExecResult, expected_output: str | None, *,
                       with_output: bool = True) -> dict[str, Any]:
     run_success = result.status == "ok"
@@ -322,7 +94,7 @@ class SandboxHTTPServer:
         self.metrics = Metrics()
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._deadlines: dict[asyncio.BaseTransport, _Deadline] = {}
+        self._deadlines: dict[asyncio.BaseTransport, ReadDeadline] = {}
         self._sessions: dict[str, Any] = {}  # id -> the backend's Session
 
     async def start(self, host: str = "127.0.0.1", port: int = 8088) -> int:
@@ -343,11 +115,11 @@ class SandboxHTTPServer:
                 idle = next((d for d in self._deadlines.values() if not d.authenticated), None)
                 if idle is None:
                     self.metrics.count("refused_connections")
-                    return _Refuse()
+                    return RefuseConnection()
                 self.metrics.count("evicted_connections")
                 self._deadlines.pop(idle.transport, None)
                 idle.transport.abort()
-            return _Deadline(protocol(), self.read_timeout_s, self._deadlines,
+            return ReadDeadline(protocol(), self.read_timeout_s, self._deadlines,
                              auth_timeout_s=self.auth_timeout_s if self.token else None,
                              write_timeout_s=self.write_timeout_s, metrics=self.metrics)
 

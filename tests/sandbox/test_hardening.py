@@ -680,7 +680,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_off(sb):
 
 
 def test_requests_take_turns_round_robin():
-    from sandbox.http_api import FairTurns
+    from sandbox.http_guards import FairTurns
 
     async def go():
         turns, order = FairTurns(1), []
