@@ -120,10 +120,10 @@ def test_update_weights_swaps_params_without_recompiling(tiny_model, tokenizer):
         async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=64) as eng:
             greedy = SamplingParams(max_tokens=12, temperature=0.0)
             before = await eng.generate(prompt, greedy)
-            sizes = (eng._decode._cache_size(), eng._prefill._cache_size())
+            sizes = (eng.kernels.decode._cache_size(), eng.kernels.prefill._cache_size())
             eng.update_weights(nnx.state(other))
             after = await eng.generate(prompt, greedy)
-            sizes_after = (eng._decode._cache_size(), eng._prefill._cache_size())
+            sizes_after = (eng.kernels.decode._cache_size(), eng.kernels.prefill._cache_size())
             with pytest.raises(ValueError, match="do not match"):
                 eng.update_weights(nnx.state(models.Decoder(tiny_model.cfg.__class__(
                     **{**tiny_model.cfg.__dict__, "hidden_size": 64}), rngs=nnx.Rngs(0))))
@@ -195,11 +195,11 @@ def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model,
         eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32)
         if warm:
             eng.precompile([len(prompt)])
-            compiled = eng._decode._cache_size()
+            compiled = eng.kernels.decode._cache_size()
         async with eng:
             out = await eng.generate(prompt, greedy)
         if warm:
-            assert compiled == 3 and eng._decode._cache_size() == compiled  # buckets 32, 64, 96: no new compile
+            assert compiled == 3 and eng.kernels.decode._cache_size() == compiled  # buckets 32, 64, 96: no new compile
         return out.token_ids
 
     assert _run(go(True)) == _run(go(False))

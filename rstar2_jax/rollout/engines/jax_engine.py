@@ -58,11 +58,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstar2_jax import sharding as sharding_lib
-from rstar2_jax.models.decoder import Decoder, KVCache, init_cache, init_paged_cache
+from rstar2_jax.models.decoder import Decoder, init_cache, init_paged_cache
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
+from rstar2_jax.rollout.engines.jax_kernels import EngineKernels
 from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
-from rstar2_jax.rollout.sampling import SamplingParams, sample
+from rstar2_jax.rollout.sampling import SamplingParams
 
 MIN_PREFILL_BUCKET = 16
 
@@ -151,66 +152,7 @@ class JaxEngine(Engine):
         self._loop_task: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
-        graphdef = self._graphdef
-
-        def row_keys(seeds, counters):
-            # one key per row, derived on device: a row's sample depends only on its own seed
-            # and position, never on what else shares the batch
-            return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-
-        def run_and_sample(state, tokens, start, length, cache, seed, counter, temperature, top_k, top_p):
-            """Run `tokens` (the first `length` real) at positions start.. against `cache` and
-            sample the next token (the request's `counter`-th) from the last real one."""
-            model = nnx.merge(graphdef, state)
-            positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            logits, cache = model(tokens, positions, cache=cache)
-            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
-            token, logp = sample(last, row_keys(seed[None], counter[None]), temperature[None], top_k[None],
-                                 top_p[None])
-            return cache, token[0], logp[0]
-
-        def fill_row(state, cache: KVCache, row: KVCache, slot, tokens, start, length, *sampling):
-            """`run_and_sample` on `row`, then write the row into the cache at `slot`."""
-            row, token, logp = run_and_sample(state, tokens, start, length, row, *sampling)
-            keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
-            values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
-                           for v, r in zip(cache.values, row.values))
-            return KVCache(keys, values), token, logp
-
-        def prefill(state, cache: KVCache, slot, tokens, start, length, *sampling):
-            """A whole prompt into a fresh row (start is 0)."""
-            row = init_cache(self.cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
-            return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
-
-        def extend(state, cache: KVCache, slot, tokens, start, length, *sampling):
-            """New tokens at positions start.. of a slot that already holds the KV of positions < start."""
-            row = KVCache(tuple(jax.lax.dynamic_slice_in_dim(k, slot, 1, 0) for k in cache.keys),
-                          tuple(jax.lax.dynamic_slice_in_dim(v, slot, 1, 0) for v in cache.values))
-            return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
-
-        def fill_pages(state, cache, page_row, tokens, start, length, *sampling):
-            """Paged: tokens at positions start.. through one row's page table [1, pages_per_row]."""
-            cache, token, logp = run_and_sample(state, tokens, start, length, cache._replace(page_table=page_row),
-                                                *sampling)
-            return cache._replace(page_table=None), token, logp
-
-        def decode(state, cache, page_table, tokens, positions, seeds, counters, temperature, top_k, top_p,
-                   kv_len):
-            """One token for every slot (page_table: the slots' tables when paged, else None)."""
-            model = nnx.merge(graphdef, state)
-            if page_table is not None:
-                cache = cache._replace(page_table=page_table)
-            logits, cache = model(tokens[:, None], positions[:, None], cache=cache, kv_len=kv_len)
-            token, logp = sample(logits[:, 0], row_keys(seeds, counters), temperature, top_k, top_p)
-            if page_table is not None:
-                cache = cache._replace(page_table=None)
-            return cache, token, logp
-
-        # The cache is donated: updated in place, never copied per step.
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._extend = jax.jit(extend, donate_argnums=(1,))
-        self._fill_pages = jax.jit(fill_pages, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
+        self.kernels = EngineKernels(self._graphdef, self.cfg)
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -264,16 +206,16 @@ class JaxEngine(Engine):
             tokens = jnp.zeros((1, self._prefill_bucket(int(n))), jnp.int32)
             sampling = (jnp.uint32(0), jnp.int32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
             if self._pages is None:
-                self._cache, *_ = self._prefill(self._state, self._cache, jnp.int32(0), tokens, jnp.int32(0),
+                self._cache, *_ = self.kernels.prefill(self._state, self._cache, jnp.int32(0), tokens, jnp.int32(0),
                                                 jnp.int32(1), *sampling)
             else:  # an all-"no page" table: every write dropped
-                self._cache, *_ = self._fill_pages(self._state, self._cache, jnp.asarray(self._page_table([None])),
+                self._cache, *_ = self.kernels.fill_pages(self._state, self._cache, jnp.asarray(self._page_table([None])),
                                                    tokens, jnp.int32(0), jnp.int32(1), *sampling)
         inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
         lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
         for kv_len in lengths:
-            self._cache, _, _ = self._decode(self._state, self._cache, *inputs, kv_len=kv_len)
+            self._cache, _, _ = self.kernels.decode(self._state, self._cache, *inputs, kv_len=kv_len)
         jax.block_until_ready(self._cache)
 
     async def close(self):
@@ -424,9 +366,9 @@ class JaxEngine(Engine):
         if self._pages is not None:
             self._pages.grow(("row", slot), pages_for(len(context), self.page_size) - len(self._pages.held(("row", slot))))
             table = jnp.asarray(self._page_table([slot]))
-            fn, args = self._fill_pages, (self._state, self._cache, table) + row_args
+            fn, args = self.kernels.fill_pages, (self._state, self._cache, table) + row_args
         else:
-            fn = self._extend if reuse else self._prefill
+            fn = self.kernels.extend if reuse else self.kernels.prefill
             args = (self._state, self._cache, jnp.int32(slot)) + row_args
 
         version = self.version  # the weights in `args`, whatever a sync does while they run
@@ -521,7 +463,7 @@ class JaxEngine(Engine):
 
         def run():
             start = time.monotonic()
-            cache, token, logp = self._decode(*args, kv_len=kv_len)
+            cache, token, logp = self.kernels.decode(*args, kv_len=kv_len)
             token, logp = np.asarray(token), np.asarray(logp)
             return cache, token, logp, start, time.monotonic()  # the device work's interval
 

@@ -1,0 +1,80 @@
+"""The JaxEngine's device work: the jitted prefill, extend, paged fill and decode steps (pure
+functions of the weights, the cache and the step's arrays). The engine (jax_engine.py) decides
+what runs when and where each request's KV lives; these only compute. Every kernel samples the
+next token with a key derived on device from the request's seed and token index, so a row's
+sample never depends on what else shares the batch. The cache is donated: updated in place,
+never copied per step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rstar2_jax.models.config import ModelConfig
+from rstar2_jax.models.decoder import KVCache, init_cache
+from rstar2_jax.rollout.sampling import sample
+
+
+class EngineKernels:
+    """The four jitted steps over one model's graph (the weights are an argument: a weight swap
+    recompiles nothing)."""
+
+    def __init__(self, graphdef, cfg: ModelConfig):
+        def row_keys(seeds, counters):
+            # one key per row, derived on device: a row's sample depends only on its own seed
+            # and position, never on what else shares the batch
+            return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+
+        def run_and_sample(state, tokens, start, length, cache, seed, counter, temperature, top_k, top_p):
+            """Run `tokens` (the first `length` real) at positions start.. against `cache` and
+            sample the next token (the request's `counter`-th) from the last real one."""
+            model = nnx.merge(graphdef, state)
+            positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+            logits, cache = model(tokens, positions, cache=cache)
+            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)
+            token, logp = sample(last, row_keys(seed[None], counter[None]), temperature[None], top_k[None],
+                                 top_p[None])
+            return cache, token[0], logp[0]
+
+        def fill_row(state, cache: KVCache, row: KVCache, slot, tokens, start, length, *sampling):
+            """`run_and_sample` on `row`, then write the row into the cache at `slot`."""
+            row, token, logp = run_and_sample(state, tokens, start, length, row, *sampling)
+            keys = tuple(jax.lax.dynamic_update_slice_in_dim(k, r, slot, 0) for k, r in zip(cache.keys, row.keys))
+            values = tuple(jax.lax.dynamic_update_slice_in_dim(v, r, slot, 0)
+                           for v, r in zip(cache.values, row.values))
+            return KVCache(keys, values), token, logp
+
+        def prefill(state, cache: KVCache, slot, tokens, start, length, *sampling):
+            """A whole prompt into a fresh row (start is 0)."""
+            row = init_cache(cfg, 1, cache.max_len, dtype=cache.keys[0].dtype)
+            return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
+
+        def extend(state, cache: KVCache, slot, tokens, start, length, *sampling):
+            """New tokens at positions start.. of a slot that already holds the KV of positions < start."""
+            row = KVCache(tuple(jax.lax.dynamic_slice_in_dim(k, slot, 1, 0) for k in cache.keys),
+                          tuple(jax.lax.dynamic_slice_in_dim(v, slot, 1, 0) for v in cache.values))
+            return fill_row(state, cache, row, slot, tokens, start, length, *sampling)
+
+        def fill_pages(state, cache, page_row, tokens, start, length, *sampling):
+            """Paged: tokens at positions start.. through one row's page table [1, pages_per_row]."""
+            cache, token, logp = run_and_sample(state, tokens, start, length, cache._replace(page_table=page_row),
+                                                *sampling)
+            return cache._replace(page_table=None), token, logp
+
+        def decode(state, cache, page_table, tokens, positions, seeds, counters, temperature, top_k, top_p,
+                   kv_len):
+            """One token for every slot (page_table: the slots' tables when paged, else None)."""
+            model = nnx.merge(graphdef, state)
+            if page_table is not None:
+                cache = cache._replace(page_table=page_table)
+            logits, cache = model(tokens[:, None], positions[:, None], cache=cache, kv_len=kv_len)
+            token, logp = sample(logits[:, 0], row_keys(seeds, counters), temperature, top_k, top_p)
+            if page_table is not None:
+                cache = cache._replace(page_table=None)
+            return cache, token, logp
+
+        self.prefill = jax.jit(prefill, donate_argnums=(1,))
+        self.extend = jax.jit(extend, donate_argnums=(1,))
+        self.fill_pages = jax.jit(fill_pages, donate_argnums=(1,))
+        self.decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
