@@ -44,7 +44,7 @@ def main():
                                           for p in prompts))
             q = nnx.merge(engine._graphdef, engine._state).layers[0].attn.q_proj.get_value()
             keys = engine._cache.keys[0]
-            return dict(tokens=[o.token_ids for o in outs], pages=engine._pages.num_pages,
+            return dict(tokens=[o.token_ids for o in outs], pages=engine.kv.pool.num_pages,
                         q_proj_shard_fraction=q.addressable_shards[0].data.size / q.size, q_proj_dtype=str(q.dtype),
                         kv_shard_fraction=keys.addressable_shards[0].data.size / keys.size)
 

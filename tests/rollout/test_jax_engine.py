@@ -292,7 +292,7 @@ def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per
 
 def _pool_is_whole(eng):
     """Every page is free or held by a running row or a resident: none leaked, none shared."""
-    pool = eng._pages
+    pool = eng.kv.pool
     held = [p for owner in pool.owners() for p in pool.held(owner)]
     rows = {("row", i) for i, r in enumerate(eng._active) if r is not None}
     residents = {("resident", s) for s in eng._residents}
@@ -315,7 +315,7 @@ async def _serve(eng, prompts, sampling):
         while True:
             peak["busy"] = max(peak["busy"], eng.busy_slots)
             if eng.page_size:
-                peak["pages"] = max(peak["pages"], eng._pages.num_pages - eng._pages.free)
+                peak["pages"] = max(peak["pages"], eng.kv.pool.num_pages - eng.kv.pool.free)
             await asyncio.sleep(0)
 
     w = asyncio.create_task(watch())

@@ -24,6 +24,10 @@ prompt and what it had generated, and samples on with the same per-token keys (v
 preemption by recompute). Decode attention reads the pages through the table: the Pallas
 paged kernel with `decode="pallas"`, an XLA gather otherwise.
 
+The two layouts are one `KVLayout` object each (kv_layouts.py: SlotRows, PagedKV), chosen at
+construction: the engine schedules requests and keeps the residents; the layout says where their
+KV is. The jitted steps are in jax_kernels.py.
+
 KV reuse across turns (`reuse_kv=True`): when a request ends, the trajectory's KV (the `session`
 it came with) stays in the engine as a resident, and the trajectory's next turn, whose prompt
 extends those tokens, prefills only the new tokens (the tool response) at their positions. With
@@ -58,11 +62,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstar2_jax import sharding as sharding_lib
-from rstar2_jax.models.decoder import Decoder, init_cache, init_paged_cache
+from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
 from rstar2_jax.rollout.engines.jax_kernels import EngineKernels
-from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
+from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.sampling import SamplingParams
 
 MIN_PREFILL_BUCKET = 16
@@ -125,6 +129,7 @@ class JaxEngine(Engine):
         self.ledger = OwnerLedger(slots)  # the same work, charged to the owners of the requests served
         self.reuse_kv = reuse_kv
         self.page_size = page_size
+        self.kv: KVLayout = SlotRows(slots, max_len) if page_size is None else PagedKV(slots, max_len, page_size, kv_pages)
         self._residents: dict[Hashable, _Resident] = {}  # by session
         self._admissions = 0
         self.version = 0
@@ -132,18 +137,7 @@ class JaxEngine(Engine):
         self.mesh = mesh
         self._graphdef, state = nnx.split(model)
         self._state = self._placed(state)
-        if page_size is None:
-            self._pages = None
-            self._cache = self._placed_cache(init_cache(model.cfg, slots, max_len, dtype=model.dtype), paged=False)
-        else:
-            self.pages_per_row = max_len // page_size
-            kv_pages = slots * self.pages_per_row if kv_pages is None else kv_pages
-            if kv_pages < self.pages_per_row:
-                raise ValueError(f"kv_pages={kv_pages} cannot hold one max_len={max_len} sequence "
-                                 f"({self.pages_per_row} pages of {page_size})")
-            self._pages = PagePool(kv_pages)
-            self._cache = self._placed_cache(init_paged_cache(model.cfg, kv_pages, page_size, dtype=model.dtype),
-                                             paged=True)
+        self._cache = self._placed_cache(self.kv.make_cache(model.cfg, model.dtype))
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)
         self._active: list[_Request | None] = [None] * slots
@@ -189,11 +183,11 @@ class JaxEngine(Engine):
         targets = sharding_lib.param_shardings(state, self.mesh)
         return jax.tree.map(lambda x, t: x if x.sharding == t else jax.device_put(x, t), state, targets)
 
-    def _placed_cache(self, cache, *, paged: bool):
+    def _placed_cache(self, cache):
         """KV split by heads over the mesh's tensor axis, as the k/v projections that write it."""
         if self.mesh is None:
             return cache
-        axes = ("kv_heads", None, None, None) if paged else (None, "kv_heads", None, None)
+        axes = self.kv.cache_axes
         place = lambda x: jax.device_put(x, sharding_lib.named_sharding(self.mesh, axes, x.shape))  # noqa: E731
         return cache._replace(keys=tuple(map(place, cache.keys)), values=tuple(map(place, cache.values)))
 
@@ -205,12 +199,8 @@ class JaxEngine(Engine):
         for n in prompt_lengths:
             tokens = jnp.zeros((1, self._prefill_bucket(int(n))), jnp.int32)
             sampling = (jnp.uint32(0), jnp.int32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
-            if self._pages is None:
-                self._cache, *_ = self.kernels.prefill(self._state, self._cache, jnp.int32(0), tokens, jnp.int32(0),
-                                                jnp.int32(1), *sampling)
-            else:  # an all-"no page" table: every write dropped
-                self._cache, *_ = self.kernels.fill_pages(self._state, self._cache, jnp.asarray(self._page_table([None])),
-                                                   tokens, jnp.int32(0), jnp.int32(1), *sampling)
+            fn, head = self.kv.idle_prefill(self)
+            self._cache, *_ = fn(*head, tokens, jnp.int32(0), jnp.int32(1), *sampling)
         inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
         lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
@@ -239,15 +229,9 @@ class JaxEngine(Engine):
         return self.stats.decode_steps
 
     def load(self) -> ServerLoad:
-        """Load in the scheduler's terms. Slot rows: every slot owns a max_len row, so capacity is
-        slots x max_len tokens and a busy slot uses its whole row. Paged: capacity is the pool,
-        usage the pages that requests hold (residents' pages are free to take)."""
+        """Load in the scheduler's terms (usage and capacity: the KV layout's, kv_layouts.py)."""
         busy = self.busy_slots
-        if self._pages is None:
-            usage, capacity = busy / self.slots, self.slots * self.max_len
-        else:
-            held = sum(len(self._pages.held(("row", i))) for i in range(self.slots))
-            usage, capacity = held / self._pages.num_pages, self._pages.num_pages * self.page_size
+        usage, capacity = self.kv.load(busy)
         return ServerLoad(kv_usage=usage, kv_capacity_tokens=capacity, running=busy, waiting=len(self._waiting))
 
     @property
@@ -273,10 +257,9 @@ class JaxEngine(Engine):
                     self._arrived.clear()
                     await self._arrived.wait()
                     continue
-                if self._pages is not None:
-                    self._grow_rows()
-                    if not any(self._active):  # cannot happen (one sequence fits the pool), but never step on nothing
-                        continue
+                self.kv.before_decode(self)  # paged: each row's next page (may evict or preempt)
+                if not any(self._active):  # cannot happen (one sequence fits the pool), but never step on nothing
+                    continue
                 await self._step(loop)
         except Exception as e:  # fail every waiting request loudly rather than hang it
             for req in [*self._active, *self._waiting]:
@@ -285,15 +268,15 @@ class JaxEngine(Engine):
             raise
 
     async def _admit_waiting(self, loop):
-        """Admit waiting requests, first come first served, while a slot (and, paged, the
-        pages for the request's prompt) is free."""
+        """Admit waiting requests, first come first served, while a slot (and room in the KV
+        layout for the request's prompt) is free."""
         while self._waiting and None in self._active:
             req = self._waiting[0]
             if req.future.done():  # cancelled by the caller while queued
                 self._waiting.popleft()
                 continue
             resident = self._reusable(req)
-            if self._pages is not None and not self._make_room(req, resident):
+            if not self.kv.make_room(self, req, resident):
                 return  # the head waits for pages; nothing overtakes it
             self._waiting.popleft()
             await self._admit(loop, self._choose_slot(resident), req, resident)
@@ -307,48 +290,21 @@ class JaxEngine(Engine):
         return r
 
     def _choose_slot(self, resident: _Resident | None) -> int:
-        """A free slot. Paged: the first. Slot rows: the one holding the reused KV, else an
-        empty one, else the one whose resident was used least recently (it is dropped)."""
-        free = [i for i, a in enumerate(self._active) if a is None]
-        if self._pages is not None:
-            return free[0]
-        if resident is not None and resident.slot in free:
-            return resident.slot
-        held = {r.slot: session for session, r in self._residents.items()}
-        empty = [i for i in free if i not in held]
-        if empty:
-            return empty[0]
-        oldest = min(free, key=lambda i: self._residents[held[i]].last_used)
-        del self._residents[held[oldest]]
-        return oldest
-
-    def _make_room(self, req: _Request, resident: _Resident | None) -> bool:
-        """Paged: free pages for `req`'s context (past what `resident` holds), evicting other
-        residents least recently used first; False (nothing evicted) if it cannot fit yet."""
-        held = len(self._pages.held(("resident", req.session))) if resident is not None else 0
-        needed = pages_for(len(req.context()), self.page_size) - held
-        evictable = sorted((r.last_used, s) for s, r in self._residents.items() if r is not resident)
-        if needed > self._pages.free + sum(len(self._pages.held(("resident", s))) for _, s in evictable):
-            return False
-        for _, session in evictable:
-            if self._pages.free >= needed:
-                break
-            self._drop_resident(session)
-        return True
+        """A free slot, as the KV layout chooses it (slot rows: the one holding the reused KV)."""
+        return self.kv.choose_slot(self, [i for i, a in enumerate(self._active) if a is None], resident)
 
     def _drop_resident(self, session: Hashable) -> None:
         del self._residents[session]
-        if self._pages is not None:
-            self._pages.release(("resident", session))
+        self.kv.drop_resident(session)
 
     async def _admit(self, loop, slot: int, req: _Request, resident: _Resident | None):
         context = req.context()
         reuse = len(resident.tokens) if resident is not None else 0
         if req.session is not None and req.session in self._residents:
-            if resident is not None and self._pages is not None:
-                self._pages.transfer(("resident", req.session), ("row", slot))
+            if resident is not None:  # its KV is reused: it becomes this request's row
+                self.kv.take_resident(req.session, slot)
                 del self._residents[req.session]
-            else:  # superseded by this turn (or, with slot rows, its row is now this request's)
+            else:  # superseded by this turn
                 self._drop_resident(req.session)
         self._admissions += 1
         req.admitted = self._admissions
@@ -362,14 +318,8 @@ class JaxEngine(Engine):
             req.seed = (s.seed if s.seed is not None else int(self._seeds.integers(2 ** 32))) % 2 ** 32
         sampling_args = (jnp.uint32(req.seed), jnp.int32(len(req.generated)), jnp.float32(s.temperature),
                          jnp.int32(s.top_k), jnp.float32(s.top_p))
-        row_args = (jnp.asarray(tokens), jnp.int32(reuse), jnp.int32(n)) + sampling_args
-        if self._pages is not None:
-            self._pages.grow(("row", slot), pages_for(len(context), self.page_size) - len(self._pages.held(("row", slot))))
-            table = jnp.asarray(self._page_table([slot]))
-            fn, args = self.kernels.fill_pages, (self._state, self._cache, table) + row_args
-        else:
-            fn = self.kernels.extend if reuse else self.kernels.prefill
-            args = (self._state, self._cache, jnp.int32(slot)) + row_args
+        fn, head = self.kv.prefill(self, slot, len(context), reuse)
+        args = head + (jnp.asarray(tokens), jnp.int32(reuse), jnp.int32(n)) + sampling_args
 
         version = self.version  # the weights in `args`, whatever a sync does while they run
         # reused KV was computed by the same weights (_reusable), so the row's oldest KV is this prefill's
@@ -389,44 +339,14 @@ class JaxEngine(Engine):
         self._active[slot] = req
         self._append(slot, token, logp, version)
 
-    def _grow_rows(self):
-        """Paged: before a decode step, give every row the page its next write lands in. When
-        none is free, evict a resident, else preempt the most recently admitted request."""
-        for slot in sorted((i for i, r in enumerate(self._active) if r is not None),
-                           key=lambda i: self._active[i].admitted):
-            req = self._active[slot]
-            if req is None:  # preempted while an older row grew
-                continue
-            position = len(req.context()) - 1
-            while len(self._pages.held(("row", slot))) <= position // self.page_size:
-                if self._pages.free:
-                    self._pages.grow(("row", slot), 1)
-                elif self._residents:
-                    self._drop_resident(min(self._residents, key=lambda s: self._residents[s].last_used))
-                else:
-                    victim = max((i for i, r in enumerate(self._active) if r is not None),
-                                 key=lambda i: self._active[i].admitted)
-                    self._preempt(victim)
-                    if victim == slot:
-                        break
-
     def _preempt(self, slot: int):
         """Free the slot and its pages; the request waits at the head of the queue."""
         req = self._active[slot]
         self._active[slot] = None
-        self._pages.release(("row", slot))
+        self.kv.free_row(slot)
         self._waiting.appendleft(req)
         self.stats.preemptions += 1
         self.ledger.charge_preemption(req.owner)
-
-    def _page_table(self, slots) -> np.ndarray:
-        """Page tables of `slots` (None: an idle row), unallocated entries = num_pages."""
-        table = np.full((len(slots), self.pages_per_row), self._pages.num_pages, np.int32)
-        for row, slot in enumerate(slots):
-            if slot is not None:
-                pages = self._pages.held(("row", slot))
-                table[row, :len(pages)] = pages
-        return table
 
     def _decode_inputs(self):
         """The decode step's per-slot arrays from the active requests (idle slots: dropped
@@ -448,8 +368,7 @@ class JaxEngine(Engine):
                 top_k[slot] = req.sampling.top_k
                 top_p[slot] = req.sampling.top_p
         arrays = (tokens, positions, seeds, counters, temperature, top_k, top_p)
-        table = None if self._pages is None else jnp.asarray(
-            self._page_table([i if r is not None else None for i, r in enumerate(self._active)]))
+        table = self.kv.decode_table([i if r is not None else None for i, r in enumerate(self._active)])
         return ((table,) + tuple(jnp.asarray(a) for a in arrays),
                 [int(p) for p in positions if p < self.max_len])
 
@@ -519,14 +438,11 @@ class JaxEngine(Engine):
         if self.reuse_kv and req.session is not None:
             if req.session in self._residents:  # two requests of one session at once: keep the later
                 self._drop_resident(req.session)
-            if self._pages is None:  # the KV stays in the slot's row
-                self._residents[req.session] = _Resident(tokens, req.version_start, self._admissions, slot)
-            else:  # the KV stays in the row's pages, whichever slot the next turn gets
-                self._residents[req.session] = _Resident(tokens, req.version_start, self._admissions)
-                self._pages.truncate(("row", slot), pages_for(len(tokens), self.page_size))
-                self._pages.transfer(("row", slot), ("resident", req.session))
-        elif self._pages is not None:
-            self._pages.release(("row", slot))
+            # the KV stays where the layout keeps it: the slot's row, or the row's pages
+            self._residents[req.session] = _Resident(tokens, req.version_start, self._admissions,
+                                                     self.kv.keep(slot, req.session, tokens))
+        else:
+            self.kv.free_row(slot)
 
     def _matched_stop(self, req: _Request) -> str | None:
         for stop in req.stops:
