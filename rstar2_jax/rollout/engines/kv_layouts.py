@@ -69,7 +69,7 @@ class SlotRows:
         if empty:
             return empty[0]
         oldest = min(free, key=lambda i: engine._residents[held[i]].last_used)
-        del engine._residents[held[oldest]]
+        engine._drop_resident(held[oldest])
         return oldest
 
     def drop_resident(self, session) -> None:
