@@ -43,7 +43,7 @@ def _gspo(c):
 
 def _dr_grpo(c):
     _grpo(c)
-    c.rl.advantage = "mean_only"
+    c.rl.advantage.name = "mean_only"
     c.rl.loss.aggregation = "constant"   # C = the stage's max_response_tokens (rl.loss.constant_tokens=0)
 
 

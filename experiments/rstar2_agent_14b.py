@@ -22,8 +22,8 @@ def get_config(arg: str = ""):
     c.mesh.tensor = 4                    # 64 GPUs: FSDP 16 x tensor 4
     c.mesh.devices_per_process = 8       # one trainer process per 8-GPU host
     c.model.decode_attention = "xla"     # the embedded engine splits over the host's 8 GPUs (Pallas runs on one)
-    c.rollout.page_size = 256
-    c.rollout.kv_memory_gb = 160.0       # 20 GiB of KV per GPU (train --plan prints the whole budget)
+    c.rollout.jax.page_size = 256
+    c.rollout.jax.kv_memory_gb = 160.0       # 20 GiB of KV per GPU (train --plan prints the whole budget)
     c.rollout.max_len = 12288 + 1024
     c.rollout.temperature = 1.0
     c.rl.steps = 510
@@ -39,7 +39,7 @@ def get_config(arg: str = ""):
         dict(start_step=300, max_response_tokens=12288, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False),
         dict(start_step=385, max_response_tokens=12288, max_turns=15, filter_solved_k=8, filter_mode="offline", reset_optimizer=True),
     ]
-    c.sandbox.workers = 64               # or sandbox.backend=redis: workers on CPU hosts (SCALING.md)
+    c.sandbox.local.workers = 64               # or sandbox.backend=redis: workers on CPU hosts (SCALING.md)
     c.checkpoint.every = 10
     c.checkpoint.keep = 5
     return c

@@ -23,9 +23,9 @@ def get_config():
     c.data.eval_problems = 200
     c.format = "tiny"
     c.sft.steps = 350                    # a warm start on the task's synthetic traces
-    c.rollout.slots = 32
+    c.rollout.jax.slots = 32
     c.rollout.max_len = 640
-    c.sandbox.workers = 2
+    c.sandbox.local.workers = 2
     c.rl.steps = 12
     c.rl.batch_problems = 16
     c.rl.group_size = 4

@@ -137,5 +137,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from rstar2_jax.rl.config import RunConfig
     from rstar2_jax.rl.run_dir import ConfigMismatchError
-    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError,))
+    cli.run(main, config_flag=_CONFIG, config_type=RunConfig, expected=(ConfigMismatchError,))

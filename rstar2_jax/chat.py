@@ -39,6 +39,7 @@ async def _chat(model, model_dir: str, format_name: str):
     from rstar2_jax.rewards import extract_answer
     from rstar2_jax.rollout import AgentConfig, make_format, run_agent
     from rstar2_jax.rollout.engines import RolloutConfig, make_engine
+    from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings
 
     fmt = make_format(format_name)
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -46,7 +47,7 @@ async def _chat(model, model_dir: str, format_name: str):
                       temperature=_TEMPERATURE.value)
     print(fmt.prompt(_PROMPT.value))
     max_len = len(tokenizer.encode(fmt.prompt(_PROMPT.value))) + _MAX_TOKENS.value + 1
-    engine_cfg = RolloutConfig(engine="jax", slots=1, max_len=max_len, temperature=_TEMPERATURE.value)
+    engine_cfg = RolloutConfig(engine="jax", jax=JaxEngineSettings(slots=1), max_len=max_len, temperature=_TEMPERATURE.value)
     async with sandbox.LocalSandbox(workers=2, isolation=_ISOLATION.value) as sb, \
             make_engine(engine_cfg, model, tokenizer, seed=_SEED.value) as engine:
         traj = await run_agent(engine, sb, tokenizer, _PROMPT.value, cfg, on_turn=_print_turn)

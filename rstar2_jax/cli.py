@@ -21,7 +21,7 @@ import traceback
 from absl import app, flags
 
 from rstar2_jax.checkpoints import NotARunError
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.config_types import ConfigValueError, moved_to, section_at
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.registry import UnknownNameError
 
@@ -38,17 +38,18 @@ def fail(message: str, program: str | None = None):
     sys.exit(EXIT_USAGE)
 
 
-def run(main, *, config_flag=None, expected: tuple[type[BaseException], ...] = ()):
+def run(main, *, config_flag=None, config_type=None, expected: tuple[type[BaseException], ...] = ()):
     """app.run(main) with readable errors. `config_flag`: the holder of a config_flags
-    DEFINE_config_file flag, loaded (and its overrides applied) before main runs."""
+    DEFINE_config_file flag, loaded (and its overrides applied) before main runs; `config_type`:
+    the Section it describes (RunConfig), to name where a moved setting went."""
 
     def parse(argv):
         try:
             rest = flags.FLAGS(argv)
         except flags.Error as e:
-            fail(_flag_error(str(e)))
+            fail(_section_given_a_name(str(e), config_type) or _flag_error(str(e)))
         except Exception as e:  # noqa: BLE001  config_flags loading the file or applying an override
-            fail(_override_error(e, argv) or _config_file_error(e, _config_arg(argv, config_flag)))
+            fail(_override_error(e, argv, config_type) or _config_file_error(e, _config_arg(argv, config_flag)))
         if config_flag is not None:
             try:
                 value = config_flag.value
@@ -93,7 +94,7 @@ def _flag_error(message: str) -> str:
     return message.replace("\n", " ")
 
 
-def _override_error(e: BaseException, argv) -> str | None:
+def _override_error(e: BaseException, argv, config_type=None) -> str | None:
     """`--config.rl.roc.mod=paper` -> '--config.rl.roc.mod: no such field; did you mean --config.rl.roc.mode?'"""
     text = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
     bad = re.match(r"'?([^'\n]+)'?", text)
@@ -101,11 +102,29 @@ def _override_error(e: BaseException, argv) -> str | None:
     key = bad.group(1) if bad else None
     for arg in argv[1:]:
         name = arg.split("=", 1)[0]
+        if key and config_type is not None and name.startswith("--config.") and name.rsplit(".", 1)[-1] == key:
+            new = moved_to(config_type, name.removeprefix("--config."))
+            if new:
+                return f"{name}: moved; set " + " or ".join(f"--config.{path}" for path in new) + " instead"
         if key and name.startswith("--") and name.rsplit(".", 1)[-1] == key:
             if suggestion:
                 return f"{name}: no such field; did you mean {name.rsplit('.', 1)[0]}.{suggestion.group(1)}?"
             return f"{name}: no such field in the config"
     return None
+
+
+def _section_given_a_name(message: str, config_type) -> str | None:
+    """`--config.rl.advantage=mean_only` where rl.advantage is a section that chooses a part by
+    its selector (it was a name before): the flag to set instead."""
+    match = re.match(r"flag --config\.([\w.]+)=(.*?): Failed to parse .* as a ConfigDict", message)
+    if not match or config_type is None:
+        return None
+    section = section_at(config_type, match.group(1))
+    selector = getattr(section, "selector", None)
+    if not isinstance(selector, str):
+        return None
+    return (f"--config.{match.group(1)} is a section now: set --config.{match.group(1)}.{selector}={match.group(2)} "
+            f"(its own settings: --config.{match.group(1)}.{match.group(2)}.*)")
 
 
 def _config_file_error(e: BaseException, filename: str | None) -> str:

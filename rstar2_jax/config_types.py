@@ -83,6 +83,12 @@ class Section:
     # may omit fields (an older run's config.json), which then take their defaults.
     all_fields_required: typing.ClassVar[bool] = False
 
+    # Fields that moved to another place in this section: old name -> new dotted path under it
+    # ("slots" -> "jax.slots"). A config that sets an old name is told the new one; an older run's
+    # config.json is read with them in their new places (`upgraded`). A tuple of paths: the place
+    # depends on other values (`upgrade_values` moves it).
+    moved: typing.ClassVar[Mapping[str, str | tuple[str, ...]]] = {}
+
     def rules(self) -> Iterable[tuple[str, str]]:
         """(field, message) for each broken rule that involves several fields (override)."""
         return ()
@@ -94,10 +100,19 @@ class Section:
         field could not be read). Missing keys take their defaults (older run files)."""
         problems: list[ConfigProblem] = []
         if not isinstance(mapping, Mapping):
+            selector = getattr(cls, "selector", None)  # a part_sections choice: it was a name before
+            if isinstance(mapping, str) and isinstance(selector, str):
+                return None, [ConfigProblem(path, f"is a section now: set {_join(path, selector)}={mapping!r} "
+                                            f"(and the part's own settings under {path}.{mapping}.*)")]
             return None, [ConfigProblem(path, f"must be a mapping of fields, got {type(mapping).__name__}")]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for key in mapping:
-            if key not in fields:
+            if key in cls.moved and key not in fields:
+                new = cls.moved[key]
+                new = " or ".join(_join(path, p) for p in new) if isinstance(new, tuple) else _join(path, new)
+                problems.append(ConfigProblem(_join(path, str(key)), f"moved: set {new} instead (an older run's "
+                                              "config.json is read with it there)"))
+            elif key not in fields:
                 problems.append(ConfigProblem(_join(path, str(key)), f"unknown field; {did_you_mean(key, fields)}"
                                               f"{cls.__name__} has: {', '.join(fields)}"))
         if cls.all_fields_required:
@@ -120,6 +135,43 @@ class Section:
         section = cls(**values)
         problems += [ConfigProblem(_join(path, field), message) for field, message in section.rules()]
         return section, problems
+
+    @classmethod
+    def upgraded(cls, mapping: Any) -> Any:
+        """`mapping` (an older run's config.json) as this version writes it: every moved field at
+        its new place (where that place is not set already), in nested sections too, then
+        `upgrade_values`. Anything else is left for `parse` to judge."""
+        if not isinstance(mapping, Mapping):
+            return mapping
+        out = dict(mapping)
+        for old, new in cls.moved.items():
+            if old not in out or isinstance(new, tuple):
+                continue
+            value = out.pop(old)
+            *parents, leaf = new.split(".")
+            node = out
+            for name in parents:
+                child = node.get(name)
+                node[name] = dict(child) if isinstance(child, Mapping) else {}
+                node = node[name]
+            node.setdefault(leaf, value)
+        out = cls.upgrade_values(out)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if f.name not in out:
+                continue
+            if isinstance(tp, type) and issubclass(tp, Section):
+                out[f.name] = tp.upgraded(out[f.name])
+            elif _is_tuple_of_sections(tp) and isinstance(out[f.name], (list, tuple)):
+                out[f.name] = [typing.get_args(tp)[0].upgraded(v) for v in out[f.name]]
+        return out
+
+    @classmethod
+    def upgrade_values(cls, mapping: dict[str, Any]) -> dict[str, Any]:
+        """Override: an older run's values that this version spells otherwise (a renamed choice, a
+        setting that became a section), rewritten in `mapping` (a copy, moved fields already moved)."""
+        return mapping
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]):
@@ -217,6 +269,27 @@ def _field_problems(f: dataclasses.Field, value, path: str) -> list[ConfigProble
     if meta.get("nonempty") and not value:
         out.append(ConfigProblem(path, f"must be set ({meta['doc']})"))
     return out
+
+
+def section_at(cls: type[Section], dotted: str) -> type[Section] | None:
+    """The section type at `dotted` ("rl.advantage") under `cls`, or None where there is none."""
+    for name in dotted.split(".") if dotted else ():
+        tp = typing.get_type_hints(cls).get(name)
+        if not (isinstance(tp, type) and issubclass(tp, Section)):
+            return None
+        cls = tp
+    return cls
+
+
+def moved_to(cls: type[Section], dotted: str) -> tuple[str, ...]:
+    """Where setting `dotted` ("rollout.slots") of config section `cls` lives now, if it moved
+    (Section.moved along its path): its new path(s); () for a setting that never moved."""
+    prefix, _, leaf = dotted.rpartition(".")
+    parent = section_at(cls, prefix)
+    new = parent.moved.get(leaf) if parent is not None else None
+    if new is None:
+        return ()
+    return tuple(_join(prefix, p) for p in (new if isinstance(new, tuple) else (new,)))
 
 
 def changed_fields(section: Section) -> list[str]:

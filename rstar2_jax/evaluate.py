@@ -70,9 +70,10 @@ def load_policy(model_dir: str | None, checkpoint: str | None):
     return models.load_pretrained(model_dir) if model_dir is not None else load_run_policy(checkpoint)
 
 
-# The engine flags, as the RolloutConfig fields they set (errors name the flag).
-ENGINE_FLAGS = {"engine": "--engine", "vllm_urls": "--url", "scheduler": "--scheduler", "slots": "--slots",
-                "page_size": "--page_size", "kv_pages": "--kv_pages", "temperature": "--temperature"}
+# The engine flags, as the RolloutConfig fields they set (errors name the flag). The flags of the
+# engine not chosen are left out (they would be refused as another engine's settings).
+ENGINE_FLAGS = {"engine": "--engine", "vllm.urls": "--url", "vllm.scheduler": "--scheduler", "jax.slots": "--slots",
+                "jax.page_size": "--page_size", "jax.kv_pages": "--kv_pages", "temperature": "--temperature"}
 
 
 def rollout_config(max_tokens: int):
@@ -81,13 +82,21 @@ def rollout_config(max_tokens: int):
     from rstar2_jax.rollout.engines import RolloutConfig
     from rstar2_jax.rollout.engines.kv_pages import pages_for
 
-    values = {field: getattr(flags.FLAGS, flag[2:]) for field, flag in ENGINE_FLAGS.items()}
+    engine = flags.FLAGS.engine
+    values: dict = {}
+    for field, flag in ENGINE_FLAGS.items():
+        part, _, name = field.rpartition(".")
+        if part and part != engine:
+            continue
+        value = getattr(flags.FLAGS, flag[2:])
+        (values.setdefault(part, {}) if part else values)[name] = tuple(value) if isinstance(value, list) else value
     # checked at the shortest max_len a benchmark can need (a one-token prompt); each benchmark's
     # own max_len is checked again when its engine is built
     shortest = max_tokens + 2
-    if values["page_size"]:
-        shortest = pages_for(shortest, values["page_size"]) * values["page_size"]
-    section, problems = RolloutConfig.parse({**values, "vllm_urls": tuple(values["vllm_urls"]), "max_len": shortest})
+    page_size = values.get("jax", {}).get("page_size")
+    if page_size:
+        shortest = pages_for(shortest, page_size) * page_size
+    section, problems = RolloutConfig.parse({**values, "max_len": shortest})
     if problems:
         raise app.UsageError("\n".join(f"{ENGINE_FLAGS.get(p.path.split('[')[0], p.path)}: {p.message}"
                                        for p in problems))
@@ -103,8 +112,8 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg
     model = load_policy(model_dir, checkpoint) if engine_kind(cfg).embedded else None  # served: the servers' weights
 
     def engine_for(max_len: int):
-        if cfg.page_size:  # whole pages
-            max_len = pages_for(max_len, cfg.page_size) * cfg.page_size
+        if cfg.jax.page_size:  # whole pages
+            max_len = pages_for(max_len, cfg.jax.page_size) * cfg.jax.page_size
         sized = type(cfg).from_mapping({**cfg.to_dict(), "max_len": max_len})  # ConfigValueError if the pages cannot hold it
         return make_engine(sized, model, tokenizer, seed=_SEED.value)
     return engine_for

@@ -110,5 +110,6 @@ if __name__ == "__main__":
     from rstar2_jax.models.hub import ModelNotFound
     from rstar2_jax.rl.memory_plan import MemoryPlanError
     from rstar2_jax.rl.plan import SyncPlanError
+    from rstar2_jax.rl.config import RunConfig
     from rstar2_jax.rl.run_dir import ConfigMismatchError
-    cli.run(main, config_flag=_CONFIG, expected=(ConfigMismatchError, MemoryPlanError, SyncPlanError, ModelNotFound))
+    cli.run(main, config_flag=_CONFIG, config_type=RunConfig, expected=(ConfigMismatchError, MemoryPlanError, SyncPlanError, ModelNotFound))

@@ -21,17 +21,18 @@ from rstar2_jax.rl.config import RunConfig, base_config
 PROBLEM_FILE = os.path.join(tempfile.mkdtemp(prefix="config-checks-"), "problems.jsonl")
 with open(PROBLEM_FILE, "w") as _f:
     _f.write('{"problem": "1+1", "answer": "2", "id": "a"}\n')
-PROBLEM_SETS = {"data.task": "problems", "data.train_path": PROBLEM_FILE, "data.eval_path": PROBLEM_FILE}
+PROBLEM_SETS = {"data.task": "problems", "data.problems.train_path": PROBLEM_FILE, "data.problems.eval_path": PROBLEM_FILE}
 FREE_STRINGS = {
     "model.path": ({}, "/no/such/model"),
-    "data.train_path": ({"data.task": "jsonl"}, "/no/such/train.jsonl"),
-    "data.eval_path": ({"data.task": "problems"}, "/no/such/eval.jsonl"),
-    "data.question_key": (PROBLEM_SETS, "no_such.field"),
-    "data.answer_key": (PROBLEM_SETS, "no_such_field"),
-    "data.id_key": (PROBLEM_SETS, "problem.id"),
-    "sandbox.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
-    "rollout.vllm_sync_dir": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"]}, "/no/such/dir"),
-    "rollout.vllm_sync_host": ({}, ""),
+    "data.problems.train_path": ({"data.task": "problems"}, "/no/such/train.jsonl"),
+    "data.problems.eval_path": ({"data.task": "problems"}, "/no/such/eval.jsonl"),
+    "data.problems.question_key": (PROBLEM_SETS, "no_such.field"),
+    "data.problems.answer_key": (PROBLEM_SETS, "no_such_field"),
+    "data.problems.id_key": (PROBLEM_SETS, "problem.id"),
+    "sandbox.redis.url": ({"sandbox.backend": "redis"}, "http://not-redis"),
+    "sandbox.http.url": ({"sandbox.backend": "http"}, "redis://not-http"),
+    "rollout.vllm.sync_dir": ({"rollout.engine": "vllm", "rollout.vllm.urls": ["http://127.0.0.1:1"]}, "/no/such/dir"),
+    "rollout.vllm.sync_host": ({}, ""),
     "logging.project": ({}, ""),
     "logging.wandb_entity": ({"logging.backends": ["wandb"]}, "no such team"),
     "logging.mlflow_tracking_uri": ({}, "relative/mlruns"),
@@ -40,9 +41,9 @@ FREE_STRINGS = {
 # Lists of strings: the element check, under the setting that reads them.
 STRING_LISTS = {"rl.correction.names": ({}, ["no_such_correction"]),
                 "logging.backends": ({}, ["no_such_tracker"]),
-                "rollout.vllm_urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
-                "rollout.vllm_fetch_urls": ({"rollout.engine": "vllm", "rollout.vllm_urls": ["http://127.0.0.1:1"],
-                                             "rollout.vllm_sync": "pull"}, ["not-a-url"])}
+                "rollout.vllm.urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
+                "rollout.vllm.fetch_urls": ({"rollout.engine": "vllm", "rollout.vllm.urls": ["http://127.0.0.1:1"],
+                                             "rollout.vllm.sync": "pull"}, ["not-a-url"])}
 
 
 def shipped_configs(tmp_path):
@@ -51,7 +52,7 @@ def shipped_configs(tmp_path):
     out = {"tiny_arith": tiny_arith.get_config(), "roc_ablation": roc_ablation.get_config("release,2,2,0.1")}
     for name, module in (("qwen3_0p6b_math", qwen3_0p6b_math), ("rstar2_agent_14b", rstar2_agent_14b)):
         c = module.get_config(f",{files}")
-        c.data.eval_path = str(files)
+        c.data.problems.eval_path = str(files)
         out[name] = c
     return {name: c.to_dict() for name, c in out.items()}
 
@@ -122,12 +123,12 @@ def test_every_bad_leaf_of_every_shipped_config_is_refused_by_the_check(tmp_path
 def test_unknown_keys_are_refused_with_did_you_mean():
     tree = base_config().to_dict()
     tree["rl"]["roc"]["mod"] = "paper"
-    tree["sandbox"]["wrokers"] = 2
+    tree["sandbox"]["local"]["wrokers"] = 2
     with pytest.raises(ConfigValueError) as e:
         RunConfig.from_config(tree)
     text = str(e.value)
     assert "rl.roc.mod: unknown field; did you mean 'mode'?" in text
-    assert "sandbox.wrokers: unknown field; did you mean 'workers'?" in text
+    assert "sandbox.local.wrokers: unknown field; did you mean 'workers'?" in text
 
 
 def test_the_base_config_round_trips_through_its_typed_form():
@@ -193,7 +194,7 @@ def test_sections_refuse_wrong_types_and_widen_ints_to_floats():
 
 
 @pytest.mark.parametrize("path, value", [
-    ("model.remat", "ful"), ("checkpoint.every", 0), ("rollout.slots", 0), ("sandbox.workers", 0),
+    ("model.remat", "ful"), ("checkpoint.every", 0), ("rollout.jax.slots", 0), ("sandbox.local.workers", 0),
     ("rl.tis_cap", 0.5), ("mesh.fsdp", 0), ("stages[0].max_turns", 0),
 ])
 def test_the_values_validate_once_let_through_are_refused(path, value):
@@ -208,5 +209,7 @@ def test_session_tool_state_is_accepted_with_every_sandbox_backend(tmp_path):
     tree = shipped_configs(tmp_path)["tiny_arith"]
     for backend, url in (("local", ""), ("http", "http://127.0.0.1:8088"), ("redis", "redis://127.0.0.1:6379/0")):
         t = copy.deepcopy(tree)
-        t["sandbox"].update(backend=backend, url=url, tool_state="session")
+        t["sandbox"].update(backend=backend, tool_state="session")
+        if url:
+            t["sandbox"][backend]["url"] = url
         assert problems_of(t) == [], backend

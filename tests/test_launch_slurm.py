@@ -59,8 +59,8 @@ def test_the_script_wires_every_address_and_is_valid_bash():
     trainer = next(line for line in lines if "rstar2_jax.train" in line)
     assert "--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=$(hosts 2 3)" in trainer.replace(
         " --cpus-per-task=$(( CPUS / 1 > 0 ? CPUS / 1 : 1 ))", "")
-    for wired in ("--config.sandbox.backend=redis", '"--config.sandbox.url=$REDIS_URL"', "--config.rollout.engine=vllm",
-                  "--config.rollout.vllm_sync=pull", '"--config.rollout.vllm_sync_host=$(host 2)"',
+    for wired in ("--config.sandbox.backend=redis", '"--config.sandbox.redis.url=$REDIS_URL"', "--config.rollout.engine=vllm",
+                  "--config.rollout.vllm.sync=pull", '"--config.rollout.vllm.sync_host=$(host 2)"',
                   "--config.rl.steps=5", "--config.distributed=True"):
         assert wired in trainer, wired
     assert trainer.index("--config=/repo/experiments") < trainer.index("--config.rl.steps=5")

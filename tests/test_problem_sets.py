@@ -113,7 +113,7 @@ def test_a_column_mapping_reads_any_other_layout(tmp_path):
     rows = [{"input": {"text": q}, "target": a, "uid": i} for q, a, i in PROBLEMS]  # slime-style keys, nested
     path = write_jsonl(tmp_path / "custom.jsonl", rows)
     with pytest.raises(DataError, match=r"unknown problem-set layout.*input\{text \(str\)\}.*target \(str\).*"
-                                        r"data.question_key"):
+                                        r"data.problems.question_key"):
         load_problems(path)
     problems = load_problems(path, columns=Columns("input.text", "target", "uid"))
     assert [(p.id, p.question, p.answer) for p in problems] == [(i, q, a) for q, a, i in PROBLEMS]
@@ -153,15 +153,15 @@ def test_the_problems_task_refuses_an_unloadable_set_at_config_time_naming_the_k
     good = write_parquet(tmp_path / "train.parquet", rstar2_agent_rows())
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"input": "1+1", "target": "2"}])
     with pytest.raises(ConfigValueError) as e:
-        DataConfig.from_mapping({"task": "problems", "train_path": good, "eval_path": odd})
-    assert "eval_path: " in str(e.value) and "data.answer_key" in str(e.value) and "train_path" not in str(e.value)
+        DataConfig.from_mapping({"task": "problems", "problems": {"train_path": good, "eval_path": odd}})
+    assert "eval_path: " in str(e.value) and "data.problems.answer_key" in str(e.value) and "train_path" not in str(e.value)
     # the mapping is the run's, for both sets
     odd_train = write_jsonl(tmp_path / "odd_train.jsonl", [{"input": q, "target": a} for q, a, _ in PROBLEMS])
-    cfg = DataConfig.from_mapping({"task": "problems", "train_path": odd_train, "eval_path": odd,
-                                   "question_key": "input", "answer_key": "target"})
+    cfg = DataConfig.from_mapping({"task": "problems", "problems": {"train_path": odd_train, "eval_path": odd,
+                                                                   "question_key": "input", "answer_key": "target"}})
     task = make_task(cfg, seed=0)
     assert [p.answer for p in task.train_problems] == ["84", "24"]
     assert [(p.question, p.answer) for p in task.eval_problems] == [("1+1", "2")]
     with pytest.raises(ConfigValueError, match="train_path: .*train.parquet:1: no problem text: field 'input'"):
-        DataConfig.from_mapping({"task": "problems", "train_path": good, "eval_path": odd,
-                                 "question_key": "input", "answer_key": "target"})
+        DataConfig.from_mapping({"task": "problems", "problems": {"train_path": good, "eval_path": odd,
+                                                                 "question_key": "input", "answer_key": "target"}})

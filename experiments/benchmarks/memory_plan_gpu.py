@@ -37,7 +37,7 @@ def run_config(rows: int, seq: int, micro: int = 1) -> RunConfig:
     with open(data, "w") as f:
         f.write('{"problem": "1+1", "answer": "2"}\n')
     c = qwen3_0p6b_math.get_config(f",{data}")
-    c.data.eval_path = data
+    c.data.problems.eval_path = data
     c.rl.batch_problems, c.rl.group_size, c.rl.micro_batches = rows // 2, 2, micro
     c.rl.oversample = 1
     c.rollout.max_len = seq

@@ -13,7 +13,7 @@ first row's fields, in this order:
     plain         problem|question|prompt|messages and answer|gold|final_answer (AIME, AMC, MATH-500
                   as JSONL); a MATH-style worked `solution` gives its last \\boxed{} as the answer
 
-Anything else is read through a column mapping (data.question_key, data.answer_key, data.id_key:
+Anything else is read through a column mapping (data.problems.question_key, data.problems.answer_key, data.problems.id_key:
 dotted paths into the row, e.g. "reward_model.ground_truth"), which also overrides the detection.
 A row that does not fit its file's layout is an error naming file and row; a file whose layout is
 unknown says which fields it found and which keys to set.
@@ -112,9 +112,9 @@ def detect_layout(row: Any, path: str) -> Layout:
             return layout
     raise DataError(
         f"{path}: unknown problem-set layout; its first row has the fields {describe_fields(row)}. Known layouts: "
-        f"{', '.join(x.name for x in LAYOUTS)}. Point the reader at yours with data.question_key and "
-        "data.answer_key (dotted paths, e.g. --config.data.question_key=input "
-        "--config.data.answer_key=reward_model.ground_truth)")
+        f"{', '.join(x.name for x in LAYOUTS)}. Point the reader at yours with data.problems.question_key and "
+        "data.problems.answer_key (dotted paths, e.g. --config.data.problems.question_key=input "
+        "--config.data.problems.answer_key=reward_model.ground_truth)")
 
 
 def describe_fields(row: dict, prefix: str = "") -> str:

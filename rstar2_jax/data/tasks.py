@@ -4,13 +4,14 @@ A task gives the trainer problems (id, question, gold answer) for training and f
 and optionally synthetic SFT traces for a warm start. The trainer knows nothing else about it:
 
     "arith"  the CPU demo's synthetic multi-digit arithmetic (data/arith.py), with SFT traces
-    "problems"  problem sets from files (data.train_path, data.eval_path): JSONL, Parquet or a
-             datasets folder, in the verl, open-r1, rStar2-Agent or plain layout, or any other
-             through data.question_key / answer_key / id_key (data/problems.py); "jsonl" is its
-             older name
+    "problems"  problem sets from files (data.problems.train_path, eval_path): JSONL, Parquet or
+             a datasets folder, in the verl, open-r1, rStar2-Agent or plain layout, or any other
+             through data.problems.question_key / answer_key / id_key (data/problems.py); "jsonl",
+             its older name, is read as "problems" from an older run's config.json
 
-Add a task with `@register_task("name")` on a function (data_cfg, seed) -> Task, and give it a
-`check` that names every bad field of `data.*` before anything runs ((field, message) pairs).
+Add a task with `@register_task("name", settings=...)` on a function (data_cfg, seed) -> Task
+above DataConfig's construction (its settings appear as `data.<name>.*`), and give it a `check`
+that names every bad field of `data.*` before anything runs ((field, message) pairs).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import MISSING, Columns, describe_fields, first_row, first_row_layout, load_problems
 from rstar2_jax.data.problems import field as field_of
+from rstar2_jax.part_sections import NoSettings, PartChoice, part_section
 from rstar2_jax.registry import Registry
 
 
@@ -47,7 +49,8 @@ class Task:
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
     build: Callable[..., Task]                            # (data_cfg, seed) -> Task
-    check: Callable[..., Iterable[tuple[str, str]]]       # data_cfg -> (field, message) of each problem
+    settings: type[Section]                               # its own section, data.<task>.*
+    check: Callable[..., Iterable[tuple[str, str]]]       # data_cfg -> (field under data., message) of each problem
     has_sft_data: bool
 
 
@@ -55,34 +58,14 @@ TASKS: Registry[TaskSpec] = Registry("task")
 
 
 def register_task(name: str, check: Callable[..., Iterable[tuple[str, str]]] = lambda data_cfg: (),
-                  has_sft_data: bool = False):
+                  has_sft_data: bool = False, settings: type[Section] = NoSettings):
     def wrap(build):
-        TASKS.register(name, TaskSpec(build, check, has_sft_data))
+        TASKS.register(name, TaskSpec(build, settings, check, has_sft_data))
         return build
     return wrap
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig(Section):
-    task: str = setting("arith", "what the run trains and evaluates on (arith: synthetic arithmetic, "
-                        "problems: problem sets from train_path / eval_path)", choices=TASKS)
-    train_problems: int = setting(4000, "arith: how many; problems: the first N (0 = all)", min=0)
-    eval_problems: int = setting(200, "arith: how many; problems: the first N (0 = all)", min=0)
-    train_path: str = setting("", "problems task: the training set (JSONL, Parquet, a folder of Parquet shards, "
-                              "or a datasets save_to_disk folder)")
-    eval_path: str = setting("", "problems task: the evaluation set (same formats)")
-    question_key: str = setting("", "problems task: the problem text's field, a dotted path (a chat list gives its "
-                                "last user turn); '' = told from the layout")
-    answer_key: str = setting("", "problems task: the gold answer's field, a dotted path (e.g. "
-                              "reward_model.ground_truth); '' = told from the layout")
-    id_key: str = setting("", "problems task: the problem id's field; '' = the layout's, else the row number")
-
-    def rules(self):
-        if self.task in TASKS:
-            yield from TASKS[self.task].check(self)
-
-
-def make_task(data_cfg: DataConfig, seed: int) -> Task:
+def make_task(data_cfg, seed: int) -> Task:
     return TASKS[data_cfg.task].build(data_cfg, seed)
 
 
@@ -100,50 +83,82 @@ def arith_task(data_cfg, seed: int) -> Task:
                 arith.make_problems(data_cfg.eval_problems, seed=10_000 + seed), sft_data=arith.sft_dataset)
 
 
-def columns_of(data_cfg) -> Columns:
-    """The column mapping of a data config (typed, or a ConfigDict of one)."""
-    return Columns(data_cfg.question_key, data_cfg.answer_key, data_cfg.id_key)
+@dataclasses.dataclass(frozen=True)
+class ProblemSetSettings(Section):
+    """`data.problems.*`: the problem sets' files and how their rows are read."""
+    train_path: str = setting("", "the training set (JSONL, Parquet, a folder of Parquet shards, or a datasets "
+                              "save_to_disk folder)")
+    eval_path: str = setting("", "the evaluation set (same formats)")
+    question_key: str = setting("", "the problem text's field, a dotted path (a chat list gives its last user turn); "
+                                "'' = told from the layout")
+    answer_key: str = setting("", "the gold answer's field, a dotted path (e.g. reward_model.ground_truth); '' = "
+                              "told from the layout")
+    id_key: str = setting("", "the problem id's field; '' = the layout's, else the row number")
+
+
+def columns_of(sets: ProblemSetSettings) -> Columns:
+    """The column mapping of the problem sets' settings."""
+    return Columns(sets.question_key, sets.answer_key, sets.id_key)
 
 
 def _check_problem_sets(data_cfg):
     """Each set exists and its first row reads in a known layout (or through the mapping): a file
     that cannot load fails here, before anything starts."""
+    sets = data_cfg.problems
     for field in ("train_path", "eval_path"):
-        path = getattr(data_cfg, field)
+        path = getattr(sets, field)
         if not path:
-            yield field, "must be set for the problems task (a JSONL, Parquet or datasets folder of problems)"
+            yield f"problems.{field}", "must be set for the problems task (a JSONL, Parquet or datasets folder of problems)"
             continue
         if not os.path.exists(path):
-            yield field, f"no such file or folder {path!r}"
+            yield f"problems.{field}", f"no such file or folder {path!r}"
             continue
         try:
             located = first_row(path)
         except (DataError, OSError) as e:
-            yield field, str(e)
+            yield f"problems.{field}", str(e)
             continue
-        yield from _check_mapping(data_cfg, located)
+        yield from _check_mapping(sets, located)
         try:
-            first_row_layout(located, columns_of(data_cfg))
+            first_row_layout(located, columns_of(sets))
         except DataError as e:
-            yield field, str(e)
+            yield f"problems.{field}", str(e)
 
 
-def _check_mapping(data_cfg, located):
+def _check_mapping(sets: ProblemSetSettings, located):
     """Each key of the column mapping names a field of the set's first row (problems under the key)."""
     file, _, row = located
     for key in ("question_key", "answer_key", "id_key"):
-        value = getattr(data_cfg, key)
+        value = getattr(sets, key)
         if value and field_of(row, value) is MISSING:
-            yield key, (f"{value!r} is not a field of {file}'s rows (a dotted path; the first row has "
-                        f"{describe_fields(row) if isinstance(row, dict) else type(row).__name__})")
+            yield f"problems.{key}", (f"{value!r} is not a field of {file}'s rows (a dotted path; the first row has "
+                                      f"{describe_fields(row) if isinstance(row, dict) else type(row).__name__})")
 
 
-def _problem_sets_task(data_cfg, seed: int) -> Task:
+@register_task("problems", check=_check_problem_sets, settings=ProblemSetSettings)
+def problem_sets_task(data_cfg, seed: int) -> Task:
     del seed  # the files fix the problems; the trainer shuffles them per epoch
-    columns = columns_of(data_cfg)
-    return Task(data_cfg.task, load_problems(data_cfg.train_path, data_cfg.train_problems or None, columns),
-                load_problems(data_cfg.eval_path, data_cfg.eval_problems or None, columns))
+    sets = data_cfg.problems
+    columns = columns_of(sets)
+    return Task(data_cfg.task, load_problems(sets.train_path, data_cfg.train_problems or None, columns),
+                load_problems(sets.eval_path, data_cfg.eval_problems or None, columns))
 
 
-register_task("problems", check=_check_problem_sets)(_problem_sets_task)
-register_task("jsonl", check=_check_problem_sets)(_problem_sets_task)  # its name before other formats were read
+class _DataBase(PartChoice):
+    """`data.*`: the task (data.task), how many problems, and each task's own settings
+    (data.<task>.*; only the chosen task's are read)."""
+
+    @classmethod
+    def upgrade_values(cls, mapping):
+        if mapping.get("task") == "jsonl":  # the problems task's name before other formats were read
+            mapping["task"] = "problems"
+        return mapping
+
+
+DataConfig = part_section(
+    "DataConfig", TASKS, path="data", module=__name__, base=_DataBase, refuse_unchosen=False,
+    moved={key: f"problems.{key}" for key in ("train_path", "eval_path", "question_key", "answer_key", "id_key")},
+    selector=("task", str, setting("arith", "what the run trains and evaluates on (arith: synthetic arithmetic, "
+                                   "problems: problem sets from data.problems.*)", choices=TASKS)),
+    common=[("train_problems", int, setting(4000, "arith: how many; problems: the first N (0 = all)", min=0)),
+            ("eval_problems", int, setting(200, "arith: how many; problems: the first N (0 = all)", min=0))])

@@ -72,11 +72,11 @@ def _plan_check(job: SlurmJob) -> str | None:
     (placeholders of the same form); its complaint, or None."""
     wired = []
     if job.roles.sandbox_nodes:
-        wired += ["--config.sandbox.backend=redis", f"--config.sandbox.url=redis://localhost:{job.ports.redis}/0"]
+        wired += ["--config.sandbox.backend=redis", f"--config.sandbox.redis.url=redis://localhost:{job.ports.redis}/0"]
     if job.roles.rollout_nodes:
-        wired += ["--config.rollout.engine=vllm", f"--config.rollout.vllm_urls=http://localhost:{job.ports.vllm}",
-                  "--config.rollout.vllm_sync=pull", "--config.rollout.vllm_sync_host=localhost",
-                  f"--config.rollout.vllm_fetch_urls=http://localhost:{job.ports.fetch}"]
+        wired += ["--config.rollout.engine=vllm", f"--config.rollout.vllm.urls=http://localhost:{job.ports.vllm}",
+                  "--config.rollout.vllm.sync=pull", "--config.rollout.vllm.sync_host=localhost",
+                  f"--config.rollout.vllm.fetch_urls=http://localhost:{job.ports.fetch}"]
     cmd = [job.python, "-m", "rstar2_jax.train", f"--workdir={job.workdir}", "--plan",
            f"--num_processes={job.roles.learner_tasks}", *job.train_args, *wired]
     done = subprocess.run(cmd, cwd=job.repo, capture_output=True, text=True, timeout=600)

@@ -235,7 +235,7 @@ def batch_script(job: SlurmJob) -> str:
             f"{py} -m sandbox worker --redis \"$REDIS_URL\" --concurrency {r.sandbox_concurrency} &",
             "STEPS+=($!)",
         ]
-        train += ["--config.sandbox.backend=redis", '"--config.sandbox.url=$REDIS_URL"']
+        train += ["--config.sandbox.backend=redis", '"--config.sandbox.redis.url=$REDIS_URL"']
     if r.rollout_nodes:
         body += ["", "# vLLM servers, each with a weight fetcher (sync=pull: no shared filesystem needed)",
                  "VLLM_URLS=()", "FETCH_URLS=()"]
@@ -257,10 +257,10 @@ def batch_script(job: SlurmJob) -> str:
                     f"VLLM_URLS+=(http://$H:{port})", f"FETCH_URLS+=(http://$H:{fetch})",
                 ]
         body += [f"{py} -m rstar2_jax.launch.wait --timeout 1800 $(printf '%s/health ' \"${{VLLM_URLS[@]}}\") || exit 1"]
-        train += ["--config.rollout.engine=vllm", "--config.rollout.vllm_sync=pull",
-                  f'"--config.rollout.vllm_sync_host=$(host {roles["learner"][0]})"',
-                  '$(printf -- "--config.rollout.vllm_urls=%s " "${VLLM_URLS[@]}")',
-                  '$(printf -- "--config.rollout.vllm_fetch_urls=%s " "${FETCH_URLS[@]}")']
+        train += ["--config.rollout.engine=vllm", "--config.rollout.vllm.sync=pull",
+                  f'"--config.rollout.vllm.sync_host=$(host {roles["learner"][0]})"',
+                  '$(printf -- "--config.rollout.vllm.urls=%s " "${VLLM_URLS[@]}")',
+                  '$(printf -- "--config.rollout.vllm.fetch_urls=%s " "${FETCH_URLS[@]}")']
     body += [
         "",
         "# the trainer: its exit status is the job's",

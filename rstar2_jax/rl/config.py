@@ -21,7 +21,8 @@ from typing import Any, Mapping, Sequence
 import ml_collections
 import numpy as np
 
-from rstar2_jax.algo import ADVANTAGES, KLConfig
+from rstar2_jax.algo import KLConfig
+from rstar2_jax.algo.advantages import AdvantageConfig
 from rstar2_jax.algo.reward_shaping import OverlongConfig
 from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
@@ -67,7 +68,8 @@ class RLConfig(LearnerSettings):
     batch_problems: int = setting(16, "problems per step", min=1)
     group_size: int = setting(4, "G: rollouts kept per problem (advantages need a group of 2+)", min=2)
     oversample: int = setting(2, "rollouts per problem = group_size x oversample (RoC keeps G of them)", min=1)
-    advantage: str = setting("grpo", "group-relative advantage", choices=ADVANTAGES)
+    advantage: AdvantageConfig = setting(AdvantageConfig, "the group-relative advantage (rl.advantage.name; each "
+                                         "estimator's own rl.advantage.<name>.*)")
     max_staleness: int = setting(0, "async rollouts: versions a sampled token may lag the learner (0: on-policy, "
                                  "the paper)", min=0)
     tis_cap: float = setting(0.0, "replaced by rl.correction (kept so older runs' config.json reads): must be 0; "
@@ -76,6 +78,12 @@ class RLConfig(LearnerSettings):
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
     dynamic_sampling: DynamicSamplingConfig = setting(DynamicSamplingConfig, "DAPO's draw-until-informative")
     overlong: OverlongConfig = setting(OverlongConfig, "DAPO's soft overlong punishment")
+
+    @classmethod
+    def upgrade_values(cls, mapping):
+        if isinstance(mapping.get("advantage"), str):  # a name before estimators had settings
+            mapping["advantage"] = {"name": mapping["advantage"]}
+        return mapping
 
     def rules(self):
         if self.tis_cap:
@@ -119,7 +127,7 @@ class RunConfig(Section):
 
     def rules(self):
         r, rl = self.rollout, self.rl
-        if self.model.decode_attention == "pallas" and not r.page_size and r.max_len % 128:
+        if self.model.decode_attention == "pallas" and not r.jax.page_size and r.max_len % 128:
             yield "model.decode_attention", (f"pallas needs rollout.max_len to be a multiple of 128 (or paged KV), "
                                              f"got {r.max_len}")
         if self.sft.steps and self.data.task in TASKS and not TASKS[self.data.task].has_sft_data:
@@ -162,7 +170,7 @@ class RunConfig(Section):
 
     def warnings(self) -> list[str]:
         """Settings that run but are probably not meant (printed by train, never an error)."""
-        out = []
+        out = [*self.rollout.warnings(), *self.sandbox.warnings(), *self.data.warnings()]
         corrections = self.rl.correction.names
         if self.rl.max_staleness > 0 and not corrections:
             out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.correction.names: nothing corrects for "

@@ -81,7 +81,7 @@ class RoCConfig(Section):
 
 
 def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, mode: str, eps: float,
-                 min_neg: int, min_pos: int, advantage: str, reject_uniform: bool,
+                 min_neg: int, min_pos: int, advantage, reject_uniform: bool,
                  rewards: Sequence[float] | None = None) -> GroupSelection:
     """RoC on one group; `rewards` (default: each rollout's own) is what RoC and the advantage
     read (a shaped reward, e.g. with DAPO's overlong term)."""
@@ -140,7 +140,7 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
     return kept, records
 
 
-def advantages_with_kl(kept: Sequence[KeptRollout], kl: np.ndarray, coef: float, advantage: str) -> np.ndarray:
+def advantages_with_kl(kept: Sequence[KeptRollout], kl: np.ndarray, coef: float, advantage) -> np.ndarray:
     """Each kept rollout's advantage recomputed over its group with reward - coef x its
     sequence KL to the reference (verl's KL in the reward: the penalised score, then the
     group advantage)."""

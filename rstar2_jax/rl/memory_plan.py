@@ -70,9 +70,9 @@ REMEDIES = {
                    "larger mesh.fsdp",
     "engine weights": "model.decode_attention=xla (splits the engine over the process's devices), or "
                       "rollout.engine=vllm (rollouts on other GPUs)",
-    "KV pool": "a smaller rollout.kv_memory_gb (paged KV: rollout.page_size), fewer rollout.slots, or "
+    "KV pool": "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer rollout.jax.slots, or "
                "rollout.engine=vllm",
-    "weight sync": "rollout.vllm_export_dtype=bfloat16 (half the bytes), or one trainer process per host (the "
+    "weight sync": "rollout.vllm.export_dtype=bfloat16 (half the bytes), or one trainer process per host (the "
                    "tensors then stay split over its devices)",
 }
 

@@ -24,8 +24,8 @@ from rstar2_jax.rl.config import RunConfig
 # parts run, not what it learns.
 RESUMABLE_CHANGES = frozenset({
     "rl.steps", "checkpoint.every", "checkpoint.keep", "eval.before_and_after",
-    "rollout.vllm_urls", "rollout.vllm_sync", "rollout.vllm_sync_dir", "rollout.vllm_fetch_urls", "rollout.vllm_sync_host",
-    "rollout.vllm_sync_bucket_mb", "sandbox.workers", "sandbox.backend", "sandbox.url",
+    "rollout.vllm.urls", "rollout.vllm.sync", "rollout.vllm.sync_dir", "rollout.vllm.fetch_urls", "rollout.vllm.sync_host",
+    "rollout.vllm.sync_bucket_mb", "sandbox.backend", "sandbox.local.workers", "sandbox.redis.url", "sandbox.http.url",
 })
 MISMATCH_CHOICES = ("stop", "ok")
 
@@ -60,8 +60,9 @@ def _json_roundtrip(tree):
 
 
 def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
-    """An older config.json with the fields added since at their defaults (so a new field is
-    not a change)."""
+    """An older config.json as this version writes it: moved settings in their new places
+    (Section.upgraded) and the fields added since at their defaults (so neither is a change)."""
+    raw = RunConfig.upgraded(raw)
     parsed, _ = RunConfig.parse(raw)
     return parsed.to_dict() if parsed is not None else raw
 

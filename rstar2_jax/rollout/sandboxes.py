@@ -1,6 +1,7 @@
 """The tool sandbox settings (`sandbox.*`) and the one way to build the sandbox client from them.
 
-SANDBOXES maps `sandbox.backend` to how to build that client and check the settings it reads:
+SANDBOXES maps `sandbox.backend` to how to build that client, its own settings section
+(`sandbox.<backend>.*`, part_sections.py) and how to check them:
 "local" forks workers on this host (sandbox.LocalSandbox); "redis" queues calls for
 `python -m sandbox worker` processes on other hosts (sandbox.RedisSandbox); "http" sends them to a
 `python -m sandbox serve` service (sandbox.HTTPSandbox; its token, if any, from $SANDBOX_TOKEN,
@@ -14,56 +15,81 @@ from typing import Callable, Iterable
 
 import sandbox
 from rstar2_jax.config_types import Section, setting
+from rstar2_jax.part_sections import PartChoice, part_section
 from rstar2_jax.registry import Registry
 from rstar2_jax.rollout.agent_loop import TOOL_STATES
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxBackend:
-    build: Callable[["SandboxConfig"], sandbox.SandboxClient]      # an async context manager
-    check: Callable[["SandboxConfig"], Iterable[tuple[str, str]]]  # (field, message) of each problem
+    build: Callable[..., sandbox.SandboxClient]                 # (the whole SandboxConfig) -> an async context manager
+    settings: type[Section]                                     # its own section, sandbox.<backend>.*
+    check: Callable[..., Iterable[tuple[str, str]]] = lambda cfg: ()   # (field under sandbox., message) of each problem
 
 
 SANDBOXES: Registry[SandboxBackend] = Registry("sandbox backend")
 
 
 @dataclasses.dataclass(frozen=True)
-class SandboxConfig(Section):
-    backend: str = setting("local", "local (workers forked on this host) | redis (remote `python -m sandbox "
-                           "worker`s behind the queue at url) | http (a `python -m sandbox serve` at url)",
-                           choices=SANDBOXES)
-    workers: int = setting(2, "local: worker processes (calls run in parallel)", min=1)
-    isolation: str = setting("strict", "local: process confinement (strict: namespaces, seccomp, cgroups)",
+class LocalSandboxSettings(Section):
+    """`sandbox.local.*`: workers forked on this host."""
+    workers: int = setting(2, "worker processes (calls run in parallel)", min=1)
+    isolation: str = setting("strict", "process confinement (strict: namespaces, seccomp, cgroups)",
                              choices=sandbox.ISOLATION_MODES)
-    tool_state: str = setting("stateless", "stateless (each call alone, the paper) | session (a live "
-                              "interpreter per trajectory)", choices=TOOL_STATES)
-    url: str = setting("", "redis: the queue, redis://HOST:6379/0; http: the service, http://HOST:8088")
-
-    def rules(self):
-        if self.backend in SANDBOXES:
-            yield from SANDBOXES[self.backend].check(self)
 
 
-def make_sandbox(cfg: SandboxConfig) -> sandbox.SandboxClient:
-    """The sandbox client `cfg.backend` names (use it as `async with make_sandbox(cfg) as sb`)."""
-    return SANDBOXES[cfg.backend].build(cfg)
+@dataclasses.dataclass(frozen=True)
+class RedisSandboxSettings(Section):
+    """`sandbox.redis.*`: the queue remote `python -m sandbox worker`s serve."""
+    url: str = setting("", "the queue, redis://HOST:6379/0")
 
 
-def _check_local(cfg: SandboxConfig):
-    if cfg.url:
-        yield "url", "is only read with sandbox.backend=redis or http"
+@dataclasses.dataclass(frozen=True)
+class HTTPSandboxSettings(Section):
+    """`sandbox.http.*`: a `python -m sandbox serve` service (its token from $SANDBOX_TOKEN)."""
+    url: str = setting("", "the service, http://HOST:8088")
 
 
-def _remote_check(schemes: tuple[str, ...]):
-    def check(cfg: SandboxConfig):
-        if not cfg.url.startswith(schemes):
-            yield "url", f"sandbox.backend={cfg.backend} needs a {schemes[0]} URL, got {cfg.url!r}"
+def _remote_check(backend: str, schemes: tuple[str, ...]):
+    def check(cfg):
+        url = cfg.settings(backend).url
+        if not url.startswith(schemes):
+            yield f"{backend}.url", f"sandbox.backend={backend} needs a {schemes[0]} URL, got {url!r}"
     return check
 
 
 SANDBOXES.register("local", SandboxBackend(
-    lambda cfg: sandbox.LocalSandbox(workers=cfg.workers, isolation=cfg.isolation), _check_local))
-SANDBOXES.register("redis", SandboxBackend(lambda cfg: sandbox.RedisSandbox(cfg.url),
-                                           _remote_check(("redis://", "rediss://", "unix://"))))
-SANDBOXES.register("http", SandboxBackend(lambda cfg: sandbox.HTTPSandbox(cfg.url),
-                                          _remote_check(("http://", "https://"))))
+    lambda cfg: sandbox.LocalSandbox(workers=cfg.local.workers, isolation=cfg.local.isolation), LocalSandboxSettings))
+SANDBOXES.register("redis", SandboxBackend(lambda cfg: sandbox.RedisSandbox(cfg.redis.url), RedisSandboxSettings,
+                                           _remote_check("redis", ("redis://", "rediss://", "unix://"))))
+SANDBOXES.register("http", SandboxBackend(lambda cfg: sandbox.HTTPSandbox(cfg.http.url), HTTPSandboxSettings,
+                                          _remote_check("http", ("http://", "https://"))))
+
+
+class _SandboxBase(PartChoice):
+    """`sandbox.*`: the backend (sandbox.backend), how tool state lives, and each backend's own
+    settings (sandbox.<backend>.*; only the chosen backend's are read)."""
+
+    @classmethod
+    def upgrade_values(cls, mapping):
+        if "url" in mapping:  # one flat url before each backend had its section: the backend's it was
+            url = mapping.pop("url")
+            backend = mapping.get("backend", "local")
+            if url and backend in ("redis", "http"):
+                mapping[backend] = {**mapping.get(backend, {}), "url": url}
+        return mapping
+
+
+SandboxConfig = part_section(
+    "SandboxConfig", SANDBOXES, path="sandbox", module=__name__, base=_SandboxBase, refuse_unchosen=False,
+    moved={"workers": "local.workers", "isolation": "local.isolation", "url": ("redis.url", "http.url")},
+    selector=("backend", str, setting("local", "local (workers forked on this host) | redis (remote `python -m "
+                                      "sandbox worker`s behind a queue) | http (a `python -m sandbox serve`)",
+                                      choices=SANDBOXES)),
+    common=[("tool_state", str, setting("stateless", "stateless (each call alone, the paper) | session (a live "
+                                        "interpreter per trajectory)", choices=TOOL_STATES))])
+
+
+def make_sandbox(cfg) -> sandbox.SandboxClient:
+    """The sandbox client `cfg.backend` names (use it as `async with make_sandbox(cfg) as sb`)."""
+    return SANDBOXES[cfg.backend].build(cfg)

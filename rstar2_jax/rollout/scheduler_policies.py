@@ -1,5 +1,5 @@
 """The scheduler's placement policies: pure functions of the engines' loads (no I/O), shared by
-the Scheduler, the config check (`rollout.scheduler` names one) and the simulation benchmark.
+the Scheduler, the config check (`rollout.vllm.scheduler` names one) and the simulation benchmark.
 rollout/scheduler.py describes each policy and prefix affinity."""
 
 from __future__ import annotations

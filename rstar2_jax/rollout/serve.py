@@ -3,7 +3,7 @@
     python -m rstar2_jax.rollout.serve --model runs/tiny_arith/base_model --port 8100
     python -m rstar2_jax.rollout.serve --model DIR --print_only      # just print the command
 
-Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm_urls=http://127.0.0.1:8100`
+Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm.urls=http://127.0.0.1:8100`
 (several URLs go through the KV-aware scheduler). The server runs in vLLM's own venv
 (--python, default .venv-vllm/bin/python; docs/ENGINES.md "Rollout server (vLLM)"). It stays in the
 foreground until Ctrl-C; its weights are replaced by the trainer's at every sync.
@@ -32,7 +32,7 @@ _PYTHON = flags.DEFINE_string("python", None, "the vLLM venv's python (default $
 _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "print the command instead of running it")
 _EXTRA = flags.DEFINE_multi_string("vllm_arg", [], "extra argument passed to vLLM as is (repeat)")
 _FETCH_PORT = flags.DEFINE_integer("fetch_port", None, "also run a weight fetcher on this port (trainers on hosts "
-                                   "that share no filesystem with this one: --config.rollout.vllm_sync=pull)")
+                                   "that share no filesystem with this one: --config.rollout.vllm.sync=pull)")
 _FETCH_DIR = flags.DEFINE_string("fetch_dir", "/dev/shm/rstar2_pulled", "where the fetcher keeps pulled weights")
 
 
@@ -63,12 +63,12 @@ def main(argv):
         if _FETCH_PORT.value is not None:
             from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
             fetcher = WeightFetcher(_FETCH_DIR.value, _HOST.value, _FETCH_PORT.value)
-            print(f"weight fetcher: {fetcher.url} (--config.rollout.vllm_fetch_urls={fetcher.url})", flush=True)
+            print(f"weight fetcher: {fetcher.url} (--config.rollout.vllm.fetch_urls={fetcher.url})", flush=True)
         server.start()
         print(f"starting vLLM at {server.url} (about a minute on CPU) ...", flush=True)
         server.wait_ready()
         print(f"ready: {server.url}   train with --config.rollout.engine=vllm "
-              f"--config.rollout.vllm_urls={server.url}", flush=True)
+              f"--config.rollout.vllm.urls={server.url}", flush=True)
         server.proc.wait()
     except KeyboardInterrupt:
         pass

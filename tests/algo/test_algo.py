@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rstar2_jax.algo import advantages, group_is_informative, roc_select
+from rstar2_jax.algo.advantages import AdvantageConfig, GRPOAdvantageSettings
 
 groups = st.integers(2, 32).flatmap(lambda n: st.tuples(
     st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n),
@@ -160,7 +161,8 @@ def test_group_is_informative():
 
 
 def test_grpo_advantages_hand_computed():
-    adv = advantages("grpo", [1.0, 0.0, 0.0, 1.0], eps=0.0)
+    no_eps = AdvantageConfig(name="grpo", grpo=GRPOAdvantageSettings(eps=0.0))
+    adv = advantages(no_eps, [1.0, 0.0, 0.0, 1.0])
     np.testing.assert_allclose(adv, [1, -1, -1, 1])
     np.testing.assert_allclose(advantages("grpo", [1.0, 1.0]), [0, 0])
     np.testing.assert_allclose(advantages("mean_only", [1.0, 0.0, 0.0, 0.0]), [0.75, -0.25, -0.25, -0.25])

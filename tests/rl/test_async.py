@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from rstar2_jax.algo import ADVANTAGES
+from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.rl.data_stream import next_problems
@@ -21,22 +21,22 @@ from rstar2_jax.traces import read_traces
 from tests.rl.test_training import rl_lines, small_config
 
 
-def alternating_signs(rewards, eps: float = 1e-6) -> np.ndarray:
+def alternating_signs(rewards, settings) -> np.ndarray:
     """+1, -1, +1, ... whatever the rewards: the barely trained tiny policy solves nothing, and
     these tests need updates that move the weights (GRPO gives all-zero advantages then)."""
-    del eps
+    del settings
     return np.where(np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32)
 
 
 @pytest.fixture
 def moving_advantage(monkeypatch):
     """Registered for the test only: other tests list the registry in their messages."""
-    monkeypatch.setitem(ADVANTAGES, "test_alternating_signs", alternating_signs)
+    monkeypatch.setitem(ADVANTAGES, "test_alternating_signs", AdvantageSpec(alternating_signs))
 
 
 def moving_config(steps: int, max_staleness: int):
     cfg = small_config(steps=steps, max_staleness=max_staleness)
-    cfg.rl.advantage = "test_alternating_signs"
+    cfg.rl.advantage.name = "test_alternating_signs"
     cfg.rl.roc.reject_uniform_groups = False
     cfg.eval.before_and_after = False
     return cfg

@@ -21,7 +21,7 @@ def test_roc_grid_cells_validate(cell):
 def test_paper_recipe_matches_the_paper(tmp_path):
     c = rstar2_agent_14b.get_config("")
     (tmp_path / "problems.jsonl").write_text('{"problem": "1+1", "answer": 2}\n')
-    c.data.train_path = c.data.eval_path = str(tmp_path / "problems.jsonl")  # the paths are the user's
+    c.data.problems.train_path = c.data.problems.eval_path = str(tmp_path / "problems.jsonl")  # the paths are the user's
     assert (c.rl.batch_problems, c.rl.group_size * c.rl.oversample, c.rl.group_size) == (512, 32, 16)
     assert c.rl.lr == 1e-6 and c.rollout.temperature == 1.0 and c.rl.steps == 510
     assert [(s.start_step, s.max_response_tokens, s.max_turns, s.filter_solved_k, s.reset_optimizer)
@@ -38,13 +38,13 @@ def test_a_model_path_must_be_a_hf_directory(tmp_path):
 
 def test_jsonl_configs_need_their_files(tmp_path):
     c = qwen3_0p6b_math.get_config(f",{tmp_path / 'missing.jsonl'}")  # model.path "": the tiny model
-    with pytest.raises(ConfigValueError, match="data.train_path: no such file"):
+    with pytest.raises(ConfigValueError, match="data.problems.train_path: no such file"):
         validate(c)
     (tmp_path / "train.jsonl").write_text('{"problem": "1+1", "answer": 2}\n')
-    c.data.train_path = str(tmp_path / "train.jsonl")
-    with pytest.raises(ConfigValueError, match="data.eval_path: no such file"):
+    c.data.problems.train_path = str(tmp_path / "train.jsonl")
+    with pytest.raises(ConfigValueError, match="data.problems.eval_path: no such file"):
         validate(c)
-    c.data.eval_path = c.data.train_path
+    c.data.problems.eval_path = c.data.problems.train_path
     validate(c)
 
 

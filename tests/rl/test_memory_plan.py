@@ -21,10 +21,13 @@ def _cfg(recipe, tmp_path, **overrides) -> RunConfig:
     data = tmp_path / "problems.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     c = recipe.get_config(f",{data}")
-    c.data.eval_path = str(data)
+    c.data.problems.eval_path = str(data)
     for key, value in overrides.items():
-        section, field = key.split("__")
-        setattr(c[section], field, value)
+        *sections, field = key.split("__")
+        node = c
+        for name in sections:
+            node = node[name]
+        setattr(node, field, value)
     cfg, problems = RunConfig.parse(c.to_dict())
     assert not problems, problems
     return cfg
@@ -99,7 +102,7 @@ def test_train_plan_prints_the_memory_per_device(tmp_path, qwen3_14b_dir):
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train",
                            f"--config=experiments/rstar2_agent_14b.py:{qwen3_14b_dir},{data}",
-                           f"--config.data.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
+                           f"--config.data.problems.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
                            "--num_processes=8", "--config.mesh.device_memory_gb=76"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -108,7 +111,7 @@ def test_train_plan_prints_the_memory_per_device(tmp_path, qwen3_14b_dir):
     # the same job on 40 GiB devices: refused, naming the line that overflows
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train",
                            f"--config=experiments/rstar2_agent_14b.py:{qwen3_14b_dir},{data}",
-                           f"--config.data.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
+                           f"--config.data.problems.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
                            "--num_processes=8", "--config.mesh.device_memory_gb=40"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not fit a 40.0 GiB device: at 'KV pool'" in proc.stderr, proc.stderr
@@ -183,8 +186,9 @@ def test_a_vllm_run_counts_what_its_weight_sync_holds(tmp_path):
     """Rollouts on vLLM servers: no engine weights or KV on the learner's devices, but what the
     weight sync holds: two tensors in the export dtype, split like the parameters (one trainer
     process) or whole (several: each is gathered)."""
-    cfg = _cfg(qwen3_0p6b_math, tmp_path, rollout__engine="vllm", rollout__vllm_urls=("http://127.0.0.1:8100",),
-               rollout__vllm_export_dtype="bfloat16", rollout__page_size=0, rollout__kv_memory_gb=0.0, rollout__kv_pages=0)
+    cfg = _cfg(qwen3_0p6b_math, tmp_path, rollout__engine="vllm", rollout__vllm__urls=("http://127.0.0.1:8100",),
+               rollout__vllm__export_dtype="bfloat16", rollout__jax__page_size=0, rollout__jax__kv_memory_gb=0.0,
+               rollout__jax__kv_pages=0)
     plan = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
     assert plan.line("engine weights").bytes == plan.line("KV pool").bytes == 0
     # Qwen3-0.6B ties its embeddings: the largest tensors are the embedding (151,936 x 1,024) and an
@@ -200,14 +204,14 @@ def test_a_vllm_run_counts_what_its_weight_sync_holds(tmp_path):
 
 
 def test_an_nccl_sync_without_gpus_is_refused_at_plan_time(tmp_path):
-    """rollout.vllm_sync=nccl broadcasts from the learner's GPUs: on a host without them, --plan
+    """rollout.vllm.sync=nccl broadcasts from the learner's GPUs: on a host without them, --plan
     (and a launch) refuses it, naming the sync methods that work, before anything starts."""
     args = [sys.executable, "-m", "rstar2_jax.train", "--config=experiments/tiny_arith.py",
             f"--workdir={tmp_path / 'run'}", "--config.rollout.engine=vllm",
-            "--config.rollout.vllm_urls=http://127.0.0.1:1", "--config.rollout.vllm_sync=nccl"]
+            "--config.rollout.vllm.urls=http://127.0.0.1:1", "--config.rollout.vllm.sync=nccl"]
     for extra in (["--plan"], []):
         proc = subprocess.run(args + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert "rollout.vllm_sync=nccl" in proc.stderr and "rollout.vllm_sync=pull" in proc.stderr, proc.stderr
+        assert "rollout.vllm.sync=nccl" in proc.stderr and "rollout.vllm.sync=pull" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()

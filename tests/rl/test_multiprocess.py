@@ -40,15 +40,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIG = """
 import numpy as np
 from experiments import tiny_arith
-from rstar2_jax.algo import ADVANTAGES
+from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 
-ADVANTAGES["test_alternating_signs"] = lambda rewards, eps=1e-6: np.where(
-    np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32)
+ADVANTAGES["test_alternating_signs"] = AdvantageSpec(lambda rewards, settings: np.where(
+    np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32))
 
 
 def get_config():
     c = tiny_arith.get_config()
-    c.rl.advantage = "test_alternating_signs"
+    c.rl.advantage.name = "test_alternating_signs"
     c.rl.roc.reject_uniform_groups = False
     return c
 """
@@ -66,8 +66,8 @@ def train_args(config, workdir, steps: int) -> list[str]:
             "--config.sft.steps=4", "--config.sft.batch_size=4", "--config.sft.examples=16",
             "--config.data.eval_problems=4", "--config.data.train_problems=32", "--config.eval.before_and_after=False",
             f"--config.rl.steps={steps}", "--config.rl.batch_problems=2", "--config.rl.group_size=2",
-            "--config.rollout.slots=8", "--config.rollout.max_len=512", "--config.checkpoint.every=1",
-            "--config.checkpoint.keep=10", "--config.sandbox.workers=1"]
+            "--config.rollout.jax.slots=8", "--config.rollout.max_len=512", "--config.checkpoint.every=1",
+            "--config.checkpoint.keep=10", "--config.sandbox.local.workers=1"]
 
 
 def one_process_two_devices(config, workdir, steps: int):

@@ -45,17 +45,17 @@ def test_paged_kv_at_a_quarter_of_the_memory_trains_on_the_same_rollouts(tmp_pat
 
 def test_paged_kv_settings_are_checked():
     cfg = small_config()
-    cfg.rollout.page_size = 48  # does not divide 256
-    cfg.rollout.kv_pages = 2
+    cfg.rollout.jax.page_size = 48  # does not divide 256
+    cfg.rollout.jax.kv_pages = 2
     with pytest.raises(ConfigValueError) as e:
         validate(cfg)
-    assert "rollout.page_size: 48 must divide rollout.max_len=256" in str(e.value)
-    assert "rollout.kv_pages: 2 x page_size=48 cannot hold one max_len=256 sequence" in str(e.value)
+    assert "rollout.jax.page_size: 48 must divide rollout.max_len=256" in str(e.value)
+    assert "rollout.jax.kv_pages: 2 x page_size=48 cannot hold one max_len=256 sequence" in str(e.value)
     cfg = small_config()
-    cfg.rollout.kv_pages = 64
-    with pytest.raises(ConfigValueError, match="rollout.kv_pages: needs rollout.page_size > 0"):
+    cfg.rollout.jax.kv_pages = 64
+    with pytest.raises(ConfigValueError, match="rollout.jax.kv_pages: needs rollout.jax.page_size > 0"):
         validate(cfg)
     cfg = small_config()
-    cfg.rollout.page_size, cfg.rollout.engine, cfg.rollout.vllm_urls = 16, "vllm", ("http://127.0.0.1:1",)
+    cfg.rollout.jax.page_size, cfg.rollout.engine, cfg.rollout.vllm.urls = 16, "vllm", ("http://127.0.0.1:1",)
     with pytest.raises(ConfigValueError, match="vLLM servers page their own"):
         validate(cfg)

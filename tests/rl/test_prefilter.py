@@ -81,8 +81,8 @@ def test_a_run_pre_filters_when_the_stage_begins_and_never_trains_on_dropped_pro
     cfg = _two_stage_config()
     cfg.sft.steps = 0  # the problems task has no SFT data: the tiny model starts untrained
     cfg.data.task = "problems"
-    cfg.data.train_path = _verl_parquet(tmp_path / "train.parquet", arith.make_problems(6, seed=1))
-    cfg.data.eval_path = _verl_parquet(tmp_path / "eval.parquet", arith.make_problems(4, seed=2))
+    cfg.data.problems.train_path = _verl_parquet(tmp_path / "train.parquet", arith.make_problems(6, seed=1))
+    cfg.data.problems.eval_path = _verl_parquet(tmp_path / "eval.parquet", arith.make_problems(4, seed=2))
     ids = [p.id for p in make_task(cfg.data, cfg.seed).train_problems]
     assert ids == [f"row-1-{i}" for i in range(6)]  # extra_info.index
     # Results already on disk for 4 of the 6 problems (as after a crash mid-pre-pass): two of them

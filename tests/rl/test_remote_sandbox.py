@@ -58,7 +58,9 @@ def trained(workdir, model: str, backend: str = "local", url: str = ""):
     cfg = small_config(steps=2)
     cfg.eval.before_and_after = False
     cfg.model.path, cfg.sft.steps = model, 0
-    cfg.sandbox.backend, cfg.sandbox.url = backend, url
+    cfg.sandbox.backend = backend
+    if url:
+        getattr(cfg.sandbox, backend).url = url
     run(cfg, str(workdir))
     traces = read_traces(workdir / "traces").sort_values(["step", "problem_id", "sample_index"])
     columns = ["token_ids", "loss_mask", "logprobs", "reward", "p_err", "kept", "advantage", "num_tool_calls"]
@@ -101,7 +103,7 @@ def killed_mid_trajectory(tmp_path, workdir, model: str, url: str) -> bool:
     config.write_text(KILLED_CONFIG)
     proc = subprocess.Popen([sys.executable, "-m", "rstar2_jax.train", f"--config={config}", f"--workdir={workdir}",
                              f"--config.model.path={model}", "--config.sandbox.backend=redis",
-                             f"--config.sandbox.url={url}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             f"--config.sandbox.redis.url={url}"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline and not mid_trajectory(workdir):

@@ -31,10 +31,10 @@ VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 CONFIG = """
 import numpy as np
 from experiments import rstar2_agent_14b
-from rstar2_jax.algo import ADVANTAGES
+from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 
-ADVANTAGES["test_alternating_signs"] = lambda rewards, eps=1e-6: np.where(
-    np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32)
+ADVANTAGES["test_alternating_signs"] = AdvantageSpec(lambda rewards, settings: np.where(
+    np.arange(len(rewards)) % 2 == 0, 1.0, -1.0).astype(np.float32))
 
 
 def get_config():
@@ -45,16 +45,16 @@ def get_config():
     c.format = "tiny"
     c.sft.steps, c.sft.batch_size, c.sft.examples = 4, 4, 16
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    c.rollout.slots, c.rollout.max_len = 8, 256
-    c.rollout.page_size, c.rollout.kv_memory_gb = 0, 0.0                 # the recipe's 160 GiB pool, shrunk away
+    c.rollout.jax.slots, c.rollout.max_len = 8, 256
+    c.rollout.jax.page_size, c.rollout.jax.kv_memory_gb = 0, 0.0                 # the recipe's 160 GiB pool, shrunk away
     c.mesh.devices_per_process = 0                                       # two 1-device processes, not 8-GPU hosts
     c.rl.steps, c.rl.batch_problems, c.rl.group_size, c.rl.oversample = 4, 2, 2, 2
     c.rl.micro_batches, c.rl.lr, c.rl.warmup_steps = 1, 1e-4, 1
     c.rl.max_staleness, c.rl.correction.names = 1, ("token_tis",)
-    c.rl.advantage, c.rl.roc.reject_uniform_groups = "test_alternating_signs", False
+    c.rl.advantage.name, c.rl.roc.reject_uniform_groups = "test_alternating_signs", False
     c.stages = [dict(s, max_response_tokens=120, max_turns=2) for s in c.stages]
     c.stages[1]["start_step"], c.stages[2]["start_step"], c.stages[2]["filter_solved_k"] = 2, 3, 2
-    c.sandbox.workers = 1
+    c.sandbox.local.workers = 1
     c.eval.before_and_after = False
     c.checkpoint.every, c.checkpoint.keep = 1, 10
     return c
@@ -104,7 +104,7 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     assert done.returncode == 0, done.stderr[-3000:]
     first = re.search(r"submitted job (\d+)", done.stdout)[1]
     script = (work / "slurm" / "job.sh").read_text()
-    assert "--config.sandbox.url=$REDIS_URL" in script and "rstar2_jax.rollout.serve" in script
+    assert "--config.sandbox.redis.url=$REDIS_URL" in script and "rstar2_jax.rollout.serve" in script
 
     # stop it once two RL steps are checkpointed (the pre-filter and stage 2 still to come)
     checkpoints = work / "checkpoints"

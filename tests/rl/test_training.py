@@ -30,7 +30,7 @@ def small_config(**rl):
     c.rl.batch_problems = 2
     c.rl.group_size = 2
     c.rl.oversample = 2
-    c.rollout.slots = 8
+    c.rollout.jax.slots = 8
     c.rollout.max_len = 256
     c.stages = [dict(start_step=0, max_response_tokens=120, max_turns=2, filter_solved_k=0, filter_mode="offline",
                      reset_optimizer=False)]
@@ -168,7 +168,7 @@ def test_sigkill_while_a_checkpoint_is_written_then_resume(tmp_path):
              "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.sft.examples=8",
              "--config.data.eval_problems=2", "--config.eval.before_and_after=False", "--config.rl.steps=4",
              "--config.rl.batch_problems=2", "--config.rl.group_size=2", "--config.checkpoint.every=1",
-             "--config.rollout.max_len=512", "--config.rollout.slots=8"]
+             "--config.rollout.max_len=512", "--config.rollout.jax.slots=8"]
     wrapper = tmp_path / "die_in_checkpoint_2.py"
     wrapper.write_text(DIE_IN_CHECKPOINT_2)
     killed = subprocess.run([sys.executable, str(wrapper), *flags], cwd=ROOT, capture_output=True, text=True,
@@ -228,7 +228,7 @@ def test_train_cli_plan_and_config_file_errors(tmp_path):
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     work = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", f"--config=experiments/rstar2_agent_14b.py:,{data}",
-                           f"--config.data.eval_path={data}", f"--workdir={work}", "--plan"],
+                           f"--config.data.problems.eval_path={data}", f"--workdir={work}", "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "stage 2: steps 385-509: 12288 tokens, 15 turns, drop problems solved 8/8 (offline), optimizer reset" in proc.stdout
@@ -282,16 +282,17 @@ def test_validate_directly():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rl.advantage", "grpoo", "rl.advantage: unknown advantage 'grpoo'; did you mean 'grpo'? registered: grpo, mean_only"),
+    ("rl.advantage.name", "grpoo",
+     "rl.advantage.name: unknown advantage 'grpoo'; did you mean 'grpo'? registered: grpo, mean_only"),
     ("rl.loss.name", "clip_hi",
      "rl.loss.name: unknown policy loss 'clip_hi'; did you mean 'clip_higher'? registered: cispo, clip_higher, gspo, reinforce"),
     ("rl.roc.mode", "best", "rl.roc.mode: unknown RoC mode 'best'; registered: off, paper, release"),
     ("format", "qwen", "format: unknown prompt format 'qwen'; registered: compact, rstar2, tiny"),
-    ("data.task", "chess", "data.task: unknown task 'chess'; registered: arith, jsonl"),
+    ("data.task", "chess", "data.task: unknown task 'chess'; registered: arith, problems"),
     ("rollout.engine", "sglang", "rollout.engine: unknown engine 'sglang'; registered: jax, vllm"),
-    ("rollout.scheduler", "fastest",
-     "rollout.scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin"),
-    ("sandbox.isolation", "none", "sandbox.isolation: must be one of 'strict', 'basic'; got 'none'"),
+    ("rollout.vllm.scheduler", "fastest",
+     "rollout.vllm.scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin"),
+    ("sandbox.local.isolation", "none", "sandbox.local.isolation: must be one of 'strict', 'basic'; got 'none'"),
     ("sandbox.backend", "k8s", "sandbox.backend: unknown sandbox backend 'k8s'; registered: http, local, redis"),
 ])
 def test_names_are_checked_against_their_registries_before_anything_runs(tmp_path, field, value, message):
@@ -306,14 +307,14 @@ def test_names_are_checked_against_their_registries_before_anything_runs(tmp_pat
 
 def test_all_config_errors_are_reported_at_once_and_stages_are_checked():
     cfg = small_config()
-    cfg.rl.advantage = "x"
+    cfg.rl.advantage.name = "x"
     cfg.stages = [dict(start_step=0, max_response_tokens=120, max_turns=0, filter_solved_k=9, filter_mode="online",
                        reset_optimizer=False),
                   dict(start_step=5, max_tokens=100)]
     with pytest.raises(ConfigValueError) as e:
         validate(cfg)
     text = str(e.value)
-    assert "rl.advantage" in text and "stages[0].max_turns: must be >= 1" in text
+    assert "rl.advantage.name" in text and "stages[0].max_turns: must be >= 1" in text
     assert "stages[0].filter_solved_k: 9 exceeds the rollouts per problem" in text
     assert "stages[1].max_tokens: unknown field" in text
     assert "stages[1]: missing max_response_tokens, max_turns, filter_solved_k, filter_mode, reset_optimizer" in text

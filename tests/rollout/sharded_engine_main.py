@@ -16,8 +16,8 @@ from flax import nnx
 from rstar2_jax import models
 from rstar2_jax.models import tiny
 from rstar2_jax.models.tokenizer import Tokenizer
-from rstar2_jax.rollout.engines import JaxEngine, RolloutConfig, engine_mesh
-from rstar2_jax.rollout.engines.jax_kind import kv_pool_pages
+from rstar2_jax.rollout.engines import JaxEngine, engine_mesh
+from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings, kv_pool_pages
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 from rstar2_jax.rollout.sampling import SamplingParams
 
@@ -32,13 +32,13 @@ def main():
     bf16 = models.load_pretrained(model_dir, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     position_bytes = kv_bytes_per_position(fp32.cfg.num_layers, fp32.cfg.num_kv_heads, fp32.cfg.head_dim, 4)
     budget_gb = 6 * 64 * position_bytes / 2**30  # 6 pages of 64 positions
-    cfg = RolloutConfig(slots=3, max_len=128, page_size=64, kv_memory_gb=budget_gb)
+    cfg, max_len = JaxEngineSettings(slots=3, page_size=64, kv_memory_gb=budget_gb), 128
     prompts = [tokenizer.encode(f"problem {i}: {'x' * i}") for i in range(5)]
 
     async def greedy(model, devices):
         dtype_bytes = jnp.dtype(model.dtype).itemsize
-        async with JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, page_size=cfg.page_size,
-                             kv_pages=kv_pool_pages(cfg, model.cfg, dtype_bytes), mesh=engine_mesh("xla", devices)) \
+        async with JaxEngine(model, tokenizer, slots=cfg.slots, max_len=max_len, page_size=cfg.page_size,
+                             kv_pages=kv_pool_pages(cfg, max_len, model.cfg, dtype_bytes), mesh=engine_mesh("xla", devices)) \
                 as engine:
             outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
                                           for p in prompts))

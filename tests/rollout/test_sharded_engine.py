@@ -4,8 +4,7 @@ dtype it is given, with a KV pool sized by a memory budget."""
 
 import pytest
 
-from rstar2_jax.rollout.engines import RolloutConfig
-from rstar2_jax.rollout.engines.jax_kind import kv_pool_pages
+from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings, kv_pool_pages
 from rstar2_jax.models.tiny import tiny_config
 from tests.fake_devices import run_on_8_fake_devices
 
@@ -14,13 +13,11 @@ from tests.fake_devices import run_on_8_fake_devices
 def result():
     return run_on_8_fake_devices("tests.rollout.sharded_engine_main")[0]
 
-
 @pytest.mark.slow
 def test_engine_over_8_devices_gives_the_single_device_tokens(result):
     assert result["split"]["tokens"] == result["single"]["tokens"]
     assert result["mesh_of_8"] == {"data": 1, "fsdp": 1, "tensor": 8}
     assert result["pallas_mesh"]  # the Pallas decode kernel keeps the engine on one device
-
 
 @pytest.mark.slow
 def test_each_device_holds_an_eighth_of_the_weights_and_kv_in_the_given_dtype(result):
@@ -29,20 +26,18 @@ def test_each_device_holds_an_eighth_of_the_weights_and_kv_in_the_given_dtype(re
     assert result["single"]["q_proj_shard_fraction"] == 1.0
     assert result["split"]["q_proj_dtype"] == "float32" and result["split_bf16"]["q_proj_dtype"] == "bfloat16"
 
-
 @pytest.mark.slow
 def test_the_kv_pool_holds_what_its_memory_budget_holds(result):
     # a budget of 6 float32 pages holds 6 float32 pages, or 12 bf16 ones
     assert result["split"]["pages"] == result["single"]["pages"] == 6
     assert result["split_bf16"]["pages"] == 12
 
-
 def test_kv_budget_sizes_the_pool_and_refuses_less_than_one_sequence():
     cfg = tiny_config()  # 2 layers x 2 KV heads x 32 dims: 1 KiB per position in float32
-    budget = RolloutConfig(max_len=256, page_size=64, kv_memory_gb=10 * 64 * 1024 / 2**30)
-    assert kv_pool_pages(budget, cfg, 4) == 10
-    assert kv_pool_pages(budget, cfg, 2) == 20
-    assert kv_pool_pages(RolloutConfig(max_len=256, page_size=64, kv_pages=7), cfg, 4) == 7
-    assert kv_pool_pages(RolloutConfig(max_len=256), cfg, 4) is None
+    budget = JaxEngineSettings(page_size=64, kv_memory_gb=10 * 64 * 1024 / 2**30)
+    assert kv_pool_pages(budget, 256, cfg, 4) == 10
+    assert kv_pool_pages(budget, 256, cfg, 2) == 20
+    assert kv_pool_pages(JaxEngineSettings(page_size=64, kv_pages=7), 256, cfg, 4) == 7
+    assert kv_pool_pages(JaxEngineSettings(), 256, cfg, 4) is None
     with pytest.raises(ValueError, match="fewer than one rollout.max_len=256 sequence"):
-        kv_pool_pages(RolloutConfig(max_len=256, page_size=64, kv_memory_gb=3 * 64 * 1024 / 2**30), cfg, 4)
+        kv_pool_pages(JaxEngineSettings(page_size=64, kv_memory_gb=3 * 64 * 1024 / 2**30), 256, cfg, 4)

@@ -79,11 +79,11 @@ def vllm_config(**rollout) -> list:
 
 def test_the_config_check_refuses_a_files_sync_that_servers_on_other_hosts_cannot_read(tmp_path):
     problems = vllm_config(vllm_urls=[f"http://{ELSEWHERE}:8100", "http://127.0.0.1:8100"], vllm_sync_dir="/dev/shm")
-    refused = [p for p in problems if p.path == "rollout.vllm_sync"]
+    refused = [p for p in problems if p.path == "rollout.vllm.sync"]
     assert len(refused) == 1, problems
     message = str(refused[0])
-    assert ELSEWHERE in message and "rollout.vllm_sync=pull" in message and "rollout.vllm_sync_dir" in message
+    assert ELSEWHERE in message and "rollout.vllm.sync=pull" in message and "rollout.vllm.sync_dir" in message
     # the same servers on this host, or a pull sync: nothing to refuse
-    assert not [p for p in vllm_config(vllm_urls=["http://localhost:8100"]) if p.path == "rollout.vllm_sync"]
+    assert not [p for p in vllm_config(vllm_urls=["http://localhost:8100"]) if p.path == "rollout.vllm.sync"]
     assert not [p for p in vllm_config(vllm_urls=[f"http://{ELSEWHERE}:8100"], vllm_sync="pull",
                                        vllm_fetch_urls=[f"http://{ELSEWHERE}:8101"])]

@@ -324,7 +324,7 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path):
 
     cfg = small_config(steps=2)
     cfg.rollout.engine = "vllm"
-    cfg.rollout.vllm_urls = [vllm_server.url]
+    cfg.rollout.vllm.urls = [vllm_server.url]
     cfg.rl.roc.reject_uniform_groups = False  # every step updates (and syncs), whatever the rewards
     results = run(cfg, str(tmp_path))
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
@@ -537,9 +537,9 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     reloads_before = open(vllm_server.log_path).read().count("POST /update_weight_version")
     try:
         results = launch(train_args(str(config), work, 2) + [
-            "--config.rollout.engine=vllm", f"--config.rollout.vllm_urls={vllm_server.url}",
-            "--config.rollout.vllm_sync=pull", f"--config.rollout.vllm_fetch_urls={fetcher.url}",
-            "--config.rollout.vllm_sync_bucket_mb=1e-6"], work, n=2)  # a bucket per layer
+            "--config.rollout.engine=vllm", f"--config.rollout.vllm.urls={vllm_server.url}",
+            "--config.rollout.vllm.sync=pull", f"--config.rollout.vllm.fetch_urls={fetcher.url}",
+            "--config.rollout.vllm.sync_bucket_mb=1e-6"], work, n=2)  # a bucket per layer
     finally:
         fetcher.close()
     assert all(status == 0 for status, _, _ in results), [err[-3000:] for _, _, err in results]

@@ -143,7 +143,7 @@ def test_no_room_for_a_bucket_is_a_clear_error_not_a_crash(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "REFUSED" in out.stdout and "rollout.vllm_sync_dir" in out.stdout and "4 MiB" in out.stdout, out.stdout
+    assert "REFUSED" in out.stdout and "rollout.vllm.sync_dir" in out.stdout and "4 MiB" in out.stdout, out.stdout
 
 
 def test_exports_of_trainers_that_are_gone_are_freed(tmp_path):

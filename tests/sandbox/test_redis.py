@@ -283,8 +283,8 @@ def test_the_trainer_sandbox_config_builds_a_redis_client_that_reaches_workers(r
     from rstar2_jax.rollout.sandboxes import SandboxConfig, make_sandbox
 
     with pytest.raises(ConfigValueError, match="url: sandbox.backend=redis needs a redis:// URL"):
-        SandboxConfig.from_mapping({"backend": "redis", "url": ""})
-    cfg = SandboxConfig.from_mapping({"backend": "redis", "url": redis_server.url})
+        SandboxConfig.from_mapping({"backend": "redis", "redis": {"url": ""}})
+    cfg = SandboxConfig.from_mapping({"backend": "redis", "redis": {"url": redis_server.url}})
     worker = start_worker(redis_server.url)
     try:
         async def scenario():

@@ -3,12 +3,30 @@ devices, with a local copy of the learner's weights in the compute dtype."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
+from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
-from rstar2_jax.rollout.engines.factory import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
-                                                RolloutConfig)
+from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
+
+if TYPE_CHECKING:
+    from rstar2_jax.rollout.engines.factory import RolloutConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxEngineSettings(Section):
+    """`rollout.jax.*`: the embedded engine's decode slots and KV cache."""
+    slots: int = setting(32, "sequences decoded together", min=1)
+    reuse_kv: bool = setting(False, "keep a trajectory's KV between turns (prefill only new tokens)")
+    page_size: int = setting(0, "0 = one rollout.max_len KV row per slot; N = paged KV, pages of N positions", min=0)
+    kv_pages: int = setting(0, "paged: pages in the pool (0 = kv_memory_gb's, else slots x max_len / page_size)",
+                            min=0)
+    kv_memory_gb: float = setting(0.0, "paged: the KV pool's size in GiB, all the engine's devices together "
+                                  "(0 = kv_pages); the pool holds as many pages as fit", min=0.0)
 
 
 def engine_mesh(decode_attention: str, devices=None):
@@ -23,17 +41,18 @@ def engine_mesh(decode_attention: str, devices=None):
     return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
 
 
-def kv_pool_pages(cfg: RolloutConfig, model_cfg, dtype_bytes: int) -> int | None:
+def kv_pool_pages(jax_cfg: JaxEngineSettings, max_len: int, model_cfg, dtype_bytes: int) -> int | None:
     """Pages of the embedded engine's paged KV pool: kv_pages, or what kv_memory_gb holds (None:
     unpaged, or slots x max_len's worth)."""
     from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position, pages_in_budget
-    if cfg.kv_pages or not cfg.kv_memory_gb:
-        return cfg.kv_pages or None
+    j = jax_cfg
+    if j.kv_pages or not j.kv_memory_gb:
+        return j.kv_pages or None
     position = kv_bytes_per_position(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype_bytes)
-    pages = pages_in_budget(cfg.kv_memory_gb * 2**30, cfg.page_size, position)
-    if pages * cfg.page_size < cfg.max_len:
-        raise ValueError(f"rollout.kv_memory_gb={cfg.kv_memory_gb} holds {pages} page(s) of {cfg.page_size} positions "
-                         f"({position} bytes each), fewer than one rollout.max_len={cfg.max_len} sequence")
+    pages = pages_in_budget(j.kv_memory_gb * 2**30, j.page_size, position)
+    if pages * j.page_size < max_len:
+        raise ValueError(f"rollout.jax.kv_memory_gb={j.kv_memory_gb} holds {pages} page(s) of {j.page_size} "
+                         f"positions ({position} bytes each), fewer than one rollout.max_len={max_len} sequence")
     return pages
 
 
@@ -41,24 +60,26 @@ def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     import jax.numpy as jnp
 
     from rstar2_jax.rollout.engines.jax_engine import JaxEngine
-    return JaxEngine(model, tokenizer, slots=cfg.slots, max_len=cfg.max_len, seed=seed, reuse_kv=cfg.reuse_kv,
-                     page_size=cfg.page_size or None,
-                     kv_pages=kv_pool_pages(cfg, model.cfg, jnp.dtype(model.dtype).itemsize),
+    j = cfg.jax
+    return JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
+                     page_size=j.page_size or None,
+                     kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
                      mesh=engine_mesh(model.decode_attention))
 
 
 def _check_jax(cfg: RolloutConfig):
-    if cfg.page_size and cfg.max_len % cfg.page_size:
-        yield "page_size", f"{cfg.page_size} must divide rollout.max_len={cfg.max_len}"
-    if cfg.kv_pages and not cfg.page_size:
-        yield "kv_pages", "needs rollout.page_size > 0 (kv_pages sizes the paged KV pool)"
-    if cfg.kv_memory_gb and not cfg.page_size:
-        yield "kv_memory_gb", "needs rollout.page_size > 0 (it sizes the paged KV pool)"
-    if cfg.kv_memory_gb and cfg.kv_pages:
-        yield "kv_memory_gb", "and rollout.kv_pages both size the pool: set one (the other 0)"
-    if cfg.kv_pages and cfg.page_size and cfg.kv_pages * cfg.page_size < cfg.max_len:
-        yield "kv_pages", (f"{cfg.kv_pages} x page_size={cfg.page_size} cannot hold one max_len={cfg.max_len} "
-                           "sequence")
+    j = cfg.jax
+    if j.page_size and cfg.max_len % j.page_size:
+        yield "jax.page_size", f"{j.page_size} must divide rollout.max_len={cfg.max_len}"
+    if j.kv_pages and not j.page_size:
+        yield "jax.kv_pages", "needs rollout.jax.page_size > 0 (kv_pages sizes the paged KV pool)"
+    if j.kv_memory_gb and not j.page_size:
+        yield "jax.kv_memory_gb", "needs rollout.jax.page_size > 0 (it sizes the paged KV pool)"
+    if j.kv_memory_gb and j.kv_pages:
+        yield "jax.kv_memory_gb", "and rollout.jax.kv_pages both size the pool: set one (the other 0)"
+    if j.kv_pages and j.page_size and j.kv_pages * j.page_size < cfg.max_len:
+        yield "jax.kv_pages", (f"{j.kv_pages} x page_size={j.page_size} cannot hold one max_len={cfg.max_len} "
+                               "sequence")
 
 
 def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
@@ -85,22 +106,23 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
 
 
 def _kv_pool(x: EnginePlanInputs, engine_devices: int, b: int) -> tuple[float, str]:
-    r, arch = x.rollout, x.arch
+    r, j, arch = x.rollout, x.rollout.jax, x.arch
     position = kv_bytes_per_position(arch.num_layers, arch.num_kv_heads, arch.head_dim, b)
-    if r.page_size:
-        pages = kv_pool_pages(r, arch, b) or r.slots * r.max_len // r.page_size
-        positions, what = pages * r.page_size, f"{pages} pages of {r.page_size}"
+    if j.page_size:
+        pages = kv_pool_pages(j, r.max_len, arch, b) or j.slots * r.max_len // j.page_size
+        positions, what = pages * j.page_size, f"{pages} pages of {j.page_size}"
     else:
-        positions, what = r.slots * r.max_len, f"{r.slots} slots x {r.max_len}"
+        positions, what = j.slots * r.max_len, f"{j.slots} slots x {r.max_len}"
     split = arch.num_kv_heads // split_dim(arch.num_kv_heads, "kv_heads", {"data": 1, "fsdp": 1, "tensor": engine_devices})
     return positions * position / split, f"{what} positions x {position / 2**10:.3g} KiB, split {split} way(s)"
 
 
 def _describe(r: RolloutConfig) -> str:
-    return f"jax, {r.slots} slots x {r.max_len} KV positions" + (f", paged ({r.page_size} per page)" if r.page_size else "")
+    j = r.jax
+    return f"jax, {j.slots} slots x {r.max_len} KV positions" + (f", paged ({j.page_size} per page)" if j.page_size else "")
 
 
 ENGINES.register("jax", EngineKind(
-    build=_build_jax, check=_check_jax, embedded=True,
+    build=_build_jax, settings=JaxEngineSettings, check=_check_jax, embedded=True,
     samples_like_learner=lambda r, compute_dtype: compute_dtype == "float32",
     weights=_weights, plan=_plan, describe=_describe, host_refusal=lambda r, platform: None))

@@ -9,7 +9,7 @@ GPU is needed, with a recording stand-in for CuPy's module beside it: the server
 our join request (a standard-base64 unique id of 128 bytes, rank offset 1, the world size,
 unpacked broadcasts) and fails only at its accelerator; the update's names, dtypes and shapes pass
 vLLM's validation and fail only because no NCCL group exists; and the tensors go out one at a time
-in that order. VLLMEngine uses this sender only when asked (`rollout.vllm_sync=nccl`, refused at
+in that order. VLLMEngine uses this sender only when asked (`rollout.vllm.sync=nccl`, refused at
 launch on a host without GPUs), falls back to the safetensors path when it cannot start, and the
 log-prob probe checks the result either way.
 
@@ -54,7 +54,7 @@ class CupyNccl:
             from cupy.cuda import nccl, runtime
         except ImportError as e:
             raise NcclUnavailable(f"CuPy's NCCL binding is not importable ({e}): pip install 'rstar2-jax[nccl]' "
-                                  "(cupy-cuda12x), or use rollout.vllm_sync=files") from e
+                                  "(cupy-cuda12x), or use rollout.vllm.sync=files") from e
         if jax.devices()[0].platform != "gpu":
             raise NcclUnavailable("NCCL weight sync needs the learner's parameters on a GPU")
         self._nccl, self._runtime = nccl, runtime

@@ -1,6 +1,6 @@
-"""Can a vLLM server read the files this trainer writes? (the `rollout.vllm_sync=files` check)
+"""Can a vLLM server read the files this trainer writes? (the `rollout.vllm.sync=files` check)
 
-A files sync writes each bucket under `rollout.vllm_sync_dir` (default: this host's /dev/shm) and
+A files sync writes each bucket under `rollout.vllm.sync_dir` (default: this host's /dev/shm) and
 asks every server to reload it from that path. A server on another host can only do that when the
 directory is on a filesystem both hosts mount. Without this check the mistake shows at the first
 sync, as the server's "file not found" deep in a reload, after the model and the data were loaded.
@@ -25,7 +25,7 @@ LOCAL_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "ext2", "ext3", "ex
 
 
 def default_sync_root() -> str:
-    """Where exports go when rollout.vllm_sync_dir is not set: this host's /dev/shm (memory)."""
+    """Where exports go when rollout.vllm.sync_dir is not set: this host's /dev/shm (memory)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 

@@ -433,7 +433,7 @@ def _completion(choice: dict, version_start: int, version_end: int) -> Completio
     return Completion(token_ids, logprobs, "eos", version_start, version_end)
 
 
-SYNC_METHODS = ("files", "pull", "nccl")  # the names of rollout.vllm_sync
+SYNC_METHODS = ("files", "pull", "nccl")  # the names of rollout.vllm.sync
 _FILE_SERVERS: dict[tuple[str, str], Any] = {}
 
 

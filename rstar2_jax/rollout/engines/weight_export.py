@@ -233,7 +233,7 @@ def write_bucket(path: str, bucket: Bucket, tensors: Iterable[np.ndarray], laid_
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 raise OSError(e.errno, f"no room for the weight export's {size / 2**20:.0f} MiB bucket in "
-                                       f"{os.path.dirname(path)} ({e.strerror}): set rollout.vllm_sync_dir to a "
+                                       f"{os.path.dirname(path)} ({e.strerror}): set rollout.vllm.sync_dir to a "
                                        "larger directory the servers can read") from e
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as mm:
             mm[:len(header)] = header
