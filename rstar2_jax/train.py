@@ -112,4 +112,5 @@ if __name__ == "__main__":
     from rstar2_jax.rl.plan import SyncPlanError
     from rstar2_jax.rl.config import RunConfig
     from rstar2_jax.rl.run_dir import ConfigMismatchError
-    cli.run(main, config_flag=_CONFIG, config_type=RunConfig, expected=(ConfigMismatchError, MemoryPlanError, SyncPlanError, ModelNotFound))
+    cli.run(main, config_flag=_CONFIG, config_type=RunConfig,
+            expected=(ConfigMismatchError, MemoryPlanError, SyncPlanError, ModelNotFound))

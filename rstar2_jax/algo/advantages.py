@@ -43,15 +43,18 @@ class GRPOAdvantageSettings(Section):
     eps: float = setting(1e-6, "added to the group's std before dividing", min=0.0)
 
 
+_GRPO_DEFAULTS = GRPOAdvantageSettings()
+
+
 @register_advantage("grpo", settings=GRPOAdvantageSettings)
-def grpo_advantages(rewards, s: GRPOAdvantageSettings = GRPOAdvantageSettings()) -> np.ndarray:
+def grpo_advantages(rewards, s: GRPOAdvantageSettings = _GRPO_DEFAULTS) -> np.ndarray:
     """(r - mean) / (std + eps) over the kept rollouts of one group (population std)."""
     r = np.asarray(rewards, dtype=np.float64)
     return ((r - r.mean()) / (r.std() + s.eps)).astype(np.float32)
 
 
 @register_advantage("mean_only")
-def mean_centred_advantages(rewards, s: Section = NoSettings()) -> np.ndarray:
+def mean_centred_advantages(rewards, s: Section | None = None) -> np.ndarray:
     """r - mean (Dr. GRPO): no division by the group's std."""
     del s
     r = np.asarray(rewards, dtype=np.float64)

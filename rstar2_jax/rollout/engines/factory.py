@@ -2,11 +2,11 @@
 train, evaluate and chat.
 
 ENGINES maps `rollout.engine` to an `EngineKind`: how to build that engine, its own settings
-section (`rollout.<kind>.*`, part_sections.py) and how to check them, and the facts the rest of the code needs about it (whether it runs in
-the trainer's process, how it holds the learner's weights, what it adds to each device's memory,
-how --plan names it). Nothing outside `rollout/engines/` compares an engine's name: it asks the
-kind. Each kind is its own module (jax_kind.py, vllm_kind.py), registered by its import at the
-end of this file; the engines themselves are imported when built, so choosing one never loads
+section (`rollout.<kind>.*`, part_sections.py) and how to check them, and the facts the rest of
+the code needs about it (whether it runs in the trainer's process, how it holds the learner's
+weights, what it adds to each device's memory, how --plan names it). Nothing outside
+`rollout/engines/` compares an engine's name: it asks the kind. Each kind is its own module
+(jax_kind.py, vllm_kind.py), registered by its import at the end of this file; the engines themselves are imported when built, so choosing one never loads
 the other (vLLM's client needs no JAX engine, and the reverse).
 """
 
