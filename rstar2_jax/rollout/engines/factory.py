@@ -6,8 +6,9 @@ section (`rollout.<kind>.*`, part_sections.py) and how to check them, and the fa
 the code needs about it (whether it runs in the trainer's process, how it holds the learner's
 weights, what it adds to each device's memory, how --plan names it). Nothing outside
 `rollout/engines/` compares an engine's name: it asks the kind. Each kind is its own module
-(jax_kind.py, vllm_kind.py), registered by its import at the end of this file; the engines themselves are imported when built, so choosing one never loads
-the other (vLLM's client needs no JAX engine, and the reverse).
+(jax_kind.py, vllm_kind.py), registered by its import at the end of this file; the engines
+themselves are imported when built, so choosing one never loads the other (vLLM's client needs
+no JAX engine, and the reverse).
 """
 
 from __future__ import annotations
