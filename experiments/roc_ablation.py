@@ -5,16 +5,15 @@
     python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --seeds=3 --workdir=runs/roc_ablation
     python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --grid=FIG4 --seeds=3 --workdir=runs/fig4
 
-`get_config("MODE,G,OVERSAMPLE[,EPS]")` gives one cell; `GRID` lists them all (mode "off" ignores
-eps: plain GRPO draws uniformly); `FIG4` is the paper's Fig. 4 comparison at toy scale: plain GRPO
+`get_config("MODE,G,OVERSAMPLE[,EPS]")` gives one cell; `GRID` lists them all (eps is the paper
+mode's, rl.roc.paper.eps: plain GRPO draws uniformly and the release sorts by penalty); `FIG4` is the paper's Fig. 4 comparison at toy scale: plain GRPO
 against GRPO-RoC as in the paper and as in the released code.
 """
 
 from experiments import tiny_arith
 
-GRID = ([("off", g, o, 1e-3) for g, o in ((4, 2), (2, 2), (4, 1))]
-        + [(mode, g, o, eps) for mode in ("paper", "release") for g, o in ((4, 2), (2, 2), (4, 1))
-           for eps in (1e-3, 0.1)])
+GRID = ([(mode, g, o, 1e-3) for mode in ("off", "release") for g, o in ((4, 2), (2, 2), (4, 1))]
+        + [("paper", g, o, eps) for g, o in ((4, 2), (2, 2), (4, 1)) for eps in (1e-3, 0.1)])
 FIG4 = [("off", 4, 2, 1e-3), ("paper", 4, 2, 1e-3), ("release", 4, 2, 1e-3)]
 
 
@@ -27,7 +26,10 @@ def get_config(arg: str = "paper,4,2,0.001"):
     c = tiny_arith.get_config()
     c.run_name = f"roc_{mode}_{g}_{o}_{eps:g}"
     c.rl.roc.mode = mode
-    c.rl.roc.eps = eps
+    if mode == "paper":
+        c.rl.roc.paper.eps = eps
+    elif eps != 1e-3:
+        raise ValueError(f"eps={eps} is the paper mode's (rl.roc.paper.eps); mode {mode!r} does not read it")
     c.rl.group_size = g
     c.rl.oversample = o
     return c

@@ -49,7 +49,7 @@ STRING_LISTS = {"rl.correction.names": ({}, ["no_such_correction"]),
 def shipped_configs(tmp_path):
     files = tmp_path / "problems.jsonl"
     files.write_text('{"problem": "1+1", "answer": "2"}\n')
-    out = {"tiny_arith": tiny_arith.get_config(), "roc_ablation": roc_ablation.get_config("release,2,2,0.1")}
+    out = {"tiny_arith": tiny_arith.get_config(), "roc_ablation": roc_ablation.get_config("paper,2,2,0.1")}
     for name, module in (("qwen3_0p6b_math", qwen3_0p6b_math), ("rstar2_agent_14b", rstar2_agent_14b)):
         c = module.get_config(f",{files}")
         c.data.problems.eval_path = str(files)

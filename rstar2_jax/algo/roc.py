@@ -19,51 +19,78 @@ rStar2-Agent samples 2G rollouts per problem and keeps G. The paper and the rele
   the released code asserts; here positives take the remainder.
 - "uniform": plain GRPO on `keep` rollouts drawn uniformly at random (RoC off).
 
-These are the SELECTIONS registry; `roc_select` checks its inputs and dispatches. A run's
-`rl.roc.mode` pairs a selection with the penalties it ranks by (rl/grpo_roc.py: ROC_MODES).
-`roc_select` is pure given `rng` (a numpy Generator).
+Each is a function here with its settings section (PaperSelection, ReleaseSelection); a run's
+`rl.roc.mode` names a RoC mode, which pairs a selection with the penalties it ranks by and is the
+one registry of the concept (rl/grpo_roc.py: ROC_MODES). `roc_select` checks its inputs and calls
+a selection; it is pure given `rng` (a numpy Generator).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import numpy as np
 
-from rstar2_jax.registry import Registry
-
-# name -> fn(rewards, penalties, keep, rng, *, eps, min_neg, min_pos) -> kept indices, for 0 < keep < n
-SELECTIONS = Registry("RoC selection")
+from rstar2_jax.config_types import Section, setting
 
 
-def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, selection: str = "paper", *,
-               eps: float = 1e-3, min_neg: int = 2, min_pos: int = 2) -> np.ndarray:
-    """Indices (sorted) of the rollouts kept from one group by the named selection."""
+@dataclasses.dataclass(frozen=True)
+class PaperSelection(Section):
+    """`rl.roc.paper.*`."""
+    eps: float = setting(1e-3, "positives drawn with probability ~ 1 / (p_err + p_format + eps)", min=0.0)
+
+    def rules(self):
+        if self.eps <= 0:
+            yield "eps", "must be > 0 (1 / (penalty + eps) with a zero penalty)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseSelection(Section):
+    """`rl.roc.release.*`."""
+    min_neg: int = setting(2, "negatives kept at least (when that many exist)", min=0)
+    min_pos: int = setting(2, "positives kept at least (when that many exist)", min=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformSelection(Section):
+    """Uniform selection has no settings."""
+
+
+# (rewards, penalties, keep, rng, settings) -> sorted kept indices, for 0 < keep < n
+Selection = Callable[[np.ndarray, np.ndarray, int, np.random.Generator, Section], np.ndarray]
+
+
+def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, selection: Selection | None = None,
+               settings: Section | None = None) -> np.ndarray:
+    """Indices (sorted) of the rollouts kept from one group by `selection` (default: the
+    paper's) with its `settings` (default: its section's defaults)."""
     rewards = np.asarray(rewards, dtype=np.float64)
     penalties = np.asarray(penalties, dtype=np.float64)
     n = len(rewards)
     if penalties.shape != rewards.shape:
         raise ValueError(f"rewards and penalties differ in shape: {rewards.shape} vs {penalties.shape}")
-    select = SELECTIONS[selection]
+    selection = selection or paper_selection
     if keep >= n:
         return np.arange(n)
     if keep <= 0:
         return np.arange(0)
-    return select(rewards, penalties, keep, rng, eps=eps, min_neg=min_neg, min_pos=min_pos)
+    return selection(rewards, penalties, keep, rng, settings if settings is not None else DEFAULTS[selection])
 
 
-@SELECTIONS.register("uniform")
-def uniform_selection(rewards, penalties, keep, rng, **_) -> np.ndarray:
+def uniform_selection(rewards, penalties, keep, rng, s: UniformSelection) -> np.ndarray:
+    del penalties, s
     return np.sort(rng.choice(len(rewards), size=keep, replace=False))
 
 
-@SELECTIONS.register("release")
-def release_selection(rewards, penalties, keep, rng, *, min_neg: int, min_pos: int, **_) -> np.ndarray:
+def release_selection(rewards, penalties, keep, rng, s: ReleaseSelection) -> np.ndarray:
     del rng  # deterministic: sorted positives, negatives in rollout order
     return _release(np.flatnonzero(rewards <= 0), np.flatnonzero(rewards > 0), penalties, keep, len(rewards),
-                    min_neg, min_pos)
+                    s.min_neg, s.min_pos)
 
 
-@SELECTIONS.register("paper")
-def paper_selection(rewards, penalties, keep, rng, *, eps: float, **_) -> np.ndarray:
+def paper_selection(rewards, penalties, keep, rng, s: PaperSelection) -> np.ndarray:
+    eps = s.eps
     neg = np.flatnonzero(rewards <= 0)
     pos = np.flatnonzero(rewards > 0)
     n_neg, n_pos = paper_counts(len(neg), len(pos), keep)
@@ -74,6 +101,11 @@ def paper_selection(rewards, penalties, keep, rng, *, eps: float, **_) -> np.nda
     else:
         chosen_pos = np.arange(0)
     return np.sort(np.concatenate([chosen_neg, chosen_pos]).astype(np.int64))
+
+
+# Each selection's settings at their defaults (roc_select without settings).
+DEFAULTS: dict[Selection, Section] = {paper_selection: PaperSelection(), release_selection: ReleaseSelection(),
+                                      uniform_selection: UniformSelection()}
 
 
 def paper_counts(negatives: int, positives: int, keep: int) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """One GRPO-RoC step's data path: rewards and penalties -> RoC selection -> advantages -> kept
 rollouts and trace records (select_step).
 
-A RoC mode (`rl.roc.mode`, the ROC_MODES registry) is a pair: the selection (algo/roc.py:
-SELECTIONS) and the penalties it ranks positives by:
+A RoC mode (`rl.roc.mode`, the ROC_MODES registry, the one registry of the concept) is the
+selection (a function of algo/roc.py) with its settings (`rl.roc.<mode>.*`) and the penalties it
+ranks positives by:
 
     "paper"    the paper's selection; p_err from tool statuses, p_format from the model's own text
     "release"  the released code's selection and its penalties, read off the response text
@@ -18,10 +19,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rstar2_jax.algo import SELECTIONS, group_is_informative, roc_select
 from rstar2_jax.algo import advantages as compute_advantages
+from rstar2_jax.algo import group_is_informative, roc_select
 from rstar2_jax.algo.reward_shaping import overlong_penalty
+from rstar2_jax.algo.roc import (PaperSelection, ReleaseSelection, Selection, UniformSelection, paper_selection,
+                                 release_selection, uniform_selection)
 from rstar2_jax.config_types import Section, setting
+from rstar2_jax.part_sections import PartChoice, part_section
 from rstar2_jax.registry import Registry
 from rstar2_jax.rewards import extract_answer, format_penalty, tool_error_ratio
 from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
@@ -33,8 +37,9 @@ Penalties = Callable[[Sequence[Scored]], tuple[np.ndarray, np.ndarray]]
 
 @dataclasses.dataclass(frozen=True)
 class RoCMode:
-    selection: str          # a name in algo.SELECTIONS
-    penalties: Penalties    # group -> (p_err, p_format) per rollout
+    select: Selection        # algo/roc.py: which of a group are kept
+    penalties: Penalties     # group -> (p_err, p_format) per rollout
+    settings: type[Section]  # the selection's settings, rl.roc.<mode>.*
 
 
 @dataclasses.dataclass
@@ -60,42 +65,38 @@ def release_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
 
 
 ROC_MODES: Registry[RoCMode] = Registry("RoC mode")
-ROC_MODES.register("paper", RoCMode("paper", paper_penalties))
-ROC_MODES.register("release", RoCMode("release", release_penalties))
-ROC_MODES.register("off", RoCMode("uniform", paper_penalties))
+ROC_MODES.register("paper", RoCMode(paper_selection, paper_penalties, PaperSelection))
+ROC_MODES.register("release", RoCMode(release_selection, release_penalties, ReleaseSelection))
+ROC_MODES.register("off", RoCMode(uniform_selection, paper_penalties, UniformSelection))
 
 
-@dataclasses.dataclass(frozen=True)
-class RoCConfig(Section):
-    """`rl.roc.*`: Resample-on-Correct, how 2G rollouts become the G trained on."""
-    mode: str = setting("paper", "paper | release | off (plain GRPO); docs/FIDELITY.md compares them",
-                        choices=ROC_MODES)
-    eps: float = setting(1e-3, "paper: positives drawn with probability ~ 1 / (p_err + p_format + eps)", min=0.0)
-    min_neg: int = setting(2, "release: negatives kept at least (when that many exist)", min=0)
-    min_pos: int = setting(2, "release: positives kept at least (when that many exist)", min=0)
-    reject_uniform_groups: bool = setting(True, "drop a group whose kept rewards are all equal (zero advantage)")
-
-    def rules(self):
-        if self.mode == "paper" and self.eps <= 0:
-            yield "eps", "must be > 0 in paper mode (1 / (penalty + eps) with a zero penalty)"
+class _RoCBase(PartChoice):
+    """`rl.roc.*`: Resample-on-Correct, how 2G rollouts become the G trained on: the mode and
+    each mode's own settings (rl.roc.<mode>.*; another mode's may not be changed)."""
 
 
-def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, mode: str, eps: float,
-                 min_neg: int, min_pos: int, advantage, reject_uniform: bool,
+RoCConfig = part_section(
+    "RoCConfig", ROC_MODES, path="rl.roc", module=__name__, base=_RoCBase,
+    moved={"eps": "paper.eps", "min_neg": "release.min_neg", "min_pos": "release.min_pos"},
+    selector=("mode", str, setting("paper", "paper | release | off (plain GRPO); docs/FIDELITY.md compares them",
+                                   choices=ROC_MODES)),
+    common=[("reject_uniform_groups", bool, setting(True, "drop a group whose kept rewards are all equal (zero "
+                                                    "advantage)"))])
+
+
+def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, roc, advantage,
                  rewards: Sequence[float] | None = None) -> GroupSelection:
-    """RoC on one group; `rewards` (default: each rollout's own) is what RoC and the advantage
-    read (a shaped reward, e.g. with DAPO's overlong term)."""
-    roc = ROC_MODES[mode]
+    """RoC on one group (`roc`: a RoCConfig, `advantage`: an AdvantageConfig); `rewards`
+    (default: each rollout's own) is what RoC and the advantage read (a shaped reward, e.g. with
+    DAPO's overlong term)."""
+    mode = roc.spec()
     rewards = np.array([s.reward for s in group] if rewards is None else rewards, np.float64)
-    p_err, p_format = roc.penalties(group)
-    kept = roc_select(rewards, p_err + p_format, keep, rng, roc.selection, eps=eps, min_neg=min_neg, min_pos=min_pos)
-    if reject_uniform and not group_is_informative(rewards[kept]):
+    p_err, p_format = mode.penalties(group)
+    kept = roc_select(rewards, p_err + p_format, keep, rng, mode.select, roc.settings())
+    if roc.reject_uniform_groups and not group_is_informative(rewards[kept]):
         kept = kept[:0]
     adv = compute_advantages(advantage, rewards[kept]) if len(kept) else np.zeros(0, np.float32)
     return GroupSelection(kept, adv, p_err, p_format)
-
-
-assert all(mode.selection in SELECTIONS for mode in ROC_MODES.values()), "a RoC mode names an unknown selection"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +123,7 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
         group = scored[b * n_roll:(b + 1) * n_roll]
         lengths = [s.trajectory.num_response_tokens for s in group]
         shaped = np.array([s.reward for s in group]) + overlong_penalty(lengths, budget, cfg.rl.overlong.cache_tokens)
-        sel = select_group(group, cfg.rl.group_size, rng, mode=cfg.rl.roc.mode, eps=cfg.rl.roc.eps,
-                           min_neg=cfg.rl.roc.min_neg, min_pos=cfg.rl.roc.min_pos, advantage=cfg.rl.advantage,
-                           reject_uniform=cfg.rl.roc.reject_uniform_groups, rewards=shaped)
+        sel = select_group(group, cfg.rl.group_size, rng, roc=cfg.rl.roc, advantage=cfg.rl.advantage, rewards=shaped)
         full = max_groups is not None and groups >= max_groups
         adv_of = {} if full else dict(zip(sel.kept.tolist(), sel.advantages.tolist()))
         groups += bool(adv_of)

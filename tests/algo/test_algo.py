@@ -5,8 +5,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rstar2_jax.algo import advantages, group_is_informative, roc_select
+from rstar2_jax.algo.roc import (PaperSelection, ReleaseSelection, paper_selection, release_selection,
+                                 uniform_selection)
 from rstar2_jax.algo.advantages import AdvantageConfig, GRPOAdvantageSettings
 
+SELECTIONS = {"paper": paper_selection, "uniform": uniform_selection, "release": release_selection}
 groups = st.integers(2, 32).flatmap(lambda n: st.tuples(
     st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n),
     st.lists(st.floats(0, 2), min_size=n, max_size=n),
@@ -17,7 +20,7 @@ groups = st.integers(2, 32).flatmap(lambda n: st.tuples(
 @given(groups, st.sampled_from(["paper", "uniform", "release"]))
 def test_selection_counts(group, mode):
     rewards, penalties, keep, seed = group
-    idx = roc_select(rewards, penalties, keep, np.random.default_rng(seed), mode)
+    idx = roc_select(rewards, penalties, keep, np.random.default_rng(seed), SELECTIONS[mode])
     n = len(rewards)
     assert len(set(idx.tolist())) == len(idx) and all(0 <= i < n for i in idx)
     assert list(idx) == sorted(idx)
@@ -42,7 +45,7 @@ def test_paper_counts_for_every_split_of_2g(two_g):
         n_neg = two_g - n_pos
         rewards = [1.0] * n_pos + [0.0] * n_neg
         for seed in range(3):
-            idx = roc_select(rewards, np.zeros(two_g), g, np.random.default_rng(seed), "paper")
+            idx = roc_select(rewards, np.zeros(two_g), g, np.random.default_rng(seed), paper_selection)
             kept_pos = int((np.asarray(rewards)[idx] > 0).sum())
             kept_neg = len(idx) - kept_pos
             assert len(idx) == g
@@ -78,7 +81,8 @@ def test_positives_prefer_low_penalty_in_proportion_to_inverse_penalty():
     counts = np.zeros(6)
     trials = 6000
     for seed in range(trials):  # keep 2 of 6: one positive, one negative
-        counts[roc_select(rewards, penalties, 2, np.random.default_rng(seed), eps=eps)] += 1
+        counts[roc_select(rewards, penalties, 2, np.random.default_rng(seed), paper_selection,
+                          PaperSelection(eps=eps))] += 1
     w = 1 / (penalties[:3] + eps)
     np.testing.assert_allclose(counts[:3] / trials, w / w.sum(), atol=0.02)
 
@@ -121,7 +125,8 @@ def test_release_mode_is_the_released_code_case_by_case(case):
     rewards, penalties, min_neg, min_pos = case
     keep = len(rewards) // 2  # 2G -> G, as the release runs it
     want = released_roc_choices(rewards, penalties, keep, min_neg, min_pos)
-    got = roc_select(rewards, penalties, keep, np.random.default_rng(0), "release", min_neg=min_neg, min_pos=min_pos)
+    got = roc_select(rewards, penalties, keep, np.random.default_rng(0), release_selection,
+                     ReleaseSelection(min_neg=min_neg, min_pos=min_pos))
     if want is not None:
         assert got.tolist() == sorted(int(i) for i in want)
 
@@ -129,28 +134,29 @@ def test_release_mode_is_the_released_code_case_by_case(case):
 def test_release_mode_takes_negatives_in_rollout_order_and_positives_by_penalty():
     rewards = np.array([1, 0, 1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1])  # 10 pos, 6 neg
     penalties = np.arange(16)[::-1] / 16  # later rollouts cleaner
-    a = roc_select(rewards, penalties, 8, np.random.default_rng(0), "release")
-    b = roc_select(rewards, penalties, 8, np.random.default_rng(1), "release")
+    a = roc_select(rewards, penalties, 8, np.random.default_rng(0), release_selection)
+    b = roc_select(rewards, penalties, 8, np.random.default_rng(1), release_selection)
     np.testing.assert_array_equal(a, b)  # deterministic
     pos = sorted(np.flatnonzero(rewards > 0), key=lambda i: penalties[i])[:round(10 * 8 / 16)]
     neg = list(np.flatnonzero(rewards <= 0))[:round(6 * 8 / 16)]  # not sorted since #50
     np.testing.assert_array_equal(a, sorted(pos + neg))
     # one positive in 16: proportional count 0 < min 2 -> the minimum (1 available) is taken
     r2 = np.array([1] + [0] * 15)
-    idx = roc_select(r2, np.zeros(16), 8, np.random.default_rng(0), "release")
+    idx = roc_select(r2, np.zeros(16), 8, np.random.default_rng(0), release_selection)
     assert len(idx) == 8 and 0 in idx
 
 
 def test_uniform_selection_is_uniform():
     counts = np.zeros(8)
     for seed in range(4000):
-        counts[roc_select([1, 1, 1, 1, 0, 0, 0, 0], np.arange(8.0), 4, np.random.default_rng(seed), "uniform")] += 1
+        counts[roc_select([1, 1, 1, 1, 0, 0, 0, 0], np.arange(8.0), 4, np.random.default_rng(seed), uniform_selection)] += 1
     np.testing.assert_allclose(counts / 4000, 0.5, atol=0.04)
 
 
 def test_bad_mode_and_shapes():
-    with pytest.raises(ValueError, match="unknown RoC selection 'best'; registered: paper, release, uniform"):
-        roc_select([1, 0], [0, 0], 1, np.random.default_rng(0), "best")
+    from rstar2_jax.rl.grpo_roc import ROC_MODES
+    with pytest.raises(ValueError, match="unknown RoC mode 'best'; registered: off, paper, release"):
+        ROC_MODES["best"]  # noqa: B018  (the one registry of RoC: modes, each with its selection)
     with pytest.raises(ValueError, match="differ in shape"):
         roc_select([1, 0], [0], 1, np.random.default_rng(0))
 

@@ -15,7 +15,7 @@ def test_tiny_arith_validates():
 def test_roc_grid_cells_validate(cell):
     cfg = roc_ablation.get_config(",".join(map(str, cell)))
     validate(cfg)
-    assert (cfg.rl.roc.mode, cfg.rl.group_size, cfg.rl.oversample, cfg.rl.roc.eps) == cell
+    assert (cfg.rl.roc.mode, cfg.rl.group_size, cfg.rl.oversample, cfg.rl.roc.paper.eps) == cell
 
 
 def test_paper_recipe_matches_the_paper(tmp_path):
