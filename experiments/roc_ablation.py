@@ -6,8 +6,9 @@
     python -m rstar2_jax.ablate --config=experiments/roc_ablation.py --grid=FIG4 --seeds=3 --workdir=runs/fig4
 
 `get_config("MODE,G,OVERSAMPLE[,EPS]")` gives one cell; `GRID` lists them all (eps is the paper
-mode's, rl.roc.paper.eps: plain GRPO draws uniformly and the release sorts by penalty); `FIG4` is the paper's Fig. 4 comparison at toy scale: plain GRPO
-against GRPO-RoC as in the paper and as in the released code.
+mode's, rl.roc.paper.eps: plain GRPO draws uniformly and the release sorts by penalty); `FIG4`
+is the paper's Fig. 4 comparison at toy scale: plain GRPO against GRPO-RoC as in the paper and
+as in the released code.
 """
 
 from experiments import tiny_arith
