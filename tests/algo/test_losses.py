@@ -294,7 +294,7 @@ def test_a_loss_must_return_exactly_the_statistics_it_declares():
 
 
 @pytest.mark.parametrize("overrides,problem", [
-    ({"name": "gspo", "clip_higher": {"eps_high": 0.3}}, "clip_higher.eps_high: belongs to loss 'clip_higher', but "
+    ({"name": "gspo", "clip_higher": {"eps_high": 0.3}}, "clip_higher.eps_high: belongs to policy loss 'clip_higher', but "
                                                          "rl.loss.name is 'gspo'"),
     ({"name": "gspo", "aggregation": "token_mean"}, "aggregation: loss 'gspo' is defined with seq_mean_token_mean only"),
     ({"name": "ppo"}, "name: unknown policy loss 'ppo'"),
@@ -331,7 +331,7 @@ def test_combinations_that_cannot_work_are_listed_with_the_other_errors_and_idle
     text = str(e.value)
     assert "rl.mini_batches: 5 mini-batches cannot split" in text
     assert "rl.loss.aggregation: loss 'gspo' is defined with seq_mean_token_mean only" in text
-    assert "rl.loss.cispo.eps_high: belongs to loss 'cispo'" in text
+    assert "rl.loss.cispo.eps_high: belongs to policy loss 'cispo'" in text
     c = base_config()
     c.rl.kl.place = "reward"
     assert any("rl.kl.coef is 0" in w for w in RunConfig.from_config(c).warnings())

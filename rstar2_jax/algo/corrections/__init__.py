@@ -10,28 +10,34 @@ says what it receives and returns) and its module's import below; its settings a
 
 from __future__ import annotations
 
-import dataclasses
-
 from rstar2_jax.algo.corrections import decoupled, importance, masks  # noqa: F401  (each registers)
 from rstar2_jax.algo.corrections.base import (CORRECTIONS, SAFETY_BOUND, Correction, CorrectionInputs, CorrectionSpec,
                                               apply_correction, combined_correction, compose, correction_metrics,
                                               effective_sample_size, mismatch_metrics, register_correction)
-from rstar2_jax.config_types import Section, changed_fields, setting
+from rstar2_jax.config_types import Section, setting
+from rstar2_jax.part_sections import PartChoice, part_section
 
 __all__ = ["CORRECTIONS", "SAFETY_BOUND", "Correction", "CorrectionConfig", "CorrectionInputs", "CorrectionSpec",
            "apply_correction", "combined_correction", "compose", "correction_metrics", "effective_sample_size",
            "mismatch_metrics", "register_correction"]
 
 
-class _CorrectionBase(Section):
+class _CorrectionBase(PartChoice):
     """`rl.correction.*`: the off-policy corrections applied to every update (none: the paper's)."""
 
     @property
     def enabled(self) -> bool:
         return bool(self.names)
 
+    def chosen(self) -> tuple[str, ...]:
+        return self.names
+
     def settings_of(self, name: str) -> Section:
-        return getattr(self, name)
+        return self.settings(name)
+
+    def not_chosen(self, other: str) -> str:
+        return (f"belongs to correction {other!r}, which rl.correction.names does not list (add it: "
+                f"rl.correction.names=({', '.join([*self.names, other])},))")
 
     def rules(self):
         for i, name in enumerate(self.names):
@@ -44,22 +50,11 @@ class _CorrectionBase(Section):
         dup = sorted({n for n in self.names if self.names.count(n) > 1})
         if dup:
             yield "names", f"lists {', '.join(dup)} twice (a correction applies once)"
-        for other in CORRECTIONS:
-            if other in self.names:
-                continue
-            for name in changed_fields(getattr(self, other)):
-                yield (f"{other}.{name}", f"belongs to correction {other!r}, which rl.correction.names does not "
-                       f"list (add it: rl.correction.names=({', '.join([*self.names, other])},))")
+        yield from super().rules()
 
 
-def _make_correction_config() -> type[Section]:
-    fields = [("names", tuple[str, ...], setting((), "corrections applied together (weights multiply, masks AND): "
-                                                 + " | ".join(CORRECTIONS) + " (none: the paper); on the command line "
-                                                 "--config.rl.correction.names=\"('token_tis', 'geo_mask')\""))]
-    fields += [(name, spec.settings, setting(spec.settings, f"settings of the {name!r} correction"))
-               for name, spec in CORRECTIONS.items()]
-    return dataclasses.make_dataclass("CorrectionConfig", fields, bases=(_CorrectionBase,), frozen=True,
-                                      namespace={"__module__": __name__, "__doc__": _CorrectionBase.__doc__})
-
-
-CorrectionConfig = _make_correction_config()
+CorrectionConfig = part_section(
+    "CorrectionConfig", CORRECTIONS, path="rl.correction", module=__name__, base=_CorrectionBase,
+    selector=("names", tuple[str, ...], setting((), "corrections applied together (weights multiply, masks AND): "
+                                                + " | ".join(CORRECTIONS) + " (none: the paper); on the command "
+                                                "line --config.rl.correction.names=\"('token_tis', 'geo_mask')\"")))

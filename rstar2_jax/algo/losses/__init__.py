@@ -8,51 +8,40 @@ appear as `rl.loss.<name>.*`; the update, the metrics and `--helpconfig` need no
 
 from __future__ import annotations
 
-import dataclasses
-
 from rstar2_jax.algo.aggregation import AGGREGATIONS
 from rstar2_jax.algo.losses import cispo, clip_higher, gspo, reinforce  # noqa: F401  (each registers its loss)
 from rstar2_jax.algo.losses.base import (COMMON_STATS, LOSSES, LossInputs, LossSpec, LossTerms, policy_loss_terms,
                                          register_loss, stat_names)
-from rstar2_jax.config_types import Section, changed_fields, setting
+from rstar2_jax.config_types import setting
+from rstar2_jax.part_sections import PartChoice, part_section
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
 __all__ = ["COMMON_STATS", "LOSSES", "LossInputs", "LossSpec", "LossTerms", "PolicyLossConfig", "policy_loss_terms",
            "register_loss", "stat_names"]
 
 
-class _PolicyLossBase(Section):
+class _PolicyLossBase(PartChoice):
     """`rl.loss.*`: the policy loss, how its tokens are aggregated, and each loss's own settings
     (`rl.loss.<loss>.*`; only the selected loss's may differ from their defaults)."""
-
-    def settings(self) -> Section:
-        """The selected loss's settings section."""
-        return getattr(self, self.name)
 
     def aggregation_name(self) -> str:
         return self.aggregation or LOSSES[self.name].default_aggregation
 
     def rules(self):
+        yield from super().rules()
         if self.name not in LOSSES:
             return
-        spec = LOSSES[self.name]
-        for other in LOSSES:
-            if other == self.name:
-                continue
-            for name in changed_fields(getattr(self, other)):
-                yield (f"{other}.{name}", f"belongs to loss {other!r}, but rl.loss.name is {self.name!r} "
-                       f"(set rl.loss.name={other}, or leave rl.loss.{other}.* at their defaults)")
-        agg = self.aggregation_name()
+        spec, agg = LOSSES[self.name], self.aggregation_name()
         if agg in AGGREGATIONS and spec.aggregations is not None and agg not in spec.aggregations:
             yield "aggregation", (f"loss {self.name!r} is defined with {', '.join(spec.aggregations)} only, "
                                   f"got {agg!r}")
 
 
-def _make_policy_loss_config() -> type[Section]:
-    """The `rl.loss.*` section: common fields, then one field per registered loss."""
-    fields = [
-        ("name", str, setting("clip_higher", "the policy loss (each has its own rl.loss.<name>.* settings)",
-                              choices=LOSSES)),
+PolicyLossConfig = part_section(
+    "PolicyLossConfig", LOSSES, path="rl.loss", module=__name__, base=_PolicyLossBase,
+    selector=("name", str, setting("clip_higher", "the policy loss (each has its own rl.loss.<name>.* settings)",
+                                   choices=LOSSES)),
+    common=[
         ("aggregation", str | None, setting(None, "token_mean | seq_mean_token_mean | seq_mean_token_sum | "
                                             "constant (None: the loss's own; the paper: token_mean)",
                                             choices=AGGREGATIONS)),
@@ -61,12 +50,4 @@ def _make_policy_loss_config() -> type[Section]:
                                          min=0)),
         ("log_ratio_clamp", float, setting(LOG_RATIO_BOUND, "log(pi / pi_old) clamped to +-this before exp (verl: 20)",
                                            min=1.0)),
-    ]
-    fields += [(name, spec.settings, setting(spec.settings, f"settings of the {name!r} loss"))
-               for name, spec in LOSSES.items()]
-    cls = dataclasses.make_dataclass("PolicyLossConfig", fields, bases=(_PolicyLossBase,), frozen=True,
-                                     namespace={"__module__": __name__, "__doc__": _PolicyLossBase.__doc__})
-    return cls
-
-
-PolicyLossConfig = _make_policy_loss_config()
+    ])
