@@ -120,8 +120,16 @@ COMPARED = ("accuracy", "kept_rollouts", "mean_response_tokens", "mean_tool_call
             "logprob_mismatch_max")
 
 
+# The config.json that e37a544 (before rollout.*, sandbox.*, data.*, rl.advantage and rl.roc were
+# split into each part's own section) wrote for small_config(steps=2) without evaluation: flat
+# rollout.slots, sandbox.workers, data.train_path, rl.advantage="grpo", rl.roc.eps...
+CONFIG_BEFORE_PART_SECTIONS = os.path.join(os.path.dirname(__file__), "fixtures", "config_written_at_e37a544.json")
+
+
 @pytest.mark.slow
 def test_resume_after_a_crash_continues_identically(tmp_path):
+    """Also resumes a run directory whose config.json an older version wrote (flat settings that
+    have moved into each part's section since): it reads as the same config, not a change."""
     cfg = small_config(steps=3)
     cfg.eval.before_and_after = False
     run(cfg, str(tmp_path / "straight"))
@@ -129,7 +137,13 @@ def test_resume_after_a_crash_continues_identically(tmp_path):
     cut = small_config(steps=2)
     cut.eval.before_and_after = False
     run(cut, str(tmp_path / "resumed"))
+    with open(CONFIG_BEFORE_PART_SECTIONS) as f:
+        old = json.load(f)
+    assert old["rollout"]["slots"] == 8 and old["rl"]["advantage"] == "grpo" and "eps" in old["rl"]["roc"]
+    (tmp_path / "resumed" / "config.json").write_text(json.dumps(old))
     run(cfg, str(tmp_path / "resumed"))
+    history = RunDirectory(str(tmp_path / "resumed")).config_history()
+    assert [(h["accepted"], sorted(h["changes"])) for h in history] == [("resumable", ["rl.steps"])]
     a, b = rl_lines(tmp_path / "straight"), rl_lines(tmp_path / "resumed")
     assert [l["step"] for l in b] == [0, 1, 2]
     for la, lb in zip(a, b):
@@ -258,6 +272,9 @@ def test_train_cli_plan_and_config_file_errors(tmp_path):
     ("--config.model.attention=flash", "model.attention: must be one of 'xla', 'cudnn'"),
     ("--config.rl.not_a_field=3", "--config.rl.not_a_field: no such field"),
     ("--config.rl.roc.mod=paper", "--config.rl.roc.mod: no such field; did you mean --config.rl.roc.mode?"),
+    ("--config.rollout.slots=4", "--config.rollout.slots: moved; set --config.rollout.jax.slots instead"),
+    ("--config.rl.advantage=mean_only", "--config.rl.advantage is a section now: set "
+                                        "--config.rl.advantage.name=mean_only"),
 ])
 def test_bad_config_is_rejected_with_a_clear_message(tmp_path, override, message):
     """One line per problem on stderr, first thing printed: no traceback, no flag dump."""
