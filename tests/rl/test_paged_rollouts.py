@@ -17,9 +17,9 @@ from tests.rl.test_training import COMPARED, rl_lines, small_config
 def test_paged_kv_at_a_quarter_of_the_memory_trains_on_the_same_rollouts(tmp_path, moving_advantage):  # noqa: F811
     rows_cfg = moving_config(steps=2, max_staleness=0)
     paged_cfg = moving_config(steps=2, max_staleness=0)
-    r = paged_cfg.rollout
-    r.page_size = 16
-    r.kv_pages = r.slots * r.max_len // r.page_size // 4  # 8 slots over 2 rows' memory: requests get preempted
+    r, j = paged_cfg.rollout, paged_cfg.rollout.jax
+    j.page_size = 16
+    j.kv_pages = j.slots * r.max_len // j.page_size // 4  # 8 slots over 2 rows' memory: requests get preempted
     runs = {}
     for name, cfg in (("rows", rows_cfg), ("paged", paged_cfg)):
         runs[name] = RLRun(cfg, str(tmp_path / name))
