@@ -71,19 +71,20 @@ def test_servers_elsewhere_cannot_read_a_local_filesystem_but_can_read_a_shared_
     assert "ext4" in reach.unreadable_by_servers([ELSEWHERE], "/home/me/sync", table)
 
 
-def vllm_config(**rollout) -> list:
+def vllm_config(**vllm) -> list:
     tree = base_config().to_dict()
-    tree["rollout"].update(engine="vllm", **rollout)
+    tree["rollout"]["engine"] = "vllm"
+    tree["rollout"]["vllm"].update(vllm)
     return RunConfig.parse(tree)[1]
 
 
 def test_the_config_check_refuses_a_files_sync_that_servers_on_other_hosts_cannot_read(tmp_path):
-    problems = vllm_config(vllm_urls=[f"http://{ELSEWHERE}:8100", "http://127.0.0.1:8100"], vllm_sync_dir="/dev/shm")
+    problems = vllm_config(urls=[f"http://{ELSEWHERE}:8100", "http://127.0.0.1:8100"], sync_dir="/dev/shm")
     refused = [p for p in problems if p.path == "rollout.vllm.sync"]
     assert len(refused) == 1, problems
     message = str(refused[0])
     assert ELSEWHERE in message and "rollout.vllm.sync=pull" in message and "rollout.vllm.sync_dir" in message
     # the same servers on this host, or a pull sync: nothing to refuse
-    assert not [p for p in vllm_config(vllm_urls=["http://localhost:8100"]) if p.path == "rollout.vllm.sync"]
-    assert not [p for p in vllm_config(vllm_urls=[f"http://{ELSEWHERE}:8100"], vllm_sync="pull",
-                                       vllm_fetch_urls=[f"http://{ELSEWHERE}:8101"])]
+    assert not [p for p in vllm_config(urls=["http://localhost:8100"]) if p.path == "rollout.vllm.sync"]
+    assert not [p for p in vllm_config(urls=[f"http://{ELSEWHERE}:8100"], sync="pull",
+                                       fetch_urls=[f"http://{ELSEWHERE}:8101"])]
