@@ -46,13 +46,16 @@ def per_device_bytes() -> collections.Counter:
 
 def tiny_run(max_response_tokens: int | None = None, **settings):
     """tiny_arith's run at 2 layers x 256 hidden (every line of the plan many KiB), with
-    `settings` ("section__field": value) and the stages' max_response_tokens set; (config, its
+    `settings` ("section__field" or "section__part__field": value) and the stages' max_response_tokens set; (config, its
     architecture)."""
     c = tiny_arith.get_config()
     c.model.tiny_layers, c.model.tiny_hidden = 2, 256
     for key, value in settings.items():
-        section, field = key.split("__")
-        setattr(c[section], field, value)
+        *sections, field = key.split("__")
+        node = c
+        for name in sections:
+            node = node[name]
+        setattr(node, field, value)
     if max_response_tokens is not None:
         c.stages = [{**stage, "max_response_tokens": max_response_tokens} for stage in c.stages]
     cfg, problems = RunConfig.parse(c.to_dict())
@@ -61,8 +64,8 @@ def tiny_run(max_response_tokens: int | None = None, **settings):
 
 
 # A run whose rollouts are on vLLM servers, synced in bf16: the export's settings
-VLLM_RUN = dict(rollout__engine="vllm", rollout__vllm_urls=("http://127.0.0.1:1",), rollout__vllm_export_dtype="bfloat16",
-                rollout__page_size=0, rollout__kv_pages=0, rollout__kv_memory_gb=0.0)
+VLLM_RUN = dict(rollout__engine="vllm", rollout__vllm__urls=("http://127.0.0.1:1",),
+                rollout__vllm__export_dtype="bfloat16")
 
 
 @contextlib.contextmanager
@@ -120,8 +123,8 @@ def engine_lines():
 
     for page_size in (0, 16):
         # fewer pages than slots x max_len / page_size (64)
-        cfg, arch = tiny_run(64, model__dtype="bfloat16", rollout__slots=8, rollout__max_len=128,
-                             rollout__page_size=page_size, rollout__kv_pages=24 if page_size else 0)
+        cfg, arch = tiny_run(64, model__dtype="bfloat16", rollout__jax__slots=8, rollout__max_len=128,
+                             rollout__jax__page_size=page_size, rollout__jax__kv_pages=24 if page_size else 0)
         plan = memory_plan(arch, cfg, devices=8, devices_per_process=8, capacity=None)
         graphdef, params = nnx.split(Decoder(arch, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Param)
         params = jax.device_put(params, sharding.param_shardings(params, sharding.make_mesh(**mesh_sizes(cfg, 8))))
