@@ -39,7 +39,7 @@ def test_algorithm_ablation_runs_every_variant_with_its_own_settings(algorithm_a
     assert not any("kl_ref_k3" in m for m in trained["alg_grpo_roc"])
     assert all("dynamic_sampling/problems_drawn" in m for m in lines["alg_grpo_dynamic"])
     config = json.loads((algorithm_ablation_dir / "alg_dr_grpo" / "seed0" / "config.json").read_text())
-    assert config["rl"]["advantage"] == "mean_only" and config["rl"]["loss"]["aggregation"] == "constant"
+    assert config["rl"]["advantage"]["name"] == "mean_only" and config["rl"]["loss"]["aggregation"] == "constant"
     assert "gspo" == json.loads((algorithm_ablation_dir / "alg_gspo" / "seed0" / "config.json").read_text()
                                 )["rl"]["loss"]["name"]
     assert (algorithm_ablation_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
