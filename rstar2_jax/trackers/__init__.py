@@ -1,5 +1,5 @@
 """Where a run's metrics go besides metrics.jsonl (always written): the trackers in
-`logging.backends`, each one module here registered in TRACKERS.
+`logging.backends`, each one module here registered in TRACKERS (the seam: base.py).
 
 Every tracker gets the same records with the same names (README's metric table): RL steps under
 their names at their step, SFT steps under sft/ (their own step axis), evaluations under
@@ -14,60 +14,14 @@ on with the others (TrackerSet).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import logging as pylogging
-import os
 import re
-from typing import Any, Callable, Protocol
 
 from rstar2_jax.config_types import Section, setting
-from rstar2_jax.registry import Registry
+from rstar2_jax.trackers.base import (IDS_FILE, TRACKERS, LoggingContext, Tracker, TrackerSpec, installed,
+                                      read_ids, register_tracker)
 
 log = pylogging.getLogger(__name__)
-
-
-class Tracker(Protocol):
-    def log(self, metrics: dict[str, float], step: int, axis: str) -> None: ...
-    def text(self, name: str, text: str, step: int) -> None: ...
-    def close(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggingContext:
-    """What a tracker may need to start: where the run lives, its name and config, the settings,
-    and the ids trackers saved for this run (to resume the same run after a restart)."""
-    workdir: str
-    run_name: str
-    config: dict[str, Any]
-    settings: "LoggingConfig"
-    saved_ids: dict[str, str]
-
-    def save_id(self, tracker: str, run_id: str):
-        self.saved_ids[tracker] = run_id
-        _write_ids(self.workdir, self.saved_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrackerSpec:
-    open: Callable[[LoggingContext], Tracker]
-    package: str | None  # the module that must be importable (None: always available)
-    extra: str | None    # the pyproject extra that installs it
-
-
-TRACKERS: Registry[TrackerSpec] = Registry("tracker")
-
-
-def register_tracker(name: str, package: str | None = None, extra: str | None = None):
-    def wrap(open_fn):
-        TRACKERS.register(name, TrackerSpec(open_fn, package, extra))
-        return open_fn
-    return wrap
-
-
-def installed(name: str) -> bool:
-    spec = TRACKERS[name]
-    return spec.package is None or importlib.util.find_spec(spec.package) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,24 +54,6 @@ class LoggingConfig(Section):
             yield "mlflow_tracking_uri", f"{uri!r} is not a tracking URI (http(s)://, sqlite:///abs.db, databricks)"
 
 
-IDS_FILE = "trackers.json"  # WORKDIR/trackers.json: {tracker: its run id}, so that a restart resumes it
-
-
-def _read_ids(workdir: str) -> dict[str, str]:
-    try:
-        with open(os.path.join(workdir, IDS_FILE)) as f:
-            return dict(json.load(f))
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_ids(workdir: str, ids: dict[str, str]):
-    tmp = os.path.join(workdir, IDS_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(ids, f)
-    os.replace(tmp, os.path.join(workdir, IDS_FILE))
-
-
 class TrackerSet:
     """The run's trackers, opened on first use (a re-run with nothing to log opens none). One
     that fails is reported once, with why, and dropped; the others go on."""
@@ -131,7 +67,7 @@ class TrackerSet:
     def _trackers(self) -> dict[str, Tracker]:
         if self._open is None:
             self._open = {}
-            context = LoggingContext(self.workdir, self.run_name, self.config, self.settings, _read_ids(self.workdir))
+            context = LoggingContext(self.workdir, self.run_name, self.config, self.settings, read_ids(self.workdir))
             for name in self.settings.backends:
                 try:
                     self._open[name] = TRACKERS[name].open(context)
@@ -165,5 +101,8 @@ class TrackerSet:
             self._open = None
 
 
-# the shipped trackers register themselves on import
+# the shipped trackers register themselves on import (each imports only trackers/base.py)
 from rstar2_jax.trackers import mlflow_tracker, tensorboard, wandb_tracker  # noqa: E402,F401
+
+__all__ = ["IDS_FILE", "TRACKERS", "LoggingConfig", "LoggingContext", "Tracker", "TrackerSet", "TrackerSpec",
+           "installed", "register_tracker"]

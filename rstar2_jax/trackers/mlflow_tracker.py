@@ -15,7 +15,7 @@ import pathlib
 import re
 import time
 
-from rstar2_jax.trackers import LoggingContext, register_tracker
+from rstar2_jax.trackers.base import LoggingContext, register_tracker
 
 BATCH = 1000  # MLflow's most metrics per log_batch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rstar2_jax.trackers import LoggingContext, register_tracker
+from rstar2_jax.trackers.base import LoggingContext, register_tracker
 
 
 class TensorBoard:

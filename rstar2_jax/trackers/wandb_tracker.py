@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 
-from rstar2_jax.trackers import LoggingContext, register_tracker
+from rstar2_jax.trackers.base import LoggingContext, register_tracker
 
 AXES = {"rl": "rl_step", "sft": "sft/step"}
 
