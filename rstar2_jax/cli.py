@@ -47,16 +47,20 @@ def run(main, *, config_flag=None, config_type=None, expected: tuple[type[BaseEx
         try:
             rest = flags.FLAGS(argv)
         except flags.Error as e:
+            if "Error whilst parsing config file" in str(e):  # the file raised: say where, and why
+                fail(_config_file_error(e, _config_arg(argv, config_flag), config_type))
             fail(_section_given_a_name(str(e), config_type) or _flag_error(str(e)))
         except Exception as e:  # noqa: BLE001  config_flags loading the file or applying an override
-            fail(_override_error(e, argv, config_type) or _config_file_error(e, _config_arg(argv, config_flag)))
+            fail(_override_error(e, argv, config_type)
+                 or _config_file_error(e, _config_arg(argv, config_flag), config_type))
         if config_flag is not None:
             try:
                 value = config_flag.value
                 if value is not None:
                     value.to_dict  # noqa: B018  (a file that failed to load raises on first attribute access)
             except Exception as e:  # noqa: BLE001  the file failed to load: say where
-                fail(_config_file_error(e, _config_filename(config_flag) or _config_arg(argv, config_flag)))
+                fail(_config_file_error(e, _config_filename(config_flag) or _config_arg(argv, config_flag),
+                                        config_type))
         return rest
 
     def guarded(argv):
@@ -127,7 +131,21 @@ def _section_given_a_name(message: str, config_type) -> str | None:
             f"(its own settings: --config.{match.group(1)}.{match.group(2)}.*)")
 
 
-def _config_file_error(e: BaseException, filename: str | None) -> str:
+def _section_assigned_a_name(line: str | None, config_type) -> str | None:
+    """`c.rl.advantage = "mean_only"` in a config file, where rl.advantage is a section that
+    chooses a part by its selector (it was a name before): what to write instead."""
+    match = re.match(r"\s*(\w+)\.([\w.]+)\s*=\s*(.+?)\s*(#.*)?$", line or "")
+    if not match or config_type is None:
+        return None
+    var, dotted, value = match.group(1), match.group(2), match.group(3)
+    selector = getattr(section_at(config_type, dotted), "selector", None)
+    if not isinstance(selector, str):
+        return None
+    return (f"{dotted} is a section now: write `{var}.{dotted}.{selector} = {value}` (its own settings under "
+            f"{dotted}.<name>.*)")
+
+
+def _config_file_error(e: BaseException, filename: str | None, config_type=None) -> str:
     """A config file that is missing, or raises while it loads: the file and line of the fault."""
     text = str(e)
     if filename is None:
@@ -137,13 +155,13 @@ def _config_file_error(e: BaseException, filename: str | None) -> str:
         return f"--config={filename}: no such file"
     if filename:
         path = os.path.abspath(filename.split(":", 1)[0])
-        cause = _load_config_file(path, filename.partition(":")[2])
+        cause = _load_config_file(path, filename.partition(":")[2], config_type)
         if cause:
             return f"--config={filename}: {cause}"
     return f"--config: {text.splitlines()[0] if text else type(e).__name__}"
 
 
-def _load_config_file(path: str, arg: str) -> str | None:
+def _load_config_file(path: str, arg: str, config_type=None) -> str | None:
     """Run the config file's get_config(arg) to find where it fails: 'file:line: Type: message'."""
     import importlib.util
 
@@ -157,7 +175,8 @@ def _load_config_file(path: str, arg: str) -> str | None:
     except Exception as e:  # noqa: BLE001  (whatever the file raises is the user's message)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == path]
         where = f"{path}:{frames[-1].lineno}: " if frames else ""
-        return f"{where}{type(e).__name__}: {e}"
+        hint = _section_assigned_a_name(frames[-1].line, config_type) if frames and isinstance(e, TypeError) else None
+        return f"{where}{hint}" if hint else f"{where}{type(e).__name__}: {e}"
     return None
 
 

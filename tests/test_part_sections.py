@@ -122,3 +122,13 @@ def test_a_redis_run_s_flat_url_moves_to_the_redis_section():
     tree["sandbox"] = old
     new = RunConfig.upgraded(tree)["sandbox"]
     assert new == {"backend": "redis", "redis": {"url": "redis://h:6379/0"}, "local": {"workers": 3}}
+
+
+def test_a_config_file_that_assigns_a_name_to_a_part_section_is_told_the_selector(tmp_path):
+    from rstar2_jax import cli
+    config = tmp_path / "old_style.py"
+    config.write_text("from experiments import tiny_arith\n\ndef get_config():\n    c = tiny_arith.get_config()\n"
+                      "    c.rl.advantage = 'mean_only'  # as before rl.advantage.*\n    return c\n")
+    message = cli._load_config_file(str(config), "", RunConfig)
+    assert message == (f"{config}:5: rl.advantage is a section now: write `c.rl.advantage.name = 'mean_only'` "
+                       "(its own settings under rl.advantage.<name>.*)")
