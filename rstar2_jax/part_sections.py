@@ -99,6 +99,9 @@ def part_section(class_name: str, registry: Registry, *, path: str, selector: tu
     Build it after every part is registered (the end of the module that imports them). `moved`:
     fields this section had before they moved (Section.moved)."""
     fields = [selector, *common]
+    for name in registry:  # each part's section is a field named after it: it may not shadow another
+        if name in {f[0] for f in fields} or hasattr(base, name):
+            raise ValueError(f"{registry.what} {name!r} is named like a field or method of {class_name}: rename it")
     fields += [(name, spec.settings, setting(spec.settings, f"settings of the {name!r} {registry.what}"))
                for name, spec in registry.items()]
     namespace = {"__module__": module, "__doc__": base.__doc__, "registry": registry, "selector": selector[0],

@@ -132,3 +132,14 @@ def test_a_config_file_that_assigns_a_name_to_a_part_section_is_told_the_selecto
     message = cli._load_config_file(str(config), "", RunConfig)
     assert message == (f"{config}:5: rl.advantage is a section now: write `c.rl.advantage.name = 'mean_only'` "
                        "(its own settings under rl.advantage.<name>.*)")
+
+
+def test_a_part_named_like_a_field_or_method_of_its_section_is_refused():
+    from rstar2_jax.config_types import setting
+    from rstar2_jax.part_sections import NoSettings, part_section
+    from rstar2_jax.registry import Registry
+    parts = Registry("widget")
+    parts.register("spec", type("Spec", (), {"settings": NoSettings}))
+    with pytest.raises(ValueError, match="widget 'spec' is named like a field or method of WidgetConfig"):
+        part_section("WidgetConfig", parts, path="widget", module=__name__,
+                     selector=("name", str, setting("spec", "the widget", choices=parts)))
