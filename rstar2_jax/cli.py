@@ -117,15 +117,20 @@ def _override_error(e: BaseException, argv, config_type=None) -> str | None:
     return None
 
 
+def _selector_at(config_type, dotted: str) -> str | None:
+    """The selector of the part-choosing section at `dotted`, or None (not such a section)."""
+    section = section_at(config_type, dotted)
+    return section.choice_selector() if section is not None else None
+
+
 def _section_given_a_name(message: str, config_type) -> str | None:
     """`--config.rl.advantage=mean_only` where rl.advantage is a section that chooses a part by
     its selector (it was a name before): the flag to set instead."""
     match = re.match(r"flag --config\.([\w.]+)=(.*?): Failed to parse .* as a ConfigDict", message)
     if not match or config_type is None:
         return None
-    section = section_at(config_type, match.group(1))
-    selector = getattr(section, "selector", None)
-    if not isinstance(selector, str):
+    selector = _selector_at(config_type, match.group(1))
+    if not selector:
         return None
     return (f"--config.{match.group(1)} is a section now: set --config.{match.group(1)}.{selector}={match.group(2)} "
             f"(its own settings: --config.{match.group(1)}.{match.group(2)}.*)")
@@ -138,8 +143,8 @@ def _section_assigned_a_name(line: str | None, config_type) -> str | None:
     if not match or config_type is None:
         return None
     var, dotted, value = match.group(1), match.group(2), match.group(3)
-    selector = getattr(section_at(config_type, dotted), "selector", None)
-    if not isinstance(selector, str):
+    selector = _selector_at(config_type, dotted)
+    if not selector:
         return None
     return (f"{dotted} is a section now: write `{var}.{dotted}.{selector} = {value}` (its own settings under "
             f"{dotted}.<name>.*)")

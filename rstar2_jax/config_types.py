@@ -100,16 +100,15 @@ class Section:
         field could not be read). Missing keys take their defaults (older run files)."""
         problems: list[ConfigProblem] = []
         if not isinstance(mapping, Mapping):
-            selector = getattr(cls, "selector", None)  # a part_sections choice: it was a name before
-            if isinstance(mapping, str) and isinstance(selector, str):
+            selector = cls.choice_selector()  # a part_sections choice: it was a name before
+            if isinstance(mapping, str) and selector:
                 return None, [ConfigProblem(path, f"is a section now: set {_join(path, selector)}={mapping!r} "
                                             f"(and the part's own settings under {path}.{mapping}.*)")]
             return None, [ConfigProblem(path, f"must be a mapping of fields, got {type(mapping).__name__}")]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for key in mapping:
-            if key in cls.moved and key not in fields:
-                new = cls.moved[key]
-                new = " or ".join(_join(path, p) for p in new) if isinstance(new, tuple) else _join(path, new)
+            if cls.moved_paths(key) and key not in fields:
+                new = " or ".join(_join(path, p) for p in cls.moved_paths(key))
                 problems.append(ConfigProblem(_join(path, str(key)), f"moved: set {new} instead (an older run's "
                                               "config.json is read with it there)"))
             elif key not in fields:
@@ -135,6 +134,18 @@ class Section:
         section = cls(**values)
         problems += [ConfigProblem(_join(path, field), message) for field, message in section.rules()]
         return section, problems
+
+    @classmethod
+    def moved_paths(cls, key: str) -> tuple[str, ...]:
+        """Where field `key` of this section went (its new paths under it), or () if it never moved."""
+        new = cls.moved.get(key, ())
+        return new if isinstance(new, tuple) else (new,)
+
+    @classmethod
+    def choice_selector(cls) -> str | None:
+        """The field that chooses a part, for a section built from a registry (part_sections.py)."""
+        selector = getattr(cls, "selector", None)
+        return selector if isinstance(selector, str) else None
 
     @classmethod
     def upgraded(cls, mapping: Any) -> Any:
@@ -286,10 +297,7 @@ def moved_to(cls: type[Section], dotted: str) -> tuple[str, ...]:
     (Section.moved along its path): its new path(s); () for a setting that never moved."""
     prefix, _, leaf = dotted.rpartition(".")
     parent = section_at(cls, prefix)
-    new = parent.moved.get(leaf) if parent is not None else None
-    if new is None:
-        return ()
-    return tuple(_join(prefix, p) for p in (new if isinstance(new, tuple) else (new,)))
+    return tuple(_join(prefix, p) for p in parent.moved_paths(leaf)) if parent is not None else ()
 
 
 def changed_fields(section: Section) -> list[str]:

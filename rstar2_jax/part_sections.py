@@ -91,6 +91,17 @@ class PartChoice(Section):
                 yield from check(self)
 
 
+def unread_settings(section: Section) -> list[str]:
+    """The warnings of every part choice in `section` and the sections under it: the settings a
+    run keeps but does not read (a not-chosen engine's, sandbox backend's or task's)."""
+    out = section.warnings() if isinstance(section, PartChoice) else []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, Section):
+            out += unread_settings(value)
+    return out
+
+
 def part_section(class_name: str, registry: Registry, *, path: str, selector: tuple[str, type, Any],
                  common: Iterable[tuple[str, type, Any]] = (), base: type[PartChoice] = PartChoice,
                  module: str, moved: dict[str, Any] | None = None, refuse_unchosen: bool = True) -> type[Section]:

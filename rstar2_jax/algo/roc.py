@@ -57,14 +57,16 @@ class UniformSelection(Section):
     """Uniform selection has no settings."""
 
 
-# (rewards, penalties, keep, rng, settings) -> sorted kept indices, for 0 < keep < n
+_PAPER_DEFAULTS, _RELEASE_DEFAULTS = PaperSelection(), ReleaseSelection()
+
+# (rewards, penalties, keep, rng[, settings]) -> sorted kept indices, for 0 < keep < n
 Selection = Callable[[np.ndarray, np.ndarray, int, np.random.Generator, Section], np.ndarray]
 
 
 def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, selection: Selection | None = None,
                settings: Section | None = None) -> np.ndarray:
     """Indices (sorted) of the rollouts kept from one group by `selection` (default: the
-    paper's) with its `settings` (default: its section's defaults)."""
+    paper's) with its `settings` (default: the selection's own defaults)."""
     rewards = np.asarray(rewards, dtype=np.float64)
     penalties = np.asarray(penalties, dtype=np.float64)
     n = len(rewards)
@@ -75,21 +77,23 @@ def roc_select(rewards, penalties, keep: int, rng: np.random.Generator, selectio
         return np.arange(n)
     if keep <= 0:
         return np.arange(0)
-    return selection(rewards, penalties, keep, rng, settings if settings is not None else DEFAULTS[selection])
+    if settings is None:
+        return selection(rewards, penalties, keep, rng)
+    return selection(rewards, penalties, keep, rng, settings)
 
 
-def uniform_selection(rewards, penalties, keep, rng, s: UniformSelection) -> np.ndarray:
+def uniform_selection(rewards, penalties, keep, rng, s: UniformSelection | None = None) -> np.ndarray:
     del penalties, s
     return np.sort(rng.choice(len(rewards), size=keep, replace=False))
 
 
-def release_selection(rewards, penalties, keep, rng, s: ReleaseSelection) -> np.ndarray:
+def release_selection(rewards, penalties, keep, rng, s: ReleaseSelection = _RELEASE_DEFAULTS) -> np.ndarray:
     del rng  # deterministic: sorted positives, negatives in rollout order
     return _release(np.flatnonzero(rewards <= 0), np.flatnonzero(rewards > 0), penalties, keep, len(rewards),
                     s.min_neg, s.min_pos)
 
 
-def paper_selection(rewards, penalties, keep, rng, s: PaperSelection) -> np.ndarray:
+def paper_selection(rewards, penalties, keep, rng, s: PaperSelection = _PAPER_DEFAULTS) -> np.ndarray:
     eps = s.eps
     neg = np.flatnonzero(rewards <= 0)
     pos = np.flatnonzero(rewards > 0)
@@ -101,11 +105,6 @@ def paper_selection(rewards, penalties, keep, rng, s: PaperSelection) -> np.ndar
     else:
         chosen_pos = np.arange(0)
     return np.sort(np.concatenate([chosen_neg, chosen_pos]).astype(np.int64))
-
-
-# Each selection's settings at their defaults (roc_select without settings).
-DEFAULTS: dict[Selection, Section] = {paper_selection: PaperSelection(), release_selection: ReleaseSelection(),
-                                      uniform_selection: UniformSelection()}
 
 
 def paper_counts(negatives: int, positives: int, keep: int) -> tuple[int, int]:

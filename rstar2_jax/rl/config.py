@@ -28,6 +28,7 @@ from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
 from rstar2_jax.data.tasks import TASKS, DataConfig
 from rstar2_jax.learner.settings import LearnerSettings
+from rstar2_jax.part_sections import unread_settings
 from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
 from rstar2_jax.rl.carry import StalenessConfig
@@ -170,7 +171,7 @@ class RunConfig(Section):
 
     def warnings(self) -> list[str]:
         """Settings that run but are probably not meant (printed by train, never an error)."""
-        out = [*self.rollout.warnings(), *self.sandbox.warnings(), *self.data.warnings()]
+        out = unread_settings(self)
         corrections = self.rl.correction.names
         if self.rl.max_staleness > 0 and not corrections:
             out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.correction.names: nothing corrects for "
