@@ -23,6 +23,7 @@ class TrainBatch:
     sampler_logprobs: np.ndarray  # float32 [N, T]
     old_logprobs: np.ndarray | None = None  # float32 [N, T], recomputed by the learner
     entropy: np.ndarray | None = None       # float32 [N, T], per-token entropy from the same pass
+    lengths: np.ndarray | None = None       # int [N], each row's tokens (packing reads it; 0: padding row)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +48,7 @@ def make_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence
     mask = np.zeros((n, t), np.float32)
     logp = np.zeros((n, t), np.float32)
     adv = np.zeros(n, np.float32)
+    lengths = np.zeros(n, np.int64)
     for i, (ids, m, lp) in enumerate(zip(token_ids, loss_masks, sampler_logprobs)):
         if not len(ids) == len(m) == len(lp):
             raise ValueError(f"row {i}: tokens, mask and log-probs differ in length")
@@ -55,8 +57,9 @@ def make_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence
         mask[i, :k] = m[:k]
         logp[i, :k] = lp[:k]
         adv[i] = advantages[i]
+        lengths[i] = k
     mask[:, 0] = 0.0  # the first token has no log-prob (nothing predicts it)
-    return TrainBatch(tokens, mask, adv, logp)
+    return TrainBatch(tokens, mask, adv, logp, lengths=lengths)
 
 
 def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
@@ -70,4 +73,4 @@ def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
     def pad(x):
         return None if x is None else np.concatenate([x, np.zeros((extra,) + x.shape[1:], x.dtype)])
     return TrainBatch(pad(batch.tokens), pad(batch.loss_mask), pad(batch.advantages), pad(batch.sampler_logprobs),
-                      pad(batch.old_logprobs), pad(batch.entropy))
+                      pad(batch.old_logprobs), pad(batch.entropy), pad(batch.lengths))

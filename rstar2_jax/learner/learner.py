@@ -37,8 +37,10 @@ from rstar2_jax.algo.corrections import CorrectionInputs, correction_metrics
 from rstar2_jax.algo.kl import sequence_kl
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
+from rstar2_jax.learner.packing import PackingPlan, plan_packing, row_lengths
 from rstar2_jax.learner.settings import LearnerSettings
-from rstar2_jax.learner.train_step import TrainState, UpdateConfig, batch_logprobs, train_step
+from rstar2_jax.learner.train_step import (TrainState, UpdateConfig, batch_logprobs, packed_apply, packed_gradients,
+                                           packed_logprobs, packing_inputs, train_step)
 
 
 class Learner:
@@ -70,14 +72,31 @@ class Learner:
         self.ref_params = jax.tree.map(jnp.copy, params) if update.kl.enabled else None
         self._train = jax.jit(partial(train_step, self.graphdef, self.tx, update), donate_argnums=(0,))
         self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=update), static_argnames="with_entropy")
+        # packed rows (cfg.token_budget > 0): one compiled shape [width, budget] per pass
+        self._packed_logprobs = jax.jit(partial(packed_logprobs, self.graphdef, cfg=update),
+                                        static_argnames="with_entropy")
+        self._packing_inputs = jax.jit(partial(packing_inputs, update))
+        self._packed_gradients = jax.jit(partial(packed_gradients, self.graphdef, update), donate_argnums=(1,))
+        self._packed_apply = jax.jit(partial(packed_apply, self.tx), donate_argnums=(0,))
 
     # ------------------------------------------------------------------------------------------
     @property
+    def packs(self) -> bool:
+        """Whether the learner's passes run on packed rows (cfg.token_budget > 0)."""
+        return self.cfg.token_budget > 0
+
+    @property
+    def width(self) -> int:
+        """The devices a micro-batch's rows are split over."""
+        return 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+    @property
     def rows_multiple(self) -> int:
         """Batch rows must be a multiple of this: mini-batches x micro-batches x the devices the
-        batch is split over."""
-        width = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        return self.cfg.mini_batches * self.cfg.micro_batches * width
+        batch is split over (packed: mini-batches; the packed rows are the devices')."""
+        if self.packs:
+            return self.cfg.mini_batches
+        return self.cfg.mini_batches * self.cfg.micro_batches * self.width
 
     def _placed(self, state: TrainState) -> TrainState:
         """Leaves made on one device (the step, optimizer counters) replicated over the mesh: a
@@ -106,6 +125,30 @@ class Learner:
             host = lambda x: np.asarray(sharding_lib.gathered(x))  # noqa: E731 - sharded over processes too
             return tuple(map(host, out)) if with_entropy else host(out)
 
+    def _plan(self, lengths: np.ndarray) -> PackingPlan:
+        return plan_packing(lengths, self.cfg.token_budget, self.width)
+
+    def _put_all(self, arrays: dict[str, np.ndarray]) -> dict:
+        return {k: self._put(v) for k, v in arrays.items()}
+
+    def batch_logprobs(self, batch: TrainBatch, with_entropy: bool = False, params=None):
+        """`logprobs` of a batch's tokens, on packed rows when cfg.token_budget is set (then 0
+        beyond each row's length): the passes the update runs (old, reference, entropy)."""
+        if not self.packs:
+            return self.logprobs(batch.tokens, with_entropy, params)
+        plan = self._plan(_lengths(batch))
+        packed = {"tokens": plan.pack(batch.tokens), **plan.layout()}
+        outs = []
+        for k in range(plan.micro_batches):
+            with self._ctx():
+                out = self._packed_logprobs(self.state.params if params is None else params,
+                                            self._put_all({n: plan.micro_batch(v, k) for n, v in packed.items()}),
+                                            with_entropy=with_entropy)
+            outs.append(tuple(np.asarray(sharding_lib.gathered(x)) for x in (out if with_entropy else (out,))))
+        width = batch.tokens.shape[1]
+        unpacked = tuple(plan.unpack(np.concatenate(parts), width) for parts in zip(*outs))
+        return unpacked if with_entropy else unpacked[0]
+
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One update on `batch`: mini_batches x epochs optimizer steps, one new version (old
         log-probs, and with cfg.token_entropy the token entropies, recomputed here when missing).
@@ -117,18 +160,28 @@ class Learner:
         if self.update_cfg.needs_sampler_logprobs:
             arrays["sampler_logprobs"] = padded.sampler_logprobs
         if self.update_cfg.kl.in_loss:
-            arrays["ref_logprobs"] = self.logprobs(padded.tokens, params=self.ref_params)
-        steps = []
+            arrays["ref_logprobs"] = self.batch_logprobs(padded, params=self.ref_params)
+        lengths = _lengths(padded)
+        steps, computed = [], 0
         for _ in range(self.cfg.epochs):
-            for part in mini_batches(arrays, self.cfg.mini_batches):
+            for part, part_lengths in zip(mini_batches(arrays, self.cfg.mini_batches),
+                                          np.split(lengths, self.cfg.mini_batches)):
                 if not part["loss_mask"].any():  # only padding rows: an optimizer step would still move Adam
                     continue
-                with self._ctx():
-                    self.state, metrics = self._train(self.state, {k: self._put(v) for k, v in part.items()})
+                if self.packs:
+                    metrics, tokens = self._packed_step(part, part_lengths)
+                else:
+                    with self._ctx():
+                        self.state, metrics = self._train(self.state, self._put_all(part))
+                    tokens = part["tokens"].size
+                computed += tokens
                 steps.append({k: float(v) for k, v in metrics.items()})
         self.version += 1
         out = {k: float(np.mean([m[k] for m in steps])) for k in steps[0]} if steps else {}
         out["optimizer_steps"] = float(len(steps))
+        out["packed_rows"] = float(self.packs)  # which path ran: a packed update never falls back silently
+        if steps and lengths.sum():  # positions the optimizer steps computed per real token
+            out["computed_per_real_token"] = computed / (float(lengths.sum()) * self.cfg.epochs)
         out.update(sampler_mismatch(batch))
         if batch.old_logprobs is not None and batch.sampler_logprobs is not None:
             c = self.cfg.correction
@@ -138,15 +191,35 @@ class Learner:
             out["entropy_mean"] = float((batch.entropy * batch.loss_mask).sum() / batch.num_tokens)
         return out
 
+    def _packed_step(self, part: dict[str, np.ndarray], lengths: np.ndarray) -> tuple[dict, int]:
+        """One optimizer step on a padded mini-batch `part`, run on packed rows: the corrections,
+        the aggregation's row scales and normaliser are computed on the padded rows first (they
+        read whole sequences), then every per-token input is packed. (metrics, positions computed)."""
+        prep = {k: np.asarray(v) for k, v in self._packing_inputs(part).items()}
+        per_token = {"tokens": part["tokens"], "loss_mask": prep["loss_mask"], "advantages": part["advantages"],
+                     "old_logprobs": part["old_logprobs"], "token_scale": prep["row_scale"]}
+        per_token.update({k: part[k] for k in ("sampler_logprobs", "ref_logprobs") if k in part})
+        if "is_weight" in prep:
+            per_token["is_weight"] = prep["is_weight"]
+        plan = self._plan(lengths)
+        packed = {**{k: plan.pack(v) for k, v in per_token.items()}, **plan.layout()}
+        accumulated = None
+        with self._ctx():
+            for k in range(plan.micro_batches):
+                mb = self._put_all({n: plan.micro_batch(v, k) for n, v in packed.items()})
+                accumulated = self._packed_gradients(self.state.params, accumulated, mb, prep["count"])
+            self.state, metrics = self._packed_apply(self.state, accumulated, prep["count"], prep["total_tokens"])
+        return metrics, plan.computed_tokens
+
     def _fill_old_logprobs(self, batch: TrainBatch, padded: TrainBatch):
         """The old log-probs (and with cfg.token_entropy the entropies) of `padded` and of
         `batch` (its first rows), computed when missing."""
         rows = batch.tokens.shape[0]
         if padded.old_logprobs is None and self.cfg.token_entropy:
-            padded.old_logprobs, padded.entropy = self.logprobs(padded.tokens, with_entropy=True)
+            padded.old_logprobs, padded.entropy = self.batch_logprobs(padded, with_entropy=True)
             batch.old_logprobs, batch.entropy = padded.old_logprobs[:rows], padded.entropy[:rows]
         elif padded.old_logprobs is None:
-            padded.old_logprobs = self.logprobs(padded.tokens)
+            padded.old_logprobs = self.batch_logprobs(padded)
             batch.old_logprobs = padded.old_logprobs[:rows]
 
     def sequence_kl(self, batch: TrainBatch) -> np.ndarray:
@@ -157,7 +230,7 @@ class Learner:
             raise ValueError("sequence_kl needs a reference: cfg.kl.coef > 0")
         padded = pad_rows(batch, self.rows_multiple)
         self._fill_old_logprobs(batch, padded)
-        ref = self.logprobs(padded.tokens, params=self.ref_params)[:batch.tokens.shape[0]]
+        ref = self.batch_logprobs(padded, params=self.ref_params)[:batch.tokens.shape[0]]
         return sequence_kl(self.cfg.kl.estimator, batch.old_logprobs, ref, batch.loss_mask)
 
     def reset_optimizer(self):
@@ -170,6 +243,11 @@ class Learner:
 
     def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state.params)
+
+
+def _lengths(batch: TrainBatch) -> np.ndarray:
+    """Each row's tokens: as recorded by make_batch, else up to its last model token."""
+    return batch.lengths if batch.lengths is not None else row_lengths(batch.loss_mask)
 
 
 def mini_batches(arrays: dict[str, np.ndarray], count: int):

@@ -22,6 +22,9 @@ class LearnerSettings(Section):
     weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
     grad_clip: float = setting(1.0, "global-norm gradient clip (0: off)", min=0.0)
     micro_batches: int = setting(1, "micro-batches per optimizer step (gradients accumulated; memory)", min=1)
+    token_budget: int = setting(0, "pack rollouts into rows of this many tokens for every learner pass (verl's "
+                                "ppo_max_token_len_per_gpu): micro-batches follow from the tokens; 0: padded rows "
+                                "split in rl.micro_batches", min=0)
     mini_batches: int = setting(1, "optimizer steps per epoch of an update: the kept rollouts split in this many "
                                 "row slices (1: the paper; verl's ppo_mini_batch_size)", min=1)
     epochs: int = setting(1, "passes over the kept rollouts per update (1: the paper; verl's ppo_epochs)", min=1)

@@ -53,12 +53,23 @@ class UpdateConfig:
         return self.correction.enabled or LOSSES[self.loss.name].needs_sampler_logprobs
 
 
-def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
+def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False, positions=None,
+                     segment_ids=None):
     """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs); with
-    `with_entropy`, also the entropy of the distribution each token was drawn from [N, T]."""
+    `with_entropy`, also the entropy of the distribution each token was drawn from [N, T].
+    Packed rows pass their `positions` and `segment_ids`: a sequence's first token then gets 0,
+    as position 0 of a padded row (nothing of its own predicts it)."""
     model = nnx.merge(graphdef, params)
-    return token_logprobs(model, tokens, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature,
-                          with_entropy=with_entropy)
+    out = token_logprobs(model, tokens, positions, segment_ids, chunk_size=cfg.logprob_chunk,
+                         temperature=cfg.temperature, with_entropy=with_entropy)
+    if positions is not None:
+        out = jax.tree.map(lambda x: jnp.where(positions > 0, x, 0.0), out)
+    return out
+
+
+def packed_logprobs(graphdef, params, mb: dict, cfg: UpdateConfig, with_entropy: bool = False):
+    """`compute_logprobs` of one packed micro-batch (tokens, positions, segment_ids)."""
+    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], mb["segment_ids"])
 
 
 def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
@@ -77,10 +88,12 @@ def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
     """(scaled loss sum, {statistic: token sum}, log-probs) of one (micro-)batch: the policy
     loss, the corrections' weights (`is_weight`, when corrections are on) and the KL term, masked
     and scaled per row by the aggregation."""
-    lp = compute_logprobs(graphdef, params, batch["tokens"], cfg)
+    lp = compute_logprobs(graphdef, params, batch["tokens"], cfg, positions=batch.get("positions"),
+                          segment_ids=batch.get("segment_ids"))
     mask = batch["loss_mask"] > 0
     inputs = LossInputs(lp, batch["old_logprobs"], batch["advantages"], mask, batch.get("sampler_logprobs"),
-                        batch.get("ref_logprobs"), log_ratio_clamp=cfg.loss.log_ratio_clamp).sanitized()
+                        batch.get("ref_logprobs"), segment_ids=batch.get("segment_ids"),
+                        log_ratio_clamp=cfg.loss.log_ratio_clamp).sanitized()
     terms = policy_loss_terms(cfg.loss.name, inputs, cfg.loss.settings())
     per_token, stats = terms.per_token, dict(terms.stats)
     if "is_weight" in batch:
@@ -90,8 +103,11 @@ def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
         per_token = per_token + cfg.kl.coef * kl
         stats[f"kl_ref_{cfg.kl.estimator}"] = kl
     stats["nll_per_token"] = -inputs.logprobs
-    row_scale = AGGREGATIONS[cfg.loss.aggregation_name()].row_scale(mask)
-    loss_sum = jnp.sum(jnp.sum(jnp.where(mask, per_token, 0.0), axis=-1) * row_scale)
+    if "token_scale" in batch:  # packed rows: each token carries its row's scale, computed before packing
+        loss_sum = jnp.sum(jnp.where(mask, per_token, 0.0) * batch["token_scale"])
+    else:
+        row_scale = AGGREGATIONS[cfg.loss.aggregation_name()].row_scale(mask)
+        loss_sum = jnp.sum(jnp.sum(jnp.where(mask, per_token, 0.0), axis=-1) * row_scale)
     return loss_sum, {k: jnp.sum(v) for k, v in stats.items()}, lp
 
 
@@ -110,9 +126,36 @@ def loss_count(cfg: UpdateConfig, mask) -> jax.Array:
     return jnp.maximum(AGGREGATIONS[cfg.loss.aggregation_name()].count(mask > 0, cfg.constant_tokens), 1e-9)
 
 
+def _micro_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, count):
+    """(gradient, {statistic: sum}) of one micro-batch's scaled loss sum / `count` (the whole
+    mini-batch's normaliser): summed over micro-batches, the mini-batch's gradient."""
+    def micro_loss(p):
+        loss_sum, stats, _ = _loss_terms(graphdef, cfg, p, mb)
+        return loss_sum / count, {**stats, "policy_loss": loss_sum}
+    return jax.grad(micro_loss, has_aux=True)(params)
+
+
+def _zeros_like_gradients(graphdef, cfg: UpdateConfig, params, mb: dict):
+    """Zeros shaped as `_micro_gradients`' result (the statistics' names come from the loss and
+    the options in use: nothing hard-coded here)."""
+    shapes = jax.eval_shape(lambda p, b: _micro_gradients(graphdef, cfg, p, b, 1.0), params, mb)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _applied(tx: optax.GradientTransformation, state: TrainState, grads, stats: dict, count, total_tokens):
+    """The optimizer step on the accumulated `grads`, and the step's metrics."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {k: v / total_tokens for k, v in stats.items() if k != "policy_loss"}
+    metrics.update(policy_loss=stats["policy_loss"] / count, grad_norm=optax.global_norm(grads),
+                   update_norm=optax.global_norm(updates), tokens=total_tokens)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
 def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, state: TrainState, batch: dict):
-    """One optimizer step. batch: tokens [N, T], loss_mask [N, T], advantages [N], old_logprobs
-    [N, T] (sampler_logprobs [N, T] with corrections, ref_logprobs [N, T] with a KL term)."""
+    """One optimizer step on padded rows. batch: tokens [N, T], loss_mask [N, T], advantages [N],
+    old_logprobs [N, T] (sampler_logprobs [N, T] with corrections, ref_logprobs [N, T] with a KL
+    term); cfg.micro_batches row slices, accumulated in a `lax.scan`."""
     batch = corrected(cfg, batch)
     n = batch["tokens"].shape[0]
     m = cfg.micro_batches
@@ -120,31 +163,42 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, st
         raise ValueError(f"batch of {n} rows does not split into {m} micro-batches")
     micro = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
     count = loss_count(cfg, batch["loss_mask"])
-    total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-
-    def micro_loss(params, mb):
-        loss_sum, stats, _ = _loss_terms(graphdef, cfg, params, mb)
-        return loss_sum / count, {**stats, "policy_loss": loss_sum}
-
-    grad_fn = jax.grad(micro_loss, has_aux=True)
 
     def accumulate(carry, mb):
-        grads, stats_sum = carry
-        g, stats = grad_fn(state.params, mb)
-        return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, stats_sum, stats)), None
+        return jax.tree.map(jnp.add, carry, _micro_gradients(graphdef, cfg, state.params, mb, count)), None
 
-    # The statistics' names come from the loss and the options in use (nothing hard-coded here).
-    first = jax.tree.map(lambda x: x[0], micro)
-    stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, state.params, first)[1])
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (grads, stats), _ = jax.lax.scan(accumulate, (zeros, stats0), micro)
+    zeros = _zeros_like_gradients(graphdef, cfg, state.params, jax.tree.map(lambda x: x[0], micro))
+    (grads, stats), _ = jax.lax.scan(accumulate, zeros, micro)
+    return _applied(tx, state, grads, stats, count, jnp.maximum(batch["loss_mask"].sum(), 1.0))
 
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {k: v / total_tokens for k, v in stats.items() if k != "policy_loss"}
-    metrics.update(policy_loss=stats["policy_loss"] / count, grad_norm=optax.global_norm(grads),
-                   update_norm=optax.global_norm(updates), tokens=total_tokens)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+# ---- packed rows (learner/packing.py): a Python loop of micro-batches, their count following
+# from the tokens (no recompilation when it changes), each micro-batch one [width, budget] shape.
+def packing_inputs(cfg: UpdateConfig, batch: dict) -> dict:
+    """What the packed update needs of a padded mini-batch before any gradient: the corrected
+    `loss_mask` (and `is_weight`), each row's aggregation scale `row_scale` [N], the normaliser
+    `count` and the token count `total_tokens` of the whole mini-batch."""
+    batch = corrected(cfg, batch)
+    mask = batch["loss_mask"]
+    out = {"loss_mask": mask, "row_scale": AGGREGATIONS[cfg.loss.aggregation_name()].row_scale(mask > 0),
+           "count": loss_count(cfg, mask), "total_tokens": jnp.maximum(mask.sum(), 1.0)}
+    if "is_weight" in batch:
+        out["is_weight"] = batch["is_weight"]
+    return out
+
+
+def packed_gradients(graphdef, cfg: UpdateConfig, params, accumulated, mb: dict, count):
+    """`accumulated` (None: zeros) plus one packed micro-batch's (gradient, statistic sums).
+    mb: tokens, positions, segment_ids, loss_mask, advantages (per token), old_logprobs,
+    token_scale [width, budget] (sampler_logprobs, ref_logprobs, is_weight when in use)."""
+    out = _micro_gradients(graphdef, cfg, params, mb, count)
+    return out if accumulated is None else jax.tree.map(jnp.add, accumulated, out)
+
+
+def packed_apply(tx: optax.GradientTransformation, state: TrainState, accumulated, count, total_tokens):
+    """The optimizer step on a packed mini-batch's accumulated gradients."""
+    grads, stats = accumulated
+    return _applied(tx, state, grads, stats, count, total_tokens)
 
 
 def policy_loss_value(graphdef, cfg: UpdateConfig, params, batch) -> jax.Array:

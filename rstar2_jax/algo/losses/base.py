@@ -45,6 +45,9 @@ class LossInputs:
     mask: jax.Array                   # bool [B, T]
     sampler_logprobs: jax.Array | None = None   # the engine's, as it sampled (None when not needed)
     ref_logprobs: jax.Array | None = None       # the frozen reference's (KL runs only)
+    # Packed rows (learner/packing.py): several sequences per row, told apart by their id (1, 2,
+    # ...; 0 on padding); advantages are then per token. None: one sequence per row.
+    segment_ids: jax.Array | None = None
     log_ratio_clamp: float = flax.struct.field(pytree_node=False, default=LOG_RATIO_BOUND)   # rl.loss.log_ratio_clamp
 
     @property
@@ -73,9 +76,31 @@ class LossInputs:
                             sampler_logprobs=clean(self.sampler_logprobs), ref_logprobs=clean(self.ref_logprobs))
 
     def masked_mean_per_seq(self, x: jax.Array) -> jax.Array:
-        """Mean of x over each sequence's model tokens [B] (0 for empty rows)."""
+        """Mean of x over each sequence's model tokens [B] (0 for empty rows); one sequence per
+        row (a loss that reduces over sequences uses `sequence_mean`, which also packs)."""
         total = jnp.sum(jnp.where(self.mask, x, 0.0), axis=-1)
         return total / jnp.maximum(self.seq_lengths, 1)
+
+    def sequence_mean(self, x: jax.Array) -> jax.Array:
+        """Mean of x over each sequence's model tokens, on that sequence's tokens: [B, 1] for
+        one sequence per row, [B, T] for packed rows (a segment mean per row). A loss that
+        reduces over a sequence calls this and runs unchanged on either layout."""
+        if self.segment_ids is None:
+            return self.masked_mean_per_seq(x)[:, None]
+        return segment_mean(jnp.where(self.mask, x, 0.0), self.mask, self.segment_ids)
+
+
+def segment_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Per row of x [B, T], the mean of the masked values of each segment, on its positions
+    [B, T] (0 where a segment has no masked value). Row by row: a segment never spans rows,
+    and rows stay where a mesh put them."""
+    t = x.shape[-1]
+
+    def one_row(v, m, s):
+        sums = jax.ops.segment_sum(v, s, num_segments=t + 1)
+        counts = jax.ops.segment_sum(m.astype(v.dtype), s, num_segments=t + 1)
+        return (sums / jnp.maximum(counts, 1.0))[s]
+    return jax.vmap(one_row)(x, mask, segment_ids)
 
 
 @flax.struct.dataclass

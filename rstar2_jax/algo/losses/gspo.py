@@ -32,7 +32,7 @@ class GSPOSettings(Section):
                default_aggregation="seq_mean_token_mean", aggregations=("seq_mean_token_mean",))
 def gspo_loss(inputs: LossInputs, s: GSPOSettings) -> LossTerms:
     adv = inputs.token_advantages
-    log_seq_ratio = inputs.masked_mean_per_seq(inputs.log_ratio())[:, None]
+    log_seq_ratio = inputs.sequence_mean(inputs.log_ratio())
     lp = inputs.logprobs
     log_token_ratio = jnp.minimum(lp - jax.lax.stop_gradient(lp) + jax.lax.stop_gradient(log_seq_ratio), 10.0)
     ratio = jnp.exp(log_token_ratio)

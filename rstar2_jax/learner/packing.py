@@ -1,0 +1,128 @@
+"""Packing: the rows of an update placed into token-budgeted packed rows, and back.
+
+Padded rows (batching.py) are as wide as the longest rollout; agentic rollouts have a long
+tail, so most of a padded rectangle is padding (45% real tokens on the demo's traces). Packed,
+each rollout keeps its own tokens, positions restarting at 0 and a segment id (1, 2, ... in its
+packed row; 0 is padding), and the decoder attends within a segment only. A packed row holds
+`budget` positions (verl's `ppo_max_token_len_per_gpu` with `use_dynamic_bsz`); rows are filled
+first-fit, longest rollout first, and grouped `width` at a time (the devices a micro-batch splits
+over) into micro-batches, so the number of micro-batches follows from the tokens, not a setting.
+
+Only the model's passes run packed. Everything else keeps the padded layout [N, T] it has
+always had: `PackingPlan.pack` moves a per-token [N, T] (or per-row [N]) array into the packed
+layout, `unpack` brings packed per-token values back (as verl's remove-padding pads log-probs
+back to [batch, seq]). The plan is a pure function of the rows' lengths: every process of a
+multi-process learner builds the same plan from the same batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingPlan:
+    """Where each of N padded rows lies in `rows` packed rows of `budget` positions.
+
+    packed_row[i], offset[i]: rollout i's first token; length[i]: its tokens (0: a padding row,
+    not placed, packed_row -1). rows is a multiple of `width`."""
+    budget: int
+    width: int
+    rows: int
+    packed_row: np.ndarray   # int [N]
+    offset: np.ndarray       # int [N]
+    length: np.ndarray       # int [N]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.rows // self.width
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.rows * self.budget
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.length.sum())
+
+    @property
+    def _index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(source row, source column, packed row, packed column) of every placed token."""
+        placed = np.flatnonzero(self.length > 0)
+        n = self.length[placed]
+        src_row = np.repeat(placed, n)
+        src_col = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        return src_row, src_col, self.packed_row[src_row], self.offset[src_row] + src_col
+
+    def pack(self, x: np.ndarray) -> np.ndarray:
+        """x [N, T] per token, or [N] per row (broadcast to its tokens) -> [rows, budget], 0 on
+        padding."""
+        src_row, src_col, dst_row, dst_col = self._index
+        out = np.zeros((self.rows, self.budget), x.dtype)
+        out[dst_row, dst_col] = x[src_row, src_col] if x.ndim == 2 else x[src_row]
+        return out
+
+    def unpack(self, y: np.ndarray, width: int) -> np.ndarray:
+        """Packed per-token values [rows, budget] -> [N, width], 0 beyond each row's length."""
+        src_row, src_col, dst_row, dst_col = self._index
+        out = np.zeros((len(self.length), width), y.dtype)
+        out[src_row, src_col] = y[dst_row, dst_col]
+        return out
+
+    def layout(self) -> dict[str, np.ndarray]:
+        """The packed rows' `positions` (0 at each rollout's first token) and `segment_ids`
+        (1, 2, ... within a packed row, 0 on padding), int32 [rows, budget]."""
+        src_row, src_col, dst_row, dst_col = self._index
+        positions = np.zeros((self.rows, self.budget), np.int32)
+        positions[dst_row, dst_col] = src_col
+        # a rollout's segment id: its rank among the rollouts of its packed row, by offset
+        segment = np.zeros(len(self.length), np.int32)
+        placed = np.flatnonzero(self.length > 0)
+        order = placed[np.lexsort((self.offset[placed], self.packed_row[placed]))]
+        rows_sorted = self.packed_row[order]
+        starts = np.r_[0, np.flatnonzero(np.diff(rows_sorted)) + 1]
+        rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        segment[order] = rank + 1
+        segment_ids = np.zeros((self.rows, self.budget), np.int32)
+        segment_ids[dst_row, dst_col] = segment[src_row]
+        return {"positions": positions, "segment_ids": segment_ids}
+
+    def micro_batch(self, packed: np.ndarray, k: int) -> np.ndarray:
+        """The k-th micro-batch's rows [width, ...] of a packed array."""
+        return packed[k * self.width:(k + 1) * self.width]
+
+
+def plan_packing(lengths: np.ndarray, budget: int, width: int = 1) -> PackingPlan:
+    """First-fit decreasing of rollouts of `lengths` into rows of `budget` positions, rows
+    padded to a multiple of `width` (at least one micro-batch). A rollout longer than the budget
+    is an error (the config check keeps rollout.max_len within it)."""
+    lengths = np.asarray(lengths, np.int64)
+    if budget < 1 or width < 1:
+        raise ValueError(f"packing needs a positive budget and width, got {budget} and {width}")
+    if lengths.size and lengths.max() > budget:
+        i = int(lengths.argmax())
+        raise ValueError(f"row {i} has {lengths[i]} tokens, more than the packing budget of {budget} "
+                         "(rl.token_budget must be at least rollout.max_len)")
+    packed_row = np.full(len(lengths), -1, np.int64)
+    offset = np.zeros(len(lengths), np.int64)
+    free = np.full(len(lengths), budget, np.int64)  # room left in each packed row opened so far
+    opened = 0
+    for i in sorted(np.flatnonzero(lengths > 0), key=lambda i: (-lengths[i], i)):
+        n = int(lengths[i])
+        fits = free[:opened] >= n
+        row = int(np.argmax(fits)) if fits.any() else opened
+        opened = max(opened, row + 1)
+        packed_row[i], offset[i] = row, budget - free[row]
+        free[row] -= n
+    rows = max(-(-opened // width), 1) * width
+    return PackingPlan(budget, width, rows, packed_row, offset, lengths.copy())
+
+
+def row_lengths(loss_mask: np.ndarray) -> np.ndarray:
+    """Each row's extent when a batch does not record it: up to its last model token (what
+    follows it changes no log-prob the loss reads)."""
+    any_ = loss_mask.any(axis=-1)
+    last = loss_mask.shape[-1] - np.argmax(loss_mask[:, ::-1] > 0, axis=-1)
+    return np.where(any_, last, 0)
