@@ -213,3 +213,16 @@ def test_session_tool_state_is_accepted_with_every_sandbox_backend(tmp_path):
         if url:
             t["sandbox"][backend]["url"] = url
         assert problems_of(t) == [], backend
+
+
+def test_a_token_budget_below_the_longest_rollout_names_both_numbers_and_micro_batches_follow_from_it():
+    tree = tiny_arith.get_config().to_dict()
+    max_len = tree["rollout"]["max_len"]
+    tree["rl"]["token_budget"] = max_len - 1
+    parsed, problems = RunConfig.parse(tree)
+    [p] = [p for p in problems if p.path == "rl.token_budget"]
+    assert f"{max_len - 1} tokens is below rollout.max_len ({max_len})" in str(p), p
+    tree["rl"].update(token_budget=max_len, micro_batches=2)
+    assert problems_of(tree) == ["rl.micro_batches"]
+    tree["rl"]["micro_batches"] = 1
+    assert problems_of(tree) == []

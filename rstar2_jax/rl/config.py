@@ -90,6 +90,10 @@ class RLConfig(LearnerSettings):
         if self.tis_cap:
             yield "tis_cap", (f"is replaced by rl.correction: set rl.correction.names=(token_tis,) and "
                               f"rl.correction.token_tis.cap={self.tis_cap} (and rl.tis_cap=0)")
+        if self.token_budget and self.micro_batches > 1:
+            yield "micro_batches", (f"is {self.micro_batches}, but with rl.token_budget ({self.token_budget}) the "
+                                    "micro-batches follow from the tokens: set rl.micro_batches=1 (or "
+                                    "rl.token_budget=0 for padded rows)")
         if self.mini_batches > self.batch_problems * self.group_size:
             yield "mini_batches", (f"{self.mini_batches} mini-batches cannot split a step's at most "
                                    f"{self.batch_problems * self.group_size} kept rollouts (rl.batch_problems x "
@@ -134,6 +138,10 @@ class RunConfig(Section):
         if self.sft.steps and self.data.task in TASKS and not TASKS[self.data.task].has_sft_data:
             yield "sft.steps", (f"must be 0 for data.task={self.data.task!r}: it has no SFT data (fine-tune first "
                                 "with python -m rstar2_jax.sft and set model.path)")
+        if rl.token_budget and rl.token_budget < r.max_len:
+            yield "rl.token_budget", (f"{rl.token_budget} tokens is below rollout.max_len ({r.max_len}), the longest "
+                                      "rollout a stage allows: a packed row must hold it (raise rl.token_budget to "
+                                      f">= {r.max_len})")
         if not self.stages:
             yield "stages", "needs at least one stage (start_step=0)"
             return

@@ -66,8 +66,8 @@ REMEDIES = {
     "parameters": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "gradients": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "optimizer": "a larger mesh (mesh.fsdp, mesh.tensor)",
-    "activations": "more rl.micro_batches (fewer rows at once), model.remat=full, model.attention=cudnn, or a "
-                   "larger mesh.fsdp",
+    "activations": "more rl.micro_batches (fewer rows at once; packed: a smaller rl.token_budget), model.remat=full, "
+                   "model.attention=cudnn, or a larger mesh.fsdp",
     "engine weights": "model.decode_attention=xla (splits the engine over the process's devices), or "
                       "rollout.engine=vllm (rollouts on other GPUs)",
     "KV pool": "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer rollout.jax.slots, or "
@@ -144,10 +144,12 @@ def mesh_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
 def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> tuple[float, str]:
     """One micro-batch's activations on one device during the update, and how they were counted."""
     rl = cfg.rl
-    # one optimizer step takes a mini-batch (rl.mini_batches of them per epoch), micro-batch by micro-batch
-    rows = math.ceil(rl.batch_problems * rl.group_size / rl.mini_batches / rl.micro_batches /
-                     (mesh["data"] * mesh["fsdp"]))
-    seq = cfg.rollout.max_len
+    if rl.token_budget:  # packed: one row of rl.token_budget positions per device per micro-batch
+        rows, seq = 1, rl.token_budget
+    else:  # one optimizer step takes a mini-batch (rl.mini_batches per epoch), micro-batch by micro-batch
+        rows = math.ceil(rl.batch_problems * rl.group_size / rl.mini_batches / rl.micro_batches /
+                         (mesh["data"] * mesh["fsdp"]))
+        seq = cfg.rollout.max_len
     tokens = rows * seq
     b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
     h, hd = arch.hidden_size, arch.head_dim
@@ -166,7 +168,7 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
-    how = (f"{rows} row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
+    how = (f"{rows} {'packed ' if rl.token_budget else ''}row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
            f"attention{' (score matrices ' + f'{scores / GiB:.1f} GiB)' if scores else ''}")
     return float(total), how
 
@@ -200,7 +202,7 @@ def _gradient_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], par
     with several micro-batches."""
     head = shard_shape(("embed", "vocab"), (arch.hidden_size, arch.vocab_size), mesh)
     first = float(np.prod(head) * 4)
-    if cfg.rl.micro_batches > 1:
+    if cfg.rl.micro_batches > 1 or cfg.rl.token_budget:  # packed: micro-batches follow from the tokens
         return params + first, "float32: the accumulator + the LM head's of the micro-batch under way"
     return first, "float32: the LM head's, formed first (the rest as the backward frees activations)"
 

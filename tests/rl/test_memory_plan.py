@@ -215,3 +215,15 @@ def test_an_nccl_sync_without_gpus_is_refused_at_plan_time(tmp_path):
         assert "rollout.vllm.sync=nccl" in proc.stderr and "rollout.vllm.sync=pull" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_packed_rows_count_one_row_of_the_token_budget_and_the_accumulator(tmp_path):
+    """rl.token_budget: a micro-batch is one packed row of that many positions per device, and
+    the micro-batches follow from the tokens (more than one: the accumulator is held)."""
+    cfg = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=16_384, rl__micro_batches=1)
+    plan = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
+    tokens = 16_384
+    act = 28 * tokens * 1024 * 2 + tokens * 2 * (3 * 1024 + 2048 + 2 * 1024 + 2048 + 3 * 3072) * 2 \
+        + 1 * 512 * 151_936 * 4
+    assert plan.line("activations").bytes == act and "1 packed row(s) x 16384" in plan.line("activations").how
+    assert plan.line("gradients").bytes == 596_049_920 * 4 + 1024 * 151_936 * 4
