@@ -168,7 +168,8 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
-    how = (f"{rows} {'packed ' if rl.token_budget else ''}row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
+    packed = "packed " if rl.token_budget else ""
+    how = (f"{rows} {packed}row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
            f"attention{' (score matrices ' + f'{scores / GiB:.1f} GiB)' if scores else ''}")
     return float(total), how
 
