@@ -73,7 +73,10 @@ class PackingPlan:
 
     def layout(self) -> dict[str, np.ndarray]:
         """The packed rows' `positions` (0 at each rollout's first token) and `segment_ids`
-        (1, 2, ... within a packed row, 0 on padding), int32 [rows, budget]."""
+        (1, 2, ... within a packed row, 0 on padding), int32 [rows, budget]; and for cuDNN's
+        packed attention `segment_starts` [rows, M + 1] and `segment_lengths` [rows, M] (-1 past
+        a row's last segment; M the most segments of a row, rounded up to a power of two: few
+        compiled shapes). An empty row gets one 1-token segment (its output is discarded)."""
         src_row, src_col, dst_row, dst_col = self._index
         positions = np.zeros((self.rows, self.budget), np.int32)
         positions[dst_row, dst_col] = src_col
@@ -87,7 +90,15 @@ class PackingPlan:
         segment[order] = rank + 1
         segment_ids = np.zeros((self.rows, self.budget), np.int32)
         segment_ids[dst_row, dst_col] = segment[src_row]
-        return {"positions": positions, "segment_ids": segment_ids}
+        per_row = np.bincount(self.packed_row[placed], minlength=self.rows)
+        bound = 1 << int(max(per_row.max(initial=1), 1) - 1).bit_length()
+        starts = np.full((self.rows, bound + 1), -1, np.int32)
+        lengths = np.full((self.rows, bound), -1, np.int32)
+        starts[:, 0], lengths[:, 0] = 0, 1  # empty rows; overwritten where a row has segments
+        starts[self.packed_row[order], rank] = self.offset[order]
+        lengths[self.packed_row[order], rank] = self.length[order]
+        return {"positions": positions, "segment_ids": segment_ids, "segment_starts": starts,
+                "segment_lengths": lengths}
 
     def micro_batch(self, packed: np.ndarray, k: int) -> np.ndarray:
         """The k-th micro-batch's rows [width, ...] of a packed array."""

@@ -23,6 +23,7 @@ from flax import nnx
 from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, LossInputs, PolicyLossConfig,
                              policy_loss_terms)
 from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
+from rstar2_jax.models.decoder import PackedSegments
 from rstar2_jax.models.logprobs import token_logprobs
 
 
@@ -67,9 +68,16 @@ def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: 
     return out
 
 
+def _segments(mb: dict):
+    """A packed micro-batch's segments as the decoder takes them (None: padded rows)."""
+    if "segment_ids" not in mb:
+        return None
+    return PackedSegments(mb["segment_ids"], mb["segment_starts"], mb["segment_lengths"])
+
+
 def packed_logprobs(graphdef, params, mb: dict, cfg: UpdateConfig, with_entropy: bool = False):
-    """`compute_logprobs` of one packed micro-batch (tokens, positions, segment_ids)."""
-    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], mb["segment_ids"])
+    """`compute_logprobs` of one packed micro-batch (tokens and the plan's layout)."""
+    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], _segments(mb))
 
 
 def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
@@ -80,7 +88,15 @@ def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bo
     if m == 1 or n % m:
         return compute_logprobs(graphdef, params, tokens, cfg, with_entropy)
     micro = tokens.reshape((m, n // m) + tokens.shape[1:])
-    out = jax.lax.map(lambda t: compute_logprobs(graphdef, params, t, cfg, with_entropy), micro)
+
+    def one(t):
+        model = nnx.merge(graphdef, params)
+        # A forward pass has no backward to save memory for; and nnx.remat inside lax.map fails
+        # ("Cannot mutate Param from a different trace level", flax 0.12): no remat here.
+        model.remat = "none"
+        return token_logprobs(model, t, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature,
+                              with_entropy=with_entropy)
+    out = jax.lax.map(one, micro)
     return jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), out)
 
 
@@ -89,7 +105,7 @@ def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
     loss, the corrections' weights (`is_weight`, when corrections are on) and the KL term, masked
     and scaled per row by the aggregation."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg, positions=batch.get("positions"),
-                          segment_ids=batch.get("segment_ids"))
+                          segment_ids=_segments(batch))
     mask = batch["loss_mask"] > 0
     inputs = LossInputs(lp, batch["old_logprobs"], batch["advantages"], mask, batch.get("sampler_logprobs"),
                         batch.get("ref_logprobs"), segment_ids=batch.get("segment_ids"),

@@ -22,8 +22,9 @@ Three ways to run it:
 
 Attention implementations (`Decoder.set_attention`), all computing the same function:
 - full forward (training, log-probs): "xla" (einsum + masked fp32 softmax, any backend, packing)
-  or "cudnn" (`jax.nn.dot_product_attention`, fused flash attention on NVIDIA GPUs; rows
-  without segment_ids only, packed rows fall back to "xla").
+  or "cudnn" (fused flash attention on NVIDIA GPUs: `jax.nn.dot_product_attention` for plain
+  rows; packed rows given as `PackedSegments` take cuDNN's packed (ragged) layout, Hopper or
+  newer, each segment its own causal sequence; packed rows given as bare segment ids take "xla").
 - single-token decode against the cache: "xla" (reads the whole cache, or the kv_len prefix; a
   paged cache is first gathered into rows) or "pallas" (ragged Pallas kernels, contiguous or
   paged: each row reads only its live slots; GPU, or interpreted on CPU for tests).
@@ -46,6 +47,15 @@ _INIT_STD = 0.02
 
 FULL_ATTENTION = ("xla", "cudnn")
 DECODE_ATTENTION = ("xla", "pallas")
+
+
+class PackedSegments(NamedTuple):
+    """Packed rows (learner/packing.py), passed as `segment_ids`: `ids` [B, T] (1, 2, ... within a
+    row, 0 on padding) masks XLA attention; `starts` [B, M + 1] and `lengths` [B, M] (int32, -1
+    past a row's last segment; M a static bound) are what cuDNN's packed attention reads."""
+    ids: jax.Array
+    starts: jax.Array
+    lengths: jax.Array
 
 
 class KVCache(NamedTuple):
@@ -184,11 +194,14 @@ class Attention(nnx.Module):
         if layer_cache is None:
             if self.full_impl == "cudnn" and segment_ids is None:
                 out = _fused_causal_attention(q, k, v, cfg, implementation="cudnn")
+            elif self.full_impl == "cudnn" and isinstance(segment_ids, PackedSegments):
+                out = _cudnn_packed_attention(q, k, v, segment_ids, cfg)
             else:
+                ids = segment_ids.ids if isinstance(segment_ids, PackedSegments) else segment_ids
                 idx = jnp.arange(t)
                 mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S] causal by index
-                if segment_ids is not None:
-                    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+                if ids is not None:
+                    mask = mask & (ids[:, :, None] == ids[:, None, :])
                 out = _xla_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, cfg)
         elif len(layer_cache) == 3:  # paged: (pool_k, pool_v, page_table)
             pool_k, pool_v, page_table = layer_cache
@@ -245,6 +258,19 @@ def _fused_causal_attention(q, k, v, cfg: ModelConfig, implementation: str):
     """
     return jax.nn.dot_product_attention(q, k, v, scale=cfg.head_dim ** -0.5, is_causal=True,
                                         implementation=implementation)
+
+
+def _cudnn_packed_attention(q, k, v, segments: PackedSegments, cfg: ModelConfig):
+    """Causal attention within each segment of packed rows, by cuDNN's packed (ragged) flash
+    attention: no [T, T] scores and no work across segments. The layout is not in
+    jax.nn.dot_product_attention yet (JAX 0.10-0.11), hence JAX's own cuDNN module. Padding
+    positions (id 0) get 0, never what the kernel left there: a NaN in padding would reach the
+    weight gradients through 0 x NaN."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU only: imported where used
+    out = cudnn.dot_product_attention(q, k, v, q_seqlen=segments.lengths, kv_seqlen=segments.lengths,
+                                      q_offsets=segments.starts, kv_offsets=segments.starts,
+                                      scale=cfg.head_dim ** -0.5, mask_type=cudnn.MaskType.CAUSAL, qkv_layout="BTNH")
+    return jnp.where((segments.ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
 def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig, splits: int | None = None):

@@ -253,3 +253,20 @@ def test_sequence_kl_is_zero_against_the_reference_itself_and_its_log_probs_are_
     ref = learner.logprobs(after.tokens, params=learner.ref_params)
     np.testing.assert_allclose(kl, ((lp - ref) * after.loss_mask).sum(-1), rtol=1e-5, atol=1e-6)
     assert np.abs(kl).max() > 1e-4
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_old_logprob_pass_by_micro_batches_runs_on_a_rematerialised_model(remat):
+    """The recipes train with remat and micro-batches: the log-prob pass's lax.map once failed on
+    such a model (nnx.remat inside lax.map: 'Cannot mutate Param from a different trace level')."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstar2_jax.models.decoder import Decoder
+    from rstar2_jax.models.tiny import tiny_config
+    batch = _batch(seed=7, vocab=320)
+    expected = Learner(Decoder(tiny_config(), dtype=jnp.float32, rngs=nnx.Rngs(0)), LearnerSettings()).logprobs(
+        batch.tokens)
+    model = Decoder(tiny_config(), dtype=jnp.float32, rngs=nnx.Rngs(0), remat=remat)
+    got = Learner(model, LearnerSettings(micro_batches=4)).logprobs(batch.tokens)
+    np.testing.assert_allclose(got, expected, atol=1e-5)

@@ -45,6 +45,13 @@ def test_every_rollout_is_placed_once_within_its_row_and_first_fit_leaves_one_ro
         assert ids == list(range(1, len(ids) + 1))
         for s in ids:
             assert list(pos[seg == s]) == list(range((seg == s).sum()))
+            # what cuDNN's packed attention reads: each segment's first position and its length
+            assert layout["segment_starts"][row, s - 1] == np.flatnonzero(seg == s)[0]
+            assert layout["segment_lengths"][row, s - 1] == (seg == s).sum()
+        assert (layout["segment_lengths"][row, len(ids):] == -1).all() if ids else \
+            layout["segment_lengths"][row, 0] == 1  # an empty row: one 1-token segment, discarded
+    bound = layout["segment_lengths"].shape[1]
+    assert bound & (bound - 1) == 0 and layout["segment_starts"].shape[1] == bound + 1  # a power of two
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,0 +1,274 @@
+"""Packed rows against padded rows in the learner (rl.token_budget, learner/packing.py).
+
+    python -m experiments.benchmarks.packing ratios [--traces RUN_DIR] [--record BENCHMARKS.md]
+    python -m experiments.benchmarks.packing cpu_update [--record BENCHMARKS.md]
+    python -m experiments.benchmarks.packing gpu [--model qwen3_1p7b] [--rollouts 48] [--record ...]
+
+ratios: positions computed per real token, padded (rows as wide as the longest, rounded up to
+32 as the trainer does) against packed (rows of rollout.max_len), on a run's kept rollouts
+(--traces: each step's kept rows, as the update saw them) and on the pipeline simulation's length
+mix (experiments/benchmarks/scheduler_sim.py: log-normal turns in an 8K budget, the 14B recipe).
+
+cpu_update: `Learner.update` (old-log-prob pass included) on the tiny model, padded against
+packed, side by side in one process on the same batches (the simulation's mix shrunk 16x).
+
+gpu: (1) cuDNN's packed attention against XLA's segment-masked attention on packed rows, bf16
+(log-probs and the gradient); (2) the learner's step on a realistic mix (the simulation's
+lengths), padded with cuDNN attention against packed with cuDNN's packed attention: time, and
+MFU counting the real tokens' FLOPs (each rollout its own causal sequence) over the datasheet
+bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from experiments.benchmarks import common
+
+PAD_MULTIPLE = 32  # the trainer's make_batch(pad_multiple=32)
+
+
+def simulation_lengths(n: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """Trajectory lengths (prompt + model turns + tool responses) of the pipeline simulation's
+    workload, optionally shrunk by `scale`."""
+    from experiments.benchmarks.scheduler_sim import SimConfig, make_workload
+    cfg = SimConfig(rollouts=n)
+    out = [cfg.prompt_tokens + sum(t.turns) + cfg.tool_response_tokens * (len(t.turns) - 1)
+           for t in make_workload(cfg, np.random.default_rng(seed))]
+    return np.maximum((np.array(out) * scale).astype(int), 8)
+
+
+def trace_lengths(run_dir: str) -> list[np.ndarray]:
+    """Per RL step, the token counts of the rollouts the update trained on (traces/*.jsonl)."""
+    from rstar2_jax.traces import load_run
+    run = load_run(run_dir)
+    steps: dict[int, list[int]] = {}
+    for t in run.trajectories:
+        if t.get("kept", True):
+            steps.setdefault(int(t["step"]), []).append(len(t["token_ids"]))
+    return [np.array(v) for _, v in sorted(steps.items())]
+
+
+def padded_positions(lengths: np.ndarray, rows_multiple: int = 1) -> int:
+    width = -(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE
+    return -(-len(lengths) // rows_multiple) * rows_multiple * width
+
+
+def packed_positions(lengths: np.ndarray, budget: int) -> int:
+    from rstar2_jax.learner.packing import plan_packing
+    return plan_packing(lengths, budget).computed_tokens
+
+
+def ratios(args):
+    rows, sources = [], []
+    if args.traces:
+        for step, lengths in enumerate(trace_lengths(args.traces)):
+            real = lengths.sum()
+            rows.append([f"{args.traces} step {step}", len(lengths), f"{lengths.mean():.0f}", int(lengths.max()),
+                         f"{padded_positions(lengths) / real:.2f}", f"{packed_positions(lengths, args.budget) / real:.3f}"])
+        sources.append(f"traces of {args.traces} (budget {args.budget} = its rollout.max_len)")
+    for n in (512, 2048):
+        lengths = simulation_lengths(n, seed=0)
+        budget = 8192 + 300 + 64 * 2  # a row must hold the longest a stage allows (prompt + budget)
+        budget = -(-budget // 512) * 512
+        for b in (budget, 2 * budget):
+            real = lengths.sum()
+            rows.append([f"simulation, {n} rollouts, budget {b}", n, f"{lengths.mean():.0f}", int(lengths.max()),
+                         f"{padded_positions(lengths) / real:.2f}", f"{packed_positions(lengths, b) / real:.3f}"])
+    table = common.markdown_table(["batch", "rollouts", "mean tokens", "longest", "padded / real",
+                                   "packed / real"], rows)
+    print(table)
+    common.record(args.record, "Packed rows: computed positions per real token", common.command_line(
+        "experiments.benchmarks.packing", sys.argv[1:]), "; ".join(sources) + "; the scheduler simulation's "
+        "workload (log-normal turns, 8,192-token budget, 300-token prompts)", table)
+
+
+def cpu_update(args):
+    import jax
+    import optax
+
+    from rstar2_jax.learner import Learner, LearnerSettings, make_batch
+    from rstar2_jax.models.decoder import Decoder
+    from rstar2_jax.models.tiny import tiny_config
+    from flax import nnx
+    import jax.numpy as jnp
+
+    cfg = tiny_config(num_layers=2, hidden_size=128, vocab_size=320)
+    rng = np.random.default_rng(0)
+    batches = []
+    for seed in range(args.steps + 1):
+        lengths = simulation_lengths(args.rollouts, seed=seed, scale=1 / 16)
+        toks = [list(rng.integers(1, 320, n)) for n in lengths]
+        masks = [[0] * min(20, n - 1) + [1] * (n - min(20, n - 1)) for n in lengths]
+        batches.append(make_batch(toks, masks, [[0.0] * n for n in lengths], list(rng.normal(size=len(lengths))),
+                                  pad_multiple=PAD_MULTIPLE))
+    max_len = max(int(b.lengths.max()) for b in batches)
+    budget = -(-max_len // 64) * 64 * 2
+    out = {}
+    for name, settings in (("padded", LearnerSettings(micro_batches=4, token_entropy=True)),
+                           ("packed", LearnerSettings(token_budget=budget, token_entropy=True))):
+        model = Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        learner = Learner(model, settings, optimizer=optax.sgd(1e-3))
+        times, metrics = [], None
+        for i, b in enumerate(batches):
+            b = make_batch([list(t[:n]) for t, n in zip(b.tokens, b.lengths)],
+                           [list(m[:n]) for m, n in zip(b.loss_mask, b.lengths)],
+                           [[0.0] * n for n in b.lengths], list(b.advantages), pad_multiple=PAD_MULTIPLE)
+            start = time.perf_counter()
+            metrics = learner.update(b)
+            jax.block_until_ready(learner.state.params)
+            if i:  # the first compiles
+                times.append(time.perf_counter() - start)
+        out[name] = (float(np.median(times)), metrics["computed_per_real_token"])
+        print(name, out[name], flush=True)
+    rows = [[name, f"{t * 1e3:.0f}", f"{c:.2f}"] for name, (t, c) in out.items()]
+    rows.append(["packed / padded", f"{out['packed'][0] / out['padded'][0]:.2f}x", ""])
+    table = common.markdown_table(["path", "update ms (median)", "computed / real"], rows)
+    print(table)
+    common.record(args.record, "Packed rows: learner update on this CPU", common.command_line(
+        "experiments.benchmarks.packing", sys.argv[1:]),
+        f"tiny model (2 layers, 128 wide), {args.rollouts} rollouts per update, the simulation's lengths / 16 "
+        f"(longest {max_len}), padded: 4 micro-batches; packed: budget {budget}; old-log-prob + entropy pass "
+        f"and one SGD step; median of {args.steps} updates after one that compiles", table)
+
+
+def gpu(args):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from rstar2_jax.learner import Learner, LearnerSettings, make_batch
+    from rstar2_jax.learner.packing import plan_packing
+    from rstar2_jax.learner.train_step import UpdateConfig, packed_logprobs
+    from rstar2_jax.models import Decoder, flops
+    from rstar2_jax.models.tiny import tiny_config
+
+    common.enable_compile_cache()
+    print(common.device_line(), flush=True)
+    results = {"device": common.device_line()}
+
+    # (1) cuDNN packed attention == XLA segment-masked attention on packed rows (bf16)
+    small = tiny_config(num_layers=2, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4,
+                        head_dim=128, vocab_size=4096)
+    lengths = np.array([700, 500, 400, 300, 148, 1000, 900])
+    plan = plan_packing(lengths, 2048, 1)
+    rng = np.random.default_rng(0)
+    tokens = np.zeros((len(lengths), 1024), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(1, 4096, n)
+    mb = {"tokens": plan.pack(tokens), **plan.layout()}
+    mb = {k: jnp.asarray(v) for k, v in mb.items()}
+    inside = jnp.asarray(plan.layout()["positions"] > 0)
+    out = {}
+    for impl in ("xla", "cudnn"):
+        model = Decoder(small, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        model.set_attention(full=impl)
+        graphdef, params = nnx.split(model, nnx.Param)
+        lp_fn = jax.jit(lambda p, b, g=graphdef: packed_logprobs(g, p, b, UpdateConfig()))
+        loss = jax.jit(jax.grad(lambda p, b, g=graphdef: jnp.sum(jnp.where(inside, packed_logprobs(
+            g, p, b, UpdateConfig()), 0.0))))
+        try:
+            out[impl] = (np.asarray(lp_fn(params, mb)), loss(params, mb))
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run is the result
+            out[impl] = None
+            results[f"packed_{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(impl, "FAILED", results[f"packed_{impl}_error"], flush=True)
+    if out.get("xla") is not None and out.get("cudnn") is not None:
+        m = np.asarray(inside)
+        lp_diff = float(np.abs(out["cudnn"][0] - out["xla"][0])[m].max())
+        g_x = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(out["xla"][1])])
+        g_c = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(out["cudnn"][1])])
+        results["packed_cudnn_vs_xla"] = dict(logprob_max_abs=lp_diff, logprob_mean_abs=float(
+            np.abs(out["cudnn"][0] - out["xla"][0])[m].mean()), grad_rel=float(np.linalg.norm(g_c - g_x) /
+                                                                               np.linalg.norm(g_x)))
+        print("cudnn packed vs xla packed:", results["packed_cudnn_vs_xla"], flush=True)
+    del out
+    gc.collect()
+
+    # (2) the learner on a realistic mix: padded (cuDNN) against packed (cuDNN packed)
+    smoke = args.model == "tiny"  # a CPU rehearsal of this script: a tiny model, lengths / 16
+    cfg = tiny_config(num_layers=2) if smoke else common.shape(args.model)
+    lengths = simulation_lengths(args.rollouts, seed=1, scale=1 / 16 if smoke else 1.0)
+    lengths = np.minimum(lengths, 8192 + 512)
+    rng = np.random.default_rng(1)
+    toks = [list(rng.integers(1, cfg.vocab_size, n)) for n in lengths]
+    masks = [[0] * 300 + [1] * (n - 300) if n > 300 else [0] + [1] * (n - 1) for n in lengths]
+    real_flops = sum(flops.train_step_flops(cfg, int(n), 1) for n in lengths)
+    real_fwd = sum(flops.forward_flops(cfg, int(n), 1) for n in lengths)
+    results["mix"] = dict(rollouts=len(lengths), mean=float(lengths.mean()), max=int(lengths.max()),
+                          real_tokens=int(lengths.sum()))
+    print("mix", results["mix"], flush=True)
+    variants = [v.split(":") for v in args.variants.split(",")]
+    for name, arg, remat in variants:
+        settings = LearnerSettings(lr=1e-6, warmup_steps=1, token_entropy=False,
+                                   **({"micro_batches": int(arg)} if name == "padded" else {"token_budget": int(arg)}))
+        label = f"{name}:{arg}:{remat}"
+        try:
+            model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=remat)
+            model.set_attention(full=args.attention)
+            learner = Learner(model, settings, optimizer=optax.adamw(1e-6), own_params=True)
+            del model
+
+            def batch():
+                return make_batch(toks, masks, [[0.0] * len(t) for t in toks], list(rng.normal(size=len(toks))),
+                                  pad_multiple=64, rows_multiple=int(arg) if name == "padded" else 1)
+            start = time.perf_counter()
+            learner.update(batch())
+            compile_s = time.perf_counter() - start
+            times, lp_times, metrics = [], [], None
+            for _ in range(args.steps):
+                b = batch()
+                start = time.perf_counter()
+                b.old_logprobs = learner.batch_logprobs(b)
+                lp_times.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                metrics = learner.update(b)
+                jax.block_until_ready(learner.state.params)
+                times.append(time.perf_counter() - start)
+            t, t_lp = float(np.median(times)), float(np.median(lp_times))
+            peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30
+            results[label] = dict(step_s=t, logprob_pass_s=t_lp, compile_s=compile_s, peak_gib=peak,
+                                  computed_per_real=metrics["computed_per_real_token"],
+                                  real_tok_per_s=float(lengths.sum() / t),
+                                  mfu_real=real_flops / t / common.H100_DENSE_BF16,
+                                  mfu_real_with_logprob_pass=(real_flops + real_fwd) / (t + t_lp) / common.H100_DENSE_BF16)
+            print(label, results[label], flush=True)
+            learner = None
+            gc.collect()
+        except Exception as e:  # noqa: BLE001 - an OOM is a result too
+            results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            print(label, results[label], flush=True)
+            learner = None
+            gc.collect()
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "packing_gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["ratios", "cpu_update", "gpu"])
+    p.add_argument("--traces", help="a run directory whose traces give the kept rollouts' lengths")
+    p.add_argument("--budget", type=int, default=640, help="ratios: the packed rows' budget for --traces")
+    p.add_argument("--rollouts", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--model", default="qwen3_1p7b")
+    p.add_argument("--variants", default="padded:16:dots,packed:32768:dots",
+                   help="gpu: name:arg:remat, padded:<micro-batches> or packed:<token budget>")
+    p.add_argument("--attention", default="cudnn", help="gpu: the learner's attention (xla: a CPU rehearsal)")
+    p.add_argument("--record")
+    args = p.parse_args(argv)
+    {"ratios": ratios, "cpu_update": cpu_update, "gpu": gpu}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
