@@ -187,10 +187,13 @@ def gpu(args):
         lp_diff = float(np.abs(out["cudnn"][0] - out["xla"][0])[m].max())
         g_x = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(out["xla"][1])])
         g_c = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(out["cudnn"][1])])
+        results["nonfinite_grads"] = {impl: int(sum((~np.isfinite(np.asarray(x, np.float32))).sum()
+                                                    for x in jax.tree.leaves(out[impl][1]))) for impl in out}
         results["packed_cudnn_vs_xla"] = dict(logprob_max_abs=lp_diff, logprob_mean_abs=float(
             np.abs(out["cudnn"][0] - out["xla"][0])[m].mean()), grad_rel=float(np.linalg.norm(g_c - g_x) /
                                                                                np.linalg.norm(g_x)))
-        print("cudnn packed vs xla packed:", results["packed_cudnn_vs_xla"], flush=True)
+        print("cudnn packed vs xla packed:", results["packed_cudnn_vs_xla"], "non-finite gradient entries:",
+              results["nonfinite_grads"], flush=True)
     del out
     gc.collect()
 
@@ -238,6 +241,7 @@ def gpu(args):
             peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30
             results[label] = dict(step_s=t, logprob_pass_s=t_lp, compile_s=compile_s, peak_gib=peak,
                                   computed_per_real=metrics["computed_per_real_token"],
+                                  grad_norm=metrics["grad_norm"], policy_loss=metrics["policy_loss"],
                                   real_tok_per_s=float(lengths.sum() / t),
                                   mfu_real=real_flops / t / common.H100_DENSE_BF16,
                                   mfu_real_with_logprob_pass=(real_flops + real_fwd) / (t + t_lp) / common.H100_DENSE_BF16)

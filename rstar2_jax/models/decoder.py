@@ -263,14 +263,17 @@ def _fused_causal_attention(q, k, v, cfg: ModelConfig, implementation: str):
 def _cudnn_packed_attention(q, k, v, segments: PackedSegments, cfg: ModelConfig):
     """Causal attention within each segment of packed rows, by cuDNN's packed (ragged) flash
     attention: no [T, T] scores and no work across segments. The layout is not in
-    jax.nn.dot_product_attention yet (JAX 0.10-0.11), hence JAX's own cuDNN module. Padding
-    positions (id 0) get 0, never what the kernel left there: a NaN in padding would reach the
-    weight gradients through 0 x NaN."""
+    jax.nn.dot_product_attention yet (JAX 0.10-0.11), hence JAX's own cuDNN module. Positions in
+    no segment (padding, id 0) have no attention statistics: the kernel's gradients there were
+    NaN on an H200 and reached every weight through 0 x NaN. So q, k, v and the output pass
+    through a `where` on the ids, whose gradient selects 0 there, whatever the kernel computed."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU only: imported where used
+    real = (segments.ids > 0)[:, :, None, None]
+    q, k, v = (jnp.where(real, x, 0) for x in (q, k, v))
     out = cudnn.dot_product_attention(q, k, v, q_seqlen=segments.lengths, kv_seqlen=segments.lengths,
                                       q_offsets=segments.starts, kv_offsets=segments.starts,
                                       scale=cfg.head_dim ** -0.5, mask_type=cudnn.MaskType.CAUSAL, qkv_layout="BTNH")
-    return jnp.where((segments.ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
+    return jnp.where(real, out, 0).astype(q.dtype)
 
 
 def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig, splits: int | None = None):
