@@ -49,12 +49,9 @@ def simulation_lengths(n: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
 def trace_lengths(run_dir: str) -> list[np.ndarray]:
     """Per RL step, the token counts of the rollouts the update trained on (traces/*.jsonl)."""
     from rstar2_jax.traces import load_run
-    run = load_run(run_dir)
-    steps: dict[int, list[int]] = {}
-    for t in run.trajectories:
-        if t.get("kept", True):
-            steps.setdefault(int(t["step"]), []).append(len(t["token_ids"]))
-    return [np.array(v) for _, v in sorted(steps.items())]
+    df = load_run(run_dir).traces(columns=["step", "kept", "token_ids"])
+    df = df[df["kept"]]
+    return [np.array([len(t) for t in group["token_ids"]]) for _, group in sorted(df.groupby("step"))]
 
 
 def padded_positions(lengths: np.ndarray, rows_multiple: int = 1) -> int:

@@ -146,7 +146,7 @@ class Learner:
                                             with_entropy=with_entropy)
             outs.append(tuple(np.asarray(sharding_lib.gathered(x)) for x in (out if with_entropy else (out,))))
         width = batch.tokens.shape[1]
-        unpacked = tuple(plan.unpack(np.concatenate(parts), width) for parts in zip(*outs))
+        unpacked = tuple(plan.unpack(plan.joined(list(parts)), width) for parts in zip(*outs))
         return unpacked if with_entropy else unpacked[0]
 
     def update(self, batch: TrainBatch) -> dict[str, float]:

@@ -27,21 +27,29 @@ class PackingPlan:
     """Where each of N padded rows lies in `rows` packed rows of `budget` positions.
 
     packed_row[i], offset[i]: rollout i's first token; length[i]: its tokens (0: a padding row,
-    not placed, packed_row -1). rows is a multiple of `width`."""
+    not placed, packed_row -1). rows is a multiple of `width`. The last micro-batch holds the
+    last rows opened (first fit decreasing: the small rollouts'): it is cut to `last_positions` (its
+    fullest row, rounded up to an eighth of the budget: few compiled shapes), so a small update is
+    not mostly one padded row."""
     budget: int
     width: int
     rows: int
     packed_row: np.ndarray   # int [N]
     offset: np.ndarray       # int [N]
     length: np.ndarray       # int [N]
+    last_positions: int = 0  # 0: the budget
 
     @property
     def micro_batches(self) -> int:
         return self.rows // self.width
 
+    def positions_of(self, k: int) -> int:
+        """The positions of micro-batch k's rows."""
+        return self.last_positions or self.budget if k == self.micro_batches - 1 else self.budget
+
     @property
     def computed_tokens(self) -> int:
-        return self.rows * self.budget
+        return self.width * sum(self.positions_of(k) for k in range(self.micro_batches))
 
     @property
     def real_tokens(self) -> int:
@@ -101,8 +109,14 @@ class PackingPlan:
                 "segment_lengths": lengths}
 
     def micro_batch(self, packed: np.ndarray, k: int) -> np.ndarray:
-        """The k-th micro-batch's rows [width, ...] of a packed array."""
-        return packed[k * self.width:(k + 1) * self.width]
+        """The k-th micro-batch [width, positions_of(k)] of a packed [rows, budget] array (or its
+        rows of a [rows, M] one: the cuDNN segment tables)."""
+        rows = packed[k * self.width:(k + 1) * self.width]
+        return rows[:, :self.positions_of(k)] if packed.shape[1] == self.budget else rows
+
+    def joined(self, parts: list[np.ndarray]) -> np.ndarray:
+        """Per-micro-batch outputs [width, positions_of(k)] -> one packed [rows, budget] array."""
+        return np.concatenate([np.pad(p, ((0, 0), (0, self.budget - p.shape[1]))) for p in parts])
 
 
 def plan_packing(lengths: np.ndarray, budget: int, width: int = 1) -> PackingPlan:
@@ -118,7 +132,7 @@ def plan_packing(lengths: np.ndarray, budget: int, width: int = 1) -> PackingPla
                          "(rl.token_budget must be at least rollout.max_len)")
     packed_row = np.full(len(lengths), -1, np.int64)
     offset = np.zeros(len(lengths), np.int64)
-    free = np.full(len(lengths), budget, np.int64)  # room left in each packed row opened so far
+    free = np.full(len(lengths) + width, budget, np.int64)  # room left in each row (opened or not)
     opened = 0
     for i in sorted(np.flatnonzero(lengths > 0), key=lambda i: (-lengths[i], i)):
         n = int(lengths[i])
@@ -128,7 +142,10 @@ def plan_packing(lengths: np.ndarray, budget: int, width: int = 1) -> PackingPla
         packed_row[i], offset[i] = row, budget - free[row]
         free[row] -= n
     rows = max(-(-opened // width), 1) * width
-    return PackingPlan(budget, width, rows, packed_row, offset, lengths.copy())
+    fill = budget - free[rows - width:rows]  # the last micro-batch's rows (0 past those opened)
+    granule = max(budget // 8, 1)
+    last = min(max(-(-int(fill.max()) // granule), 1) * granule, budget)
+    return PackingPlan(budget, width, rows, packed_row, offset, lengths.copy(), last)
 
 
 def row_lengths(loss_mask: np.ndarray) -> np.ndarray:

@@ -50,6 +50,13 @@ def test_every_rollout_is_placed_once_within_its_row_and_first_fit_leaves_one_ro
             assert layout["segment_lengths"][row, s - 1] == (seg == s).sum()
         assert (layout["segment_lengths"][row, len(ids):] == -1).all() if ids else \
             layout["segment_lengths"][row, 0] == 1  # an empty row: one 1-token segment, discarded
+    # the last micro-batch is cut to its fullest row, in eighths of the budget; the others are whole
+    last = plan.micro_batches - 1
+    assert plan.positions_of(last) >= fill[last * width:].max(initial=0) and plan.positions_of(last) <= budget
+    assert plan.positions_of(last) % max(budget // 8, 1) == 0 or plan.positions_of(last) == budget
+    assert plan.computed_tokens == width * (budget * last + plan.positions_of(last))
+    parts = [plan.micro_batch(layout["positions"], k) for k in range(plan.micro_batches)]
+    np.testing.assert_array_equal(plan.joined(parts), layout["positions"])  # nothing cut off was real
     bound = layout["segment_lengths"].shape[1]
     assert bound & (bound - 1) == 0 and layout["segment_starts"].shape[1] == bound + 1  # a power of two
 
