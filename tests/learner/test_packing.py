@@ -207,3 +207,18 @@ def test_batch_logprobs_without_recorded_lengths_pack_up_to_the_last_model_token
     expected = learner.logprobs(batch.tokens)
     m = batch.loss_mask > 0
     np.testing.assert_allclose(lp[m], expected[m], atol=1e-6)
+
+
+@pytest.mark.slow  # two processes of 2 fake CPU devices each (~40 s)
+def test_a_packed_update_over_two_processes_equals_the_padded_update_on_one_device():
+    """Packed rows split over data 2 x fsdp 2 across two JAX processes: the step, the metrics and
+    the old log-probs equal one device's padded update (each process checks its own copy)."""
+    from tests.fake_devices import run_as_processes
+    results = sorted(run_as_processes("tests.learner.packed_processes_main"), key=lambda r: r["process"])
+    assert [r["process"] for r in results] == [0, 1], results
+    for r in results:
+        assert r["packed_rows"] == 1.0 and r["max_step"] > 1e-4, r
+        assert r["max_step_diff"] < 1e-6 + 1e-5 * r["max_step"], r
+        assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5), r
+        assert r["policy_loss"] == pytest.approx(r["ref_policy_loss"], rel=1e-5, abs=1e-7), r
+        assert r["old_logprob_diff"] < 1e-5 and "fsdp" in r["spec"], r
