@@ -1,5 +1,6 @@
 """Subprocess with 8 fake CPU devices: one learner update sharded == unsharded. Prints JSON lines."""
 
+import dataclasses
 import json
 
 import jax
@@ -29,6 +30,14 @@ def main():
         spec = str(jax.tree.leaves(learner.state.params)[0].sharding.spec)
         print(json.dumps(dict(mesh=axes, max_param_diff=float(np.abs(flat(learner) - flat(ref)).max()),
                               grad_norm=metrics["grad_norm"], ref_grad_norm=ref_metrics["grad_norm"], spec=spec)))
+    # packed rows (one per device: 8 per micro-batch) over data=2 x fsdp=4 == the padded reference
+    packed = Learner(random_model(cfg, seed=9), dataclasses.replace(lcfg, micro_batches=1, token_budget=64),
+                     mesh=sharding.make_mesh(data=2, fsdp=4, tensor=1))
+    metrics = packed.update(_batch(seed=1, rows=8, vocab=256))
+    print(json.dumps(dict(mesh="packed", max_param_diff=float(np.abs(flat(packed) - flat(ref)).max()),
+                          grad_norm=metrics["grad_norm"], ref_grad_norm=ref_metrics["grad_norm"],
+                          packed_rows=metrics["packed_rows"], width=packed.width,
+                          spec=str(jax.tree.leaves(packed.state.params)[0].sharding.spec))))
     # 3 rows over data=2 x fsdp=4 with 2 micro-batches: the learner pads to 16 rows itself, so
     # every micro-batch splits over the 8 devices (before, 3 rows were silently replicated).
     ref = Learner(random_model(cfg, seed=9), lcfg)

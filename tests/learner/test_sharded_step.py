@@ -23,8 +23,15 @@ def test_sharded_update_equals_unsharded(results, index):
 
 
 def test_learner_pads_a_batch_that_does_not_divide_the_mesh(results):
-    r = results[2]
+    r = results[3]
     assert r["rows_multiple"] == 8 * 2 and r["rows"] == 16  # 2 micro-batches x data 2 x fsdp 4
     assert "data" in r["spec"] and "fsdp" in r["spec"], r  # the batch really is split, not replicated
     assert r["entropy_rows"] == 3  # what the caller gets back is its own 3 rows
     assert r["max_param_diff"] < 5e-5 and abs(r["grad_norm"] - r["ref_grad_norm"]) < 1e-5 * r["ref_grad_norm"], r
+
+
+def test_packed_rows_split_over_the_mesh_equal_the_unsharded_padded_update(results):
+    r = results[2]
+    assert r["mesh"] == "packed" and r["packed_rows"] == 1.0 and r["width"] == 8, r
+    assert r["max_param_diff"] < 5e-5 and abs(r["grad_norm"] - r["ref_grad_norm"]) < 1e-5 * r["ref_grad_norm"], r
+    assert "fsdp" in r["spec"], r
