@@ -67,11 +67,15 @@ def packed_positions(lengths: np.ndarray, budget: int) -> int:
 def ratios(args):
     rows, sources = [], []
     if args.traces:
-        for step, lengths in enumerate(trace_lengths(args.traces)):
-            real = lengths.sum()
-            rows.append([f"{args.traces} step {step}", len(lengths), f"{lengths.mean():.0f}", int(lengths.max()),
-                         f"{padded_positions(lengths) / real:.2f}", f"{packed_positions(lengths, args.budget) / real:.3f}"])
-        sources.append(f"traces of {args.traces} (budget {args.budget} = its rollout.max_len)")
+        steps = trace_lengths(args.traces)
+        for budget in map(int, args.budget.split(",")):
+            padded = [padded_positions(v) / v.sum() for v in steps]
+            packed = [packed_positions(v, budget) / v.sum() for v in steps]
+            rows.append([f"run's {len(steps)} steps, budget {budget}", f"{np.mean([len(v) for v in steps]):.0f}",
+                         f"{np.mean([v.mean() for v in steps]):.0f}", max(int(v.max()) for v in steps),
+                         f"{np.mean(padded):.2f} ({min(padded):.2f}-{max(padded):.2f})",
+                         f"{np.mean(packed):.3f} ({min(packed):.3f}-{max(packed):.3f})"])
+        sources.append(f"the kept rollouts of each step of {args.traces} (a run's traces)")
     for n in (512, 2048):
         lengths = simulation_lengths(n, seed=0)
         budget = 8192 + 300 + 64 * 2  # a row must hold the longest a stage allows (prompt + budget)
@@ -80,8 +84,8 @@ def ratios(args):
             real = lengths.sum()
             rows.append([f"simulation, {n} rollouts, budget {b}", n, f"{lengths.mean():.0f}", int(lengths.max()),
                          f"{padded_positions(lengths) / real:.2f}", f"{packed_positions(lengths, b) / real:.3f}"])
-    table = common.markdown_table(["batch", "rollouts", "mean tokens", "longest", "padded / real",
-                                   "packed / real"], rows)
+    table = common.markdown_table(["batch", "rollouts (per step)", "mean tokens", "longest",
+                                   "padded / real (mean, range)", "packed / real (mean, range)"], rows)
     print(table)
     common.record(args.record, "Packed rows: computed positions per real token", common.command_line(
         "experiments.benchmarks.packing", sys.argv[1:]), "; ".join(sources) + "; the scheduler simulation's "
@@ -101,17 +105,19 @@ def cpu_update(args):
     cfg = tiny_config(num_layers=2, hidden_size=128, vocab_size=320)
     rng = np.random.default_rng(0)
     batches = []
-    for seed in range(args.steps + 1):
+    for seed in list(range(args.steps)) * 2:  # the same batches twice: time the second pass
         lengths = simulation_lengths(args.rollouts, seed=seed, scale=1 / 16)
         toks = [list(rng.integers(1, 320, n)) for n in lengths]
         masks = [[0] * min(20, n - 1) + [1] * (n - min(20, n - 1)) for n in lengths]
         batches.append(make_batch(toks, masks, [[0.0] * n for n in lengths], list(rng.normal(size=len(lengths))),
                                   pad_multiple=PAD_MULTIPLE))
     max_len = max(int(b.lengths.max()) for b in batches)
-    budget = -(-max_len // 64) * 64 * 2
+    budget = -(-max_len // 64) * 64
     out = {}
     for name, settings in (("padded", LearnerSettings(micro_batches=4, token_entropy=True)),
-                           ("packed", LearnerSettings(token_budget=budget, token_entropy=True))):
+                           (f"packed, budget {budget}", LearnerSettings(token_budget=budget, token_entropy=True)),
+                           (f"packed, budget {2 * budget}", LearnerSettings(token_budget=2 * budget,
+                                                                            token_entropy=True))):
         model = Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
         learner = Learner(model, settings, optimizer=optax.sgd(1e-3))
         times, metrics = [], None
@@ -122,19 +128,21 @@ def cpu_update(args):
             start = time.perf_counter()
             metrics = learner.update(b)
             jax.block_until_ready(learner.state.params)
-            if i:  # the first compiles
+            if i >= len(batches) // 2:  # the first pass over the batches compiles every shape
                 times.append(time.perf_counter() - start)
         out[name] = (float(np.median(times)), metrics["computed_per_real_token"])
         print(name, out[name], flush=True)
-    rows = [[name, f"{t * 1e3:.0f}", f"{c:.2f}"] for name, (t, c) in out.items()]
-    rows.append(["packed / padded", f"{out['packed'][0] / out['padded'][0]:.2f}x", ""])
-    table = common.markdown_table(["path", "update ms (median)", "computed / real"], rows)
+    base = out["padded"][0]
+    rows = [[name, f"{t * 1e3:.0f}", f"{t / base:.2f}", f"{c:.2f}"] for name, (t, c) in out.items()]
+    table = common.markdown_table(["path", "update ms (median)", "time / padded", "computed / real"], rows)
     print(table)
     common.record(args.record, "Packed rows: learner update on this CPU", common.command_line(
         "experiments.benchmarks.packing", sys.argv[1:]),
         f"tiny model (2 layers, 128 wide), {args.rollouts} rollouts per update, the simulation's lengths / 16 "
-        f"(longest {max_len}), padded: 4 micro-batches; packed: budget {budget}; old-log-prob + entropy pass "
-        f"and one SGD step; median of {args.steps} updates after one that compiles", table)
+        f"(longest {max_len}), padded: 4 micro-batches; packed: XLA attention (a [budget, budget] score matrix "
+        "per row, masked by segment); old-log-prob + entropy pass "
+        f"and one SGD step; {args.steps} batches twice, the median of the second pass (the first compiles "
+        "each shape: a packed update's last micro-batch takes one of 8 widths)", table)
 
 
 def gpu(args):
@@ -259,7 +267,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["ratios", "cpu_update", "gpu"])
     p.add_argument("--traces", help="a run directory whose traces give the kept rollouts' lengths")
-    p.add_argument("--budget", type=int, default=640, help="ratios: the packed rows' budget for --traces")
+    p.add_argument("--budget", default="640,1280,2560", help="ratios: packed rows' budgets for --traces")
     p.add_argument("--rollouts", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--model", default="qwen3_1p7b")
