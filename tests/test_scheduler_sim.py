@@ -54,3 +54,30 @@ def test_a_sync_during_rollouts_costs_prefix_recomputation():
     sync = simulate(cfg, "kv_aware", seed=2, steps=4, max_staleness=0)
     async_ = simulate(cfg, "kv_aware", seed=2, steps=4, max_staleness=1)
     assert async_["prefill_tokens"] > sync["prefill_tokens"]  # caches reset under trajectories between turns
+
+
+def test_a_streamed_sync_pauses_engines_after_the_first_bucket_for_the_measured_factor_of_a_reload():
+    """The bucketed files sync as built: the learner writes the export at the measured 1.6 GB/s;
+    the engines keep generating until the first bucket is written, then pause 1.11x a reload."""
+    streamed = dataclasses.replace(SMALL, sync="streamed")
+    gb = 2 * 14.77
+    assert streamed.export_s == pytest.approx(gb / 1.6)
+    assert streamed.pause_after_s == pytest.approx(streamed.export_s * 4.0 / gb)
+    assert streamed.sync_s == pytest.approx(1.11 * gb / 0.85)
+    r = simulate(streamed, "kv_aware", seed=0, steps=3, max_staleness=0)
+    tail = max(streamed.export_s, streamed.pause_after_s + streamed.sync_s)  # the next step waits for both
+    assert r["step_s"] == pytest.approx(r["rollout_s"] + r["learner_s"] + tail, rel=1e-9)
+
+
+def test_carry_trains_a_step_on_its_quota_of_groups_and_every_carried_group_once_in_the_next():
+    wait = simulate(SMALL, "kv_aware", seed=4, steps=4, max_staleness=1)
+    carry = simulate(dataclasses.replace(SMALL, carry_fraction=0.75, group_size=4), "kv_aware", seed=4, steps=4,
+                     max_staleness=1)
+    assert wait["carried_groups"] == 0 and carry["carried_groups"] > 0
+    # the stragglers no longer hold a step's update: its rollout phase ends sooner
+    assert carry["rollout_s"] < wait["rollout_s"]
+    # every rollout trained once: what a step leaves behind, the next trains (the last step's
+    # carried groups have no next step in a 4-step run)
+    rollouts = 4 * SMALL.step_rollouts
+    assert wait["trained_rollouts"] == rollouts
+    assert carry["trained_rollouts"] + 4 * carry["carried_past_end"] == rollouts

@@ -95,9 +95,17 @@ class SimConfig:
     kept_fraction: float = 0.5           # RoC trains G of the 2G rollouts it samples
     export_gb_s: float = 0.49            # measured: Qwen3-1.7B export on an H100 host (BENCHMARKS.md)
     reload_gb_s: float = 0.85            # measured: its reload in a fresh process
-    sync: str = "files"                  # files (export + parallel reloads) | broadcast | colocated (in place)
+    # files (a whole export, then parallel reloads) | streamed (the bucketed files sync: each
+    # bucket reloaded while the next is written) | broadcast | colocated (in place)
+    sync: str = "files"
     colocated_sync_s: float = 3.0        # colocated: weights handed to the co-located engine in place
     broadcast_s: float = 3.0             # broadcast (NCCL, assumed, not measured): 28 GB at ~10 GB/s
+    streamed_export_gb_s: float = 1.60   # measured: the bucketed export of Qwen3-1.7B on an H200 host
+    bucket_gb: float = 4.0               # the sync's default bucket (rollout.vllm.sync_bucket_mb = 4096)
+    streamed_pause_factor: float = 1.11  # measured: servers pause 1.11x the reload alone (2 CPU servers)
+    group_size: int = 16                 # rollouts per problem (a group: what carry cuts)
+    carry_fraction: float = 1.0          # rl.staleness: 1.0 = wait; < 1: carry (a step trains once
+                                         # this share of its groups are in; the rest join the next)
 
     @property
     def step_rollouts(self) -> int:
@@ -110,13 +118,24 @@ class SimConfig:
 
     @property
     def export_s(self) -> float:
-        """The learner's share of a sync (files: it writes the bf16 export)."""
+        """The learner's share of a sync (files, streamed: it writes the bf16 export)."""
+        if self.sync == "streamed":
+            return 2 * self.params / 1e9 / self.streamed_export_gb_s
         return 2 * self.params / 1e9 / self.export_gb_s if self.sync == "files" else 0.0
+
+    @property
+    def pause_after_s(self) -> float:
+        """From the end of an update to the engines' pause: the whole export (files), its first
+        bucket (streamed: the engines generate while it is written), none (broadcast, colocated)."""
+        if self.sync == "streamed":
+            return self.export_s * min(1.0, self.bucket_gb / (2 * self.params / 1e9))
+        return self.export_s
 
     @property
     def sync_s(self) -> float:
         """How long every engine pauses for a sync."""
-        return {"files": 2 * self.params / 1e9 / self.reload_gb_s, "broadcast": self.broadcast_s,
+        reload = 2 * self.params / 1e9 / self.reload_gb_s
+        return {"files": reload, "streamed": self.streamed_pause_factor * reload, "broadcast": self.broadcast_s,
                 "colocated": self.colocated_sync_s}[self.sync]
 
 
@@ -264,6 +283,16 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
     by_step = [make_workload(cfg, rng) for _ in range(steps)]
     trajs = [t for step in by_step for t in step]
     step_of = {id(t): s for s, step in enumerate(by_step) for t in step}
+    # groups (rl.staleness): group g of step s is rollouts [g * size, (g + 1) * size)
+    group_of = {id(t): (s, i // cfg.group_size) for s, step in enumerate(by_step) for i, t in enumerate(step)}
+    group_left = collections.Counter(group_of.values())
+    groups = [len({g for (s2, g) in group_left if s2 == s}) for s in range(steps)]
+    wanted = [max(1, math.ceil(cfg.carry_fraction * n)) for n in groups]
+    done_groups = [0] * steps            # a step's own groups complete
+    carried_into: list[set] = [set() for _ in range(steps + 1)]  # groups a step waits for
+    trained_tokens = [0] * steps
+    trained_rollouts = [0] * steps
+    trained = [False] * steps
     remaining = [len(step) for step in by_step]
     released = [0.0] * steps
     rollouts_done = [0.0] * steps
@@ -335,13 +364,27 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             submit(t)
 
     def step_done(s: int):
-        """Step s's rollouts are all in: the learner takes it when free, then syncs."""
+        """Step s's rollouts are in (under carry: its quota of groups and every group carried
+        into it): the learner takes it when free, then syncs. Its unfinished groups join s + 1."""
         nonlocal learner_free
+        trained[s] = True
         rollouts_done[s] = now
         if max_staleness is None:
             return
-        learner_free = max(now, learner_free) + cfg.learner_s(sum(t.context for t in by_step[s])) + cfg.export_s
-        heapq.heappush(events, (learner_free, next(seq), "sync", s))
+        own = {(s, g) for g in range(groups[s])}
+        unfinished = {key for key in own if group_left[key]}
+        carried_into[s + 1] |= unfinished
+        members = [t for t in by_step[s] if group_of[id(t)] not in unfinished] + \
+            [t for t in trajs if group_of[id(t)] in carried_into[s]]
+        trained_tokens[s] = sum(t.context for t in members)
+        trained_rollouts[s] = len(members)
+        update_end = max(now, learner_free) + cfg.learner_s(trained_tokens[s])
+        learner_free = update_end + cfg.export_s
+        heapq.heappush(events, (update_end + cfg.pause_after_s, next(seq), "sync", s))
+
+    def ready(s: int) -> bool:
+        return (s < steps and not trained[s] and done_groups[s] >= wanted[s]
+                and not any(group_left[key] for key in carried_into[s]) and (s == 0 or trained[s - 1]))
 
     first = 1 if max_staleness is None else min(steps, 1 + max_staleness)
     for j in range(first):
@@ -357,7 +400,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             heapq.heappush(events, (now + cfg.sync_s, next(seq), "synced", payload))
             continue
         if kind == "synced":
-            learned.append(now)
+            learned.append(max(now, learner_free))
             j = payload + 1 + max_staleness
             if j < steps:
                 release(j)
@@ -381,10 +424,21 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
                 heapq.heappush(events, (e.t + t.tool_s[t.turn - 1], next(seq), "tool", t))
             else:
                 t.done_at = e.t
-                remaining[step_of[id(t)]] -= 1
-                if not remaining[step_of[id(t)]]:
-                    now = e.t
-                    step_done(step_of[id(t)])
+                s_t = step_of[id(t)]
+                remaining[s_t] -= 1
+                key = group_of[id(t)]
+                group_left[key] -= 1
+                if not group_left[key]:
+                    done_groups[s_t] += 1
+                now = e.t
+                if max_staleness is None:
+                    if not remaining[s_t]:
+                        step_done(s_t)
+                else:  # this completion may make this step, or the one it was carried into, ready
+                    for candidate in (s_t, s_t + 1):
+                        while ready(candidate):
+                            step_done(candidate)
+                            candidate += 1
         if not finished and e.running and e.plan() == 0:
             e.preempt_newest()
         now = e.t
@@ -405,7 +459,10 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             "tool_calls": sum(len(t.tool_s) for t in trajs) // steps,
             "step_s": end / steps,
             "rollout_s": float(np.mean([d - r for d, r in zip(rollouts_done, released)])),
-            "learner_s": float(np.mean([cfg.learner_s(sum(t.context for t in step)) for step in by_step]))}
+            "learner_s": float(np.mean([cfg.learner_s(n or sum(t.context for t in step))
+                                        for n, step in zip(trained_tokens, by_step)])),
+            "carried_groups": sum(len(c) for c in carried_into) / steps,
+            "trained_rollouts": sum(trained_rollouts), "carried_past_end": len(carried_into[steps])}
 
 
 def main(argv=None):
@@ -419,8 +476,15 @@ def main(argv=None):
                    help="KV cache tokens per engine, one scenario each (240K: 14B on an H100; less: memory pressure)")
     p.add_argument("--pipeline", action="store_true", help="several RL steps: synchronous vs asynchronous (k = 1, 2)")
     p.add_argument("--steps", type=int, default=6, help="--pipeline: RL steps per run")
+    p.add_argument("--rebased", action="store_true", help="the pipeline on what exists: streamed sync, carry")
+    p.add_argument("--gpus", type=int, nargs="*", default=[64, 128], help="--rebased: GPU counts")
+    p.add_argument("--rollouts", type=int, default=16_384, help="--rebased: rollouts per step")
+    p.add_argument("--group_size", type=int, default=32, help="--rebased: rollouts per problem (what carry cuts)")
+    p.add_argument("--carry", type=float, default=0.75, help="--rebased: rl.staleness.carry_fraction")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
+    if args.rebased:
+        return run_rebased(args, argv)
     if args.pipeline:
         return run_pipeline(args, argv)
     for capacity in args.kv_capacity:
@@ -452,6 +516,50 @@ def run_scenario(args, base: SimConfig, argv):
               f"{base.kv_capacity_tokens:,} KV tokens per engine, {base.budget_tokens}-token budget (module docstring)")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     common.record(args.record, f"Rollout scheduler simulation: {base.kv_capacity_tokens:,} KV tokens per engine",
+                  command.strip(), config, common.markdown_table(header, rows))
+
+
+def run_rebased(args, argv):
+    """The pipeline on what exists (issue 47): the streamed sync, carry, packed learner rows, for
+    the 14B recipe (rl.batch_problems x group_size x oversample rollouts per step) at each GPU count,
+    against the colocated synchronous step. Every schedule with affinity (the scheduler's default)."""
+    header = ["GPUs", "schedule", "wall s per step", "vs colocated sync", "rollout s", "learner s",
+              "carried groups per step", "idle engine share"]
+    rows = []
+    for gpus in args.gpus:
+        base = SimConfig(engines=gpus // 2, rollouts=args.rollouts, reserve_new_tokens=1024, affinity=True,
+                         learner_devices=gpus // 2, sync="streamed", group_size=args.group_size)
+        colocated = dataclasses.replace(base, engines=gpus, learner_devices=gpus, sync="colocated")
+        eighth = dataclasses.replace(base, engines=gpus - gpus // 8, learner_devices=gpus // 8)
+        schedules = [("sync, colocated", colocated, 0),
+                     ("sync, split, streamed sync", base, 0),
+                     ("async k=1, split, wait", base, 1),
+                     (f"async k=1, split, carry {args.carry}", dataclasses.replace(base, carry_fraction=args.carry), 1),
+                     (f"async k=2, split, carry {args.carry}", dataclasses.replace(base, carry_fraction=args.carry), 2),
+                     (f"async k=2, {eighth.engines} engines + {eighth.learner_devices} learner, carry {args.carry}",
+                      dataclasses.replace(eighth, carry_fraction=args.carry), 2)]
+        colocated_s = None
+        for name, cfg, k in schedules:
+            start = time.perf_counter()
+            runs = [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
+            mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
+            spread = float(np.std([r["step_s"] for r in runs]))
+            colocated_s = colocated_s or mean["step_s"]
+            rows.append((gpus, name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{colocated_s / mean['step_s']:.2f}x",
+                         f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['carried_groups']:.1f}",
+                         f"{mean['idle_share']:.1%}"))
+            print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
+    b = SimConfig(sync="streamed")
+    config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
+              f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps, {args.seeds} seed(s), "
+              f"kv_aware (reserve 1024) + affinity; split: half the GPUs engines, half learner; streamed sync: the "
+              f"learner exports {2 * b.params / 1e9:.1f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.0f} s), the "
+              f"engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for {b.sync_s:.0f} s "
+              f"({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s); colocated: every GPU generates, then "
+              f"every GPU trains, {b.colocated_sync_s:.0f} s hand-over; learner {b.learner_mfu:.0%} MFU on the kept "
+              f"tokens (packed rows: real tokens only)")
+    command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
+    common.record(args.record, "RL pipeline simulation on what exists: streamed sync, carry, packed learner (issue 47)",
                   command.strip(), config, common.markdown_table(header, rows))
 
 
