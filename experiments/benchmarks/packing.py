@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -226,9 +225,11 @@ def gpu(args):
             learner = Learner(model, settings, optimizer=optax.adamw(1e-6), own_params=True)
             del model
 
-            def batch():
+            rows_multiple = int(arg) if name == "padded" else 1
+
+            def batch(rows_multiple=rows_multiple):
                 return make_batch(toks, masks, [[0.0] * len(t) for t in toks], list(rng.normal(size=len(toks))),
-                                  pad_multiple=64, rows_multiple=int(arg) if name == "padded" else 1)
+                                  pad_multiple=64, rows_multiple=rows_multiple)
             start = time.perf_counter()
             learner.update(batch())
             compile_s = time.perf_counter() - start

@@ -527,24 +527,27 @@ def run_rebased(args, argv):
               "carried groups per step", "idle engine share"]
     rows = []
     for gpus in args.gpus:
-        base = SimConfig(engines=gpus // 2, rollouts=args.rollouts, reserve_new_tokens=1024, affinity=True,
-                         learner_devices=gpus // 2, sync="streamed", group_size=args.group_size)
-        colocated = dataclasses.replace(base, engines=gpus, learner_devices=gpus, sync="colocated")
-        eighth = dataclasses.replace(base, engines=gpus - gpus // 8, learner_devices=gpus // 8)
-        schedules = [("sync, colocated", colocated, 0),
-                     ("sync, split, streamed sync", base, 0),
-                     ("async k=1, split, wait", base, 1),
-                     (f"async k=1, split, carry {args.carry}", dataclasses.replace(base, carry_fraction=args.carry), 1),
-                     (f"async k=2, split, carry {args.carry}", dataclasses.replace(base, carry_fraction=args.carry), 2),
-                     (f"async k=2, {eighth.engines} engines + {eighth.learner_devices} learner, carry {args.carry}",
-                      dataclasses.replace(eighth, carry_fraction=args.carry), 2)]
-        colocated_s = None
-        for name, cfg, k in schedules:
+        colocated = SimConfig(engines=gpus, rollouts=args.rollouts, reserve_new_tokens=1024, affinity=True,
+                              learner_devices=gpus, sync="colocated", group_size=args.group_size)
+        runs = [simulate(colocated, "kv_aware", seed, args.steps, 0) for seed in range(args.seeds)]
+        colocated_s = float(np.mean([r["step_s"] for r in runs]))
+        # the split by the work: the learner's share of the GPUs is its share of the colocated step's
+        # work (rollouts on every GPU, then the update on every GPU), so neither side waits on the other
+        rollout, learner = (float(np.mean([r[k] for r in runs])) for k in ("rollout_s", "learner_s"))
+        n_learner = max(1, round(gpus * learner / (rollout + learner)))
+        split = dataclasses.replace(colocated, engines=gpus - n_learner, learner_devices=n_learner, sync="streamed")
+        where = f"{split.engines} engines + {n_learner} learner"
+        schedules = [("sync, colocated", colocated, 0, runs),
+                     (f"async k=1, {where}, wait", split, 1, None),
+                     (f"async k=1, {where}, carry {args.carry}", dataclasses.replace(split, carry_fraction=args.carry), 1,
+                      None),
+                     (f"async k=2, {where}, carry {args.carry}", dataclasses.replace(split, carry_fraction=args.carry), 2,
+                      None)]
+        for name, cfg, k, done in schedules:
             start = time.perf_counter()
-            runs = [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
+            runs = done or [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
             mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
             spread = float(np.std([r["step_s"] for r in runs]))
-            colocated_s = colocated_s or mean["step_s"]
             rows.append((gpus, name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{colocated_s / mean['step_s']:.2f}x",
                          f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['carried_groups']:.1f}",
                          f"{mean['idle_share']:.1%}"))
@@ -552,7 +555,7 @@ def run_rebased(args, argv):
     b = SimConfig(sync="streamed")
     config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
               f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps, {args.seeds} seed(s), "
-              f"kv_aware (reserve 1024) + affinity; split: half the GPUs engines, half learner; streamed sync: the "
+              f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; streamed sync: the "
               f"learner exports {2 * b.params / 1e9:.1f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.0f} s), the "
               f"engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for {b.sync_s:.0f} s "
               f"({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s); colocated: every GPU generates, then "
