@@ -226,9 +226,10 @@ def gpu(args):
             del model
 
             rows_multiple = int(arg) if name == "padded" else 1
+            adv_rng = np.random.default_rng(2)  # every variant sees the same advantages: equal updates
 
-            def batch(rows_multiple=rows_multiple):
-                return make_batch(toks, masks, [[0.0] * len(t) for t in toks], list(rng.normal(size=len(toks))),
+            def batch(rows_multiple=rows_multiple, adv_rng=adv_rng):
+                return make_batch(toks, masks, [[0.0] * len(t) for t in toks], list(adv_rng.normal(size=len(toks))),
                                   pad_multiple=64, rows_multiple=rows_multiple)
             start = time.perf_counter()
             learner.update(batch())
