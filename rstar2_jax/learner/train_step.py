@@ -152,10 +152,11 @@ def _micro_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, count):
 
 
 def _zeros_like_gradients(graphdef, cfg: UpdateConfig, params, mb: dict):
-    """Zeros shaped as `_micro_gradients`' result (the statistics' names come from the loss and
-    the options in use: nothing hard-coded here)."""
-    shapes = jax.eval_shape(lambda p, b: _micro_gradients(graphdef, cfg, p, b, 1.0), params, mb)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeros shaped as `_micro_gradients`' result: the gradient's like the parameters (their
+    shardings too: the accumulator is split as they are), the statistics' from the loss and the
+    options in use (nothing hard-coded here)."""
+    stats = jax.eval_shape(lambda p, b: _micro_gradients(graphdef, cfg, p, b, 1.0), params, mb)[1]
+    return jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
 
 def _applied(tx: optax.GradientTransformation, state: TrainState, grads, stats: dict, count, total_tokens):
