@@ -462,6 +462,9 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             "learner_s": float(np.mean([cfg.learner_s(n or sum(t.context for t in step))
                                         for n, step in zip(trained_tokens, by_step)])),
             "carried_groups": sum(len(c) for c in carried_into) / steps,
+            # the pipeline once full: time between syncs after the first k + 1 (its start-up)
+            "steady_step_s": (float(np.mean(np.diff(learned[(max_staleness or 0) + 1:])))
+                              if len(learned) > (max_staleness or 0) + 2 else end / steps),
             "trained_rollouts": sum(trained_rollouts), "carried_past_end": len(carried_into[steps])}
 
 
@@ -523,14 +526,14 @@ def run_rebased(args, argv):
     """The pipeline on what exists (issue 47): the streamed sync, carry, packed learner rows, for
     the 14B recipe (rl.batch_problems x group_size x oversample rollouts per step) at each GPU count,
     against the colocated synchronous step. Every schedule with affinity (the scheduler's default)."""
-    header = ["GPUs", "schedule", "wall s per step", "vs colocated sync", "rollout s", "learner s",
-              "carried groups per step", "idle engine share"]
+    header = ["GPUs", "schedule", "wall s per step", "steady s per step", "vs colocated sync (steady)", "rollout s",
+              "learner s", "carried groups per step", "idle engine share"]
     rows = []
     for gpus in args.gpus:
         colocated = SimConfig(engines=gpus, rollouts=args.rollouts, reserve_new_tokens=1024, affinity=True,
                               learner_devices=gpus, sync="colocated", group_size=args.group_size)
         runs = [simulate(colocated, "kv_aware", seed, args.steps, 0) for seed in range(args.seeds)]
-        colocated_s = float(np.mean([r["step_s"] for r in runs]))
+        colocated_s = float(np.mean([r["steady_step_s"] for r in runs]))
         # the split by the work: the learner's share of the GPUs is its share of the colocated step's
         # work (rollouts on every GPU, then the update on every GPU), so neither side waits on the other
         rollout, learner = (float(np.mean([r[k] for r in runs])) for k in ("rollout_s", "learner_s"))
@@ -548,13 +551,15 @@ def run_rebased(args, argv):
             runs = done or [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
             mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
             spread = float(np.std([r["step_s"] for r in runs]))
-            rows.append((gpus, name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{colocated_s / mean['step_s']:.2f}x",
+            rows.append((gpus, name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{mean['steady_step_s']:.1f}",
+                         f"{colocated_s / mean['steady_step_s']:.2f}x",
                          f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['carried_groups']:.1f}",
                          f"{mean['idle_share']:.1%}"))
             print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
     b = SimConfig(sync="streamed")
     config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
-              f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps, {args.seeds} seed(s), "
+              f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps (steady: the mean "
+              f"time between syncs after the pipeline's first k + 1), {args.seeds} seed(s), "
               f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; streamed sync: the "
               f"learner exports {2 * b.params / 1e9:.1f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.0f} s), the "
               f"engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for {b.sync_s:.0f} s "
