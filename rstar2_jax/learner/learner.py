@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,8 +123,7 @@ class Learner:
         with self._ctx():
             out = self._logprobs(self.state.params if params is None else params, self._put(tokens),
                                  with_entropy=with_entropy)
-            host = lambda x: np.asarray(sharding_lib.gathered(x))  # noqa: E731 - sharded over processes too
-            return tuple(map(host, out)) if with_entropy else host(out)
+            return tuple(map(_host, out)) if with_entropy else _host(out)
 
     def _plan(self, lengths: np.ndarray) -> PackingPlan:
         return plan_packing(lengths, self.cfg.token_budget, self.width)
@@ -138,13 +138,13 @@ class Learner:
             return self.logprobs(batch.tokens, with_entropy, params)
         plan = self._plan(_lengths(batch))
         packed = {"tokens": plan.pack(batch.tokens), **plan.layout()}
+        params = self.state.params if params is None else params
         outs = []
         for k in range(plan.micro_batches):
             with self._ctx():
-                out = self._packed_logprobs(self.state.params if params is None else params,
-                                            self._put_all({n: plan.micro_batch(v, k) for n, v in packed.items()}),
+                out = self._packed_logprobs(params, self._put_all({n: plan.micro_batch(v, k) for n, v in packed.items()}),
                                             with_entropy=with_entropy)
-            outs.append(tuple(np.asarray(sharding_lib.gathered(x)) for x in (out if with_entropy else (out,))))
+            outs.append(tuple(map(_host, out if with_entropy else (out,))))
         width = batch.tokens.shape[1]
         unpacked = tuple(plan.unpack(plan.joined(list(parts)), width) for parts in zip(*outs))
         return unpacked if with_entropy else unpacked[0]
@@ -162,14 +162,17 @@ class Learner:
         if self.update_cfg.kl.in_loss:
             arrays["ref_logprobs"] = self.batch_logprobs(padded, params=self.ref_params)
         lengths = _lengths(padded)
+        # only padding rows: no step (an optimizer step would still move Adam)
+        parts = [(part, part_lengths) for part, part_lengths in zip(mini_batches(arrays, self.cfg.mini_batches),
+                                                                    np.split(lengths, self.cfg.mini_batches))
+                 if part["loss_mask"].any()]
+        # packed once, stepped on every epoch
+        parts = [self._packed_part(*p) for p in parts] if self.packs else [part for part, _ in parts]
         steps, computed = [], 0
         for _ in range(self.cfg.epochs):
-            for part, part_lengths in zip(mini_batches(arrays, self.cfg.mini_batches),
-                                          np.split(lengths, self.cfg.mini_batches)):
-                if not part["loss_mask"].any():  # only padding rows: an optimizer step would still move Adam
-                    continue
+            for part in parts:
                 if self.packs:
-                    metrics, tokens = self._packed_step(part, part_lengths)
+                    metrics, tokens = self._packed_step(part)
                 else:
                     with self._ctx():
                         self.state, metrics = self._train(self.state, self._put_all(part))
@@ -191,10 +194,10 @@ class Learner:
             out["entropy_mean"] = float((batch.entropy * batch.loss_mask).sum() / batch.num_tokens)
         return out
 
-    def _packed_step(self, part: dict[str, np.ndarray], lengths: np.ndarray) -> tuple[dict, int]:
-        """One optimizer step on a padded mini-batch `part`, run on packed rows: the corrections,
-        the aggregation's row scales and normaliser are computed on the padded rows first (they
-        read whole sequences), then every per-token input is packed. (metrics, positions computed)."""
+    def _packed_part(self, part: dict[str, np.ndarray], lengths: np.ndarray) -> PackedPart:
+        """A padded mini-batch `part` on packed rows: the corrections, the aggregation's row scales
+        and normaliser are computed on the padded rows first (they read whole sequences), then
+        every per-token input is packed. None of it depends on the weights: packed once per update."""
         prep = {k: np.asarray(v) for k, v in self._packing_inputs(part).items()}
         per_token = {"tokens": part["tokens"], "loss_mask": prep["loss_mask"], "advantages": part["advantages"],
                      "old_logprobs": part["old_logprobs"], "token_scale": prep["row_scale"]}
@@ -202,13 +205,18 @@ class Learner:
         if "is_weight" in prep:
             per_token["is_weight"] = prep["is_weight"]
         plan = self._plan(lengths)
-        packed = {**{k: plan.pack(v) for k, v in per_token.items()}, **plan.layout()}
-        accumulated = None
+        return PackedPart(plan, {**{k: plan.pack(v) for k, v in per_token.items()}, **plan.layout()},
+                          prep["count"], prep["total_tokens"])
+
+    def _packed_step(self, part: PackedPart) -> tuple[dict, int]:
+        """One optimizer step on a packed mini-batch, micro-batch by micro-batch: (metrics,
+        positions computed)."""
+        plan, accumulated = part.plan, None
         with self._ctx():
             for k in range(plan.micro_batches):
-                mb = self._put_all({n: plan.micro_batch(v, k) for n, v in packed.items()})
-                accumulated = self._packed_gradients(self.state.params, accumulated, mb, prep["count"])
-            self.state, metrics = self._packed_apply(self.state, accumulated, prep["count"], prep["total_tokens"])
+                mb = self._put_all({n: plan.micro_batch(v, k) for n, v in part.arrays.items()})
+                accumulated = self._packed_gradients(self.state.params, accumulated, mb, part.count)
+            self.state, metrics = self._packed_apply(self.state, accumulated, part.count, part.total_tokens)
         return metrics, plan.computed_tokens
 
     def _fill_old_logprobs(self, batch: TrainBatch, padded: TrainBatch):
@@ -243,6 +251,20 @@ class Learner:
 
     def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state.params)
+
+
+class PackedPart(NamedTuple):
+    """A mini-batch ready for packed optimizer steps: its plan, its packed arrays [rows, budget]
+    (and the cuDNN segment tables), the aggregation's normaliser and its token count."""
+    plan: PackingPlan
+    arrays: dict[str, np.ndarray]
+    count: np.ndarray
+    total_tokens: np.ndarray
+
+
+def _host(x) -> np.ndarray:
+    """A device array on the host, also when it is sharded over processes."""
+    return np.asarray(sharding_lib.gathered(x))
 
 
 def _lengths(batch: TrainBatch) -> np.ndarray:

@@ -18,6 +18,7 @@ multi-process learner builds the same plan from the same batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -55,9 +56,10 @@ class PackingPlan:
     def real_tokens(self) -> int:
         return int(self.length.sum())
 
-    @property
+    @functools.cached_property
     def _index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(source row, source column, packed row, packed column) of every placed token."""
+        """(source row, source column, packed row, packed column) of every placed token (once per
+        plan: every array of an update is packed through it)."""
         placed = np.flatnonzero(self.length > 0)
         n = self.length[placed]
         src_row = np.repeat(placed, n)
@@ -92,9 +94,8 @@ class PackingPlan:
         segment = np.zeros(len(self.length), np.int32)
         placed = np.flatnonzero(self.length > 0)
         order = placed[np.lexsort((self.offset[placed], self.packed_row[placed]))]
-        rows_sorted = self.packed_row[order]
-        starts = np.r_[0, np.flatnonzero(np.diff(rows_sorted)) + 1]
-        rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        first_of_row = np.r_[0, np.flatnonzero(np.diff(self.packed_row[order])) + 1]
+        rank = np.arange(len(order)) - np.repeat(first_of_row, np.diff(np.r_[first_of_row, len(order)]))
         segment[order] = rank + 1
         segment_ids = np.zeros((self.rows, self.budget), np.int32)
         segment_ids[dst_row, dst_col] = segment[src_row]

@@ -55,12 +55,16 @@ class UpdateConfig:
 
 
 def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False, positions=None,
-                     segment_ids=None):
+                     segment_ids=None, remat: bool = True):
     """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs); with
     `with_entropy`, also the entropy of the distribution each token was drawn from [N, T].
     Packed rows pass their `positions` and `segment_ids`: a sequence's first token then gets 0,
-    as position 0 of a padded row (nothing of its own predicts it)."""
+    as position 0 of a padded row (nothing of its own predicts it). remat=False: a pass with no
+    gradient, which has no backward to save memory for (and nnx.remat inside lax.map fails:
+    "Cannot mutate Param from a different trace level", flax 0.12)."""
     model = nnx.merge(graphdef, params)
+    if not remat:
+        model.remat = "none"
     out = token_logprobs(model, tokens, positions, segment_ids, chunk_size=cfg.logprob_chunk,
                          temperature=cfg.temperature, with_entropy=with_entropy)
     if positions is not None:
@@ -77,7 +81,8 @@ def _segments(mb: dict):
 
 def packed_logprobs(graphdef, params, mb: dict, cfg: UpdateConfig, with_entropy: bool = False):
     """`compute_logprobs` of one packed micro-batch (tokens and the plan's layout)."""
-    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], _segments(mb))
+    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], _segments(mb),
+                            remat=False)
 
 
 def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
@@ -86,17 +91,9 @@ def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bo
     whole batch's (a batch whose rows do not split evenly goes in one piece)."""
     n, m = tokens.shape[0], cfg.micro_batches
     if m == 1 or n % m:
-        return compute_logprobs(graphdef, params, tokens, cfg, with_entropy)
+        return compute_logprobs(graphdef, params, tokens, cfg, with_entropy, remat=False)
     micro = tokens.reshape((m, n // m) + tokens.shape[1:])
-
-    def one(t):
-        model = nnx.merge(graphdef, params)
-        # A forward pass has no backward to save memory for; and nnx.remat inside lax.map fails
-        # ("Cannot mutate Param from a different trace level", flax 0.12): no remat here.
-        model.remat = "none"
-        return token_logprobs(model, t, chunk_size=cfg.logprob_chunk, temperature=cfg.temperature,
-                              with_entropy=with_entropy)
-    out = jax.lax.map(one, micro)
+    out = jax.lax.map(lambda t: compute_logprobs(graphdef, params, t, cfg, with_entropy, remat=False), micro)
     return jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), out)
 
 
