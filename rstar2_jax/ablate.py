@@ -10,7 +10,8 @@ tuple whose comma-joined values are the `arg` (e.g. ("paper", 4, 2, 0.001) -> "p
 
 Resumable: a finished run (results.json) is skipped, an unfinished one resumes from its last
 checkpoint. Runs of one seed whose model, data and SFT settings agree share one SFT warm start
-(WORKDIR/_warm_start/<key>/, an HF directory), so the grid pays for SFT once per seed.
+(WORKDIR/_warm_start/<key>/, an HF directory), so the grid pays for SFT once per seed; runs that
+evaluate the same weights the same way share one before-RL evaluation (WORKDIR/_before_rl/).
 Writes WORKDIR/summary.csv, summary.md, runs.csv, curves.png and finals.png.
 """
 
@@ -49,6 +50,21 @@ def warm_start_key(cfg) -> str:
     """Runs with equal keys start RL from the same SFT'd weights."""
     parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in ("seed", "model", "data", "format", "sft")}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# What a before-RL evaluation does not read: cells whose configs differ only here share one.
+NOT_EVALUATED = ("rl", "run_name", "checkpoint", "logging")
+
+
+def evaluation_key(cfg) -> str:
+    """Runs with equal keys evaluate the same weights the same way before RL (the same results)."""
+    parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in cfg.keys() if k not in NOT_EVALUATED}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def shared_before(cfg, workdir: str) -> str:
+    """Where the before-RL evaluation of this config's cells is kept (made by the first that ran)."""
+    return os.path.join(workdir, "_before_rl", evaluation_key(cfg) + ".json")
 
 
 def ensure_warm_start(cfg, workdir: str) -> str:
@@ -131,7 +147,14 @@ def main(argv):
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "cell.json"), "w") as f:
                 json.dump({"cell": cfg.run_name, "arg": arg, "seed": seed}, f)
-            run(cfg, run_dir)
+            before_file = shared_before(cfg, workdir)
+            before = json.load(open(before_file)) if os.path.exists(before_file) else None
+            results = run(cfg, run_dir, before=before)
+            if before is None and "before" in results:
+                os.makedirs(os.path.dirname(before_file), exist_ok=True)
+                with open(before_file + ".tmp", "w") as f:
+                    json.dump(results["before"], f)
+                os.replace(before_file + ".tmp", before_file)
     print("\n" + write_summary(workdir, order, getattr(load_config_module(config_file), "CURVES", None)))
     print(f"\nwrote {workdir}/summary.csv, summary.md, runs.csv, curves.png, finals.png")
 

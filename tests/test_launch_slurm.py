@@ -110,3 +110,20 @@ def test_dry_run_checks_the_config_and_prints_the_script_without_slurm(tmp_path)
                          text=True, timeout=300)
     assert bad.returncode == 2 and "does not pass `train --plan` for 2 process(es)" in bad.stderr
     assert "max_response_tokens" in bad.stderr
+
+
+def test_eager_vllm_servers_only_when_asked_and_the_server_command_they_run():
+    from rstar2_jax.rollout.engines.vllm_server import ServerOptions, server_command
+
+    def serve_lines(text):
+        return [line for line in text.splitlines() if "rstar2_jax.rollout.serve" in line]
+
+    assert all("--eager" not in s for s in serve_lines(batch_script(job())))
+    assert all(" --eager " in s for s in serve_lines(batch_script(job(vllm_eager=True))))
+    argv, env = server_command("/m", ServerOptions(eager=True))  # what `rollout.serve --eager` starts
+    assert "--enforce-eager" in argv and argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # without it vLLM's CPU platform turns "uni" back to "mp"
+    argv, env = server_command("/m", ServerOptions(eager=True, tensor_parallel_size=2))
+    assert "--enforce-eager" in argv and "uni" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    argv, env = server_command("/m", ServerOptions())
+    assert "--enforce-eager" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env

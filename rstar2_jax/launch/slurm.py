@@ -71,6 +71,7 @@ class SlurmJob:
     max_model_len: int = 4096
     cpu_kv_cache_gib: int = 4
     vllm_args: tuple[str, ...] = ()
+    vllm_eager: bool = False             # rollout.serve --eager (a CPU quick start)
     gpus_per_node: int = 0
     ports: Ports = Ports()
     redis_server: str = "redis-server"
@@ -249,7 +250,7 @@ def batch_script(job: SlurmJob) -> str:
                          f"--fetch_dir=/dev/shm/rstar2_pulled_{port}"]
                 if job.vllm_python:
                     serve.append(f"--python={_q(job.vllm_python)}")
-                serve += [f"--vllm_arg={_q(a)}" for a in job.vllm_args]
+                serve += ["--eager"] * job.vllm_eager + [f"--vllm_arg={_q(a)}" for a in job.vllm_args]
                 body += [
                     f"H=$(host {i})",
                     f"{step} --nodes=1 --ntasks=1 --nodelist=$H --output={logs}/%j.vllm.{i}.{k}.log {' '.join(serve)} &",

@@ -46,9 +46,14 @@ def test_ablate_runs_every_cell_and_seed_from_one_warm_start_per_seed(ablation_d
     warm = os.listdir(ablation_dir / "_warm_start")
     assert len(warm) == 2 and seed0_warm_start[0] in warm  # seed 1's was trained by the grid: a key of its own
     assert os.path.exists(ablation_dir / "_warm_start" / [k for k in warm if k != seed0_warm_start[0]][0] / "build")
-    for seed in (0, 1):  # the same warm start and evaluation seeds: the same policy before RL in every cell
+    for seed in (0, 1):  # one warm start, one before-RL evaluation per seed: the first cell's, the others share it
         before = [json.loads((ablation_dir / c / f"seed{seed}" / "results.json").read_text())["before"] for c in CELLS]
         assert before[0] == before[1] == before[2]
+        rows = [[json.loads(l) for l in open(ablation_dir / c / f"seed{seed}" / "metrics.jsonl")
+                 if '"label": "before_rl"' in l] for c in CELLS]
+        assert [[r.get("shared", 0) for r in cell_rows] for cell_rows in rows] == [[0], [1], [1]]
+        assert rows[1][0]["greedy/accuracy"] == rows[0][0]["greedy/accuracy"]
+    assert len(os.listdir(ablation_dir / "_before_rl")) == 2  # one per seed (their warm starts differ)
 
 
 def test_ablate_summary_is_mean_and_spread_over_seeds(ablation_dir):

@@ -94,6 +94,7 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     launch = [sys.executable, "-m", "rstar2_jax.launch", "slurm", f"--config={config}", f"--workdir={work}",
               "--nodes=1", "--learner_tasks_per_node=2", "--sandbox_nodes=1", "--sandbox_tasks_per_node=2",
               "--sandbox_concurrency=2", "--rollout_nodes=1", f"--vllm_python={VLLM_PYTHON}", "--cpu_kv_cache_gib=1",
+              "--vllm_eager",  # half the server's start-up on CPU
               f"--redis_port={free_port()}", f"--vllm_port={free_port()}", f"--fetch_port={free_port()}"]
     # a request the cluster cannot place is refused before anything is written
     refused = subprocess.run(launch + ["--nodes=2", "--learner_nodes=2"], cwd=ROOT, env=cluster.env,
@@ -105,6 +106,7 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     first = re.search(r"submitted job (\d+)", done.stdout)[1]
     script = (work / "slurm" / "job.sh").read_text()
     assert "--config.sandbox.redis.url=$REDIS_URL" in script and "rstar2_jax.rollout.serve" in script
+    assert "rstar2_jax.rollout.serve" in next(l for l in script.splitlines() if " --eager" in l)
 
     # stop it once two RL steps are checkpointed (the pre-filter and stage 2 still to come)
     checkpoints = work / "checkpoints"

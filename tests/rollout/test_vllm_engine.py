@@ -45,7 +45,7 @@ def start_server(model_dir, log_dir, name="server") -> VLLMServer:
     if not os.path.exists(VLLM_PYTHON):
         pytest.fail(f"{VLLM_PYTHON} is missing: `make test` installs it (make venv-vllm)")
     server = VLLMServer(str(model_dir), ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
-                                                      cpu_kv_cache_gib=1),
+                                                      cpu_kv_cache_gib=1, eager=True),
                         python=VLLM_PYTHON, log_path=os.path.join(str(log_dir), f"{name}.log"))
     return server.start().wait_ready(timeout=600)
 
@@ -385,7 +385,7 @@ def test_the_nccl_protocol_reaches_a_real_vllm_server_up_to_where_a_gpu_is_neede
     from rstar2_jax.rollout.engines.weight_export import model_plan, param_arrays
 
     server = VLLMServer(str(tiny_dir), ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
-                                                     cpu_kv_cache_gib=1,
+                                                     cpu_kv_cache_gib=1, eager=True,
                                                      extra_args=("--weight-transfer-config", '{"backend":"nccl"}')),
                         python=VLLM_PYTHON, log_path=str(tmp_path / "nccl_server.log")).start().wait_ready(600)
     try:

@@ -50,6 +50,10 @@ class ServerOptions:
     tensor_parallel_size: int = 1
     seed: int = 0
     cpu_kv_cache_gib: int = 1         # VLLM_CPU_KVCACHE_SPACE, whole GiB (CPU build only)
+    # No torch.compile warm-up or CUDA graphs, and (one device) the worker inside the engine's
+    # process: on CPU the tiny test model's server is ready in ~30 s instead of ~55 s and decodes as
+    # fast (BENCHMARKS.md, "vLLM server start-up"). A CPU quick start: leave it off on GPUs.
+    eager: bool = False
     extra_args: tuple[str, ...] = ()
 
 
@@ -66,9 +70,14 @@ def server_command(model_dir: str, opts: ServerOptions, python: str | None = Non
         argv += ["--served-model-name", opts.served_model_name]
     if opts.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
-    argv += list(opts.extra_args)
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(int(opts.cpu_kv_cache_gib)),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    if opts.eager:
+        argv += ["--enforce-eager"]
+        if opts.tensor_parallel_size == 1:  # vLLM's CPU platform takes "uni" only with this variable
+            argv += ["--distributed-executor-backend", "uni"]         # (vllm/platforms/cpu.py)
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    argv += list(opts.extra_args)
     return argv, env
 
 
