@@ -63,12 +63,13 @@ def benchmark_summary(scored: Sequence[Scored | RolloutOutcome], samples: int) -
 
 
 def markdown_table(results: dict[str, dict[str, float]]) -> str:
-    lines = ["| benchmark | pass@1 | 95% interval | response tokens / rollout | tool calls / rollout | "
+    lines = ["| benchmark | pass@1 | 95% interval | format failures | response tokens / rollout | tool calls / rollout | "
              "tool-error ratio (correct rollouts) | tool-error ratio (all calls) |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} ({r['problems']} x {r['samples']}) | {r['pass@1']:.1%} | "
-                     f"{r['ci95_low']:.1%} - {r['ci95_high']:.1%} | {r['mean_response_tokens']:.0f} | "
+                     f"{r['ci95_low']:.1%} - {r['ci95_high']:.1%} | {r.get('format_failure_rate', float('nan')):.1%} | "
+                     f"{r['mean_response_tokens']:.0f} | "
                      f"{r['mean_tool_calls']:.2f} | {r['tool_error_ratio_correct']:.3f} | "
                      f"{r['tool_error_ratio_all']:.3f} |")
     return "\n".join(lines)

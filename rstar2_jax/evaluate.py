@@ -49,6 +49,10 @@ PAPER_MAX_TOKENS, PAPER_MAX_TURNS = 30000, 30
 _LIMIT = flags.DEFINE_integer("limit", 0, "problems per benchmark (0 = all)", lower_bound=0)
 _FORMAT = flags.DEFINE_string("format", None, "prompt format (rstar2, compact, tiny); default: the run's with "
                                "--checkpoint, else rstar2")
+_ANSWER_FORMAT = flags.DEFINE_list("answer_format", [], "where the answer is read (rewards/answer_formats.py: "
+                                   "answer_boxed, boxed, dapo, gsm8k, choice_letter): FORMAT for every benchmark "
+                                   "and/or BENCHMARK=FORMAT for one; default: the run's data.answer_format, else "
+                                   "answer_boxed")
 _ENGINE = flags.DEFINE_string("engine", "jax", "rollout engine: jax (embedded) or vllm (servers at --url)")
 _URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); repeat for several")
 _SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
@@ -168,8 +172,9 @@ class BenchmarkResults:
         from rstar2_jax.data.jsonl import read_appended_jsonl
         from rstar2_jax.rollout.scoring import RolloutOutcome
 
-        return {row["index"]: [RolloutOutcome(r, tuple(st), n) for r, st, n in
-                               zip(row["rewards"], row["tool_statuses"], row["response_tokens"])]
+        return {row["index"]: [RolloutOutcome(r, tuple(st), n, bool(f)) for r, st, n, f in
+                               zip(row["rewards"], row["tool_statuses"], row["response_tokens"],
+                                   row.get("format_failures", [False] * len(row["rewards"])))]
                 for row in read_appended_jsonl(self.path, "evaluation results")}
 
     def add(self, index: int, problem_id: str, records: list[dict], outcomes: list) -> None:
@@ -177,18 +182,19 @@ class BenchmarkResults:
         with open(self.path, "a") as f:
             f.write(json.dumps({"index": index, "id": problem_id, "rewards": [o.reward for o in outcomes],
                                 "tool_statuses": [list(o.tool_statuses) for o in outcomes],
-                                "response_tokens": [o.response_tokens for o in outcomes]}) + "\n")
+                                "response_tokens": [o.response_tokens for o in outcomes],
+                                "format_failures": [o.format_failure for o in outcomes]}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
 
-async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, problems) -> dict:
+async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, problems, answer_format: str) -> dict:
     """Rollouts of one benchmark's unfinished problems (k samples each, all in flight together),
     each problem kept as it finishes; the summary over every problem."""
     from tqdm.auto import tqdm
 
     from rstar2_jax.eval_report import benchmark_summary
-    from rstar2_jax.rewards import answer_reward, choice_reward, extract_answer
+    from rstar2_jax.rewards import Grader
     from rstar2_jax.rollout.scoring import RolloutOutcome, rollout_problems, stable_seed
     from rstar2_jax.traces import trajectory_record
 
@@ -201,7 +207,7 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, proble
         if done:
             print(f"{bench.name}: {len(done)} of {len(problems)} problems kept from an earlier run", flush=True)
         longest = max(len(tokenizer.encode(fmt.prompt(questions[i]))) for i in todo)
-        grader = choice_reward if bench.multiple_choice else answer_reward
+        grader = Grader(answer_format, multiple_choice=bench.multiple_choice)
 
         async def problem(engine, i: int, bar):
             scored = await rollout_problems(engine, sb, tokenizer, [questions[i]] * k, [problems[i].answer] * k, cfg,
@@ -209,7 +215,7 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, proble
                                             grader=grader, progress=bar)
             records = [trajectory_record(s.trajectory, run=f"eval:{bench.name}", step=0, problem_id=problems[i].id,
                                          sample_index=j, problem=questions[i], gold=problems[i].answer,
-                                         engine=_ENGINE.value, extracted_answer=extract_answer(s.trajectory.response_text),
+                                         engine=_ENGINE.value, extracted_answer=s.answer,
                                          reward=s.reward) for j, s in enumerate(scored)]
             outcomes = [RolloutOutcome.of(s) for s in scored]
             kept.add(i, problems[i].id, records, outcomes)
@@ -222,7 +228,7 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, proble
 
 
 async def run_eval(make_engine, tokenizer, benchmarks, fmt, budgets: dict[str, int], max_turns: int,
-                   on_result) -> dict:
+                   answer_formats: dict[str, str], on_result) -> dict:
     import sandbox
     from rstar2_jax.rollout import AgentConfig
 
@@ -231,10 +237,30 @@ async def run_eval(make_engine, tokenizer, benchmarks, fmt, budgets: dict[str, i
         for bench, problems in benchmarks:
             cfg = AgentConfig(format=fmt, max_turns=max_turns, max_response_tokens=budgets[bench.name],
                               temperature=_TEMPERATURE.value)
-            results[bench.name] = await evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, problems)
-            print(f"{bench.name}: pass@1 {results[bench.name]['pass@1']:.1%}", flush=True)
+            results[bench.name] = r = await evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, problems,
+                                                               answer_formats[bench.name])
+            print(f"{bench.name}: pass@1 {r['pass@1']:.1%} (format failures {r['format_failure_rate']:.1%} in "
+                  f"{answer_formats[bench.name]})", flush=True)
             on_result(results)
     return results
+
+
+def benchmark_answer_formats(specs: list[str], names: list[str], default: str) -> dict[str, str]:
+    """--answer_format's entries (FORMAT, BENCHMARK=FORMAT) as benchmark -> format; every error at once."""
+    from rstar2_jax.rewards import ANSWER_FORMATS
+
+    formats, problems = dict.fromkeys(names, default), []
+    for spec in specs:
+        name, _, fmt = spec.rpartition("=")
+        if name and name not in formats:
+            problems.append(f"--answer_format={spec}: {name!r} is not among --benchmarks ({', '.join(names)})")
+        elif (why := ANSWER_FORMATS.problem(fmt)) is not None:
+            problems.append(f"--answer_format={spec}: {why}")
+        else:
+            formats.update({name: fmt} if name else dict.fromkeys(names, fmt))
+    if problems:
+        raise app.UsageError("; ".join(problems))
+    return formats
 
 
 def check_protocol(protocol: dict) -> None:
@@ -243,6 +269,8 @@ def check_protocol(protocol: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
+        from rstar2_jax.rewards import DEFAULT_ANSWER_FORMAT  # protocols written before answer formats: the default
+        earlier.setdefault("answer_formats", dict.fromkeys(protocol["answer_formats"], DEFAULT_ANSWER_FORMAT))
         differs = sorted(k for k in set(earlier) | set(protocol) if earlier.get(k) != protocol.get(k))
         if differs:
             raise app.UsageError(f"--out={_OUT.value} holds the results of another evaluation (it differs in "
@@ -260,6 +288,7 @@ def main(argv):
     from rstar2_jax.eval_report import markdown_table, resolve_benchmark
     from rstar2_jax.models.config import ModelConfig
     from rstar2_jax.models.tokenizer import Tokenizer
+    from rstar2_jax.rewards import DEFAULT_ANSWER_FORMAT
     from rstar2_jax.rollout import make_format
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
@@ -286,7 +315,10 @@ def main(argv):
     budgets = {bench.name: token_budget(max(len(tokenizer.encode(fmt.prompt(q))) for q in questions_of(bench, problems)),
                                         max_tokens, positions, bench.name)
                for bench, problems in loaded}
-    protocol = {"samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": max_tokens,
+    answer_formats = benchmark_answer_formats(_ANSWER_FORMAT.value, [b.name for b in benchmarks],
+                                              run.get("answer_format", DEFAULT_ANSWER_FORMAT))
+    protocol = {"answer_formats": answer_formats,
+                "samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": max_tokens,
                 "max_turns": max_turns, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
                 "urls": _URL.value, "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value}
     check_protocol(protocol)
@@ -299,7 +331,7 @@ def main(argv):
 
     make_engine = engine_factory(model_path, _CHECKPOINT.value, tokenizer, engine_cfg)
     try:
-        results = asyncio.run(run_eval(make_engine, tokenizer, loaded, fmt, budgets, max_turns, write))
+        results = asyncio.run(run_eval(make_engine, tokenizer, loaded, fmt, budgets, max_turns, answer_formats, write))
     except KeyboardInterrupt:
         print(f"\ninterrupted: every finished problem is kept in {_OUT.value}; the same command resumes there",
               file=sys.stderr)

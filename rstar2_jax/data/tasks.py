@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+
+from absl import logging
 from typing import Callable, Iterable, Protocol, Sequence
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import MISSING, Columns, describe_fields, first_row, first_row_layout, load_problems
 from rstar2_jax.data.problems import field as field_of
+from rstar2_jax.data.templates import INSTRUCTIONS, TEMPLATES, TemplateCount, apply_instructions, recognise
 from rstar2_jax.part_sections import NoSettings, PartChoice, part_section
 from rstar2_jax.registry import Registry
+from rstar2_jax.rewards.answer_formats import ANSWER_FORMATS, DEFAULT_ANSWER_FORMAT
 
 
 class Problem(Protocol):
@@ -94,6 +98,14 @@ class ProblemSetSettings(Section):
     answer_key: str = setting("", "the gold answer's field, a dotted path (e.g. reward_model.ground_truth); '' = "
                               "told from the layout")
     id_key: str = setting("", "the problem id's field; '' = the layout's, else the row number")
+    instructions: str = setting("strip", "a public set's own instruction template around a problem (DAPO-Math-17k, "
+                                "verl's GSM8K/MATH, open-r1, rStar2-Agent; data/templates.py): strip (only the "
+                                "prompt format instructs) | keep (the text as stored: grade the format it asks for "
+                                "with data.answer_format)", choices=INSTRUCTIONS)
+
+# Rows read to tell which templates a set uses, before a run starts (the whole set is counted when
+# the task loads it).
+TEMPLATE_SAMPLE_ROWS = 64
 
 
 def columns_of(sets: ProblemSetSettings) -> Columns:
@@ -139,9 +151,38 @@ def _check_mapping(sets: ProblemSetSettings, located):
 def problem_sets_task(data_cfg, seed: int) -> Task:
     del seed  # the files fix the problems; the trainer shuffles them per epoch
     sets = data_cfg.problems
-    columns = columns_of(sets)
-    return Task(data_cfg.task, load_problems(sets.train_path, data_cfg.train_problems or None, columns),
-                load_problems(sets.eval_path, data_cfg.eval_problems or None, columns))
+
+    def load(field: str, limit: int):
+        problems = load_problems(getattr(sets, field), limit or None, columns_of(sets))
+        count = TemplateCount.of(p.question for p in problems)
+        logging.warning("data.problems.%s: %s; instructions=%s", field, count.describe(), sets.instructions)
+        return [dataclasses.replace(p, question=apply_instructions(p.question, sets.instructions)) for p in problems]
+
+    return Task(data_cfg.task, load("train_path", data_cfg.train_problems), load("eval_path", data_cfg.eval_problems))
+
+
+def kept_template_conflicts(data_cfg) -> list[str]:
+    """Warnings: a set keeps a recognised template (instructions=keep) that asks for another answer
+    format than the run grades (told from its first rows; nothing read if the files cannot load)."""
+    if data_cfg.task != "problems" or data_cfg.problems.instructions != "keep":
+        return []
+    out = []
+    for field in ("train_path", "eval_path"):
+        path = getattr(data_cfg.problems, field)
+        try:
+            problems = load_problems(path, TEMPLATE_SAMPLE_ROWS, columns_of(data_cfg.problems))
+        except (DataError, OSError):
+            continue  # the check names what is wrong with the file
+        names = sorted({name for name, _ in map(recognise, (p.question for p in problems)) if name is not None})
+        for name in names:
+            asks = TEMPLATES[name].answer_format
+            if asks != data_cfg.answer_format:
+                out.append(f"data.problems.instructions=keep keeps {name}'s template in {path} (it asks for "
+                           f"{ANSWER_FORMATS[asks].asks}: answer format {asks!r}) while data.answer_format="
+                           f"{data_cfg.answer_format!r} grades {ANSWER_FORMATS[data_cfg.answer_format].asks}: a "
+                           f"response that follows the set scores 0. Set --config.data.answer_format={asks} or "
+                           "--config.data.problems.instructions=strip")
+    return out
 
 
 class _DataBase(PartChoice):
@@ -152,7 +193,13 @@ class _DataBase(PartChoice):
     def upgrade_values(cls, mapping):
         if mapping.get("task") == "jsonl":  # the problems task's name before other formats were read
             mapping["task"] = "problems"
+        problems = mapping.get("problems")
+        if mapping.get("task") == "problems" and isinstance(problems, dict) and "instructions" not in problems:
+            mapping["problems"] = {**problems, "instructions": "keep"}  # before templates were read: as stored
         return mapping
+
+    def warnings(self) -> list[str]:
+        return super().warnings() + kept_template_conflicts(self)
 
 
 DataConfig = part_section(
@@ -161,4 +208,8 @@ DataConfig = part_section(
     selector=("task", str, setting("arith", "what the run trains and evaluates on (arith: synthetic arithmetic, "
                                    "problems: problem sets from data.problems.*)", choices=TASKS)),
     common=[("train_problems", int, setting(4000, "arith: how many; problems: the first N (0 = all)", min=0)),
-            ("eval_problems", int, setting(200, "arith: how many; problems: the first N (0 = all)", min=0))])
+            ("eval_problems", int, setting(200, "arith: how many; problems: the first N (0 = all)", min=0)),
+            ("answer_format", str, setting(DEFAULT_ANSWER_FORMAT, "where a response's answer is read and graded "
+                                           "(rewards/answer_formats.py): answer_boxed (the rstar2 and tiny prompt "
+                                           "formats'), boxed, dapo, gsm8k, choice_letter",
+                                           choices=ANSWER_FORMATS))])

@@ -27,7 +27,7 @@ from rstar2_jax.algo.roc import (PaperSelection, ReleaseSelection, Selection, Un
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.part_sections import PartChoice, part_section
 from rstar2_jax.registry import Registry
-from rstar2_jax.rewards import extract_answer, format_penalty, tool_error_ratio
+from rstar2_jax.rewards import format_penalty, tool_error_ratio
 from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
 from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.traces import trajectory_record
@@ -133,7 +133,7 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
                 kept.append(KeptRollout(t, adv_of[j], len(records), b, float(shaped[j])))
             records.append(trajectory_record(
                 t, run=cfg.run_name, step=step, problem_id=problem.id, sample_index=j, problem=problem.question,
-                gold=problem.answer, extracted_answer=extract_answer(t.response_text), reward=s.reward,
+                gold=problem.answer, extracted_answer=s.answer, reward=s.reward,
                 p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
                 advantage=float(adv_of.get(j, 0.0))))
     return kept, records

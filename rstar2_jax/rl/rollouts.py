@@ -28,6 +28,7 @@ from rstar2_jax.rollout import AgentConfig, PromptFormat
 from rstar2_jax.rollout.engines import Engine
 from rstar2_jax.rollout.engines.accounting import owned_by
 from rstar2_jax.rollout.journal import StepJournal
+from rstar2_jax.rewards import Grader
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout, stable_seed
 from rstar2_jax.timeline import Timeline
 
@@ -39,6 +40,7 @@ class RolloutProducer:
         (journaled tokens of newer weights were lost with a crash: rollout/journal.py)."""
         self.cfg, self.engine, self.sandbox, self.tokenizer, self.fmt = cfg, engine, sandbox, tokenizer, fmt
         self.inflight_dir, self.restored_version = inflight_dir, restored_version
+        self.grader = Grader(cfg.data.answer_format)  # the run's answer format, for training and evaluation
 
     @property
     def rollouts_per_problem(self) -> int:
@@ -95,14 +97,15 @@ class RolloutProducer:
                     p, seed = problems[i // n_roll], self.seed(step, i // n_roll, i % n_roll)
                     tasks[i] = asyncio.ensure_future(scored_rollout(
                         self.engine, self.sandbox, self.tokenizer, p.question, p.answer, agent, seed,
-                        journal=journal.rollout(i, p.question, seed, agent)))
+                        grader=self.grader, journal=journal.rollout(i, p.question, seed, agent)))
         return StepRollouts(list(problems), [], time.monotonic(), 0.0, timeline, None,
                             running=RunningGroups(step, list(problems), groups, tasks, journal))
 
     async def everywhere(self, problems, agent: AgentConfig, seeds: Sequence[int], progress=None) -> list[Scored]:
         """One rollout of every problem on this process (each process runs them all: evaluation)."""
         return await rollout_problems(self.engine, self.sandbox, self.tokenizer, [p.question for p in problems],
-                                      [p.answer for p in problems], agent, list(seeds), progress=progress)
+                                      [p.answer for p in problems], agent, list(seeds), grader=self.grader,
+                                      progress=progress)
 
     async def _my_share(self, problems, k: int, agent: AgentConfig, seeds: Sequence[int],
                         journal: StepJournal | None = None) -> list[Scored]:
@@ -110,6 +113,6 @@ class RolloutProducer:
         golds = [p.answer for p in problems for _ in range(k)]
         mine = processes.my_share(len(questions))
         return await rollout_problems(self.engine, self.sandbox, self.tokenizer, [questions[i] for i in mine],
-                                      [golds[i] for i in mine], agent, [seeds[i] for i in mine], journal=journal,
-                                      indices=list(mine))
+                                      [golds[i] for i in mine], agent, [seeds[i] for i in mine], grader=self.grader,
+                                      journal=journal, indices=list(mine))
 

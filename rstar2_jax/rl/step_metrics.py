@@ -109,11 +109,13 @@ def format_breakdown(m: dict[str, float]) -> str:
 
 
 def format_results(results: dict[str, Any]) -> str:
-    rows = [("", "accuracy greedy", "accuracy sampled", "tool-error ratio (correct)", "tool calls", "response tokens")]
+    rows = [("", "accuracy greedy", "accuracy sampled", "format failures (sampled)", "tool-error ratio (correct)",
+             "tool calls", "response tokens")]
     for label in ("before", "after"):
         if label in results:
             g, s = results[label]["greedy"], results[label]["sampled"]
-            rows.append((f"{label} RL", f"{g['accuracy']:.1%}", f"{s['accuracy']:.1%}",
+            failures = f"{s['format_failure_rate']:.1%}" if "format_failure_rate" in s else "-"  # older results: -
+            rows.append((f"{label} RL", f"{g['accuracy']:.1%}", f"{s['accuracy']:.1%}", failures,
                          f"{s['tool_error_ratio_correct']:.3f}", f"{s['mean_tool_calls']:.2f}",
                          f"{s['mean_response_tokens']:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -59,19 +59,21 @@ __all__ = ["RLRun", "run"]
 
 
 class RLRun:
-    def __init__(self, cfg: ml_collections.ConfigDict | RunConfig, workdir: str, *, config_mismatch: str = "stop"):
+    def __init__(self, cfg: ml_collections.ConfigDict | RunConfig, workdir: str, *, config_mismatch: str = "stop",
+                 before: dict[str, Any] | None = None):
         """`config_mismatch`: what a config that differs from the run directory's config.json does
         ("stop": ConfigMismatchError naming the keys; "ok": the change goes into the run's config
-        history). Extending rl.steps and the like never stops (run_dir.RESUMABLE_CHANGES)."""
+        history). Extending rl.steps and the like never stops (run_dir.RESUMABLE_CHANGES).
+        `before`: the before-RL evaluation made by a run of the same weights and settings (ablate)."""
         cfg = validate(cfg)
-        self.cfg, self.workdir = cfg, os.path.abspath(workdir)
+        self.cfg, self.workdir, self.known_before = cfg, os.path.abspath(workdir), before
         self.run_dir = RunDirectory(self.workdir)
         self.fmt = make_format(cfg.format)
         if processes.is_primary():  # the others read what it wrote (one run directory)
             self.run_dir.record_config(cfg.to_dict(), config_mismatch)
             self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
             self.run_dir.write_run_info({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
-                                         "format": cfg.format})
+                                         "format": cfg.format, "answer_format": cfg.data.answer_format})
         processes.barrier("run directory written")
         if not processes.is_primary():
             self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
@@ -110,18 +112,18 @@ class RLRun:
             self.log.write({"phase": "sft", "step": i, **m})
         return trainer.params()
 
-    async def evaluate(self, step: int, label: str) -> dict[str, Any]:
-        probs = self.task.eval_problems
-        out = {}
-        for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
+    async def evaluate(self, step: int, label: str, known: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Greedy and sampled on the eval problems; `known` (another run's): logged as shared, not rerun."""
+        probs, out = self.task.eval_problems, dict(known or {})
+        for name, temperature in () if known else (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
             seeds = [stable_seed(self.cfg.seed, label, name, i) for i in range(len(probs))]
             with tqdm(total=len(probs), desc=f"eval {label} ({name})", dynamic_ncols=True, leave=False,
                       disable=not processes.is_primary()) as bar:
                 scored = await self.producer.everywhere(probs, self.producer.agent(step, temperature), seeds, bar)
             out[name] = summarize(scored)
         self._evaluated = True
-        self.log.write({"phase": "eval", "label": label, "step": step, **{f"{k}/{m}": v for k, s in out.items()
-                                                                          for m, v in s.items()}})
+        self.log.write({"phase": "eval", "label": label, "step": step, **({"shared": 1} if known else {}),
+                        **{f"{k}/{m}": v for k, s in out.items() for m, v in s.items()}})
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -137,7 +139,7 @@ class RLRun:
                 if state.rl_step >= cfg.rl.steps and "after" in finished:  # evaluated at this step already
                     results["after"] = finished["after"]
                 if cfg.eval.before_and_after and "before" not in results:
-                    results["before"] = await self.evaluate(state.rl_step, "before_rl")
+                    results["before"] = await self.evaluate(state.rl_step, "before_rl", self.known_before)
                     self.state = dataclasses.replace(self.state, results=results)
                 await self.train_steps()
                 if cfg.eval.before_and_after and "after" not in results:
@@ -344,5 +346,5 @@ class RLRun:
         return metrics
 
 
-def run(cfg, workdir: str, *, config_mismatch: str = "stop") -> dict[str, Any]:
-    return asyncio.run(RLRun(cfg, workdir, config_mismatch=config_mismatch).run())
+def run(cfg, workdir: str, *, config_mismatch: str = "stop", before: dict[str, Any] | None = None) -> dict[str, Any]:
+    return asyncio.run(RLRun(cfg, workdir, config_mismatch=config_mismatch, before=before).run())

@@ -17,7 +17,7 @@ Schema (one row per trajectory):
 | problem | string | problem text |
 | gold | string | gold answer |
 | response_text | string | everything after the prompt: model turns and tool responses |
-| extracted_answer | string | the \\boxed{} answer of the last <answer> block, or null |
+| extracted_answer | string | the answer in the run's answer format (data.answer_format; default the \\boxed{} of the last <answer> block), or null: none in that format (a format failure, reward 0) |
 | turns | list<struct> | per assistant turn: text, num_tokens, finish_reason, version_start, version_end, tools (list of code, stdin, status, output, latency_s, retries: runs again after the sandbox failed to serve it) |
 | token_ids | list<int32> | prompt + response tokens, exactly as trained on |
 | loss_mask | list<int8> | 1 on model tokens, 0 on prompt and tool tokens |

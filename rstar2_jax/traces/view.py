@@ -20,11 +20,17 @@ def _code_of(tool) -> str:
     return "(no code: the tool call could not be parsed)" if tool["code"] is None else tool["code"]
 
 
+def extracted(row: Any) -> str:
+    """The answer read in the run's answer format, or that there was none (a format failure)."""
+    answer = row["extracted_answer"]
+    return "none in the graded answer format (format failure)" if answer is None or answer != answer else str(answer)
+
+
 def render_trajectory(row: Any, html: bool = True) -> str:
     """`row`: one trace row (a pandas Series or a dict). HTML for notebooks, or plain text."""
     turns = list(row["turns"])
     if not html:
-        out = [_header(row), f"problem: {row['problem']}", f"gold: {row['gold']}  extracted: {row['extracted_answer']}"]
+        out = [_header(row), f"problem: {row['problem']}", f"gold: {row['gold']}  extracted: {extracted(row)}"]
         for i, turn in enumerate(turns):
             out.append(f"--- turn {i} ({turn['num_tokens']} tokens, {turn['finish_reason']}) ---")
             out.append(turn["text"])
@@ -38,7 +44,7 @@ def render_trajectory(row: Any, html: bool = True) -> str:
     pre = "white-space:pre-wrap;margin:2px 0;padding:4px;border-radius:4px;font-size:12px"
     out = [f"<div style='font-family:monospace'><b>{esc(_header(row))}</b>",
            f"<div><i>problem</i>: {esc(str(row['problem']))}</div>",
-           f"<div><i>gold</i>: {esc(str(row['gold']))} &nbsp; <i>extracted</i>: {esc(str(row['extracted_answer']))}</div>"]
+           f"<div><i>gold</i>: {esc(str(row['gold']))} &nbsp; <i>extracted</i>: {esc(extracted(row))}</div>"]
     for i, turn in enumerate(turns):
         out.append(f"<div style='margin-top:6px'><b>turn {i}</b> "
                    f"({turn['num_tokens']} tokens, {esc(turn['finish_reason'])})</div>")

@@ -84,7 +84,7 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
         assert 0 <= rl["time/tool_wait_s"] <= rl["time/tool_s"] <= rl["time/rollout_s"]
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
     tags = tensorboard_tags(tmp_path / "tensorboard")
-    for tag in ("accuracy", "tool_error_ratio_correct", "sft/loss", "eval/before_rl/greedy/accuracy",
+    for tag in ("accuracy", "format_failure_rate", "tool_error_ratio_correct", "sft/loss", "eval/before_rl/greedy/accuracy",
                 "eval/after_rl/sampled/mean_tool_calls", "results/text_summary"):
         assert tag in tags, sorted(tags)
     # W&B (offline run files) and MLflow (its SQLite store) got the same names, and the same values
@@ -124,6 +124,41 @@ COMPARED = ("accuracy", "kept_rollouts", "mean_response_tokens", "mean_tool_call
 # split into each part's own section) wrote for small_config(steps=2) without evaluation: flat
 # rollout.slots, sandbox.workers, data.train_path, rl.advantage="grpo", rl.roc.eps...
 CONFIG_BEFORE_PART_SECTIONS = os.path.join(os.path.dirname(__file__), "fixtures", "config_written_at_e37a544.json")
+
+
+@pytest.mark.slow
+def test_a_run_on_a_public_set_keeping_its_template_grades_that_format_and_counts_format_failures(tmp_path):
+    """DAPO-Math-17k rows (verl layout) trained with their own template kept and graded in DAPO's
+    `Answer:` format: every step and evaluation counts format failures apart from wrong answers,
+    each trace's extracted answer is that format's, and evaluate grades a benchmark per format."""
+    from rstar2_jax.rewards import Grader
+    from tests.test_problem_sets import verl_rows, write_parquet
+
+    data = write_parquet(tmp_path / "dapo.parquet", verl_rows() * 4)
+    cfg = small_config(steps=1)
+    cfg.sft.steps, cfg.data.task, cfg.data.train_problems, cfg.data.eval_problems = 0, "problems", 0, 2
+    cfg.data.problems.train_path = cfg.data.problems.eval_path = data
+    cfg.data.problems.instructions, cfg.data.answer_format = "keep", "dapo"
+    cfg.rollout.max_len = 512  # the kept template is ~340 tiny-tokenizer tokens
+    work = tmp_path / "run"
+    results = run(cfg, str(work))
+    assert 0.0 <= results["before"]["sampled"]["format_failure_rate"] <= 1.0
+    [step] = [json.loads(l) for l in open(work / "metrics.jsonl") if '"phase": "rl"' in l]
+    traces = read_traces(work / "traces")
+    assert step["format_failure_rate"] == pytest.approx(traces["extracted_answer"].isna().mean())
+    assert all(p.startswith("Solve the following math problem step by step.") for p in traces["problem"])  # kept
+    grade = Grader("dapo")
+    for _, r in traces.iterrows():
+        answer = r["extracted_answer"]
+        answer = None if answer is None or answer != answer else answer  # pandas reads a null as NaN
+        assert answer == grade(r["response_text"], r["gold"]).answer
+    proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--checkpoint={work}", f"--benchmarks={data}",
+                           "--limit=1", "--samples=2", "--max_tokens=20", "--max_turns=1",
+                           f"--out={tmp_path / 'eval'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert report["protocol"]["answer_formats"] == {"dapo": "dapo"}  # the run's data.answer_format by default
+    assert "format_failure_rate" in report["results"]["dapo"] and "format failures" in proc.stdout
 
 
 @pytest.mark.slow
