@@ -24,6 +24,7 @@ resolve under --data_dir, or $RSTAR2_DATA_DIR when the flag is not given.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +54,9 @@ _ANSWER_FORMAT = flags.DEFINE_list("answer_format", [], "where the answer is rea
                                    "answer_boxed, boxed, dapo, gsm8k, choice_letter): FORMAT for every benchmark "
                                    "and/or BENCHMARK=FORMAT for one; default: the run's data.answer_format, else "
                                    "answer_boxed")
+_INSTRUCTIONS = flags.DEFINE_enum("instructions", "strip", ["strip", "keep"], "a public set's own instruction "
+                                  "template around a problem (data/templates.py): strip it (the prompt format "
+                                  "instructs) or keep it (then grade the format it asks for: --answer_format)")
 _ENGINE = flags.DEFINE_string("engine", "jax", "rollout engine: jax (embedded) or vllm (servers at --url)")
 _URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); repeat for several")
 _SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
@@ -271,6 +275,7 @@ def check_protocol(protocol: dict) -> None:
             earlier = json.load(f)
         from rstar2_jax.rewards import DEFAULT_ANSWER_FORMAT  # protocols written before answer formats: the default
         earlier.setdefault("answer_formats", dict.fromkeys(protocol["answer_formats"], DEFAULT_ANSWER_FORMAT))
+        earlier.setdefault("instructions", protocol["instructions"])  # before templates: sets had none we strip
         differs = sorted(k for k in set(earlier) | set(protocol) if earlier.get(k) != protocol.get(k))
         if differs:
             raise app.UsageError(f"--out={_OUT.value} holds the results of another evaluation (it differs in "
@@ -285,6 +290,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     from rstar2_jax.checkpoints import run_info
     from rstar2_jax.data.problems import load_problems
+    from rstar2_jax.data.templates import apply_instructions
     from rstar2_jax.eval_report import markdown_table, resolve_benchmark
     from rstar2_jax.models.config import ModelConfig
     from rstar2_jax.models.tokenizer import Tokenizer
@@ -308,7 +314,8 @@ def main(argv):
         if not os.path.exists(bench.path):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
     # every file read and checked (a malformed line: DataError with file and line) before any rollout
-    loaded = [(bench, load_problems(bench.path, limit=_LIMIT.value or None)) for bench in benchmarks]
+    loaded = [(bench, [dataclasses.replace(p, question=apply_instructions(p.question, _INSTRUCTIONS.value))
+                       for p in load_problems(bench.path, limit=_LIMIT.value or None)]) for bench in benchmarks]
     model_dir = model_path or run["model_dir"]
     tokenizer = Tokenizer.from_pretrained(model_dir)
     positions = ModelConfig.from_json_file(os.path.join(model_dir, "config.json")).max_position_embeddings
@@ -317,7 +324,7 @@ def main(argv):
                for bench, problems in loaded}
     answer_formats = benchmark_answer_formats(_ANSWER_FORMAT.value, [b.name for b in benchmarks],
                                               run.get("answer_format", DEFAULT_ANSWER_FORMAT))
-    protocol = {"answer_formats": answer_formats,
+    protocol = {"answer_formats": answer_formats, "instructions": _INSTRUCTIONS.value,
                 "samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": max_tokens,
                 "max_turns": max_turns, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
                 "urls": _URL.value, "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value}

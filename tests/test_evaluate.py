@@ -19,11 +19,31 @@ from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _scored(reward, statuses=(), n_tokens=10):
+def _scored(reward, statuses=(), n_tokens=10, answer="1"):
     t = Trajectory(prompt_len=2, token_ids=[0] * (2 + n_tokens), loss_mask=[0] * (2 + n_tokens),
                    logprobs=[0.0] * (2 + n_tokens))
     t.turns = [Turn("x", n_tokens, "eos", 0, 0, [ToolRecord("c", "", s, "", 0.0) for s in statuses])]
-    return Scored(t, reward)
+    return Scored(t, reward, answer)
+
+
+def test_format_failures_are_counted_apart_from_wrong_answers():
+    # 4 rollouts of one problem: right, wrong, and two with no answer in the graded format
+    s = benchmark_summary([_scored(1), _scored(0), _scored(0, answer=None), _scored(0, answer=None)], samples=4)
+    assert s["accuracy"] == pytest.approx(0.25) and s["format_failure_rate"] == pytest.approx(0.5)
+    assert "| format failures |" in markdown_table({"b": s}) and "| 50.0% |" in markdown_table({"b": s})
+
+
+def test_answer_formats_per_benchmark_and_every_bad_entry_at_once():
+    from absl import app
+
+    from rstar2_jax.evaluate import benchmark_answer_formats
+    names = ["aime24", "gpqa_diamond"]
+    assert benchmark_answer_formats([], names, "dapo") == {"aime24": "dapo", "gpqa_diamond": "dapo"}
+    assert benchmark_answer_formats(["boxed", "gpqa_diamond=choice_letter"], names, "answer_boxed") == {
+        "aime24": "boxed", "gpqa_diamond": "choice_letter"}
+    with pytest.raises(app.UsageError) as e:
+        benchmark_answer_formats(["math500=boxed", "aime24=Answer"], names, "answer_boxed")
+    assert "'math500' is not among --benchmarks" in str(e.value) and "unknown answer format 'Answer'" in str(e.value)
 
 
 def test_pass_at_1_is_averaged_over_samples_with_an_interval():
