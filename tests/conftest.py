@@ -39,12 +39,8 @@ def pytest_configure(config):
     os.environ.update(_CACHE_ENV)
 
 
-# Session fixtures that cost a minute or more each (the vLLM server): every test that uses one runs
-# on the same xdist worker, so it is built once. Module-scoped fixtures are grouped by their module
-# automatically.
-COSTLY_SESSION_FIXTURES = ("vllm_server",)
-
-
+# Tests that share a module-scoped fixture (a vLLM server, an ablation grid) run on one xdist
+# worker, so it is built once.
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -54,14 +50,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def shared_fixture_group(item) -> str | None:
-    """The xdist group of a test: the costly session fixture it uses, else the module of a
-    module-scoped fixture it uses, else None (scheduled freely)."""
+    """The xdist group of a test: the module of a module-scoped fixture it uses, else None
+    (scheduled freely)."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
-    for name in COSTLY_SESSION_FIXTURES:
-        if name in item.fixturenames:
-            return name
     for name in item.fixturenames:
         fixturedefs = info.name2fixturedefs.get(name) or ()
         if fixturedefs and fixturedefs[-1].scope == "module":

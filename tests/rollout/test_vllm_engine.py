@@ -3,7 +3,7 @@ tiny model: parity with the JAX model, weight sync after a learner update, prefi
 counted in /metrics, the tied-embedding trap, a multi-turn rollout with real sandbox calls, a server
 killed mid-batch, the scheduler over a vLLM server and a JaxEngine, a short training run, and the evaluate CLI on a server.
 
-Each server takes about a minute to start on two cores; the session shares one where it can.
+Each server takes about half a minute to start on two cores (eager); the module shares one where it can.
 """
 
 import asyncio
@@ -50,7 +50,7 @@ def start_server(model_dir, log_dir, name="server") -> VLLMServer:
     return server.start().wait_ready(timeout=600)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped when the module is done: an idle server holds ~1.7 GB and some CPU
 def vllm_server(tiny_dir, tmp_path_factory):
     server = start_server(tiny_dir, tmp_path_factory.mktemp("vllm"))
     yield server
