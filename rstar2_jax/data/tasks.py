@@ -9,6 +9,9 @@ and optionally synthetic SFT traces for a warm start. The trainer knows nothing 
              through data.problems.question_key / answer_key / id_key (data/problems.py); "jsonl",
              its older name, is read as "problems" from an older run's config.json
 
+Every task's rollouts are graded in `data.answer_format` (rewards/answer_formats.py); a problem
+set's own instruction template is stripped or kept by `data.problems.instructions` (data/templates.py).
+
 Add a task with `@register_task("name", settings=...)` on a function (data_cfg, seed) -> Task
 above DataConfig's construction (its settings appear as `data.<name>.*`), and give it a `check`
 that names every bad field of `data.*` before anything runs ((field, message) pairs).
@@ -18,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable, Iterable, Protocol, Sequence
 
 from absl import logging
-from typing import Callable, Iterable, Protocol, Sequence
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError

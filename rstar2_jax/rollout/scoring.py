@@ -37,9 +37,9 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
                            grader: Callable[[str, str], Grade] = Grader(), progress=None,
                            journal: StepJournal | None = None, indices: Sequence[int] | None = None) -> list[Scored]:
     """All rollouts concurrently, graded by `grader(response, gold)` (a Grade: reward and the answer
-    in the expected format); `progress` (e.g. a tqdm
-    bar) is updated as each one finishes. With `journal`, rollout i is saved turn by turn (and
-    resumed) under its index `indices[i]` in the step (default i): rollout/journal.py."""
+    in the expected format); `progress` (e.g. a tqdm bar) is updated as each one finishes. With
+    `journal`, rollout i is saved turn by turn (and resumed) under its index `indices[i]` in the
+    step (default i): rollout/journal.py."""
     indices = range(len(questions)) if indices is None else indices
 
     async def one(q, s, i):
