@@ -32,6 +32,10 @@ def test_algorithm_ablation_runs_every_variant_with_its_own_settings(algorithm_a
         assert [m["step"] for m in lines[cell]] == [0, 1]
     # the copied warm start only: no SFT ran (its key is the FIG4 grid's: the same model, data and SFT)
     assert os.listdir(algorithm_ablation_dir / "_warm_start") == [seed0_warm_start[0]]
+    # the cells differ only in rl.*: the first evaluated before RL, the other six share its evaluation
+    shared = [[json.loads(l).get("shared", 0) for l in open(algorithm_ablation_dir / c / "seed0" / "metrics.jsonl")
+               if '"label": "before_rl"' in l] for c in ALGORITHM_CELLS]
+    assert shared == [[0]] + [[1]] * 6 and len(os.listdir(algorithm_ablation_dir / "_before_rl")) == 1
     trained = {c: [m for m in ms if "optimizer_steps" in m] for c, ms in lines.items()}
     assert all(m["optimizer_steps"] == 1 for m in trained["alg_grpo_roc"])
     assert all(m["optimizer_steps"] > 1 for m in trained["alg_grpo_roc_4x2"])      # several steps per batch
