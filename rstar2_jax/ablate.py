@@ -48,7 +48,12 @@ def load_config_module(config_file: str):
 
 def warm_start_key(cfg) -> str:
     """Runs with equal keys start RL from the same SFT'd weights."""
-    parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in ("seed", "model", "data", "format", "sft")}
+    return config_hash(cfg, ("seed", "model", "data", "format", "sft"))
+
+
+def config_hash(cfg, keys) -> str:
+    """A short hash of the config's sections `keys`: equal hashes, equal settings there."""
+    parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in keys}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -58,8 +63,7 @@ NOT_EVALUATED = ("rl", "run_name", "checkpoint", "logging")
 
 def evaluation_key(cfg) -> str:
     """Runs with equal keys evaluate the same weights the same way before RL (the same results)."""
-    parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in cfg.keys() if k not in NOT_EVALUATED}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return config_hash(cfg, [k for k in cfg.keys() if k not in NOT_EVALUATED])
 
 
 def shared_before(cfg, workdir: str) -> str:

@@ -32,6 +32,7 @@ import sys
 from absl import app, flags, logging
 
 from rstar2_jax import cli
+from rstar2_jax.data.templates import INSTRUCTIONS
 
 _MODEL = flags.DEFINE_string("model", None,
                              "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
@@ -54,7 +55,7 @@ _ANSWER_FORMAT = flags.DEFINE_list("answer_format", [], "where the answer is rea
                                    "answer_boxed, boxed, dapo, gsm8k, choice_letter): FORMAT for every benchmark "
                                    "and/or BENCHMARK=FORMAT for one; default: the run's data.answer_format, else "
                                    "answer_boxed")
-_INSTRUCTIONS = flags.DEFINE_enum("instructions", "strip", ["strip", "keep"], "a public set's own instruction "
+_INSTRUCTIONS = flags.DEFINE_enum("instructions", "strip", list(INSTRUCTIONS), "a public set's own instruction "
                                   "template around a problem (data/templates.py): strip it (the prompt format "
                                   "instructs) or keep it (then grade the format it asks for: --answer_format)")
 _ENGINE = flags.DEFINE_string("engine", "jax", "rollout engine: jax (embedded) or vllm (servers at --url)")
