@@ -1,7 +1,7 @@
 """python -m sandbox serve | worker | bench
 
   serve   HTTP API (native + code-judge compatible) over an embedded pool or a Redis queue;
-          set SANDBOX_TOKEN to require `Authorization: Bearer $SANDBOX_TOKEN` (needed off loopback)
+          set RSTAR2_SECRET (or SANDBOX_TOKEN) to require `Authorization: Bearer <it>` (needed off loopback)
   worker  take jobs from Redis and run them (start any number, on any hosts)
   bench   throughput and latency, with a fresh-interpreter baseline, and a 45,000-call burst
 """
@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+from sandbox.job_secret import OpenServiceError, job_secret
 from sandbox.local import ISOLATION_MODES
 from sandbox.result import Limits
 
@@ -42,15 +43,15 @@ async def _serve(args):
     else:
         backend = await LocalSandbox(workers=args.workers, isolation=args.isolation, limits=_limits(args),
                                      default_timeout=args.timeout, uid_base=args.uid_base).start()
-    token = os.environ.get("SANDBOX_TOKEN") or None
+    token = os.environ.get("SANDBOX_TOKEN") or job_secret()
     server = SandboxHTTPServer(backend, default_timeout=args.timeout, workers=None if args.redis else args.workers,
                                max_connections=args.max_connections, max_body_bytes=args.max_body_mb << 20,
                                token=token)
     try:
         port = await server.start(args.host, args.port)
-    except ValueError as e:
+    except OpenServiceError as e:
         await backend.close()
-        raise SystemExit(f"sandbox serve: {e} (export SANDBOX_TOKEN)") from None
+        raise SystemExit(f"sandbox serve: {e}") from None
     behind = "redis " + args.redis if args.redis else f"{args.workers} local workers"
     print(f"sandbox serving on http://{args.host}:{port} ({behind})", flush=True)
     stop = asyncio.Event()
@@ -62,6 +63,7 @@ async def _serve(args):
 
 
 async def _worker(args):
+    from sandbox.redis_protocol import RedisRefused
     from sandbox.redis_worker import RedisWorker
 
     worker = RedisWorker(args.redis, concurrency=args.concurrency, visibility_timeout_s=args.visibility_timeout,
@@ -70,7 +72,10 @@ async def _worker(args):
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, worker.stop)
     print(f"sandbox worker {worker.name}: {args.concurrency} slots on {args.redis}", flush=True)
-    await worker.serve()
+    try:
+        await worker.serve()
+    except RedisRefused as e:
+        raise SystemExit(f"sandbox worker: {e}") from None
 
 
 def _run(coro):

@@ -37,7 +37,6 @@ limit is reached, so connections without the token cannot starve those with it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import secrets
@@ -47,7 +46,8 @@ from typing import Any
 
 from aiohttp import web
 
-from sandbox.http_guards import FairTurns, HTTPError, ReadDeadline, RefuseConnection, is_loopback, parse_body
+from sandbox.http_guards import FairTurns, HTTPError, ReadDeadline, RefuseConnection, parse_body
+from sandbox.job_secret import authorised, check_open_service
 from sandbox.http_metrics import Metrics
 from sandbox.result import ExecResult, Limits, validate_request
 
@@ -98,9 +98,8 @@ class SandboxHTTPServer:
         self._sessions: dict[str, Any] = {}  # id -> the backend's Session
 
     async def start(self, host: str = "127.0.0.1", port: int = 8088) -> int:
-        if not is_loopback(host) and not self.token:
-            raise ValueError(f"refusing to serve on non-loopback address {host!r} without a bearer token "
-                             "(the sandbox runs arbitrary code for whoever can reach it): set a token")
+        # the sandbox runs arbitrary code for whoever can reach it
+        check_open_service("the sandbox HTTP service", host, self.token)
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_route("*", "/{path:.*}", self._dispatch)
         # handler_cancellation: a client that disconnects cancels its handler, and with it its calls.
@@ -140,8 +139,7 @@ class SandboxHTTPServer:
         body_read = request.method != "POST"
         try:
             if self.token:  # on the headers alone, before anything else
-                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-                if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+                if not authorised(request.headers.get("Authorization"), self.token):
                     raise HTTPError(401, "missing or wrong bearer token")
                 deadline = self._deadlines.get(request.transport)
                 if deadline is not None:

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 import aiohttp
 
+from sandbox.job_secret import bearer_headers, job_secret
 from sandbox.result import ExecResult, Limits, validate_request
 
 
@@ -37,14 +38,14 @@ class HTTPSandbox:
     def __init__(self, url: str, *, token: str | None = None, default_timeout: float = 5.0,
                  queue_timeout_s: float = 300.0, max_timeout_s: float = Limits().max_timeout_s):
         self.url = url.rstrip("/")
-        self.token = token if token is not None else os.environ.get("SANDBOX_TOKEN") or None
+        self.token = token if token is not None else os.environ.get("SANDBOX_TOKEN") or job_secret()
         self.default_timeout = default_timeout
         self.queue_timeout_s = queue_timeout_s
         self.max_timeout_s = max_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "HTTPSandbox":
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers = bearer_headers(self.token)
         # one pooled session; no client-side total timeout (each call has its own deadline)
         self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
                                               connector=aiohttp.TCPConnector(limit=256))

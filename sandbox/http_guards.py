@@ -9,21 +9,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ipaddress
 import json
 from typing import Any
 
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 35\r\n"
          b"Connection: close\r\n\r\n{\"error\": \"too many connections\"}\n")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RefuseConnection(asyncio.Protocol):

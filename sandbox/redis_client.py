@@ -14,10 +14,10 @@ import uuid
 from typing import Any, Iterable
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 from sandbox.redis_protocol import RETRYABLE as _RETRYABLE
-from sandbox.redis_protocol import Keys
+from sandbox.redis_protocol import Keys, connection_options, refused
 from sandbox.result import ExecResult, Limits, validate_request
 
 log = logging.getLogger("sandbox.distributed")
@@ -42,7 +42,8 @@ class RedisSandbox:
         self.reply_key = self.keys.replies(self.client_id)
         pool = aioredis.BlockingConnectionPool.from_url(url, decode_responses=True, socket_connect_timeout=2,
                                                         socket_keepalive=True, max_connections=max_connections,
-                                                        timeout=None, client_name=f"sandbox-client-{self.client_id}")
+                                                        timeout=None, client_name=f"sandbox-client-{self.client_id}",
+                                                        **connection_options())
         self._redis = aioredis.Redis(connection_pool=pool)
         self._waiting: dict[str, asyncio.Future] = {}  # stream entry id -> its result
         self._listener: asyncio.Task | None = None
@@ -73,6 +74,8 @@ class RedisSandbox:
         while not self._closing:
             try:
                 reply = await self._redis.blpop([self.reply_key], timeout=1)
+            except AuthenticationError:
+                return  # the call that queued its job says why (RedisRefused)
             except _RETRYABLE:
                 self._reconnects += 1
                 await asyncio.sleep(0.2)
@@ -130,6 +133,8 @@ class RedisSandbox:
                     return await asyncio.wait_for(asyncio.shield(future), wait)
                 except asyncio.TimeoutError:
                     continue
+                except AuthenticationError as e:
+                    raise refused(self.url, e) from None
                 except _RETRYABLE as e:  # Redis restarting or unreachable: retry until the deadline
                     last_error = e
                     self._reconnects += 1

@@ -28,6 +28,10 @@ keeps {p}:alive:{worker} fresh while it serves; a client waiting for a cell of a
 key is gone (it died) opens a new session, and that cell says the earlier variables are gone, as
 it does when the session expired on an idle worker.
 
+Redis asks for the job's secret ($RSTAR2_SECRET, sandbox/job_secret.py) as its password where
+one is set (a password in the URL wins). A refused password is not a restart to ride out: both
+sides raise RedisRefused at once.
+
 Keys (prefix "sandbox" by default): {p}:jobs (stream), {p}:workers (group), {p}:replies:{client}
 (a client's reply list), {p}:done:{entry} (exactly-once marker), {p}:cancelled:{entry},
 {p}:dead (dead-letter list, newest 1,000), {p}:sessions:{worker} (stream), {p}:alive:{worker}.
@@ -35,11 +39,32 @@ Keys (prefix "sandbox" by default): {p}:jobs (stream), {p}:workers (group), {p}:
 
 from __future__ import annotations
 
+import urllib.parse
+
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-# failures of the connection (Redis restarting or gone), which both sides ride out
+from sandbox.job_secret import SECRET_ENV, job_secret
+
+# failures of the connection (Redis restarting or gone), which both sides ride out; redis-py's
+# AuthenticationError is one of them by class, so catch it first (RedisRefused)
 RETRYABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class RedisRefused(RuntimeError):
+    """Redis refused this client's password (or its lack of one)."""
+
+
+def connection_options() -> dict:
+    """What both sides pass to redis-py besides the URL: the job's secret as the password."""
+    return {"password": job_secret()}
+
+
+def refused(url: str, error: AuthenticationError) -> RedisRefused:
+    where = urllib.parse.urlparse(url)  # never the URL itself: it may hold a password
+    return RedisRefused(f"redis at {where.hostname}:{where.port or 6379} refused this client ({error}): it needs the "
+                        f"job's secret in ${SECRET_ENV}, as the server's requirepass")
 
 
 class Keys:

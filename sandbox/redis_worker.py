@@ -15,12 +15,12 @@ import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from sandbox.jobs import Job, MalformedJob, dead_letter_record, parse_job, reply_of
 from sandbox.local import LocalSandbox
 from sandbox.redis_protocol import RETRYABLE as _RETRYABLE
-from sandbox.redis_protocol import Keys
+from sandbox.redis_protocol import Keys, connection_options, refused
 from sandbox.result import ExecResult, validate_request
 
 log = logging.getLogger("sandbox.distributed")
@@ -58,7 +58,7 @@ class RedisWorker:
         # surrogateescape: an entry's bytes that are not UTF-8 reach parse_job (which refuses them)
         # instead of failing the read of the whole batch
         self._redis = aioredis.from_url(url, decode_responses=True, encoding_errors="surrogateescape",
-                                        socket_connect_timeout=2)
+                                        socket_connect_timeout=2, **connection_options())
         self._running: dict[str, asyncio.Task] = {}  # stream entry id -> task
         self._stop = asyncio.Event()
         self.completed = 0
@@ -85,6 +85,8 @@ class RedisWorker:
                     try:
                         await self._ensure_group()
                         await self._take_jobs()
+                    except AuthenticationError as e:  # not a restart: no password will come by waiting
+                        raise refused(self.url, e) from None
                     except _RETRYABLE as e:
                         log.warning("redis unavailable (%r); retrying", e)
                         await asyncio.sleep(0.5)

@@ -10,6 +10,13 @@ trainer finds its coordinator from SLURM (jax.distributed.initialize()).
 
 A resubmission of the same script resumes the run from its last checkpoint (the trainer's own
 resume); `python -m rstar2_jax.launch slurm ...` with the same flags writes the same script.
+
+Every service of the job answers only the job: the script makes a new secret when the job starts
+and exports it as $RSTAR2_SECRET (sandbox/job_secret.py), which every step inherits. Redis reads
+it as its requirepass from stdin, the vLLM servers, their weight fetchers and the trainer's export
+server ask for it as a bearer token; it is never on a command line, where `ps` and `scontrol`
+would show it to the cluster's other users (nor in the script, which `scontrol write batch_script`
+shows).
 """
 
 from __future__ import annotations
@@ -213,6 +220,10 @@ def batch_script(job: SlurmJob) -> str:
         "trap cleanup EXIT",
         'trap "exit 143" TERM',
         "CPUS=${SLURM_CPUS_ON_NODE:-1}",
+        "# the job's secret: every service below asks for it; the steps inherit it (never an argument)",
+        f"RSTAR2_SECRET=$({py} -c 'import secrets; print(secrets.token_urlsafe(32))') && [ -n \"$RSTAR2_SECRET\" ] "
+        "|| { echo 'could not make the job secret' >&2; exit 1; }",
+        "export RSTAR2_SECRET",
         f"echo \"job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: sandbox {roles['sandbox']} rollout {roles['rollout']} "
         f"learner {roles['learner']} (node indices)\"",
     ]
@@ -226,8 +237,10 @@ def batch_script(job: SlurmJob) -> str:
             "# Redis (the sandbox queue) on the first sandbox node, then the sandbox workers",
             f"REDIS_HOST=$(host {roles['sandbox'][0]})",
             f"REDIS_URL=redis://$REDIS_HOST:{p.redis}/0",
+            # its password from stdin ("-": the configuration read from there), not its arguments
+            "printf 'requirepass %s\\n' \"$RSTAR2_SECRET\" | "
             f"{step} --nodes=1 --ntasks=1 --nodelist=$REDIS_HOST --output={logs}/%j.redis.log "
-            f"{_q(job.redis_server)} --port {p.redis} --bind 0.0.0.0 --protected-mode no --save '' --appendonly no &",
+            f"{_q(job.redis_server)} - --port {p.redis} --bind 0.0.0.0 --protected-mode no --save '' --appendonly no &",
             "STEPS+=($!)",
             f"{py} -m rstar2_jax.launch.wait --timeout 120 \"$REDIS_URL\" || exit 1",
             f"{step} --nodes={r.sandbox_nodes} --ntasks={r.sandbox_nodes * r.sandbox_tasks_per_node} "

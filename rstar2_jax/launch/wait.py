@@ -1,30 +1,36 @@
 """`python -m rstar2_jax.launch.wait [--timeout S] ADDRESS...`: wait until each answers.
 
-redis://HOST:PORT[/DB] is up when a PING gets PONG; http(s)://... when a GET returns 2xx. Exits 1
-naming what did not answer in time (the batch script stops there, before the trainer starts).
+redis://HOST:PORT[/DB] is up when a PING gets PONG; http(s)://... when a GET returns 2xx. Both
+show the job's secret ($RSTAR2_SECRET) where one is set, as the trainer will. Exits 1 naming what
+did not answer in time (the batch script stops there, before the trainer starts).
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
+import redis
+
+from sandbox.job_secret import bearer_headers, job_secret
+
 
 def answers(address: str) -> bool:
-    url = urllib.parse.urlparse(address)
+    secret = job_secret()
     try:
-        if url.scheme == "redis":
-            with socket.create_connection((url.hostname, url.port or 6379), timeout=2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        with urllib.request.urlopen(address, timeout=5) as r:
+        if urllib.parse.urlparse(address).scheme == "redis":
+            client = redis.Redis.from_url(address, password=secret, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        with urllib.request.urlopen(urllib.request.Request(address, headers=bearer_headers(secret)), timeout=5) as r:
             return 200 <= r.status < 300
-    except (OSError, urllib.error.URLError):
+    except (OSError, urllib.error.URLError, redis.RedisError):
         return False
 
 

@@ -7,6 +7,9 @@ Then point training at it: `--config.rollout.engine=vllm --config.rollout.vllm.u
 (several URLs go through the KV-aware scheduler). The server runs in vLLM's own venv
 (--python, default .venv-vllm/bin/python; docs/ENGINES.md "Rollout server (vLLM)"). It stays in the
 foreground until Ctrl-C; its weights are replaced by the trainer's at every sync.
+
+With $RSTAR2_SECRET set, the server and its fetcher answer only requests that carry it (the
+trainer's clients send it from their own environment); without it they listen on loopback only.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from absl import app, flags
 
 from rstar2_jax.rollout.engines.vllm_server import (ServerOptions, VLLMServer, default_python, server_command,
                                                     shell_command)
+from sandbox.job_secret import SECRET_ENV, OpenServiceError, job_secret
 
 _MODEL = flags.DEFINE_string("model", None, "HF model directory to launch with, or a hub id through the Hugging Face "
                              "cache", required=True)
@@ -53,11 +57,16 @@ def main(argv):
                          tensor_parallel_size=_TP.value, gpu_memory_utilization=_GPU_MEM.value,
                          cpu_kv_cache_gib=_CPU_KV.value, eager=_EAGER.value, extra_args=tuple(_EXTRA.value))
     python = _PYTHON.value or default_python()
-    argv, env = server_command(model_dir, opts, python)
-    print(shell_command(argv, env), flush=True)
+    secret = job_secret()
+    argv, env = server_command(model_dir, opts, python, require_secret=bool(secret))
+    print(shell_command(argv, env) + (f"   (${SECRET_ENV} from this environment)" if secret else ""), flush=True)
     if _PRINT_ONLY.value:
         return
-    server = VLLMServer(model_dir, opts, python=python)
+    try:  # refused before anything starts: beyond loopback, both the server and its fetcher need the secret
+        check_open_service("the vLLM server and its weight fetcher", _HOST.value, secret, warn=lambda _: None)
+    except OpenServiceError as e:
+        sys.exit(str(e))
+    server = VLLMServer(model_dir, opts, python=python, secret=secret)
     fetcher = None
     # SIGTERM (scancel, a job's end, kill) stops the server like Ctrl-C: nothing left holding the port
     signal.signal(signal.SIGTERM, _interrupt)

@@ -1,7 +1,7 @@
 """The pull path of weight sync without a vLLM server: the trainer's read-only file server, the
 fetcher beside a server (real HTTP over loopback) copying an export bucket by bucket into a
 partial copy that becomes whole on commit, old versions and abandoned partial copies dropped,
-bad requests refused."""
+bad requests refused, strangers refused where the job has a secret."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from rstar2_jax.rollout.engines.weight_pull import WeightFetcher, WeightFileServer, ask_to_commit, ask_to_fetch
+from sandbox.job_secret import SECRET_ENV, OpenServiceError, bearer_headers
 
 BUCKETS = [("model-b00000.safetensors", "b00000"), ("model-b00001.safetensors", "b00001")]
 
@@ -81,4 +82,44 @@ def test_the_fetcher_refuses_bad_requests_and_says_why(tmp_path, route, body, st
         left = [f for _, _, fs in os.walk(tmp_path / "server") for f in fs]
         assert left == []  # nothing half copied is left
     finally:
+        fetcher.close()
+
+
+def _status(url: str, *, method: str = "GET", body: dict | None = None, secret: str | None = None) -> int:
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers=bearer_headers(secret))
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_with_the_job_secret_both_servers_answer_only_its_holders(tmp_path, monkeypatch):
+    """Issue 48, item 4: the export and the fetcher refuse a request without the secret (a
+    stranger could otherwise read the policy, or make a server reload weights of their choosing),
+    and the sync of the job's own processes, which carry it from their environment, goes through."""
+    for service in (lambda host: WeightFileServer(str(tmp_path / "t"), host=host),
+                    lambda host: WeightFetcher(str(tmp_path / "s"), host=host)):
+        with pytest.raises(OpenServiceError, match="without a secret"):
+            service("0.0.0.0")
+    monkeypatch.setenv(SECRET_ENV, "job-s3cret")
+    files = WeightFileServer(str(tmp_path / "trainer"))
+    fetcher = WeightFetcher(str(tmp_path / "server"))
+    try:
+        src = export(tmp_path / "trainer", 1)
+        file_url = f"{files.url_for(str(src))}/{BUCKETS[0][0]}"
+        assert _status(file_url) == 401 and _status(file_url, secret="wrong") == 401
+        assert _status(file_url, secret="job-s3cret") == 200
+        stranger = {"url": "http://127.0.0.1:1", "file": "m.safetensors", "bucket": "b0", "version": 1}
+        assert _status(f"{fetcher.url}/fetch", method="POST", body=stranger) == 401
+        assert _status(f"{fetcher.url}/commit", method="POST", body={"version": 1}, secret="wrong") == 401
+        assert _status(f"{fetcher.url}/anything") == 401
+        for file, bucket in BUCKETS:
+            ask_to_fetch(fetcher.url, files.url_for(str(src)), file, bucket, 1)
+        whole = ask_to_commit(fetcher.url, 1)
+        assert open(os.path.join(whole, BUCKETS[1][0]), "rb").read() == (src / BUCKETS[1][0]).read_bytes()
+        assert not os.path.exists(tmp_path / "server" / "v1.partial")  # the stranger's fetch copied nothing
+    finally:
+        files.close()
         fetcher.close()

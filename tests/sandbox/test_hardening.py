@@ -21,6 +21,7 @@ import pytest
 
 import sandbox
 from sandbox import cgroups, zygote, zygote_state
+from sandbox.job_secret import OpenServiceError
 from sandbox.pool import child_pids, process_name
 from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls, prometheus_total
 from tests.sandbox.test_hostile import run_beside_benign
@@ -541,7 +542,7 @@ def test_a_client_that_goes_away_has_its_batch_cancelled(sb, strict_api):
 
 def test_bearer_token_and_refusal_to_listen_openly_without_one(sb):
     from sandbox.http_api import SandboxHTTPServer
-    with pytest.raises(ValueError, match="non-loopback address '0.0.0.0' without a bearer token"):
+    with pytest.raises(OpenServiceError, match="refusing to listen on '0.0.0.0' without a secret"):
         sb.call(SandboxHTTPServer(sb.sb).start("0.0.0.0", 0))
     server = SandboxHTTPServer(sb.sb, token="s3cret")
     port = sb.call(server.start("127.0.0.1", 0))

@@ -4,6 +4,8 @@ and not (ServerRequestError), and its Prometheus /metrics read as a ServerLoad.
 Two clients with the same errors: `AsyncVLLMClient` (aiohttp) for the generation path, where
 hundreds of requests are in flight at once, and the blocking `VLLMClient` (urllib) for the
 control plane the Engine interface calls synchronously (weight reloads, probes, /metrics).
+Both carry the job's secret ($RSTAR2_SECRET) where one is set: the servers then refuse anyone
+without it (vllm_server.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from rstar2_jax.rollout.engines.base import ServerLoad
 from rstar2_jax.rollout.engines.vllm_server import is_ready
+from sandbox.job_secret import bearer_headers, job_secret
 
 
 class ServerUnavailable(ConnectionError):
@@ -59,11 +62,12 @@ class VLLMClient:
     def __init__(self, url: str, timeout: float = 600.0):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.headers = bearer_headers(job_secret())
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
+                                     headers={**self.headers, **({"Content-Type": "application/json"} if data else {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                 raw = r.read()
@@ -95,6 +99,7 @@ class AsyncVLLMClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.max_connections = max_connections
+        self.headers = bearer_headers(job_secret())
         self._session = None
         self._loop = None
 
@@ -103,7 +108,8 @@ class AsyncVLLMClient:
 
         loop = asyncio.get_running_loop()
         if self._session is None or self._loop is not loop or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections),
+                                                  headers=self.headers)
             self._loop = loop
         return self._session
 

@@ -59,6 +59,7 @@ from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerReque
                                                     server_load)
 from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays, take_part
 from rstar2_jax.rollout.sampling import SamplingParams
+from sandbox.job_secret import check_open_service, is_loopback, job_secret
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class VLLMEngine(Engine):
             raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
         self.fetch_url = fetch_url
         self.sync_host = sync_host
+        if sync == "pull":  # refused now, not at the first sync: the export would be open to the network
+            check_open_service("the trainer's weight export server", _bind_address(sync_host), job_secret())
         self.client = VLLMClient(url, timeout=request_timeout)  # control plane (the Engine's sync calls)
         self.async_client = AsyncVLLMClient(url, timeout=request_timeout, max_connections=max_concurrency)
         self.url = self.client.url
@@ -437,12 +440,16 @@ SYNC_METHODS = ("files", "pull", "nccl")  # the names of rollout.vllm.sync
 _FILE_SERVERS: dict[tuple[str, str], Any] = {}
 
 
+def _bind_address(sync_host: str) -> str:
+    """Where the file server listens to be reached at `sync_host`: loopback, or every interface."""
+    return sync_host if is_loopback(sync_host) else "0.0.0.0"
+
+
 def _file_server(root: str, host: str):
     """This process's read-only HTTP server of `root` (one per root and address, started on first use)."""
     from rstar2_jax.rollout.engines.weight_pull import WeightFileServer
     if (root, host) not in _FILE_SERVERS:
-        bind = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
-        _FILE_SERVERS[root, host] = WeightFileServer(root, host=bind, advertise=host)
+        _FILE_SERVERS[root, host] = WeightFileServer(root, host=_bind_address(host), advertise=host)
     return _FILE_SERVERS[root, host]
 
 

@@ -11,6 +11,11 @@ process. The flags that matter for RL (see shared notes on vLLM):
 - --logprobs-mode processed_logprobs returns log-probs at the sampling temperature (before
   top-k/top-p), the distribution the learner recomputes; the default is the raw (T = 1) one;
 - on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and VLLM_CPU_OMP_THREADS_BIND=nobind.
+
+Where the job has a secret ($RSTAR2_SECRET, sandbox/job_secret.py) the server answers only
+requests that carry it (vllm_plugins/rstar2_vllm_auth.py, loaded by vLLM's --middleware): the
+dev-mode routes above would otherwise let anyone who reaches it swap the policy's weights. The
+secret reaches the server through its environment, never its command line.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+from sandbox.job_secret import SECRET_ENV, bearer_headers, check_open_service, job_secret
+
+# the middleware's directory (stdlib only, so the vLLM venv can import it without this package)
+AUTH_PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+AUTH_MIDDLEWARE = "rstar2_vllm_auth.RequireSecret"
 
 
 def free_port() -> int:
@@ -57,8 +68,11 @@ class ServerOptions:
     extra_args: tuple[str, ...] = ()
 
 
-def server_command(model_dir: str, opts: ServerOptions, python: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) that start a vLLM server for `model_dir` with the RL routes on."""
+def server_command(model_dir: str, opts: ServerOptions, python: str | None = None, *,
+                   require_secret: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) that start a vLLM server for `model_dir` with the RL routes on.
+    require_secret: every route needs $RSTAR2_SECRET, which the server then needs in its own
+    environment (not in what this returns: the command is printed)."""
     argv = [python or default_python(), "-m", "vllm.entrypoints.openai.api_server",
             "--model", os.path.abspath(model_dir), "--host", opts.host, "--port", str(opts.port),
             "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len), "--seed", str(opts.seed),
@@ -77,6 +91,9 @@ def server_command(model_dir: str, opts: ServerOptions, python: str | None = Non
         if opts.tensor_parallel_size == 1:  # vLLM's CPU platform takes "uni" only with this variable
             argv += ["--distributed-executor-backend", "uni"]         # (vllm/platforms/cpu.py)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if require_secret:
+        argv += ["--middleware", AUTH_MIDDLEWARE]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (AUTH_PLUGIN_DIR, os.environ.get("PYTHONPATH", "")) if p)
     argv += list(opts.extra_args)
     return argv, env
 
@@ -93,11 +110,14 @@ class VLLMServer:
     """One vLLM server process. `restart()` keeps the URL (same port), as a supervisor would."""
 
     def __init__(self, model_dir: str, opts: ServerOptions | None = None, *, python: str | None = None,
-                 log_path: str | None = None):
+                 log_path: str | None = None, secret: str | None = None):
+        """secret: what every request must carry (default $RSTAR2_SECRET; None there: open, which
+        only loopback allows)."""
         self.model_dir = os.path.abspath(model_dir)
         self.opts = opts or ServerOptions()
         self.python = python or default_python()
         self.log_path = log_path
+        self.secret = secret or job_secret()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -112,7 +132,10 @@ class VLLMServer:
         if not os.path.exists(self.python):
             raise ServerStartError(f"no vLLM interpreter at {self.python}: create the venv (`make .venv-vllm/.installed`, "
                                    "docs/ENGINES.md 'Rollout server (vLLM)') or pass python=")
-        argv, env = server_command(self.model_dir, self.opts, self.python)
+        check_open_service("the vLLM server", self.opts.host, self.secret)
+        argv, env = server_command(self.model_dir, self.opts, self.python, require_secret=bool(self.secret))
+        if self.secret:
+            env[SECRET_ENV] = self.secret
         log = open(self.log_path, "ab") if self.log_path else None  # None: the server prints to our stdout
         # its own process group, so stop() also ends the engine-core child process
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
@@ -127,7 +150,7 @@ class VLLMServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(f"vLLM server exited with code {self.proc.returncode} while starting"
                                        + (f"; log: {self.log_path}\n{_tail(self.log_path)}" if self.log_path else ""))
-            if is_ready(self.url):
+            if is_ready(self.url, self.secret):
                 return self
             time.sleep(1.0)
         raise ServerStartError(f"vLLM server at {self.url} not ready after {timeout:.0f} s"
@@ -159,10 +182,12 @@ class VLLMServer:
         self.stop()
 
 
-def is_ready(url: str) -> bool:
-    """The server answers /v1/models with its model (what a restarted server does once loaded)."""
+def is_ready(url: str, secret: str | None = None) -> bool:
+    """The server answers /v1/models with its model (what a restarted server does once loaded).
+    secret: what to show it (default $RSTAR2_SECRET)."""
+    request = urllib.request.Request(url + "/v1/models", headers=bearer_headers(secret or job_secret()))
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as r:
+        with urllib.request.urlopen(request, timeout=2.0) as r:
             return r.status == 200 and bool(json.load(r).get("data"))
     except (OSError, ValueError, http.client.HTTPException):
         return False

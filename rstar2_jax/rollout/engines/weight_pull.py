@@ -13,6 +13,10 @@ renamed `v<version>` once every bucket is in (/commit): a whole copy, which a la
 a restarted server reloads. `python -m rstar2_jax.rollout.serve --fetch_port P` runs a fetcher
 next to the server; `python -m rstar2_jax.rollout.engines.weight_pull --port P --dir D` runs one
 alone.
+
+Both servers answer only requests that carry the job's secret ($RSTAR2_SECRET, as `Authorization:
+Bearer`; sandbox/job_secret.py): otherwise anyone on the network could read the policy or, worse,
+make a server reload weights of their choosing. Neither listens beyond loopback without one.
 """
 
 from __future__ import annotations
@@ -26,16 +30,35 @@ import shutil
 import threading
 import urllib.request
 
+from sandbox.job_secret import authorised, bearer_headers, check_open_service, job_secret
+
 CHUNK = 8 << 20
 
 
-class WeightFileServer:
-    """Serves `root` (read-only, GET only) over HTTP from a background thread."""
+def _refused(handler: http.server.BaseHTTPRequestHandler, secret: str | None) -> bool:
+    """Answer 401 (and True) unless the request carries `secret`."""
+    if authorised(handler.headers.get("Authorization"), secret):
+        return False
+    data = b'{"error": "missing or wrong secret (Authorization: Bearer $RSTAR2_SECRET)"}'
+    handler.send_response(401)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+    return True
 
-    def __init__(self, root: str, host: str = "127.0.0.1", advertise: str | None = None, port: int = 0):
+
+class WeightFileServer:
+    """Serves `root` (read-only, GET only) over HTTP from a background thread, to holders of
+    `secret` (default: $RSTAR2_SECRET)."""
+
+    def __init__(self, root: str, host: str = "127.0.0.1", advertise: str | None = None, port: int = 0,
+                 secret: str | None = None):
         self.root = os.path.abspath(root)
+        secret = secret or job_secret()
+        check_open_service("the trainer's weight export server", host, secret)
         os.makedirs(self.root, exist_ok=True)
-        handler = functools.partial(_QuietFiles, directory=self.root)
+        handler = functools.partial(_QuietFiles, directory=self.root, secret=secret)
         self._httpd = http.server.ThreadingHTTPServer((host, port), handler)
         self.port = self._httpd.server_address[1]
         self.base_url = f"http://{advertise or host}:{self.port}"
@@ -54,15 +77,23 @@ class WeightFileServer:
 
 
 class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def __init__(self, *args, secret: str | None, **kwargs):
+        self.secret = secret
+        super().__init__(*args, **kwargs)
+
+    def send_head(self):  # GET and HEAD both start here
+        return None if _refused(self, self.secret) else super().send_head()
+
     def log_message(self, *args):  # one line per file per sync would flood the trainer's log
         pass
 
 
-def fetch_file(url: str, dest: str, timeout: float = 600.0):
+def fetch_file(url: str, dest: str, timeout: float = 600.0, secret: str | None = None):
     """Copy `url` to `dest`, whole or not at all (a temporary name renamed once complete)."""
     tmp = dest + ".partial"
+    request = urllib.request.Request(url, headers=bearer_headers(secret or job_secret()))
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as src, open(tmp, "wb") as out:
+        with urllib.request.urlopen(request, timeout=timeout) as src, open(tmp, "wb") as out:
             shutil.copyfileobj(src, out, CHUNK)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -80,11 +111,14 @@ def _checked_name(name: str, what: str) -> str:
 class WeightFetcher:
     """Beside a vLLM server: copies the buckets of each export it is told about into
     `root`/v<version>.partial, which /commit renames `root`/v<version> (keeping only the newest
-    `keep` whole versions), and answers with the local paths for reload_weights."""
+    `keep` whole versions), and answers with the local paths for reload_weights. Requests must
+    carry `secret` (default: $RSTAR2_SECRET), which it also shows the export server."""
 
-    def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, keep: int = 2):
+    def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, keep: int = 2, secret: str | None = None):
         self.root = os.path.abspath(root)
         self.keep = keep
+        self.secret = secret = secret or job_secret()
+        check_open_service("the weight fetcher", host, secret)
         os.makedirs(self.root, exist_ok=True)
         fetcher = self
 
@@ -92,7 +126,13 @@ class WeightFetcher:
             def log_message(self, *args):
                 pass
 
+            def do_GET(self):
+                if not _refused(self, secret):
+                    self._reply(404, {"error": f"no route {self.path}; POST /fetch or /commit"})
+
             def do_POST(self):
+                if _refused(self, secret):
+                    return
                 if self.path not in ("/fetch", "/commit"):
                     return self._reply(404, {"error": f"no route {self.path}; POST /fetch or /commit"})
                 try:
@@ -131,7 +171,7 @@ class WeightFetcher:
         partial = os.path.join(self.root, f"v{version}.partial")
         with self._lock:
             os.makedirs(os.path.join(partial, bucket), exist_ok=True)
-            fetch_file(f"{base_url}/{file}", os.path.join(partial, file))
+            fetch_file(f"{base_url}/{file}", os.path.join(partial, file), secret=self.secret)
             link = os.path.join(partial, bucket, "model.safetensors")
             if not os.path.lexists(link):
                 os.symlink(os.path.join("..", file), link)
@@ -161,7 +201,7 @@ class WeightFetcher:
 
 def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **bearer_headers(job_secret())})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
