@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import given
@@ -127,3 +128,46 @@ def test_eager_vllm_servers_only_when_asked_and_the_server_command_they_run():
     assert "--enforce-eager" in argv and "uni" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     argv, env = server_command("/m", ServerOptions())
     assert "--enforce-eager" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+
+
+def test_the_job_makes_its_own_secret_and_hands_it_to_redis_on_stdin_not_on_a_command_line():
+    text = batch_script(job())
+    lines = text.splitlines()
+    made = [line for line in lines if line.startswith("RSTAR2_SECRET=")]
+    assert len(made) == 1 and "export RSTAR2_SECRET" in lines
+    assert lines.index("export RSTAR2_SECRET") < min(i for i, line in enumerate(lines) if line.startswith("srun")
+                                                     or "| srun" in line)  # before any service starts
+    redis = next(line for line in lines if "redis-server" in line)
+    assert redis.startswith("printf 'requirepass %s\\n' \"$RSTAR2_SECRET\" | srun ") and "redis-server - --port" in redis
+    assert sum("$RSTAR2_SECRET" in line for line in lines) == 2  # its test, and Redis's stdin: never an argument
+    # the lines that make it, run: a fresh secret each time the job starts
+    secrets_made = set()
+    for _ in range(2):
+        script = "\n".join([line.replace("/venv/bin/python", sys.executable) for line in made]
+                           + ["export RSTAR2_SECRET", 'echo "$RSTAR2_SECRET"'])
+        secrets_made.add(subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.strip())
+    assert len(secrets_made) == 2 and all(len(s) >= 40 for s in secrets_made)
+
+
+def test_wait_shows_redis_the_job_secret_and_gives_up_once_a_step_has_ended():
+    from tests.sandbox.redis_server import RedisServer, free_port
+
+    server = RedisServer(password="job-s3cret").start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "RSTAR2_SECRET"}
+        wait = [sys.executable, "-m", "rstar2_jax.launch.wait", "--timeout", "3", server.url]
+        without = subprocess.run(wait, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert without.returncode == 1 and "no answer within 3 s" in without.stderr
+        holder = subprocess.run(wait, cwd=ROOT, env={**env, "RSTAR2_SECRET": "job-s3cret"}, capture_output=True,
+                                text=True, timeout=60)
+        assert holder.returncode == 0 and "up: " in holder.stdout, holder.stderr
+    finally:
+        server.stop()
+    step = subprocess.Popen(["sleep", "0.5"])  # a server's step that failed to start
+    start = time.monotonic()
+    gone = subprocess.run([sys.executable, "-m", "rstar2_jax.launch.wait", "--timeout", "600", "--alive", str(step.pid),
+                           f"http://127.0.0.1:{free_port()}/health"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    step.wait()
+    assert gone.returncode == 1 and f"process(es) {step.pid} ended before" in gone.stderr
+    assert time.monotonic() - start < 60  # not the 600 s timeout

@@ -242,7 +242,7 @@ def batch_script(job: SlurmJob) -> str:
             f"{step} --nodes=1 --ntasks=1 --nodelist=$REDIS_HOST --output={logs}/%j.redis.log "
             f"{_q(job.redis_server)} - --port {p.redis} --bind 0.0.0.0 --protected-mode no --save '' --appendonly no &",
             "STEPS+=($!)",
-            f"{py} -m rstar2_jax.launch.wait --timeout 120 \"$REDIS_URL\" || exit 1",
+            f"{py} -m rstar2_jax.launch.wait --timeout 120 --alive $! \"$REDIS_URL\" || exit 1",
             f"{step} --nodes={r.sandbox_nodes} --ntasks={r.sandbox_nodes * r.sandbox_tasks_per_node} "
             f"--ntasks-per-node={r.sandbox_tasks_per_node} {_cpus_per_task(r.sandbox_tasks_per_node)} "
             f"--nodelist={_hosts(roles['sandbox'])} --output={logs}/%j.sandbox.%t.log "
@@ -270,7 +270,8 @@ def batch_script(job: SlurmJob) -> str:
                     "STEPS+=($!)",
                     f"VLLM_URLS+=(http://$H:{port})", f"FETCH_URLS+=(http://$H:{fetch})",
                 ]
-        body += [f"{py} -m rstar2_jax.launch.wait --timeout 1800 $(printf '%s/health ' \"${{VLLM_URLS[@]}}\") || exit 1"]
+        body += [f"{py} -m rstar2_jax.launch.wait --timeout 1800 $(printf -- '--alive %s ' \"${{STEPS[@]}}\") "
+                 f"$(printf '%s/health ' \"${{VLLM_URLS[@]}}\") || exit 1"]
         train += ["--config.rollout.engine=vllm", "--config.rollout.vllm.sync=pull",
                   f'"--config.rollout.vllm.sync_host=$(host {roles["learner"][0]})"',
                   '$(printf -- "--config.rollout.vllm.urls=%s " "${VLLM_URLS[@]}")',

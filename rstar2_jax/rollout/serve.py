@@ -21,7 +21,7 @@ from absl import app, flags
 
 from rstar2_jax.rollout.engines.vllm_server import (ServerOptions, VLLMServer, default_python, server_command,
                                                     shell_command)
-from sandbox.job_secret import SECRET_ENV, OpenServiceError, job_secret
+from sandbox.job_secret import SECRET_ENV, OpenServiceError, check_open_service, job_secret
 
 _MODEL = flags.DEFINE_string("model", None, "HF model directory to launch with, or a hub id through the Hugging Face "
                              "cache", required=True)

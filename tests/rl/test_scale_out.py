@@ -4,8 +4,11 @@ with an optimizer reset) shrunk to the tiny CPU model, written and submitted by
 `python -m rstar2_jax.launch slurm` to a one-node SLURM cluster the test starts (slurmctld,
 slurmd, munged): Redis, two sandbox workers, a vLLM CPU server with its weight fetcher, and two
 trainer processes that find each other through SLURM, with asynchronous rollouts
-(max_staleness=1). The job is scancel-led mid-run and its script resubmitted: the run finishes
-from its checkpoint."""
+(max_staleness=1). Every service answers only the job (issue 48, item 4): while it runs, a
+client without the job's secret is refused by Redis, the vLLM server, its weight fetcher and the
+trainer's weight export, one with it (read from a job process's environment, as only its owner
+can) is served, and the secret is on no command line nor in the script or `scontrol show job`.
+The job is scancel-led mid-run and its script resubmitted: the run finishes from its checkpoint."""
 
 import json
 import os
@@ -13,8 +16,11 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
+import redis
 
 from rstar2_jax.rl.prefilter import read_results
 from rstar2_jax.traces import read_traces
@@ -91,11 +97,12 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     seeded = [{"id": i, "solved": n, "k": 2} for i, n in zip(ids[:4], (2, 0, 2, 1))]
     (work / "prefilter" / "stage2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in seeded))
 
+    ports = {"redis": free_port(), "vllm": free_port(), "fetch": free_port()}
     launch = [sys.executable, "-m", "rstar2_jax.launch", "slurm", f"--config={config}", f"--workdir={work}",
               "--nodes=1", "--learner_tasks_per_node=2", "--sandbox_nodes=1", "--sandbox_tasks_per_node=2",
               "--sandbox_concurrency=2", "--rollout_nodes=1", f"--vllm_python={VLLM_PYTHON}", "--cpu_kv_cache_gib=1",
               "--vllm_eager",  # half the server's start-up on CPU
-              f"--redis_port={free_port()}", f"--vllm_port={free_port()}", f"--fetch_port={free_port()}"]
+              f"--redis_port={ports['redis']}", f"--vllm_port={ports['vllm']}", f"--fetch_port={ports['fetch']}"]
     # a request the cluster cannot place is refused before anything is written
     refused = subprocess.run(launch + ["--nodes=2", "--learner_nodes=2"], cwd=ROOT, env=cluster.env,
                              capture_output=True, text=True, timeout=120)
@@ -112,6 +119,7 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     checkpoints = work / "checkpoints"
     _wait(lambda: (checkpoints / "2").exists() or first not in cluster.jobs(), 1200, "checkpoint 2")
     assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
+    _only_the_job_is_served(cluster, first, work, ports)
     cluster.run("scancel", first)
     cluster.wait_gone(first, 120)
     assert not (checkpoints / "4").exists()
@@ -147,3 +155,50 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     assert "slots on redis://" in sandbox_logs
     vllm_log = (work / "slurm" / f"{second}.vllm.0.0.log").read_text()
     assert "ready: http://" in vllm_log
+
+
+def _status(url: str, secret: str | None, method: str = "GET") -> int:
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    request = urllib.request.Request(url, method=method, headers=headers, data=b"{}" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _job_secret() -> str:
+    """The secret, from the environment of the job's trainer process (readable by its owner only)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"rstar2_jax.train" in open(f"/proc/{pid}/cmdline", "rb").read():
+                env = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+                if b"RSTAR2_SECRET" in env:
+                    return env[b"RSTAR2_SECRET"].decode()
+        except OSError:
+            continue
+    raise AssertionError("no trainer process with RSTAR2_SECRET in its environment")
+
+
+def _only_the_job_is_served(cluster, job_id, work, ports):
+    secret = _job_secret()
+    assert len(secret) >= 32
+    export = re.search(r"weight export served at (http://\S+) for the fetchers \(they show the job secret\)",
+                       (work / "slurm" / f"{job_id}.trainer.0.log").read_text())[1]
+    export = "http://127.0.0.1:" + export.rsplit(":", 1)[1]  # it listens on every interface
+    vllm, fetch = f"http://127.0.0.1:{ports['vllm']}", f"http://127.0.0.1:{ports['fetch']}"
+    for url, method in ((f"{vllm}/v1/models", "GET"), (f"{vllm}/collective_rpc", "POST"), (f"{vllm}/health", "GET"),
+                        (f"{fetch}/fetch", "POST"), (f"{fetch}/commit", "POST"), (f"{export}/", "GET")):
+        assert _status(url, None, method) == 401 and _status(url, "not-the-secret", method) == 401, url
+    assert _status(f"{vllm}/v1/models", secret) == 200 and _status(f"{export}/", secret) == 200
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=ports["redis"], socket_timeout=5).ping()
+    assert redis.Redis(port=ports["redis"], password=secret, socket_timeout=5).ping()
+    # never where another user of the cluster could read it
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            assert secret.encode() not in open(f"/proc/{pid}/cmdline", "rb").read(), pid
+        except OSError:
+            continue
+    assert secret not in (work / "slurm" / "job.sh").read_text()
+    assert secret not in cluster.run("scontrol", "show", "job", "-d", job_id).stdout

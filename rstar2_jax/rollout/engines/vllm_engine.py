@@ -449,7 +449,9 @@ def _file_server(root: str, host: str):
     """This process's read-only HTTP server of `root` (one per root and address, started on first use)."""
     from rstar2_jax.rollout.engines.weight_pull import WeightFileServer
     if (root, host) not in _FILE_SERVERS:
-        _FILE_SERVERS[root, host] = WeightFileServer(root, host=_bind_address(host), advertise=host)
+        server = _FILE_SERVERS[root, host] = WeightFileServer(root, host=_bind_address(host), advertise=host)
+        print(f"weight export served at {server.base_url} for the fetchers "
+              f"({'they show the job secret' if server.secret else 'open: no secret'})", flush=True)
     return _FILE_SERVERS[root, host]
 
 

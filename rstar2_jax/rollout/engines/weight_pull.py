@@ -55,7 +55,7 @@ class WeightFileServer:
     def __init__(self, root: str, host: str = "127.0.0.1", advertise: str | None = None, port: int = 0,
                  secret: str | None = None):
         self.root = os.path.abspath(root)
-        secret = secret or job_secret()
+        self.secret = secret = secret or job_secret()
         check_open_service("the trainer's weight export server", host, secret)
         os.makedirs(self.root, exist_ok=True)
         handler = functools.partial(_QuietFiles, directory=self.root, secret=secret)
