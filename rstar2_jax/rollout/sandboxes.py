@@ -40,13 +40,14 @@ class LocalSandboxSettings(Section):
 
 @dataclasses.dataclass(frozen=True)
 class RedisSandboxSettings(Section):
-    """`sandbox.redis.*`: the queue remote `python -m sandbox worker`s serve."""
+    """`sandbox.redis.*`: the queue remote `python -m sandbox worker`s serve (its password: the job's
+    secret, $RSTAR2_SECRET)."""
     url: str = setting("", "the queue, redis://HOST:6379/0")
 
 
 @dataclasses.dataclass(frozen=True)
 class HTTPSandboxSettings(Section):
-    """`sandbox.http.*`: a `python -m sandbox serve` service (its token from $SANDBOX_TOKEN)."""
+    """`sandbox.http.*`: a `python -m sandbox serve` service (its token: $RSTAR2_SECRET, or $SANDBOX_TOKEN)."""
     url: str = setting("", "the service, http://HOST:8088")
 
 
