@@ -86,3 +86,42 @@ def test_the_worker_command_without_the_secret_exits_saying_why(locked_redis):
     done = subprocess.run([sys.executable, "-m", "sandbox", "worker", "--redis", locked_redis.url, "--concurrency", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "refused this client" in done.stderr and SECRET_ENV in done.stderr, done.stderr
+
+
+def test_the_http_sandbox_takes_the_job_secret_from_the_environment(monkeypatch):
+    """`python -m sandbox serve` with $RSTAR2_SECRET refuses requests without it and serves an
+    HTTPSandbox client that finds it in its own environment; beyond loopback without it, it
+    refuses to start."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from sandbox.http_client import HTTPSandbox
+    from tests.sandbox.redis_server import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "SANDBOX_TOKEN")}
+    done = subprocess.run([sys.executable, "-m", "sandbox", "serve", "--host", "0.0.0.0", "--port", str(free_port()),
+                           "--workers", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "refusing to listen on '0.0.0.0' without a secret" in done.stderr, done.stderr
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--workers", "1"],
+                            cwd=ROOT, env={**env, SECRET_ENV: "job-s3cret"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not any("sandbox serving on" in line for line in lines):
+            lines.append(proc.stdout.readline())
+            assert lines[-1] and len(lines) < 20, lines
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=30)
+        assert refused.value.code == 401
+
+        async def call():
+            async with HTTPSandbox(f"http://127.0.0.1:{port}") as sb:
+                return await sb.run("print(6 * 7)")
+
+        monkeypatch.setenv(SECRET_ENV, "job-s3cret")
+        assert asyncio.run(call()).stdout == "42\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
