@@ -3,8 +3,11 @@
 - whole export: every tensor cast and laid out, one safetensors file written (save_pretrained),
   then every server reloads it in parallel (the sync before issue 38);
 - buckets: `vllm_engine.push_to_servers`, the export written bucket by bucket (whole decoder
-  layers, straight into reused files), each server paused before its first reload and each
-  bucket reloaded by every server while the next is written;
+  layers, straight into reused files), in each `--swap` mode: streamed (each server paused
+  before its first reload, each bucket reloaded while the next is written, the trainer waiting
+  for the log-prob probes: the sync before issue 47) and staged (the servers generate through the
+  export, then each stops for one reload of the whole export; the probes deferred: their verdict
+  comes with the next sync, so the trainer does not wait for them);
 - reload alone: every server reloads an export already written (the floor a sync can reach
   without a faster path into vLLM).
 
@@ -12,7 +15,7 @@ And the export alone, no servers: the bucket writer's rate (GB/s) against a plai
 the same bytes on this host.
 
     python -m experiments.benchmarks.vllm_sync_servers [--servers 2] [--layers 8] [--hidden 2048] \
-        [--repeats 3] [--bucket_mb 512] [--sync files|pull] [--record BENCHMARKS.md]
+        [--repeats 3] [--bucket_mb 512] [--sync files|pull] [--swap streamed,staged] [--record BENCHMARKS.md]
 
 --sync pull puts a weight fetcher beside each server (weight_pull.py): the servers reload a copy
 they pulled over HTTP instead of the trainer's file (no per-bucket reload then).
@@ -40,6 +43,10 @@ from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, p
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+SWAP_ROWS = {"streamed": "streamed: each reloaded while the next is written, probes waited for",
+             "staged": "staged: every bucket in, then one reload per server; probes deferred"}
 
 
 def timed(fn, *args):
@@ -90,6 +97,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket_mb", default="512", help="bucket sizes to compare, comma-separated (MiB)")
     p.add_argument("--sync", choices=("files", "pull"), default="files")
+    p.add_argument("--swap", default="streamed,staged", help="swap modes to compare, comma-separated (streamed waits "
+                   "for the probes, staged defers them)")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="vllm_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -114,7 +123,8 @@ def main(argv=None):
         engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url, **kw) for s, f in zip(servers, fetchers)] \
             if fetchers else [VLLMEngine(s.url, model, **kw) for s in servers]
         whole, whole_export_s, floor = [], [], []
-        bucketed = {size: [] for size in sizes}
+        swaps = args.swap.split(",")
+        bucketed = {(size, swap): [] for size in sizes for swap in swaps}
         version = 0
         for size in sizes:
             for e in engines:
@@ -125,11 +135,17 @@ def main(argv=None):
                     total, export_s = whole_export(engines, model, version, work)
                     whole.append(total)
                     whole_export_s.append(export_s)
-                version += 1
-                report = push_to_servers(engines, model, version)
-                assert report.ok, report.error
+                for swap in swaps:  # alternating, side by side
+                    for e in engines:
+                        e.swap, e.probe = swap, ("wait" if swap == "streamed" else "deferred")
+                    version += 1
+                    report = push_to_servers(engines, model, version)
+                    assert report.ok, report.error
+                    for e in engines:  # a deferred verdict: in a run the next update takes this time
+                        e.probe_verdict()
+                    if i >= 2:
+                        bucketed[size, swap].append(report)
                 if i >= 2:
-                    bucketed[size].append(report)
                     floor.append(reload_alone(engines))
     except BaseException:
         for s in servers:  # why a server failed is in its log, which goes with the work directory
@@ -146,19 +162,22 @@ def main(argv=None):
     rows = [["whole export, then every server reloads it", f"{med(whole):.2f}", "",
              f"export {med(whole_export_s):.2f} s ({gb / med(whole_export_s):.2f} GB/s)",
              f"{med(whole) / med(floor):.2f}x"],
-            *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, each reloaded while the next is written",
+            *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, {SWAP_ROWS[swap]}",
                f"{med(x.total_s for x in r):.2f}",
-               f"{med(x.resumed_s for x in r):.2f} ({med(x.resumed_s for x in r) / med(floor):.2f}x)",
+               f"{med(x.paused_s for x in r):.2f} ({med(x.paused_s for x in r) / med(floor):.2f}x), from "
+               f"{med(x.paused_from_s for x in r):.2f} s",
                f"export {med(x.export_s for x in r):.2f} s, all reloaded at {med(x.reload_s for x in r):.2f} s, "
-               f"servers paused {med(x.paused_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s",
-               f"{med(x.total_s for x in r) / med(floor):.2f}x"] for size, r in bucketed.items()],
+               f"generating again at {med(x.resumed_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s"
+               + (" (after the sync returned)" if swap == "staged" else ""),
+               f"{med(x.total_s for x in r) / med(floor):.2f}x"] for (size, swap), r in bucketed.items()],
             ["reload alone (an export already written)", f"{med(floor):.2f}", "", "the slowest server", "1.00x"],
             [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}", "",
              f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s", ""]]
-    table = common.markdown_table(["sync to all servers", "seconds (median)", "servers generate again at (vs reload alone)",
-                                   "parts", "whole sync vs reload alone"], rows)
-    common.record(args.record, f"vLLM weight sync to {args.servers} CPU servers ({args.sync}): buckets against a "
-                  "whole export",
+    table = common.markdown_table(["sync to all servers", "the trainer waits, s (median)",
+                                   "a server's longest pause, s (vs reload alone)", "parts",
+                                   "trainer's wait vs reload alone"], rows)
+    common.record(args.record, f"vLLM weight sync to {args.servers} CPU servers ({args.sync}): staged against "
+                  "streamed, and a whole export",
                   common.command_line("experiments.benchmarks.vllm_sync_servers", argv),
                   f"random model, {params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), "
                   f"{gb:.2f} GB float32 safetensors in /dev/shm, {args.repeats} syncs each way after two warm-up "

@@ -112,17 +112,22 @@ def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny
     asyncio.run(engine.close())
 
 
+@pytest.mark.parametrize("swap", ["staged", "streamed"])
 def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weights(vllm_server, tiny_model,
-                                                                                      tokenizer, monkeypatch):
-    """One bucket per decoder layer, each reloaded by the server while the next is written: the
-    sync lands (the log-prob probe passes). A sync whose third bucket the server cannot read (its
-    file cut short after it is written: vLLM's own reload fails) is undone: the server answers
-    with the previous weights and version, the failure is counted, and the next sync lands."""
+                                                                                      tokenizer, monkeypatch, swap):
+    """One bucket per decoder layer, either all written before the server stops for one reload
+    of the whole export (staged: it generated through the export) or each reloaded while the
+    next is written (streamed): the sync lands (the log-prob probe passes). A sync whose third
+    bucket the server cannot read (its file cut short after it is written: vLLM's own reload
+    fails) is undone: the server answers with the previous weights and version, the failure is
+    counted, and the next sync lands."""
     ids = tokenizer.encode("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n42")
-    engine = VLLMEngine(vllm_server.url, tiny_model, bucket_bytes=1)
+    engine = VLLMEngine(vllm_server.url, tiny_model, bucket_bytes=1, swap=swap, probe="wait")
     first, second = perturbed(tiny_model, seed=11), perturbed(tiny_model, seed=12)
     engine.update_weights(first, 21)
     assert engine.last_sync.ok and engine.last_sync.buckets == len(tiny_model.layers) + 1 >= 3
+    if swap == "staged":  # the server stopped only once every bucket was written
+        assert engine.last_sync.paused_from_s >= engine.last_sync.export_s > 0
     served_first = np.asarray(engine.prompt_logprobs(ids))
     np.testing.assert_allclose(served_first, jax_logprobs(first, ids)[1:], atol=1e-3)
 
@@ -222,14 +227,27 @@ def test_a_trajectory_s_next_turn_hits_the_server_s_prefix_cache(vllm_server, ti
 
 
 def test_tied_embedding_reload_is_detected(tmp_path):
+    """The probe catches vLLM's reload keeping a tied model's old output layer: at once with
+    probe="wait"; deferred (the default), the sync returns and the verdict stops the next request
+    or the next sync."""
     model_dir = tiny.build_tiny_model(tmp_path / "tied", seed=3, tie_word_embeddings=True)
     model = models.load_pretrained(model_dir)
     server = start_server(model_dir, tmp_path, "tied")
     try:
-        engine = VLLMEngine(server.url, model)
+        engine = VLLMEngine(server.url, model, probe="wait")
         assert engine.check_sync(model) < 1e-3  # as launched: consistent
         with pytest.raises(WeightSyncError, match="ties its embeddings"):
             engine.update_weights(perturbed(model))
+        deferred = VLLMEngine(server.url, model)
+        deferred.update_weights(perturbed(model, seed=5), 7)  # returns before the probe's verdict
+        assert deferred.last_sync.ok and deferred._probe is not None
+        deferred._probe.exception(timeout=120)  # the verdict is in ...
+        with pytest.raises(WeightSyncError, match="ties its embeddings"):  # ... and stops the next request
+            asyncio.run(deferred.generate([1, 2, 3], SamplingParams(max_tokens=4)))
+        deferred.update_weights(perturbed(model, seed=6), 8)
+        with pytest.raises(WeightSyncError, match="ties its embeddings"):  # or the next sync, before its export
+            deferred.update_weights(perturbed(model, seed=7), 9)
+        assert deferred.version == 8
     finally:
         server.stop()
 
@@ -558,16 +576,18 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     assert "did not reach the servers" in results[1][2]  # process 1 learned of the failure from process 0
 
 
-def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_server, tiny_model, tmp_path):
+@pytest.mark.parametrize("swap", ["staged", "streamed"])
+def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_server, tiny_model, tmp_path, swap):
     """sync="pull": the trainer exports into a directory of its own and serves it over HTTP; the
     fetcher beside the server copies each bucket into the server's directory as soon as it is
-    written, and the server reloads that bucket's copy; the copy is whole once committed.
-    The trainer's export is deleted before the probe, so the server cannot have read it."""
+    written, and the server reloads the whole copy once committed (staged) or each bucket's copy
+    as it arrives (streamed). The trainer's export is deleted before the probe, so the server
+    cannot have read it."""
     from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
 
     fetcher = WeightFetcher(str(tmp_path / "server_side"))
     engine = VLLMEngine(vllm_server.url, tiny_model, sync="pull", fetch_url=fetcher.url,
-                        sync_dir=str(tmp_path / "trainer_side"), bucket_bytes=1)  # a bucket per layer: streamed
+                        sync_dir=str(tmp_path / "trainer_side"), bucket_bytes=1, swap=swap)  # a bucket per layer
     buckets = len(engine.export_plan(tiny_model).buckets)
     assert buckets > 1
     try:
@@ -580,6 +600,7 @@ def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_ser
                            for f in files)
             served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
             assert served == str(version)
+        assert engine.probe_verdict() < 1e-3  # the deferred probe of the last sync
         assert sorted(os.listdir(tmp_path / "server_side")) == ["v11", "v12"]
     finally:
         fetcher.close()

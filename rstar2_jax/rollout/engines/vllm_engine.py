@@ -9,20 +9,32 @@ and `logprobs.token_logprobs` come back; text is never re-tokenized. The server 
 what the learner recomputes. (With top-k/top-p vLLM renormalizes over the kept tokens, unlike
 JaxEngine; RL sampling uses neither.)
 
-Weight sync (`update_weights`, `push_to_servers`): the server is paused (in-flight requests
-kept), the learner's parameters are written as HF-named safetensors bucket by bucket
-(weight_export.py: under /dev/shm where it exists, in one of two directories used in turn) and
-the server reloads each bucket (`reload_weights` through /collective_rpc) while the next is
-written; then the prefix cache is reset (cached KV was computed by the old weights), the weight
-version is bumped and the server resumed. A sync that fails part-way puts the previous export
-back and keeps the old version (SyncReport). Then
+Weight sync (`update_weights`, `push_to_servers`): the learner's parameters are written as
+HF-named safetensors bucket by bucket (weight_export.py: under /dev/shm where it exists, in one
+of two directories used in turn). With `swap="staged"` (the default) the servers generate on
+while every bucket is written (and, for sync=pull, copied by their fetchers), then each is
+paused (in-flight requests kept, with their KV), reloads the whole export in one
+`reload_weights` call (/collective_rpc), has its prefix cache reset (cached KV was computed by
+the old weights) and its weight version bumped, and resumes: it stops only for its reload. That
+is as close to an in-flight swap as vLLM 0.32 allows: a utility call such as collective_rpc runs
+in the EngineCore's busy loop between two engine steps (`EngineCore._process_input_queue`,
+vllm/v1/engine/core.py), so no decode step runs during a reload whether paused or not, and the
+pause (`pause_generation(mode="keep")`) only keeps steps from running between the reload and the
+version's bump, so that no token is stamped with the old version but sampled by the new weights.
+`swap="streamed"` reloads each bucket while the next is written (pausing from the first reload):
+a shorter sync where each server has cores of its own, a longer pause. A sync that fails
+part-way puts the previous export back and keeps the old version (SyncReport). Then
 a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
 sequence must match the JAX model's within `probe_tolerance`. This catches the tied-embedding
 trap (vLLM's reload updates a tied embedding but keeps the old output layer) and any other
-silently ignored tensor. Requests in flight during a sync continue with the new weights (partial
-rollouts, for asynchronous RL). The server does not say which tokens came before the swap, so a
-completion's tokens all count as `version_start`: the oldest weights that can have sampled them,
-which keeps the trainer's staleness bound safe (JaxEngine records the exact version per token).
+silently ignored tensor. With `probe="deferred"` (the default) the probes run after the sync
+returns, beside the next step's rollouts, and their verdict is collected at the next sync (or by
+the first request after it arrives): a failed probe raises WeightSyncError then, one step later,
+instead of holding the trainer for the probes every step (`probe="wait"`). Requests in flight
+during a sync continue with the new weights (partial rollouts, for asynchronous RL). The
+server does not say which tokens came before the swap, so a completion's tokens all count as
+`version_start`: the oldest weights that can have sampled them, which keeps the trainer's
+staleness bound safe (JaxEngine records the exact version per token).
 
 A dead or restarting server loses nothing: a request that fails on the connection (or with a
 5xx) is sent again once the server answers, after the latest weights are reloaded into it (a
@@ -57,6 +69,7 @@ from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.reach import default_sync_root
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
+from rstar2_jax.rollout.engines.vllm_kind import PROBE_MODES, SWAP_MODES
 from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays, take_part
 from rstar2_jax.rollout.sampling import SamplingParams
 from sandbox.job_secret import check_open_service, is_loopback, job_secret
@@ -105,15 +118,21 @@ class VLLMEngine(Engine):
                  sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
                  max_concurrency: int = 256, sync: str = "files", nccl_server_ranks: int = 1,
-                 fetch_url: str | None = None, sync_host: str = "127.0.0.1", bucket_bytes: int = 2048 << 20):
+                 fetch_url: str | None = None, sync_host: str = "127.0.0.1", bucket_bytes: int = 2048 << 20,
+                 swap: str = "staged", probe: str = "deferred"):
         """sync: "files" (safetensors files; the server reads the export from sync_dir: this host's /dev/shm by
         default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
         `fetch_url`, beside the server, copies the export from this process's file server at
         `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast). bucket_bytes:
         the export's bucket (weight_export.py, host memory): the servers reload bucket by bucket as
-        the export is written."""
+        the export is written. swap: "staged" | "streamed", probe: "deferred" | "wait" (the module's
+        docstring)."""
         if sync not in SYNC_METHODS:
             raise ValueError(f"sync must be one of {SYNC_METHODS}, got {sync!r}")
+        if swap not in SWAP_MODES or probe not in PROBE_MODES:
+            raise ValueError(f"swap must be one of {SWAP_MODES} and probe one of {PROBE_MODES}, got {swap!r}, {probe!r}")
+        self.swap, self.probe = swap, probe
+        self._probe: concurrent.futures.Future | None = None  # the last sync's deferred probe
         if (sync == "pull") != (fetch_url is not None):
             raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
         self.fetch_url = fetch_url
@@ -160,6 +179,8 @@ class VLLMEngine(Engine):
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
+        if self._probe is not None and self._probe.done():  # a failed deferred probe: stop here, loudly
+            self.probe_verdict()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
@@ -384,6 +405,12 @@ class VLLMEngine(Engine):
         finally:
             self._resume()
 
+    def probe_verdict(self) -> float | None:
+        """The last sync's deferred probe, waited for: its log-prob gap (None: no probe pending).
+        Raises its WeightSyncError (once) when the server's weights did not match."""
+        pending, self._probe = self._probe, None
+        return None if pending is None else pending.result()
+
     def check_sync(self, model: Decoder, ours: np.ndarray | None = None) -> float:
         """Largest |log-prob difference| between the server and `model` on the probe tokens
         (`ours`: the model's log-probs of them, probe_logprobs, when the caller has them)."""
@@ -399,6 +426,8 @@ class VLLMEngine(Engine):
         return err
 
     async def close(self):
+        if self._probe is not None:  # the last sync's verdict still counts
+            await asyncio.get_running_loop().run_in_executor(None, self.probe_verdict)
         if self._recovery is not None:
             self._recovery.cancel()
         await self.async_client.close()
@@ -437,6 +466,7 @@ def _completion(choice: dict, version_start: int, version_end: int) -> Completio
 
 
 SYNC_METHODS = ("files", "pull", "nccl")  # the names of rollout.vllm.sync
+_PROBES = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="vllm-probe")  # deferred probes
 _FILE_SERVERS: dict[tuple[str, str], Any] = {}
 
 
@@ -465,12 +495,14 @@ class SyncReport:
     version: int
     buckets: int
     bytes: int
-    export_s: float = 0.0        # writing every bucket (the servers reload meanwhile)
+    export_s: float = 0.0        # writing every bucket (streamed: the servers reload meanwhile)
     reload_s: float = 0.0        # until the last server had the last bucket (from the start)
     resumed_s: float = 0.0       # until every server generates again, on the new weights (from the start)
     paused_s: float = 0.0        # the longest time a server did not generate (its pause to its resume)
-    probe_s: float = 0.0         # every server's log-prob probe (in parallel), after they resumed
-    total_s: float = 0.0         # the whole sync, as the trainer waits for it
+    paused_from_s: float = 0.0   # when the first server paused (from the start): staged, after every bucket is in
+    probe_s: float = 0.0         # every server's log-prob probe (in parallel), after they resumed (deferred:
+                                 # filled in when the last one answers, after the sync returned)
+    total_s: float = 0.0         # the whole sync, as the trainer waits for it (deferred: without the probes)
     error: str | None = None
 
     @property
@@ -479,18 +511,24 @@ class SyncReport:
 
 
 def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
-    """The learner's weights to every server: one export, bucket by bucket (weight_export.py),
-    each bucket reloaded by every server as soon as it is written (sync=files: from the trainer's
-    files; sync=pull: from the copy its fetcher makes of that bucket), so a sync costs about the
-    slowest server's reload, not an export plus a reload. A server generates on while the first
-    bucket is written (and fetched, for pull) and pauses right before its first reload (its
-    requests wait, and resume on the new weights); then every server's log-prob probe.
+    """The learner's weights to every server: one export, bucket by bucket (weight_export.py).
+    Staged (the engines' `swap`, the default): every bucket is written (sync=pull: and copied by
+    each server's fetcher) while the servers generate; then each server pauses for one reload of
+    the whole export and resumes. Streamed: each bucket is reloaded by every server as soon as it
+    is written, so a sync costs about the slowest server's reload, not an export plus a reload,
+    and a server pauses right before its first reload. Then every server's log-prob probe: waited
+    for (probe="wait"), or left running beside the next rollouts with its verdict collected at
+    the next sync (probe="deferred"; VLLMEngine.probe_verdict).
 
     A sync that fails part-way (a server that errs or dies) leaves every server on its last
     whole weights and version: the ones that took new buckets reload the previous export. The
     error is logged and returned (SyncReport.error, and each engine's sync_failures); the
-    servers go on answering, and the caller retries with the next sync."""
+    servers go on answering, and the caller retries with the next sync. The previous sync's
+    deferred probe is collected first: a failed one raises WeightSyncError before any export."""
+    for e in engines:
+        e.probe_verdict()
     lead = engines[0]
+    staged = lead.swap == "staged"
     model = lead.as_model(params)
     plan = lead.export_plan(model)
     arrays = param_arrays(model)
@@ -501,16 +539,30 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     paused: dict[VLLMEngine, float] = {}  # server -> when it paused (each entry written by that server's queue)
     failed: list[BaseException] = []      # the errors of servers' loads; one is enough to end the sync
 
+    def pause(e: VLLMEngine):
+        if e not in paused:  # it generated until now: only its reloads need it paused
+            e._pause()
+            paused[e] = time.perf_counter()
+
     def load(e: VLLMEngine, bucket: Bucket, bucket_dir: str):
-        """One server's part of one bucket, on that server's queue (so in bucket order)."""
+        """One server's part of one bucket, on that server's queue (so in bucket order): staged,
+        only its copy (pull); streamed, its reload too."""
         if failed:
             raise _Abandoned()  # no server loads more of a sync that is failing: it is rolled back
         try:
             source = e._fetch_part(slot, bucket, version) if e.sync == "pull" else bucket_dir
-            if e not in paused:  # it generated until now: only its reloads need it paused
-                e._pause()
-                paused[e] = time.perf_counter()
-            e._reload_part(source)
+            if not staged:
+                pause(e)
+                e._reload_part(source)
+        except BaseException as err:
+            failed.append(err)
+            raise
+
+    def swap(e: VLLMEngine, whole: str):
+        """Staged: the server stops for one reload of the whole export."""
+        try:
+            pause(e)
+            e._reload_part(whole)
         except BaseException as err:
             failed.append(err)
             raise
@@ -536,7 +588,12 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
         if failed:
             raise failed[0]
         landed = {e: (e._commit_pull(version) if e.sync == "pull" else slot) for e in engines}
+        if staged:  # every bucket is in: each server stops once, for its reload
+            concurrent.futures.wait([queues[e].submit(swap, e, landed[e]) for e in engines])
+            if failed:
+                raise failed[0]
         report.reload_s = time.perf_counter() - start
+        report.paused_from_s = min(paused.values()) - start
         for e in engines:
             e._publish(version)
     except Exception as err:  # noqa: BLE001 - any failure: every server back on its last weights
@@ -576,15 +633,23 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
         for e in engines:
             e._synced_dir, e._synced_model, e.version = landed[e], None, version
         probed = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-probe") as pool:
-            for f in [pool.submit(e.check_sync, model, reference) for e in engines]:
-                f.result()
-        report.probe_s = time.perf_counter() - probed
+        probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
+
+        def probed_in(_):
+            report.probe_s = max(report.probe_s, time.perf_counter() - probed)
+        for e, f in zip(engines, probes):
+            f.add_done_callback(probed_in)
+            e._probe = f
+        if lead.probe == "wait":
+            for e in engines:
+                e.probe_verdict()
     report.total_s = time.perf_counter() - start
     for e in engines:
         e.last_sync = report
-    log.info("synced weights v%d to %d server(s) in %d bucket(s): %.2f s (export %.2f s, reloaded at %.2f s, "
-             "generating again at %.2f s after a pause of at most %.2f s, probes %.2f s)%s", version, len(engines),
-             report.buckets, report.total_s, report.export_s, report.reload_s, report.resumed_s, report.paused_s,
-             report.probe_s, "" if report.ok else f"; FAILED: {report.error}")
+    log.info("synced weights v%d to %d server(s) in %d bucket(s), %s: %.2f s (export %.2f s, reloaded at %.2f s, "
+             "generating again at %.2f s after a pause of at most %.2f s from %.2f s, probes %s)%s", version,
+             len(engines), report.buckets, lead.swap, report.total_s, report.export_s, report.reload_s,
+             report.resumed_s, report.paused_s, report.paused_from_s,
+             f"{report.probe_s:.2f} s" if lead.probe == "wait" else "deferred",
+             "" if report.ok else f"; FAILED: {report.error}")
     return report

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from rstar2_jax.rollout.engines.factory import RolloutConfig
 
 SYNC_MODES = ("files", "pull", "nccl")
+SWAP_MODES = ("staged", "streamed")    # how a server takes a sync's export (vllm_engine.push_to_servers)
+PROBE_MODES = ("deferred", "wait")     # whether the trainer waits for the probe of each sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,13 @@ class VLLMSettings(Section):
                                     "MiB splits a tiny model", min=1e-6)
     sync_host: str = setting("127.0.0.1", "sync=pull: the address the fetchers reach this trainer at",
                              nonempty=True)
+    swap: str = setting("staged", "staged: the servers generate while every bucket is written (and fetched), then "
+                        "each stops only for one reload of the whole export | streamed: each bucket reloaded while "
+                        "the next is written (shorter syncs where servers have cores of their own, longer pauses)",
+                        choices=SWAP_MODES)
+    probe: str = setting("deferred", "deferred: the log-prob probe after each sync runs beside the next rollouts and "
+                         "a mismatch stops the run at the next sync | wait: the trainer waits for it every sync",
+                         choices=PROBE_MODES)
 
 
 def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
@@ -57,7 +66,7 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     fetchers = cfg.vllm.fetch_urls or (None,) * len(cfg.vllm.urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm.probe_tolerance,
                           sync_dir=v.sync_dir or None, sync=v.sync, fetch_url=fetch, sync_host=v.sync_host,
-                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)))
+                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)), swap=v.swap, probe=v.probe)
                for url, fetch in zip(v.urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.vllm.scheduler)
 
