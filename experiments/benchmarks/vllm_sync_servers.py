@@ -79,14 +79,26 @@ def reload_alone(engines):
 
 
 def export_alone(model, bucket_bytes, work, repeats):
-    """The bucket writer alone, and a plain copy of as many bytes: (GB/s, GB/s, buckets)."""
+    """The bucket writer alone, a plain copy of as many bytes, and the writer's transposing copy
+    alone (the MLP's largest weight, anonymous memory, warm): (GB/s, GB/s, GB/s, buckets). The
+    export runs at a share of this host's memory bandwidth at the time, which on a shared VM moves
+    with its neighbours: the three side by side say which."""
     nbytes, rate, buckets = common.weight_export_rate(model, None, bucket_bytes, os.path.join(work, "export_alone"),
                                                       repeats)
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     copy = min(timed(np.copyto, dst, src) for _ in range(3))
-    return rate, nbytes / copy / 1e9, buckets
+    from rstar2_jax.rollout.engines.weight_export import STRIP_ROWS
+    w = np.random.default_rng(0).random((model.cfg.intermediate_size, model.cfg.hidden_size), np.float32)
+    out = np.empty(w.shape[::-1], np.float32)
+
+    def transpose():  # write_bucket's copy of a linear weight from ours [in, out] to HF's [out, in]
+        for i in range(0, w.shape[0], STRIP_ROWS):
+            np.copyto(out[:, i:i + STRIP_ROWS], w[i:i + STRIP_ROWS].T)
+    transpose()
+    moved = min(timed(transpose) for _ in range(3))
+    return rate, nbytes / copy / 1e9, w.nbytes / moved / 1e9, buckets
 
 
 def main(argv=None):
@@ -107,7 +119,7 @@ def main(argv=None):
     model = models.load_pretrained(model_dir)
     params = flops.param_count(model.cfg)
     sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
-    export_rate, copy_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
+    export_rate, copy_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
     python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1), python=python,
@@ -172,7 +184,8 @@ def main(argv=None):
                f"{med(x.total_s for x in r) / med(floor):.2f}x"] for (size, swap), r in bucketed.items()],
             ["reload alone (an export already written)", f"{med(floor):.2f}", "", "the slowest server", "1.00x"],
             [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}", "",
-             f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s", ""]]
+             f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s, its transposing copy alone "
+             f"{transpose_rate:.2f} GB/s", ""]]
     table = common.markdown_table(["sync to all servers", "the trainer waits, s (median)",
                                    "a server's longest pause, s (vs reload alone)", "parts",
                                    "trainer's wait vs reload alone"], rows)
