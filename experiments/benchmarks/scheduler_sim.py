@@ -96,13 +96,15 @@ class SimConfig:
     export_gb_s: float = 0.49            # measured: Qwen3-1.7B export on an H100 host (BENCHMARKS.md)
     reload_gb_s: float = 0.85            # measured: its reload in a fresh process
     # files (a whole export, then parallel reloads) | streamed (the bucketed files sync: each
-    # bucket reloaded while the next is written) | broadcast | colocated (in place)
+    # bucket reloaded while the next is written) | staged (the bucketed export while the engines
+    # generate, then one reload each: rollout.vllm.swap=staged) | broadcast | colocated (in place)
     sync: str = "files"
     colocated_sync_s: float = 3.0        # colocated: weights handed to the co-located engine in place
     broadcast_s: float = 3.0             # broadcast (NCCL, assumed, not measured): 28 GB at ~10 GB/s
     streamed_export_gb_s: float = 1.60   # measured: the bucketed export of Qwen3-1.7B on an H200 host
     bucket_gb: float = 4.0               # the sync's default bucket (rollout.vllm.sync_bucket_mb = 4096)
     streamed_pause_factor: float = 1.11  # measured: servers pause 1.11x the reload alone (2 CPU servers)
+    staged_pause_factor: float = 1.03    # measured: 0.99-1.03x staged, files (2 CPU servers, 2026-11-28)
     group_size: int = 16                 # rollouts per problem (a group: what carry cuts)
     carry_fraction: float = 1.0          # rl.staleness: 1.0 = wait; < 1: carry (a step trains once
                                          # this share of its groups are in; the rest join the next)
@@ -119,14 +121,15 @@ class SimConfig:
     @property
     def export_s(self) -> float:
         """The learner's share of a sync (files, streamed: it writes the bf16 export)."""
-        if self.sync == "streamed":
+        if self.sync in ("streamed", "staged"):
             return 2 * self.params / 1e9 / self.streamed_export_gb_s
         return 2 * self.params / 1e9 / self.export_gb_s if self.sync == "files" else 0.0
 
     @property
     def pause_after_s(self) -> float:
-        """From the end of an update to the engines' pause: the whole export (files), its first
-        bucket (streamed: the engines generate while it is written), none (broadcast, colocated)."""
+        """From the end of an update to the engines' pause: the whole export (files, staged: the
+        engines generate while it is written), its first bucket (streamed), none (broadcast,
+        colocated)."""
         if self.sync == "streamed":
             return self.export_s * min(1.0, self.bucket_gb / (2 * self.params / 1e9))
         return self.export_s
@@ -135,7 +138,8 @@ class SimConfig:
     def sync_s(self) -> float:
         """How long every engine pauses for a sync."""
         reload = 2 * self.params / 1e9 / self.reload_gb_s
-        return {"files": reload, "streamed": self.streamed_pause_factor * reload, "broadcast": self.broadcast_s,
+        return {"files": reload, "streamed": self.streamed_pause_factor * reload,
+                "staged": self.staged_pause_factor * reload, "broadcast": self.broadcast_s,
                 "colocated": self.colocated_sync_s}[self.sync]
 
 
@@ -484,6 +488,8 @@ def main(argv=None):
     p.add_argument("--rollouts", type=int, default=16_384, help="--rebased: rollouts per step")
     p.add_argument("--group_size", type=int, default=32, help="--rebased: rollouts per problem (what carry cuts)")
     p.add_argument("--carry", type=float, default=0.75, help="--rebased: rl.staleness.carry_fraction")
+    p.add_argument("--split_sync", choices=("staged", "streamed"), default="staged",
+                   help="--rebased: how the split schedules' engines take a sync (rollout.vllm.swap)")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     if args.rebased:
@@ -538,7 +544,7 @@ def run_rebased(args, argv):
         # work (rollouts on every GPU, then the update on every GPU), so neither side waits on the other
         rollout, learner = (float(np.mean([r[k] for r in runs])) for k in ("rollout_s", "learner_s"))
         n_learner = max(1, round(gpus * learner / (rollout + learner)))
-        split = dataclasses.replace(colocated, engines=gpus - n_learner, learner_devices=n_learner, sync="streamed")
+        split = dataclasses.replace(colocated, engines=gpus - n_learner, learner_devices=n_learner, sync=args.split_sync)
         where = f"{split.engines} engines + {n_learner} learner"
         schedules = [("sync, colocated", colocated, 0, runs),
                      (f"async k=1, {where}, wait", split, 1, None),
@@ -556,18 +562,22 @@ def run_rebased(args, argv):
                          f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['carried_groups']:.1f}",
                          f"{mean['idle_share']:.1%}"))
             print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
-    b = SimConfig(sync="streamed")
+    b = SimConfig(sync=args.split_sync)
+    paused = (f"the engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for "
+              f"{b.sync_s:.0f} s ({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s)"
+              if b.sync == "streamed" else
+              f"the engines generate through it, then pause for {b.sync_s:.0f} s ({b.staged_pause_factor}x a reload "
+              f"at {b.reload_gb_s} GB/s)")
     config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
               f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps (steady: the mean "
               f"time between syncs after the pipeline's first k + 1), {args.seeds} seed(s), "
-              f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; streamed sync: the "
-              f"learner exports {2 * b.params / 1e9:.1f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.0f} s), the "
-              f"engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for {b.sync_s:.0f} s "
-              f"({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s); colocated: every GPU generates, then "
+              f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; {b.sync} sync: the "
+              f"learner exports {2 * b.params / 1e9:.1f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.0f} s), "
+              f"{paused}; colocated: every GPU generates, then "
               f"every GPU trains, {b.colocated_sync_s:.0f} s hand-over; learner {b.learner_mfu:.0%} MFU on the kept "
               f"tokens (packed rows: real tokens only)")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
-    common.record(args.record, "RL pipeline simulation on what exists: streamed sync, carry, packed learner (issue 47)",
+    common.record(args.record, f"RL pipeline simulation on what exists: {b.sync} sync, carry, packed learner (issue 47)",
                   command.strip(), config, common.markdown_table(header, rows))
 
 
