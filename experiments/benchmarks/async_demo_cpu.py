@@ -3,7 +3,7 @@
 JaxEngine or vLLM CPU servers, on padded or packed learner rows: side by side in one run.
 
     python -m experiments.benchmarks.async_demo_cpu [--steps 6 --rounds 2] [--schedules 0 1:carry] \
-        [--engines jax vllm] [--token_budgets 0 1280] [--servers 2] [--record BENCHMARKS.md]
+        [--engines jax vllm] [--token_budgets 0 640] [--servers 2] [--record BENCHMARKS.md]
 
 Each run is the demo (experiments/tiny_arith.py) shortened: a brief SFT warm start, then
 `--steps` GRPO-RoC steps on the real sandbox, every step updating (groups of equal rewards are
@@ -11,7 +11,8 @@ kept: a timing run, not a learning one). A schedule is `k` (rl.max_staleness, po
 `k:carry` (rl.staleness.policy=carry). The figure is the median of the trainer's
 `time/interval_s` (wall time from one step's end to the next, overlap included) over the steps
 after the first (which compiles); the learner's share is its median `time/learner_s` over that.
-Runs alternate `--rounds` times in one run (a shared machine drifts). With `vllm`, `--servers`
+Runs alternate `--rounds` times in one run (a shared machine drifts), one engine's cells after
+the other's. With `vllm`, `--servers`
 vLLM CPU servers (.venv-vllm, eager, float32) serve the same tiny model and take every sync.
 On a CPU the engines, the learner and the sandbox share the same cores, so overlap can only hide
 the learner behind tool waits and idle engine slots; on separate devices it also hides the
@@ -86,7 +87,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--schedules", nargs="*", default=["0", "1:carry"])
     p.add_argument("--engines", nargs="*", default=["jax", "vllm"], choices=("jax", "vllm"))
-    p.add_argument("--token_budgets", type=int, nargs="*", default=[0, 1280], help="0: padded rows")
+    p.add_argument("--token_budgets", type=int, nargs="*", default=[0, 640],
+                   help="0: padded rows (on a CPU packed rows take XLA attention: keep them near rollout.max_len)")
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--record")
     args = p.parse_args(argv)
@@ -95,19 +97,19 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="async_demo_")
     model_dir = tiny.build_tiny_model(os.path.join(work, "model"), num_layers=base.tiny_layers,
                                       hidden_size=base.tiny_hidden, intermediate_size=3 * base.tiny_hidden)
-    servers = start_servers(model_dir, args.servers, work) if "vllm" in args.engines else []
     cells = list(itertools.product(args.engines, args.token_budgets, args.schedules))
     results = {cell: [] for cell in cells}
-    try:
-        for _ in range(args.rounds):
-            for cell in cells:
-                engine, budget, schedule = cell
-                cfg = demo_config(args.steps, schedule, model_dir, engine, [s.url for s in servers], budget)
-                results[cell].append(one_run(cfg))
-                print(cell, results[cell][-1], flush=True)
-    finally:
-        for s in servers:
-            s.stop()
+    for engine in args.engines:  # the servers run only for their own cells (idle, they still take CPU)
+        servers = start_servers(model_dir, args.servers, work) if engine == "vllm" else []
+        try:
+            for _ in range(args.rounds):
+                for cell in (c for c in cells if c[0] == engine):
+                    cfg = demo_config(args.steps, cell[2], model_dir, engine, [s.url for s in servers], cell[1])
+                    results[cell].append(one_run(cfg))
+                    print(cell, results[cell][-1], flush=True)
+        finally:
+            for s in servers:
+                s.stop()
     med = statistics.median
     rows = []
     for engine, budget, schedule in cells:
