@@ -30,7 +30,7 @@ import shutil
 import threading
 import urllib.request
 
-from sandbox.job_secret import authorised, bearer_headers, check_open_service, job_secret
+from sandbox.job_secret import OpenServiceError, authorised, bearer_headers, check_open_service, job_secret
 
 CHUNK = 8 << 20
 
@@ -228,7 +228,10 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=8101)
     p.add_argument("--dir", default="/dev/shm/rstar2_pulled" if os.path.isdir("/dev/shm") else "/tmp/rstar2_pulled")
     args = p.parse_args(argv)
-    fetcher = WeightFetcher(args.dir, args.host, args.port)
+    try:
+        fetcher = WeightFetcher(args.dir, args.host, args.port)
+    except OpenServiceError as e:
+        raise SystemExit(str(e)) from None
     print(f"weight fetcher on {fetcher.url}, copies into {fetcher.root}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
