@@ -73,8 +73,12 @@ def one_run(cfg) -> dict[str, float]:
 def start_servers(model_dir: str, n: int, work: str):
     from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
     python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+    # every step's prompts in one engine step: vLLM 0.32's CPU build fails a seeded request whose
+    # prefill is chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync),
+    # and the default 2,048-token budget chunks the 64 prompts of a step
+    unchunked = ("--max-num-batched-tokens", "65536")
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
-                                                   cpu_kv_cache_gib=1, eager=True), python=python,
+                                                   cpu_kv_cache_gib=1, eager=True, extra_args=unchunked), python=python,
                           log_path=os.path.join(work, f"server{i}.log")).start() for i in range(n)]
     for s in servers:
         s.wait_ready(timeout=900)
