@@ -302,6 +302,7 @@ def test_a_call_in_flight_when_redis_restarts_empty_is_queued_again_and_answered
     answered. The client notices its job is gone (no entry, no result) once it reconnects, queues
     it again, and gets exactly one result."""
     worker = None
+    restarted = []
     try:
         async def scenario():
             nonlocal worker
@@ -310,7 +311,7 @@ def test_a_call_in_flight_when_redis_restarts_empty_is_queued_again_and_answered
                 await asyncio.sleep(0.5)  # queued; no worker yet
                 redis_server.stop()
                 await asyncio.sleep(0.5)
-                RedisServer(port=redis_server.port).start()
+                restarted.append(RedisServer(port=redis_server.port).start())
                 worker = start_worker(redis_server.url)
                 return await task
 
@@ -322,6 +323,8 @@ def test_a_call_in_flight_when_redis_restarts_empty_is_queued_again_and_answered
     finally:
         if worker is not None:
             stop(worker)
+        for server in restarted:  # the fixture stops only the first one
+            server.stop()
 
 
 def test_sessions_over_redis_stay_on_their_worker_and_survive_its_death_with_a_note(redis_server):
