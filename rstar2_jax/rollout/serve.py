@@ -21,7 +21,7 @@ from absl import app, flags
 
 from rstar2_jax.rollout.engines.vllm_server import (ServerOptions, VLLMServer, default_python, server_command,
                                                     shell_command)
-from sandbox.job_secret import SECRET_ENV, OpenServiceError, check_open_service, job_secret
+from sandbox.job_secret import SECRET_ENV, OpenServiceError, job_secret
 
 _MODEL = flags.DEFINE_string("model", None, "HF model directory to launch with, or a hub id through the Hugging Face "
                              "cache", required=True)
@@ -62,10 +62,6 @@ def main(argv):
     print(shell_command(argv, env) + (f"   (${SECRET_ENV} from this environment)" if secret else ""), flush=True)
     if _PRINT_ONLY.value:
         return
-    try:  # refused before anything starts: beyond loopback, both the server and its fetcher need the secret
-        check_open_service("the vLLM server and its weight fetcher", _HOST.value, secret, warn=lambda _: None)
-    except OpenServiceError as e:
-        sys.exit(str(e))
     server = VLLMServer(model_dir, opts, python=python, secret=secret)
     fetcher = None
     # SIGTERM (scancel, a job's end, kill) stops the server like Ctrl-C: nothing left holding the port
@@ -83,6 +79,8 @@ def main(argv):
         server.proc.wait()
     except KeyboardInterrupt:
         pass
+    except OpenServiceError as e:  # beyond loopback without the secret: refused before either one listens
+        sys.exit(str(e))
     finally:
         server.stop()
         if fetcher is not None:

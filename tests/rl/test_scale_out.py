@@ -16,8 +16,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import redis
@@ -27,6 +25,7 @@ from rstar2_jax.traces import read_traces
 from rstar2_jax.rollout.engines.vllm_server import free_port
 from tests.rl.launch import ROOT
 from tests.rl.test_training import rl_lines
+from tests.rollout.test_weight_pull import http_status
 from tests.slurm_cluster import SlurmCluster
 
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -157,16 +156,6 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     assert "ready: http://" in vllm_log
 
 
-def _status(url: str, secret: str | None, method: str = "GET") -> int:
-    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-    request = urllib.request.Request(url, method=method, headers=headers, data=b"{}" if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(request, timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 def _job_secret() -> str:
     """The secret, from the environment of the job's trainer process (readable by its owner only)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -189,8 +178,10 @@ def _only_the_job_is_served(cluster, job_id, work, ports):
     vllm, fetch = f"http://127.0.0.1:{ports['vllm']}", f"http://127.0.0.1:{ports['fetch']}"
     for url, method in ((f"{vllm}/v1/models", "GET"), (f"{vllm}/collective_rpc", "POST"), (f"{vllm}/health", "GET"),
                         (f"{fetch}/fetch", "POST"), (f"{fetch}/commit", "POST"), (f"{export}/", "GET")):
-        assert _status(url, None, method) == 401 and _status(url, "not-the-secret", method) == 401, url
-    assert _status(f"{vllm}/v1/models", secret) == 200 and _status(f"{export}/", secret) == 200
+        body = {} if method == "POST" else None
+        assert http_status(url, method=method, body=body) == 401, url
+        assert http_status(url, method=method, body=body, secret="not-the-secret") == 401, url
+    assert http_status(f"{vllm}/v1/models", secret=secret) == 200 and http_status(f"{export}/", secret=secret) == 200
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=ports["redis"], socket_timeout=5).ping()
     assert redis.Redis(port=ports["redis"], password=secret, socket_timeout=5).ping()

@@ -85,7 +85,7 @@ def test_the_fetcher_refuses_bad_requests_and_says_why(tmp_path, route, body, st
         fetcher.close()
 
 
-def _status(url: str, *, method: str = "GET", body: dict | None = None, secret: str | None = None) -> int:
+def http_status(url: str, *, method: str = "GET", body: dict | None = None, secret: str | None = None) -> int:
     req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
                                  headers=bearer_headers(secret))
     try:
@@ -109,12 +109,12 @@ def test_with_the_job_secret_both_servers_answer_only_its_holders(tmp_path, monk
     try:
         src = export(tmp_path / "trainer", 1)
         file_url = f"{files.url_for(str(src))}/{BUCKETS[0][0]}"
-        assert _status(file_url) == 401 and _status(file_url, secret="wrong") == 401
-        assert _status(file_url, secret="job-s3cret") == 200
+        assert http_status(file_url) == 401 and http_status(file_url, secret="wrong") == 401
+        assert http_status(file_url, secret="job-s3cret") == 200
         stranger = {"url": "http://127.0.0.1:1", "file": "m.safetensors", "bucket": "b0", "version": 1}
-        assert _status(f"{fetcher.url}/fetch", method="POST", body=stranger) == 401
-        assert _status(f"{fetcher.url}/commit", method="POST", body={"version": 1}, secret="wrong") == 401
-        assert _status(f"{fetcher.url}/anything") == 401
+        assert http_status(f"{fetcher.url}/fetch", method="POST", body=stranger) == 401
+        assert http_status(f"{fetcher.url}/commit", method="POST", body={"version": 1}, secret="wrong") == 401
+        assert http_status(f"{fetcher.url}/anything") == 401
         for file, bucket in BUCKETS:
             ask_to_fetch(fetcher.url, files.url_for(str(src)), file, bucket, 1)
         whole = ask_to_commit(fetcher.url, 1)

@@ -35,16 +35,20 @@ from sandbox.job_secret import OpenServiceError, authorised, bearer_headers, che
 CHUNK = 8 << 20
 
 
-def _refused(handler: http.server.BaseHTTPRequestHandler, secret: str | None) -> bool:
-    """Answer 401 (and True) unless the request carries `secret`."""
-    if authorised(handler.headers.get("Authorization"), secret):
-        return False
-    data = b'{"error": "missing or wrong secret (Authorization: Bearer $RSTAR2_SECRET)"}'
-    handler.send_response(401)
+def _reply(handler: http.server.BaseHTTPRequestHandler, status: int, obj: dict):
+    data = json.dumps(obj).encode()
+    handler.send_response(status)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+def _refused(handler: http.server.BaseHTTPRequestHandler, secret: str | None) -> bool:
+    """Answer 401 (and True) unless the request carries `secret`."""
+    if authorised(handler.headers.get("Authorization"), secret):
+        return False
+    _reply(handler, 401, {"error": "missing or wrong secret (Authorization: Bearer $RSTAR2_SECRET)"})
     return True
 
 
@@ -128,13 +132,13 @@ class WeightFetcher:
 
             def do_GET(self):
                 if not _refused(self, secret):
-                    self._reply(404, {"error": f"no route {self.path}; POST /fetch or /commit"})
+                    _reply(self, 404, {"error": f"no route {self.path}; POST /fetch or /commit"})
 
             def do_POST(self):
                 if _refused(self, secret):
                     return
                 if self.path not in ("/fetch", "/commit"):
-                    return self._reply(404, {"error": f"no route {self.path}; POST /fetch or /commit"})
+                    return _reply(self, 404, {"error": f"no route {self.path}; POST /fetch or /commit"})
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                     if self.path == "/fetch":
@@ -142,19 +146,11 @@ class WeightFetcher:
                                                   int(body["version"]))
                     else:
                         path = fetcher.commit(int(body["version"]))
-                    self._reply(200, {"path": path})
+                    _reply(self, 200, {"path": path})
                 except (KeyError, TypeError, ValueError) as e:
-                    self._reply(400, {"error": f"bad request: {e!r}"})
+                    _reply(self, 400, {"error": f"bad request: {e!r}"})
                 except OSError as e:
-                    self._reply(502, {"error": f"could not copy the weights: {e!r}"})
-
-            def _reply(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                    _reply(self, 502, {"error": f"could not copy the weights: {e!r}"})
 
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self.port = self._httpd.server_address[1]
