@@ -103,7 +103,7 @@ def main(argv):
         python=sys.executable, train_args=tuple(_config_args(sys.argv[1:])), roles=roles,
         nodes=_NODES.value or roles.wanted_nodes(), model_path=str(cfg.model.path),
         vllm_python=_VLLM_PYTHON.value, dtype=str(cfg.model.dtype),
-        max_model_len=_MAX_MODEL_LEN.value or int(cfg.rollout.max_len),
+        max_model_len=_MAX_MODEL_LEN.value or int(cfg.rollout.max_len), lora_rank=int(cfg.model.lora.rank),
         cpu_kv_cache_gib=_CPU_KV.value, vllm_args=tuple(_VLLM_ARG.value), vllm_eager=_VLLM_EAGER.value,
         gpus_per_node=_GPUS.value,
         ports=Ports(_REDIS_PORT.value, _VLLM_PORT.value, _FETCH_PORT.value), redis_server=_REDIS_SERVER.value,

@@ -79,6 +79,7 @@ class SlurmJob:
     cpu_kv_cache_gib: int = 4
     vllm_args: tuple[str, ...] = ()
     vllm_eager: bool = False             # rollout.serve --eager (a CPU quick start)
+    lora_rank: int = 0                   # rollout.serve --lora_rank: the run's model.lora.rank
     gpus_per_node: int = 0
     ports: Ports = Ports()
     redis_server: str = "redis-server"
@@ -263,6 +264,7 @@ def batch_script(job: SlurmJob) -> str:
                          f"--fetch_dir=/dev/shm/rstar2_pulled_{port}"]
                 if job.vllm_python:
                     serve.append(f"--python={_q(job.vllm_python)}")
+                serve += [f"--lora_rank={job.lora_rank}"] * bool(job.lora_rank)
                 serve += ["--eager"] * job.vllm_eager + [f"--vllm_arg={_q(a)}" for a in job.vllm_args]
                 body += [
                     f"H=$(host {i})",

@@ -40,6 +40,7 @@ from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.packing import PackingPlan, plan_packing, row_lengths
 from rstar2_jax.learner.settings import LearnerSettings
+from rstar2_jax.models import lora
 from rstar2_jax.learner.train_step import (TrainState, UpdateConfig, batch_logprobs, packed_apply, packed_gradients,
                                            packed_logprobs, packing_inputs, train_step)
 
@@ -60,16 +61,21 @@ class Learner:
                                                 micro_batches=cfg.micro_batches, correction=cfg.correction,
                                                 constant_tokens=constant_tokens)
         self.mesh = mesh
-        self.graphdef, params = nnx.split(model, nnx.Param)
+        # A model with LoRA adapters (models/lora.py) trains only them: the base is `frozen`, never
+        # donated, never differentiated, held in the dtype it was loaded in.
+        self.graphdef, params, self.frozen = lora.split_trained(model)
         if not own_params:
             params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
         self.tx = optimizer or make_optimizer(lr=cfg.lr, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
                                               grad_clip=cfg.grad_clip)
         if mesh is not None:
             params = _placed_on(params, sharding_lib.param_shardings(params, mesh))
+            if self.frozen is not None:
+                self.frozen = _placed_on(self.frozen, sharding_lib.param_shardings(self.frozen, mesh))
         self.state = self._placed(TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)))
         self.version = 0
-        # The frozen reference of a KL term: the weights the learner starts from (after SFT).
+        # The frozen reference of a KL term: the weights the learner starts from (after SFT); with
+        # LoRA, the base with the adapters as they start (zero, or their SFT values).
         self.ref_params = jax.tree.map(jnp.copy, params) if update.kl.enabled else None
         self._train = jax.jit(partial(train_step, self.graphdef, self.tx, update), donate_argnums=(0,))
         self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=update), static_argnames="with_entropy")
@@ -122,7 +128,7 @@ class Learner:
         `with_entropy`, the pair (log-probs, entropy), both computed in the same vocabulary chunks."""
         with self._ctx():
             out = self._logprobs(self.state.params if params is None else params, self._put(tokens),
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, frozen=self.frozen)
             return tuple(map(_host, out)) if with_entropy else _host(out)
 
     def _plan(self, lengths: np.ndarray) -> PackingPlan:
@@ -143,7 +149,7 @@ class Learner:
         for k in range(plan.micro_batches):
             with self._ctx():
                 out = self._packed_logprobs(params, self._put_all({n: plan.micro_batch(v, k) for n, v in packed.items()}),
-                                            with_entropy=with_entropy)
+                                            with_entropy=with_entropy, frozen=self.frozen)
             outs.append(tuple(map(_host, out if with_entropy else (out,))))
         width = batch.tokens.shape[1]
         unpacked = tuple(plan.unpack(plan.joined(list(parts)), width) for parts in zip(*outs))
@@ -175,7 +181,7 @@ class Learner:
                     metrics, tokens = self._packed_step(part)
                 else:
                     with self._ctx():
-                        self.state, metrics = self._train(self.state, self._put_all(part))
+                        self.state, metrics = self._train(self.state, self._put_all(part), self.frozen)
                     tokens = part["tokens"].size
                 computed += tokens
                 steps.append({k: float(v) for k, v in metrics.items()})
@@ -215,7 +221,7 @@ class Learner:
         with self._ctx():
             for k in range(plan.micro_batches):
                 mb = self._put_all({n: plan.micro_batch(v, k) for n, v in part.arrays.items()})
-                accumulated = self._packed_gradients(self.state.params, accumulated, mb, part.count)
+                accumulated = self._packed_gradients(self.state.params, accumulated, mb, part.count, self.frozen)
             self.state, metrics = self._packed_apply(self.state, accumulated, part.count, part.total_tokens)
         return metrics, plan.computed_tokens
 
@@ -246,11 +252,12 @@ class Learner:
         self.state = self._placed(self.state.replace(opt_state=self.tx.init(self.state.params)))
 
     def model_state(self):
-        """The parameters as an nnx.State, for engines and checkpoints."""
-        return self.state.params
+        """Every parameter of the model as an nnx.State (with LoRA: the base and the adapters), for
+        engines."""
+        return self.state.params if self.frozen is None else nnx.merge_state(self.frozen, self.state.params)
 
     def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.state.params)
+        return lora.merged(self.graphdef, self.state.params, self.frozen)
 
 
 class PackedPart(NamedTuple):

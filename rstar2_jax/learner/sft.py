@@ -15,6 +15,7 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState
+from rstar2_jax.models import lora
 from rstar2_jax.models.logprobs import token_logprobs
 
 
@@ -28,9 +29,10 @@ class SFTConfig(Section):
     examples: int = setting(4000, "synthetic traces made for SFT", min=1)
 
 
-def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask):
+def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None):
+    """frozen: the base when the state's params are LoRA adapters (models/lora.py)."""
     def loss(params):
-        lp = token_logprobs(nnx.merge(graphdef, params), tokens)
+        lp = token_logprobs(lora.merged(graphdef, params, frozen), tokens)
         return -jnp.sum(lp * loss_mask) / jnp.maximum(loss_mask.sum(), 1.0)
 
     value, grads = jax.value_and_grad(loss)(state.params)
@@ -42,7 +44,7 @@ def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask):
 class SFTTrainer:
     def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, pad_multiple: int = 64):
-        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.graphdef, params, self.frozen = lora.split_trained(model)  # with adapters: only they train
         params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
         self.tx = make_optimizer(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip)
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
@@ -54,14 +56,16 @@ class SFTTrainer:
         ids = [e[0] for e in examples]
         batch = make_batch(ids, [e[1] for e in examples], [[0.0] * len(t) for t in ids], [0.0] * len(ids),
                            pad_multiple=self.pad_multiple)
-        self.state, metrics = self._step(self.state, jnp.asarray(batch.tokens), jnp.asarray(batch.loss_mask))
+        self.state, metrics = self._step(self.state, jnp.asarray(batch.tokens), jnp.asarray(batch.loss_mask),
+                                          self.frozen)
         return {k: float(v) for k, v in metrics.items()}
 
     def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.state.params)
+        return lora.merged(self.graphdef, self.state.params, self.frozen)
 
     def params(self):
-        return self.state.params
+        """Every parameter of the model (with LoRA: the base and the trained adapters)."""
+        return self.state.params if self.frozen is None else nnx.merge_state(self.frozen, self.state.params)
 
 
 def iterate_batches(data, batch_size: int, seed: int):

@@ -18,19 +18,20 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, LossInputs, PolicyLossConfig,
                              policy_loss_terms)
 from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
 from rstar2_jax.models.decoder import PackedSegments
+from rstar2_jax.models.lora import merged
 from rstar2_jax.models.logprobs import token_logprobs
 
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any          # nnx.State of the model's Params (float32 master weights)
+    params: Any          # nnx.State of the trained Params (float32 master weights): all of them, or the
+                         # LoRA adapters (models/lora.py; the frozen base then lives beside the state)
     opt_state: Any
 
 
@@ -55,14 +56,15 @@ class UpdateConfig:
 
 
 def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False, positions=None,
-                     segment_ids=None, remat: bool = True):
+                     segment_ids=None, remat: bool = True, frozen=None):
     """Log-probs of every token under `params` [N, T] (the learner's 'old' log-probs); with
     `with_entropy`, also the entropy of the distribution each token was drawn from [N, T].
     Packed rows pass their `positions` and `segment_ids`: a sequence's first token then gets 0,
     as position 0 of a padded row (nothing of its own predicts it). remat=False: a pass with no
     gradient, which has no backward to save memory for (and nnx.remat inside lax.map fails:
-    "Cannot mutate Param from a different trace level", flax 0.12)."""
-    model = nnx.merge(graphdef, params)
+    "Cannot mutate Param from a different trace level", flax 0.12). frozen: the base's Params when
+    `params` are LoRA adapters (never differentiated: jax.grad sees only `params`)."""
+    model = merged(graphdef, params, frozen)
     if not remat:
         model.remat = "none"
     out = token_logprobs(model, tokens, positions, segment_ids, chunk_size=cfg.logprob_chunk,
@@ -79,30 +81,31 @@ def _segments(mb: dict):
     return PackedSegments(mb["segment_ids"], mb["segment_starts"], mb["segment_lengths"])
 
 
-def packed_logprobs(graphdef, params, mb: dict, cfg: UpdateConfig, with_entropy: bool = False):
+def packed_logprobs(graphdef, params, mb: dict, cfg: UpdateConfig, with_entropy: bool = False, frozen=None):
     """`compute_logprobs` of one packed micro-batch (tokens and the plan's layout)."""
     return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], _segments(mb),
-                            remat=False)
+                            remat=False, frozen=frozen)
 
 
-def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False):
+def batch_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: bool = False, frozen=None):
     """`compute_logprobs` of a whole batch, cfg.micro_batches rows-slices at a time (a `lax.map`),
     so the old-log-prob pass holds one micro-batch's activations, as the update does, never the
     whole batch's (a batch whose rows do not split evenly goes in one piece)."""
     n, m = tokens.shape[0], cfg.micro_batches
     if m == 1 or n % m:
-        return compute_logprobs(graphdef, params, tokens, cfg, with_entropy, remat=False)
+        return compute_logprobs(graphdef, params, tokens, cfg, with_entropy, remat=False, frozen=frozen)
     micro = tokens.reshape((m, n // m) + tokens.shape[1:])
-    out = jax.lax.map(lambda t: compute_logprobs(graphdef, params, t, cfg, with_entropy, remat=False), micro)
+    out = jax.lax.map(lambda t: compute_logprobs(graphdef, params, t, cfg, with_entropy, remat=False, frozen=frozen),
+                      micro)
     return jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), out)
 
 
-def _loss_terms(graphdef, cfg: UpdateConfig, params, batch):
+def _loss_terms(graphdef, cfg: UpdateConfig, params, batch, frozen=None):
     """(scaled loss sum, {statistic: token sum}, log-probs) of one (micro-)batch: the policy
     loss, the corrections' weights (`is_weight`, when corrections are on) and the KL term, masked
     and scaled per row by the aggregation."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg, positions=batch.get("positions"),
-                          segment_ids=_segments(batch))
+                          segment_ids=_segments(batch), frozen=frozen)
     mask = batch["loss_mask"] > 0
     inputs = LossInputs(lp, batch["old_logprobs"], batch["advantages"], mask, batch.get("sampler_logprobs"),
                         batch.get("ref_logprobs"), segment_ids=batch.get("segment_ids"),
@@ -139,20 +142,20 @@ def loss_count(cfg: UpdateConfig, mask) -> jax.Array:
     return jnp.maximum(AGGREGATIONS[cfg.loss.aggregation_name()].count(mask > 0, cfg.constant_tokens), 1e-9)
 
 
-def _micro_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, count):
+def _micro_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, count, frozen=None):
     """(gradient, {statistic: sum}) of one micro-batch's scaled loss sum / `count` (the whole
     mini-batch's normaliser): summed over micro-batches, the mini-batch's gradient."""
     def micro_loss(p):
-        loss_sum, stats, _ = _loss_terms(graphdef, cfg, p, mb)
+        loss_sum, stats, _ = _loss_terms(graphdef, cfg, p, mb, frozen)
         return loss_sum / count, {**stats, "policy_loss": loss_sum}
     return jax.grad(micro_loss, has_aux=True)(params)
 
 
-def _zeros_like_gradients(graphdef, cfg: UpdateConfig, params, mb: dict):
+def _zeros_like_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, frozen=None):
     """Zeros shaped as `_micro_gradients`' result: the gradient's like the parameters (their
     shardings too: the accumulator is split as they are), the statistics' from the loss and the
     options in use (nothing hard-coded here)."""
-    stats = jax.eval_shape(lambda p, b: _micro_gradients(graphdef, cfg, p, b, 1.0), params, mb)[1]
+    stats = jax.eval_shape(lambda p, b: _micro_gradients(graphdef, cfg, p, b, 1.0, frozen), params, mb)[1]
     return jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
 
@@ -166,10 +169,12 @@ def _applied(tx: optax.GradientTransformation, state: TrainState, grads, stats: 
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, state: TrainState, batch: dict):
+def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, state: TrainState, batch: dict,
+               frozen=None):
     """One optimizer step on padded rows. batch: tokens [N, T], loss_mask [N, T], advantages [N],
     old_logprobs [N, T] (sampler_logprobs [N, T] with corrections, ref_logprobs [N, T] with a KL
-    term); cfg.micro_batches row slices, accumulated in a `lax.scan`."""
+    term); cfg.micro_batches row slices, accumulated in a `lax.scan`. frozen: the LoRA base (None: the
+    state's params are the whole model)."""
     batch = corrected(cfg, batch)
     n = batch["tokens"].shape[0]
     m = cfg.micro_batches
@@ -179,9 +184,9 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, st
     count = loss_count(cfg, batch["loss_mask"])
 
     def accumulate(carry, mb):
-        return jax.tree.map(jnp.add, carry, _micro_gradients(graphdef, cfg, state.params, mb, count)), None
+        return jax.tree.map(jnp.add, carry, _micro_gradients(graphdef, cfg, state.params, mb, count, frozen)), None
 
-    zeros = _zeros_like_gradients(graphdef, cfg, state.params, jax.tree.map(lambda x: x[0], micro))
+    zeros = _zeros_like_gradients(graphdef, cfg, state.params, jax.tree.map(lambda x: x[0], micro), frozen)
     (grads, stats), _ = jax.lax.scan(accumulate, zeros, micro)
     return _applied(tx, state, grads, stats, count, jnp.maximum(batch["loss_mask"].sum(), 1.0))
 
@@ -201,11 +206,11 @@ def packing_inputs(cfg: UpdateConfig, batch: dict) -> dict:
     return out
 
 
-def packed_gradients(graphdef, cfg: UpdateConfig, params, accumulated, mb: dict, count):
+def packed_gradients(graphdef, cfg: UpdateConfig, params, accumulated, mb: dict, count, frozen=None):
     """`accumulated` (None: zeros) plus one packed micro-batch's (gradient, statistic sums).
     mb: tokens, positions, segment_ids, loss_mask, advantages (per token), old_logprobs,
     token_scale [width, budget] (sampler_logprobs, ref_logprobs, is_weight when in use)."""
-    out = _micro_gradients(graphdef, cfg, params, mb, count)
+    out = _micro_gradients(graphdef, cfg, params, mb, count, frozen)
     return out if accumulated is None else jax.tree.map(jnp.add, accumulated, out)
 
 
@@ -215,8 +220,8 @@ def packed_apply(tx: optax.GradientTransformation, state: TrainState, accumulate
     return _applied(tx, state, grads, stats, count, total_tokens)
 
 
-def policy_loss_value(graphdef, cfg: UpdateConfig, params, batch) -> jax.Array:
+def policy_loss_value(graphdef, cfg: UpdateConfig, params, batch, frozen=None) -> jax.Array:
     """The aggregated loss of a batch (no gradient): for tests and logging."""
     batch = corrected(cfg, batch)
-    s, _, _ = _loss_terms(graphdef, cfg, params, batch)
+    s, _, _ = _loss_terms(graphdef, cfg, params, batch, frozen)
     return s / loss_count(cfg, batch["loss_mask"])

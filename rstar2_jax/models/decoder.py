@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rstar2_jax import sharding
+from rstar2_jax.models import lora
 from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.rope import apply_rope, inverse_frequencies, rope_angles
 
@@ -172,17 +173,18 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype, axes=("head_dim",))
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype, axes=("head_dim",))
 
-    def _project(self, x, kernel, bias_name):
-        out = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.dtype))
+    def _project(self, x, name, bias_name):
+        out = jnp.einsum("bte,ehd->bthd", x, getattr(self, name)[...].astype(self.dtype))
+        out = lora.adapted(self, name, x, out)
         if self.cfg.attention_bias:
             out = out + getattr(self, bias_name)[...].astype(self.dtype)
         return out
 
     def __call__(self, x, sin, cos, positions, segment_ids, layer_cache, kv_len=None):
         cfg = self.cfg
-        q = self._project(x, self.q_proj, "q_bias")
-        k = self._project(x, self.k_proj, "k_bias")
-        v = self._project(x, self.v_proj, "v_bias")
+        q = self._project(x, "q_proj", "q_bias")
+        k = self._project(x, "k_proj", "k_bias")
+        v = self._project(x, "v_proj", "v_bias")
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
@@ -232,7 +234,7 @@ class Attention(nnx.Module):
                 mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]  # [B, T, S]
                 out = _xla_attention(q, keys, values, mask, cfg)
 
-        out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype))
+        out = lora.adapted(self, "o_proj", out, jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype)))
         if cfg.attention_bias and cfg.family == "llama":
             out = out + self.o_bias[...].astype(self.dtype)
         return out, new_cache
@@ -328,10 +330,10 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), param_dtype, "normal")
 
     def __call__(self, x):
-        gate = x @ self.gate_proj[...].astype(self.dtype)
-        up = x @ self.up_proj[...].astype(self.dtype)
+        gate = lora.adapted(self, "gate_proj", x, x @ self.gate_proj[...].astype(self.dtype))
+        up = lora.adapted(self, "up_proj", x, x @ self.up_proj[...].astype(self.dtype))
         h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        return h @ self.down_proj[...].astype(self.dtype)
+        return lora.adapted(self, "down_proj", h, h @ self.down_proj[...].astype(self.dtype))
 
 
 class DecoderLayer(nnx.Module):

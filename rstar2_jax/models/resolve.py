@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models import hub
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION, REMAT_POLICIES
+from rstar2_jax.models.lora import LoRAConfig
 from rstar2_jax.registry import Registry
 
 DTYPES = Registry("dtype")
@@ -24,12 +25,14 @@ class PolicyModelConfig(Section):
                         "cache; '' builds the tiny random model in the run directory")
     tiny_layers: int = setting(2, "tiny model (path ''): decoder layers", min=1)
     tiny_hidden: int = setting(128, "tiny model (path ''): hidden size", min=32)
-    dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
+    dtype: str = setting("float32", "compute dtype (trained parameters stay float32; with LoRA the frozen base is "
+                         "held in it)", choices=DTYPES)
     remat: str = setting("none", "rematerialisation of each layer in the backward pass",
                          choices=tuple(REMAT_POLICIES))
     attention: str = setting("xla", "full forwards: xla | cudnn (NVIDIA; see BENCHMARKS.md)", choices=FULL_ATTENTION)
     decode_attention: str = setting("xla", "engine decode: xla | pallas (ragged; rollout.max_len % 128 == 0 "
                                     "unless paged)", choices=DECODE_ATTENTION)
+    lora: LoRAConfig = setting(LoRAConfig, "low-rank adapters: train them, not the model (rank 0: off)")
 
     def rules(self):
         problem = hub.check(self.path)
@@ -48,3 +51,25 @@ def resolve(model_cfg: PolicyModelConfig, workdir: str, seed: int) -> str:
         tiny.build_tiny_model(model_dir, seed=seed, num_layers=model_cfg.tiny_layers,
                               hidden_size=model_cfg.tiny_hidden, intermediate_size=3 * model_cfg.tiny_hidden)
     return model_dir
+
+
+def load_policy(model_cfg: PolicyModelConfig, model_dir: str, *, seed: int, mesh=None):
+    """The run's policy from `model_dir`: the decoder with its settings (compute dtype, remat,
+    attention), its trained parameters float32 (master weights), and with model.lora.rank > 0
+    the base frozen in the compute dtype with fresh adapters on the targets (models/lora.py).
+    A rank the model cannot take is a ConfigValueError before the weights are read."""
+    from rstar2_jax.config_types import ConfigProblem, ConfigValueError
+    from rstar2_jax.models import lora
+    from rstar2_jax.models.checkpoint import load_pretrained
+    from rstar2_jax.models.config import ModelConfig
+
+    adapters = model_cfg.lora
+    if adapters.enabled:
+        problems = lora.rank_problems(adapters, ModelConfig.from_json_file(os.path.join(model_dir, "config.json")))
+        if problems:
+            raise ConfigValueError([ConfigProblem("model.lora.rank", p) for p in problems])
+    dtype = DTYPES[model_cfg.dtype]
+    model = load_pretrained(model_dir, dtype=dtype, param_dtype=dtype if adapters.enabled else jnp.float32, mesh=mesh)
+    model.remat = model_cfg.remat
+    model.set_attention(full=model_cfg.attention, decode=model_cfg.decode_attention)
+    return lora.attach(model, adapters, seed=seed)

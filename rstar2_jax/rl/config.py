@@ -138,6 +138,8 @@ class RunConfig(Section):
         if self.sft.steps and self.data.task in TASKS and not TASKS[self.data.task].has_sft_data:
             yield "sft.steps", (f"must be 0 for data.task={self.data.task!r}: it has no SFT data (fine-tune first "
                                 "with python -m rstar2_jax.sft and set model.path)")
+        if self.model.lora.enabled and (why := engine_kind(r).adapter_refusal(r, self.model.lora.rank)):
+            yield "model.lora.rank", why
         if rl.token_budget and rl.token_budget < r.max_len:
             yield "rl.token_budget", (f"{rl.token_budget} tokens is below rollout.max_len ({r.max_len}), the longest "
                                       "rollout a stage allows: a packed row must hold it (raise rl.token_budget to "

@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from rstar2_jax import models, processes, sharding
@@ -34,7 +34,8 @@ from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.learner import Learner, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
-from rstar2_jax.models.resolve import DTYPES
+from rstar2_jax.models.adapter_files import base_identity
+from rstar2_jax.models.resolve import DTYPES, load_policy
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rl import carry, dynamic_sampling
 from rstar2_jax.rl.config import RunConfig, check_prompt_room, validate
@@ -84,11 +85,9 @@ class RLRun:
         # The mesh exists before the weights: each tensor streams from its safetensors file straight
         # onto its shards (one host tensor at a time), and the learner then owns those arrays.
         self.mesh = sharding.make_mesh(**cfg.mesh.axes()) if jax.device_count() > 1 else None
-        self.model = models.load_pretrained(self.model_dir, dtype=DTYPES[cfg.model.dtype], param_dtype=jnp.float32,
-                                            mesh=self.mesh)
-        self.model.remat = cfg.model.remat
-        self.model.set_attention(full=cfg.model.attention, decode=cfg.model.decode_attention)
-        self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep)
+        self.model = load_policy(cfg.model, self.model_dir, seed=cfg.seed, mesh=self.mesh)
+        self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
+                                          base=base_identity(self.model_dir) if cfg.model.lora.enabled else None)
         self.traces = TraceWriter(os.path.join(self.workdir, "traces"))
         self.log = MetricsLog(self.workdir, cfg.logging, cfg.run_name, cfg.to_dict())
         self.learner: Learner | None = None
@@ -243,12 +242,15 @@ class RLRun:
         if how.shares(learner_devices=jax.device_count(), on_policy=self.cfg.rl.max_staleness == 0):
             return params
         mesh = engine_mesh(self.cfg.model.decode_attention) if how.split else None
+        frozen = self.learner.frozen  # LoRA: the base, never donated, read as it is (one copy); adapters copied
+        if frozen is not None and mesh is None and jax.device_count() == 1 and how.dtype in (None, self.cfg.model.dtype):
+            return nnx.merge_state(frozen, processes.local_copy(self.learner.state.params,
+                                                                DTYPES[how.dtype] if how.dtype else None))
         return processes.local_copy(params, DTYPES[how.dtype] if how.dtype else None,
                                     sharding.param_shardings(params, mesh) if mesh else None)
 
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""
-        from flax import nnx
         graphdef, _ = nnx.split(self.model, nnx.Param)
         return nnx.merge(graphdef, params)
 

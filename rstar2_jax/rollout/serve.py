@@ -34,6 +34,8 @@ _GPU_MEM = flags.DEFINE_float("gpu_memory_utilization", None, "share of GPU memo
 _CPU_KV = flags.DEFINE_integer("cpu_kv_cache_gib", 4, "KV cache size in whole GiB (CPU build)")
 _EAGER = flags.DEFINE_bool("eager", False, "no torch.compile warm-up or CUDA graphs: starts twice as fast on CPU; "
                            "leave off on GPUs")
+_LORA_RANK = flags.DEFINE_integer("lora_rank", 0, "serve LoRA adapters up to this rank, loaded by each weight sync "
+                                  "(the run's model.lora.rank; 0: no adapters)")
 _PYTHON = flags.DEFINE_string("python", None, "the vLLM venv's python (default $RSTAR2_VLLM_PYTHON or .venv-vllm)")
 _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "print the command instead of running it")
 _EXTRA = flags.DEFINE_multi_string("vllm_arg", [], "extra argument passed to vLLM as is (repeat)")
@@ -55,7 +57,8 @@ def main(argv):
         sys.exit(str(e))
     opts = ServerOptions(host=_HOST.value, port=_PORT.value, dtype=_DTYPE.value, max_model_len=_MAX_LEN.value,
                          tensor_parallel_size=_TP.value, gpu_memory_utilization=_GPU_MEM.value,
-                         cpu_kv_cache_gib=_CPU_KV.value, eager=_EAGER.value, extra_args=tuple(_EXTRA.value))
+                         cpu_kv_cache_gib=_CPU_KV.value, eager=_EAGER.value, lora_rank=_LORA_RANK.value,
+                         extra_args=tuple(_EXTRA.value))
     python = _PYTHON.value or default_python()
     secret = job_secret()
     argv, env = server_command(model_dir, opts, python, require_secret=bool(secret))

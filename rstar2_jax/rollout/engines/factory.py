@@ -72,6 +72,8 @@ class EngineKind:
     plan: Callable[[EnginePlanInputs], tuple[list[PlanLine], int]]   # its memory lines, and the devices it runs on
     describe: Callable[[RolloutConfig], str]                         # its one line in train --plan
     host_refusal: Callable[[RolloutConfig, str], str | None]         # (rollout, device platform): why it cannot run here
+    # (rollout, model.lora.rank): why it cannot serve the LoRA adapters a run trains (None: it can)
+    adapter_refusal: Callable[[RolloutConfig, int], str | None] = lambda rollout, rank: None
 
 
 ENGINES: Registry[EngineKind] = Registry("engine")

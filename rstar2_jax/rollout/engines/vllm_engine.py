@@ -64,6 +64,10 @@ from flax import nnx
 from rstar2_jax.models.checkpoint import save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
+from rstar2_jax.models import lora
+from rstar2_jax.models.lora import LoRAConfig
+from rstar2_jax.rollout.engines import adapter_sync
+from rstar2_jax.rollout.engines.adapter_sync import adapter_name, load_on_server
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.reach import default_sync_root
@@ -126,12 +130,17 @@ class VLLMEngine(Engine):
         `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast). bucket_bytes:
         the export's bucket (weight_export.py, host memory): the servers reload bucket by bucket as
         the export is written. swap: "staged" | "streamed", probe: "deferred" | "wait" (the module's
-        docstring)."""
+        docstring). A `model` with LoRA adapters (models/lora.py): a sync moves only them, and the
+        server, started with adapters enabled (ServerOptions.lora_rank), loads each version (adapter_sync.py)."""
         if sync not in SYNC_METHODS:
             raise ValueError(f"sync must be one of {SYNC_METHODS}, got {sync!r}")
         if swap not in SWAP_MODES or probe not in PROBE_MODES:
             raise ValueError(f"swap must be one of {SWAP_MODES} and probe one of {PROBE_MODES}, got {swap!r}, {probe!r}")
         self.swap, self.probe = swap, probe
+        self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
+        if self.adapters is not None and sync != "files":
+            raise ValueError(f"LoRA adapters reach vLLM servers by files only in this version, not sync={sync!r}")
+        self.loaded_adapters: dict[int, str] = {}  # adapter versions this server holds -> their directories
         self._probe: concurrent.futures.Future | None = None  # the last sync's deferred probe
         if (sync == "pull") != (fetch_url is not None):
             raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
@@ -189,7 +198,7 @@ class VLLMEngine(Engine):
             max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         if max_tokens <= 0:
             return Completion([], [], "length", self.version, self.version)
-        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
+        body = {"prompt": prompt, "max_tokens": max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
                 "stop": list(stop) + list(sampling.stop), "include_stop_str_in_output": True}
@@ -200,6 +209,7 @@ class VLLMEngine(Engine):
         while True:
             await self._wait_up(deadline)
             version_start = self.version
+            body["model"] = self.served_name  # with adapters: this version's, for the whole completion
             start = time.monotonic()
             try:
                 out = await self._call("POST", "/v1/completions", body)
@@ -217,10 +227,22 @@ class VLLMEngine(Engine):
             usage = out.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # --enable-prompt-tokens-details
             self.ledger.charge_request(owner, start, time.monotonic(), usage.get("prompt_tokens", len(prompt)), cached)
-            return _completion(choice, version_start, self.version)
+            # an adapter named by the request samples every token of it: the version is exact
+            return _completion(choice, version_start, version_start if self.adapters else self.version)
 
     def take_owned(self, owner: Hashable):
         return self.ledger.take(owner)
+
+    @property
+    def served_name(self) -> str:
+        """What requests name: the served model, or with LoRA the adapter of the current version
+        (before the first adapter sync: the base, which is what zero adapters compute)."""
+        return adapter_name(self.version) if self.adapters and self._synced_dir else self.model_name
+
+    @property
+    def sync_root(self) -> str:
+        """This engine's directory of exports (under sync_dir), removed when it closes."""
+        return self._sync_root
 
     async def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
         return await self.async_client.request(method, path, body, timeout)
@@ -231,7 +253,7 @@ class VLLMEngine(Engine):
     def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """log p(token t | tokens before t) for t >= 1 under the served weights (at T = 1)."""
         out = self.client.request("POST", "/v1/completions", {
-            "model": self.model_name, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 1.0,
+            "model": self.served_name, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 1.0,
             "prompt_logprobs": 0, "return_token_ids": True})
         entries = out["choices"][0]["prompt_logprobs"]
         return [float(entries[i][str(int(t))]["logprob"]) for i, t in enumerate(token_ids) if i > 0]
@@ -278,6 +300,14 @@ class VLLMEngine(Engine):
         self._up.set()  # waiting requests try once more and raise ServerUnavailable
 
     def _restore_weights(self):
+        if self.adapters is not None:  # a restarted server holds no adapter: load the current one again
+            served_ids = {m["id"] for m in self.client.request("GET", "/v1/models", timeout=10.0)["data"]}
+            if self._synced_dir and adapter_name(self.version) not in served_ids:
+                log.warning("%s restarted without adapter v%d: loading %s", self.url, self.version, self._synced_dir)
+                load_on_server(self, self._synced_dir, self.version)
+                self.loaded_adapters = {self.version: self._synced_dir}
+                self.reloads_after_restart += 1
+            return
         served = self.client.request("GET", "/weight_info", timeout=10.0).get("weight_version")
         if (self._synced_dir or self._synced_model is not None) and str(served) != str(self.version):
             if self._synced_dir is None:  # synced over NCCL: the restarted server needs files
@@ -359,6 +389,8 @@ class VLLMEngine(Engine):
         engine then exports its own)."""
         if synced and self.url in synced:
             self._synced_model, self._synced_dir = None, synced[self.url]
+            if self.adapters is not None:
+                self.loaded_adapters[version] = synced[self.url]
         else:
             self._synced_model, self._synced_dir = self.as_model(params), None
         self.version = version
@@ -366,6 +398,9 @@ class VLLMEngine(Engine):
     def take_part_in_sync(self, params: Any) -> None:
         """A trainer process other than the one that pushes, while it pushes `params` split over
         processes: the same collectives (push_to_servers), nothing sent."""
+        if self.adapters is not None:
+            adapter_sync.take_part(params, self)
+            return
         model = self.as_model(params)
         take_part(self.export_plan(model), param_arrays(model))
         probe_logprobs(model, self._probe_tokens)
@@ -525,6 +560,8 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     error is logged and returned (SyncReport.error, and each engine's sync_failures); the
     servers go on answering, and the caller retries with the next sync. The previous sync's
     deferred probe is collected first: a failed one raises WeightSyncError before any export."""
+    if engines[0].adapters is not None:  # a LoRA run: only the adapters move (adapter_sync.py)
+        return adapter_sync.push_adapters(engines, params, version)
     for e in engines:
         e.probe_verdict()
     lead = engines[0]

@@ -130,6 +130,16 @@ def _sync_window(x: EnginePlanInputs) -> tuple[float, str]:
     return float(sum(sizes[-2:]) * dtype.itemsize), f"the export's two largest tensors in {dtype.name}, {how}"
 
 
+def _adapter_refusal(r: RolloutConfig, rank: int) -> str | None:
+    if r.vllm.sync != "files":
+        return (f"LoRA adapters reach vLLM servers by files only in this version, not rollout.vllm.sync={r.vllm.sync}: "
+                "set rollout.vllm.sync=files (the adapters are megabytes: a shared filesystem path in "
+                "rollout.vllm.sync_dir serves servers on other hosts), or model.lora.rank=0")
+    if rank > 512:
+        return f"vLLM serves LoRA adapters up to rank 512, not {rank}: lower model.lora.rank"
+    return None
+
+
 def _host_refusal(r: RolloutConfig, platform: str) -> str | None:
     if r.vllm.sync == "nccl" and platform != "gpu":
         return (f"rollout.vllm.sync=nccl broadcasts the weights from the learner's GPUs, but this host's devices are "
@@ -143,4 +153,4 @@ ENGINES.register("vllm", EngineKind(
     samples_like_learner=lambda r, compute_dtype: False,  # other kernels, whatever the dtype
     weights=_weights, plan=_plan,
     describe=lambda r: f"vllm, {len(r.vllm.urls)} server(s), scheduler {r.vllm.scheduler}",
-    host_refusal=_host_refusal))
+    host_refusal=_host_refusal, adapter_refusal=_adapter_refusal))

@@ -65,6 +65,9 @@ class ServerOptions:
     # process: on CPU the tiny test model's server is ready in ~30 s instead of ~55 s and decodes as
     # fast (BENCHMARKS.md, "vLLM server start-up"). A CPU quick start: leave it off on GPUs.
     eager: bool = False
+    # LoRA runs (model.lora.rank > 0): serve adapters up to this rank, loaded at run time by each
+    # sync (adapter_sync.py); KEEP versions may be loaded at once. 0: no adapters.
+    lora_rank: int = 0
     extra_args: tuple[str, ...] = ()
 
 
@@ -91,11 +94,25 @@ def server_command(model_dir: str, opts: ServerOptions, python: str | None = Non
         if opts.tensor_parallel_size == 1:  # vLLM's CPU platform takes "uni" only with this variable
             argv += ["--distributed-executor-backend", "uni"]         # (vllm/platforms/cpu.py)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if opts.lora_rank:
+        from rstar2_jax.rollout.engines.adapter_sync import KEEP
+        argv += ["--enable-lora", "--max-lora-rank", str(_served_rank(opts.lora_rank)), "--max-loras", str(KEEP),
+                 "--max-cpu-loras", str(KEEP)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if require_secret:
         argv += ["--middleware", AUTH_MIDDLEWARE]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (AUTH_PLUGIN_DIR, os.environ.get("PYTHONPATH", "")) if p)
     argv += list(opts.extra_args)
     return argv, env
+
+
+def _served_rank(rank: int) -> int:
+    """vLLM takes --max-lora-rank from a fixed list (1, 8, 16, 32, 64, 128, 256, 320, 512 in 0.32):
+    the smallest that holds `rank`."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA adapters up to rank 512, not {rank}")
 
 
 def shell_command(argv: list[str], env: dict[str, str]) -> str:

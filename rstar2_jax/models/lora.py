@@ -1,0 +1,158 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021, arXiv 2106.09685) on the decoder's projections.
+
+A targeted projection W (ours: [in..., out...]) computes x W + scale * (x A) B, with A [in..., r]
+and B [r, out...], scale = alpha / r (PEFT's `lora_alpha / r`), A drawn as PEFT draws it
+(uniform in +-1/sqrt(fan_in)) and B zero, so a fresh adapter leaves the model unchanged.
+
+    model = load_pretrained(path, dtype=jnp.bfloat16)       # the base, in its serving dtype
+    attach(model, LoRAConfig(rank=8), seed=0)                # adapters on every target
+    graphdef, trained, frozen = split_trained(model)         # adapters | the base
+
+The adapters are `LoRAParam`s (a kind of nnx.Param), so everything that handles a model's
+Params (engines, the weight sync, `model_with`) handles them too, and `split_trained` tells the
+learner what it trains: only the adapters when a model has them, else every parameter.
+Their names follow PEFT (`adapter_files` writes them), so an adapter loads in PEFT and vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rstar2_jax.config_types import Section, setting
+
+
+class LoRAParam(nnx.Param):
+    """An adapter matrix (A or B): what the learner trains when a model has adapters."""
+
+
+# target name -> (the layer's submodule, the HF module path, input dims of our kernel)
+TARGETS: dict[str, tuple[str, str, int]] = {
+    "q_proj": ("attn", "self_attn.q_proj", 1),
+    "k_proj": ("attn", "self_attn.k_proj", 1),
+    "v_proj": ("attn", "self_attn.v_proj", 1),
+    "o_proj": ("attn", "self_attn.o_proj", 2),
+    "gate_proj": ("mlp", "mlp.gate_proj", 1),
+    "up_proj": ("mlp", "mlp.up_proj", 1),
+    "down_proj": ("mlp", "mlp.down_proj", 1),
+}
+ADAPTER_SUFFIX = "_lora"  # the adapter of `q_proj` is the attribute `q_proj_lora` beside it
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig(Section):
+    """`model.lora.*`: low-rank adapters trained in place of the full weights (rank 0: off)."""
+    rank: int = setting(0, "adapter rank r (0: full fine-tuning, every parameter trained)", min=0)
+    alpha: float = setting(16.0, "scale alpha / r of the adapters' product (PEFT's lora_alpha)", min=0.0)
+    targets: tuple[str, ...] = setting(tuple(TARGETS), "projections that get an adapter, by name: "
+                                       + " | ".join(TARGETS))
+
+    def rules(self):
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            yield "targets", f"{unknown} are not projections of the decoder; choose from {list(TARGETS)}"
+        if self.rank and not self.targets:
+            yield "targets", "rank > 0 needs at least one target projection"
+        if len(set(self.targets)) != len(self.targets):
+            yield "targets", f"{list(self.targets)} names a projection twice"
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def rank_problems(cfg: LoRAConfig, model_cfg) -> list[str]:
+    """Why `cfg` cannot adapt a model of `model_cfg` (a rank above a target's smaller width)."""
+    widths = {"q_proj": (model_cfg.hidden_size, model_cfg.num_heads * model_cfg.head_dim),
+              "k_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
+              "v_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
+              "o_proj": (model_cfg.num_heads * model_cfg.head_dim, model_cfg.hidden_size),
+              "gate_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
+              "up_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
+              "down_proj": (model_cfg.intermediate_size, model_cfg.hidden_size)}
+    return [f"rank {cfg.rank} is above {t}'s width {min(widths[t])} (in {widths[t][0]}, out {widths[t][1]}): "
+            f"lower model.lora.rank to at most {min(widths[t])}"
+            for t in cfg.targets if t in widths and cfg.rank > min(widths[t])]
+
+
+class Adapter(nnx.Module):
+    """scale * (x A) B for one projection whose kernel has `in_ndim` input dims."""
+
+    def __init__(self, kernel_shape: tuple[int, ...], kernel_axes: tuple, in_ndim: int, rank: int, scale: float,
+                 *, rngs: nnx.Rngs):
+        in_shape, out_shape = kernel_shape[:in_ndim], kernel_shape[in_ndim:]
+        bound = 1.0 / math.sqrt(math.prod(in_shape))  # PEFT: kaiming_uniform(a=sqrt(5)) on A
+        self.in_ndim, self.scale = in_ndim, scale
+        self.a = LoRAParam(jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound),
+                           axes=(*kernel_axes[:in_ndim], None))
+        self.b = LoRAParam(jnp.zeros((rank, *out_shape), jnp.float32), axes=(None, *kernel_axes[in_ndim:]))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.in_ndim)
+        return jnp.tensordot(low, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
+
+
+def adapted(module: nnx.Module, name: str, x: jax.Array, out: jax.Array) -> jax.Array:
+    """`out` (= x @ module.<name>) plus its adapter's term when the projection has one."""
+    adapter = getattr(module, name + ADAPTER_SUFFIX, None)
+    return out if adapter is None else out + adapter(x).astype(out.dtype)
+
+
+def attach(model: nnx.Module, cfg: LoRAConfig, seed: int) -> nnx.Module:
+    """Give every targeted projection of every layer a fresh adapter (in place; returns `model`)."""
+    if not cfg.enabled:
+        return model
+    problems = rank_problems(cfg, model.cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+    rngs = nnx.Rngs(seed)
+    for layer in model.layers:
+        for name in cfg.targets:
+            part, _, in_ndim = TARGETS[name]
+            module = getattr(layer, part)
+            kernel = getattr(module, name)
+            setattr(module, name + ADAPTER_SUFFIX,
+                    Adapter(tuple(kernel.shape), tuple(kernel.axes), in_ndim, cfg.rank, cfg.scale, rngs=rngs))
+    return model
+
+
+def config_of(model: nnx.Module) -> LoRAConfig | None:
+    """The LoRAConfig `model`'s adapters were attached with (None: it has none)."""
+    found = [(name, getattr(getattr(model.layers[0], part), name + ADAPTER_SUFFIX, None))
+             for name, (part, _, _) in TARGETS.items()]
+    found = [(name, a) for name, a in found if a is not None]
+    if not found:
+        return None
+    rank, scale = found[0][1].a.shape[-1], found[0][1].scale
+    return LoRAConfig(rank=rank, alpha=scale * rank, targets=tuple(name for name, _ in found))
+
+
+def has_adapters(model: nnx.Module) -> bool:
+    return bool(jax.tree.leaves(nnx.state(model, LoRAParam)))
+
+
+def split_trained(model: nnx.Module):
+    """(graphdef, trained, frozen): the adapters and the base when `model` has adapters, else
+    every parameter and None. `merged(graphdef, trained, frozen)` puts them back together."""
+    if has_adapters(model):
+        return nnx.split(model, LoRAParam, nnx.Param)
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params, None
+
+
+def merged(graphdef, trained, frozen=None) -> nnx.Module:
+    return nnx.merge(graphdef, trained) if frozen is None else nnx.merge(graphdef, trained, frozen)
+
+
+def adapter_paths(model_params) -> list[str]:
+    """Dotted paths of the adapter matrices in an nnx.State of a model's Params."""
+    return [".".join(map(str, path)) for path, var in nnx.to_flat_state(model_params)
+            if isinstance(var, LoRAParam)]

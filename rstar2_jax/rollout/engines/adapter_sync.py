@@ -1,0 +1,132 @@
+"""The weight sync of a LoRA run to vLLM servers: only the adapters move.
+
+The servers run the base model with `--enable-lora` and runtime adapter loading
+(`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`: vllm_server.ServerOptions.lora_rank). A sync writes the
+new adapters once as PEFT files (models/adapter_files.py: kilobytes to megabytes, not the model),
+every server loads them under the version's own name (`POST /v1/load_lora_adapter`), and from
+then on the engine's requests name that adapter. Nothing pauses: a request already running keeps
+the adapter it named, so every token of a completion is sampled by one version (its
+`version_start`: exact, where a full sync can only bound it). A server that fails to load leaves
+every engine on the previous adapter (still loaded: nothing to roll back), and the caller syncs
+again, as after a failed full sync. The probe is the full sync's: the server's log-probs under the
+new adapter against the learner's.
+
+Old versions are unloaded, and their files removed, once `KEEP` newer ones are loaded: requests
+still running with an old adapter finish on it (vLLM reads an adapter's files again when its cache
+evicts it, so the files live as long as the name).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from rstar2_jax.models.adapter_files import write_adapter
+from rstar2_jax.models.lora import LoRAParam
+
+if TYPE_CHECKING:
+    from rstar2_jax.rollout.engines.vllm_engine import SyncReport, VLLMEngine
+
+log = logging.getLogger(__name__)
+
+KEEP = 3                        # adapter versions a server keeps loaded (the newest and the ones before it)
+NAME_PREFIX = "rstar2-lora-v"  # the served name of version N: NAME_PREFIX + N
+
+
+def adapter_name(version: int) -> str:
+    return f"{NAME_PREFIX}{version}"
+
+
+def gathered_adapters(params):
+    """`params` with each adapter matrix readable on this host (a collective when the adapters are
+    split over processes: every trainer process calls it, in the same order)."""
+    import jax
+    from flax import nnx
+
+    from rstar2_jax.sharding import gathered
+    adapters = nnx.state(params, LoRAParam) if isinstance(params, nnx.Module) else nnx.filter_state(params, LoRAParam)
+    return jax.tree.map(lambda v: v.replace(np.asarray(gathered(v.get_value()))), adapters,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int):
+    """One server loads `adapter_dir` as version `version` (replacing a same-named one left by a
+    sync that failed, or by an earlier session)."""
+    engine.client.request("POST", "/v1/load_lora_adapter", {"lora_name": adapter_name(version),
+                                                            "lora_path": adapter_dir, "load_inplace": True})
+
+
+def unload_old(engine: "VLLMEngine", version: int):
+    """Unload the versions older than the KEEP newest (up to `version`) that this engine loaded."""
+    for old in sorted(v for v in engine.loaded_adapters if v <= version - KEEP):
+        try:
+            engine.client.request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)})
+        except Exception as err:  # noqa: BLE001 - a server that restarted no longer has it
+            log.info("%s: unloading %s: %s", engine.url, adapter_name(old), err)
+        engine.loaded_adapters.pop(old, None)
+
+
+def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) -> "SyncReport":
+    """The adapters of `params` to every server as version `version` (the module's docstring)."""
+    from rstar2_jax.rollout.engines.vllm_engine import _PROBES, SyncReport, probe_logprobs
+    for e in engines:
+        e.probe_verdict()
+    lead = engines[0]
+    model = lead.as_model(params)
+    start = time.perf_counter()
+    adapter_dir = os.path.join(lead.sync_root, f"adapter_v{version}")
+    write_adapter(gathered_adapters(model), lead.adapters, adapter_dir, base_model=lead.model_name)
+    nbytes = sum(os.path.getsize(os.path.join(adapter_dir, f)) for f in os.listdir(adapter_dir))
+    report = SyncReport(version, 1, nbytes, export_s=time.perf_counter() - start)
+    reference = probe_logprobs(model, lead._probe_tokens)  # after the gathers, as take_part_in_sync orders them
+    with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-lora") as pool:
+        loads = {e: pool.submit(load_on_server, e, adapter_dir, version) for e in engines}
+        concurrent.futures.wait(loads.values())
+    errors = [f"{e.url}: {type(f.exception()).__name__}: {f.exception()}" for e, f in loads.items() if f.exception()]
+    report.reload_s = report.resumed_s = time.perf_counter() - start
+    if errors:  # every engine stays on its last adapter, which every server still holds
+        report.error = "; ".join(errors)
+        for e in engines:
+            e.sync_failures += 1
+        log.error("adapter sync v%d failed (%s); the servers keep adapter v%s", version, report.error, lead.version)
+    else:
+        for e in engines:
+            e.loaded_adapters[version] = adapter_dir
+            e.version, e._synced_dir, e._synced_model = version, adapter_dir, None
+            unload_old(e, version)
+        _remove_unloaded(lead.sync_root, engines)
+        probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
+        for e, f in zip(engines, probes):
+            e._probe = f
+        if lead.probe == "wait":
+            for e in engines:
+                e.probe_verdict()
+    report.total_s = time.perf_counter() - start
+    for e in engines:
+        e.last_sync = report
+    log.info("synced adapters v%d (%d bytes) to %d server(s) in %.3f s%s", version, nbytes, len(engines),
+             report.total_s, "" if report.ok else f"; FAILED: {report.error}")
+    return report
+
+
+def _remove_unloaded(root: str, engines: Sequence["VLLMEngine"]):
+    """Adapter directories under `root` that no engine has loaded any more."""
+    live = {d for e in engines for d in e.loaded_adapters.values()}
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith("adapter_v") and path not in live:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def take_part(params: Any, engine: "VLLMEngine"):
+    """A trainer process that does not push: push_adapters' collectives, in its order."""
+    from rstar2_jax.rollout.engines.vllm_engine import probe_logprobs
+    model = engine.as_model(params)
+    gathered_adapters(model)
+    probe_logprobs(model, engine._probe_tokens)

@@ -1,0 +1,171 @@
+"""LoRA adapters (models/lora.py, models/adapter_files.py): the published forward, PEFT's files,
+what the learner trains, and the config errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file
+
+from rstar2_jax import models
+from rstar2_jax.algo import KLConfig
+from rstar2_jax.checkpoints import BaseMismatch, RunCheckpoints
+from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.learner import Learner, LearnerSettings, make_batch
+from rstar2_jax.learner.sft import SFTTrainer
+from rstar2_jax.models import lora, tiny
+from rstar2_jax.models.adapter_files import (CONFIG_FILE, WEIGHTS_FILE, base_identity, load_adapter,
+                                             read_adapter_config, write_adapter)
+from rstar2_jax.models.resolve import PolicyModelConfig, load_policy
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(1, 300, (2, 12)), jnp.int32)
+
+
+def adapted(tiny_dir, cfg=lora.LoRAConfig(rank=4, alpha=8.0), seed=1, noise=0.05):
+    """The tiny model with adapters set to random values (B nonzero: they change the output)."""
+    model = lora.attach(models.load_pretrained(tiny_dir), cfg, seed=seed)
+    state = nnx.state(model, lora.LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    nnx.update(model, jax.tree.map(lambda x: x + noise * jax.random.normal(next(keys), x.shape), state))
+    return model
+
+
+def test_fresh_adapters_leave_the_model_unchanged_and_trained_ones_change_it(tiny_dir, tiny_model):
+    base = tiny_model(TOKENS)
+    fresh = lora.attach(models.load_pretrained(tiny_dir), lora.LoRAConfig(rank=4), seed=0)
+    assert jnp.array_equal(fresh(TOKENS), base)  # B starts at zero (Hu et al. 2021, section 4.1)
+    assert float(jnp.abs(adapted(tiny_dir)(TOKENS) - base).max()) > 1e-2
+
+
+def test_a_projection_computes_hf_linear_plus_scaled_peft_product(tiny_dir):
+    """The published LoRA forward, h = W0 x + (alpha / r) B A x (Hu et al. 2021, eq. 3; PEFT's
+    `lora.Linear.forward`: result + lora_B(lora_A(x)) * scaling, scaling = lora_alpha / r), computed
+    in numpy from the HF checkpoint's q_proj / o_proj weights and the PEFT files we write, against
+    our attention's projections."""
+    from safetensors.numpy import load_file as load_hf
+    cfg = lora.LoRAConfig(rank=4, alpha=12.0, targets=("q_proj", "o_proj"))
+    model = adapted(tiny_dir, cfg)
+    out = write_adapter(nnx.state(model, nnx.Param), cfg, os.path.join(tiny_dir, "..", "peft_forward"))
+    peft, hf = load_file(os.path.join(out, WEIGHTS_FILE)), load_hf(os.path.join(tiny_dir, "model.safetensors"))
+    attn = model.layers[0].attn
+    x = np.random.default_rng(1).normal(size=(1, 3, model.cfg.hidden_size)).astype(np.float32)
+    pre = "base_model.model.model.layers.0.self_attn."
+    for name, ours, width_in in (("q_proj", lambda v: attn._project(jnp.asarray(v), "q_proj", "q_bias"), None),
+                                 ("o_proj", None, model.cfg.num_heads * model.cfg.head_dim)):
+        w = hf[f"model.layers.0.self_attn.{name}.weight"]  # [out, in]
+        a, b = peft[pre + f"{name}.lora_A.weight"], peft[pre + f"{name}.lora_B.weight"]  # [r, in], [out, r]
+        v = x if width_in is None else np.random.default_rng(2).normal(size=(1, 3, width_in)).astype(np.float32)
+        expected = v @ w.T + (cfg.alpha / cfg.rank) * (v @ a.T) @ b.T
+        if name == "q_proj":
+            got = np.asarray(ours(v)).reshape(expected.shape)
+        else:
+            heads = jnp.asarray(v.reshape(1, 3, model.cfg.num_heads, model.cfg.head_dim))
+            got = np.asarray(lora.adapted(attn, "o_proj", heads,
+                                          jnp.einsum("bthd,hde->bte", heads, attn.o_proj[...])))
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+
+
+@settings(max_examples=4, deadline=None)
+@given(rank=st.sampled_from([1, 2, 8]), targets=st.sets(st.sampled_from(tuple(lora.TARGETS)), min_size=1))
+def test_peft_files_round_trip_and_carry_peft_names_and_shapes(tiny_dir, tmp_path_factory, rank, targets):
+    cfg = lora.LoRAConfig(rank=rank, alpha=2.0 * rank, targets=tuple(t for t in lora.TARGETS if t in targets))
+    model = adapted(tiny_dir, cfg)
+    out = write_adapter(nnx.state(model, nnx.Param), cfg, str(tmp_path_factory.mktemp("peft")), base_model=tiny_dir)
+    tensors = load_file(os.path.join(out, WEIGHTS_FILE))
+    c = model.cfg
+    width = {"q_proj": (c.hidden_size, c.num_heads * c.head_dim), "o_proj": (c.num_heads * c.head_dim, c.hidden_size),
+             "k_proj": (c.hidden_size, c.num_kv_heads * c.head_dim), "v_proj": (c.hidden_size, c.num_kv_heads * c.head_dim),
+             "gate_proj": (c.hidden_size, c.intermediate_size), "up_proj": (c.hidden_size, c.intermediate_size),
+             "down_proj": (c.intermediate_size, c.hidden_size)}
+    assert len(tensors) == 2 * c.num_layers * len(cfg.targets)
+    for t in cfg.targets:
+        part = lora.TARGETS[t][1]
+        assert tensors[f"base_model.model.model.layers.1.{part}.lora_A.weight"].shape == (rank, width[t][0])
+        assert tensors[f"base_model.model.model.layers.1.{part}.lora_B.weight"].shape == (width[t][1], rank)
+    with open(os.path.join(out, CONFIG_FILE)) as f:
+        assert json.load(f)["base_model_name_or_path"] == tiny_dir
+    assert read_adapter_config(out) == cfg
+    loaded = load_adapter(lora.attach(models.load_pretrained(tiny_dir), cfg, seed=99), out)
+    np.testing.assert_array_equal(np.asarray(loaded(TOKENS)), np.asarray(model(TOKENS)))
+    assert lora.config_of(loaded) == cfg
+
+
+def test_the_learner_trains_only_the_adapters_and_its_reference_is_their_start(tiny_dir):
+    model = adapted(tiny_dir)
+    start = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    learner = Learner(model, LearnerSettings(lr=1e-2, warmup_steps=1, kl=KLConfig(coef=0.1, place="loss")))
+    assert len(jax.tree.leaves(learner.state.params)) == 2 * 7 * model.cfg.num_layers  # the adapters alone
+    assert len(jax.tree.leaves(learner.state.opt_state)) < 4 * len(jax.tree.leaves(learner.frozen))
+    rng = np.random.default_rng(0)
+    ids = [list(rng.integers(1, 300, 12)) for _ in range(4)]
+    metrics = learner.update(make_batch(ids, [[0] * 4 + [1] * 8] * 4, [[0.0] * 12] * 4, [1.0, -1.0, 0.5, -0.5],
+                                        pad_multiple=16))
+    assert metrics["grad_norm"] > 0
+    after = {k: np.asarray(v) for k, v in nnx.to_flat_state(learner.model_state())}
+    moved = {k for k in start if not np.array_equal(start[k], after[k])}
+    assert moved and all(isinstance(k[-1], str) and k[-2].endswith(lora.ADAPTER_SUFFIX) for k in moved)
+    assert {k for k in moved if k[-1] == "b"}  # B moved off zero: the adapters now change the output
+    ref = {k: np.asarray(v) for k, v in nnx.to_flat_state(learner.ref_params)}
+    assert all(np.array_equal(ref[k], start[k]) for k in ref)  # the reference: adapters as they started
+
+
+def test_sft_trains_the_adapters_and_hands_back_the_whole_model(tiny_dir, tokenizer):
+    model = lora.attach(models.load_pretrained(tiny_dir), lora.LoRAConfig(rank=2), seed=0)
+    trainer = SFTTrainer(model, lr=1e-2, warmup_steps=1, pad_multiple=16)
+    ids = list(tokenizer.encode("1+1=2"))
+    first = trainer.step([(ids, [1] * len(ids))] * 2)["loss"]
+    for _ in range(3):
+        last = trainer.step([(ids, [1] * len(ids))] * 2)["loss"]
+    assert last < first
+    whole = trainer.params()
+    assert len(jax.tree.leaves(whole)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_bad_lora_settings_are_config_errors_naming_the_fix(tiny_dir, tmp_path):
+    _, problems = PolicyModelConfig.parse({"lora": {"rank": 4, "targets": ["q_proj", "qkv"]}}, "model")
+    assert any("model.lora.targets" in str(p) and "qkv" in str(p) for p in problems)
+    too_wide = PolicyModelConfig(lora=lora.LoRAConfig(rank=65, targets=("k_proj",)))  # k_proj: 128 -> 64
+    with pytest.raises(ConfigValueError, match=r"model.lora.rank: rank 65 is above k_proj's width 64"):
+        load_policy(too_wide, tiny_dir, seed=0)
+    from rstar2_jax.rl.config import base_config, validate
+    c = base_config()
+    c.model.lora.rank = 4
+    c.rollout.engine = "vllm"
+    c.rollout.vllm.urls = ("http://127.0.0.1:1",)
+    c.rollout.vllm.sync = "nccl"
+    with pytest.raises(ConfigValueError, match=r"model.lora.rank: LoRA adapters reach vLLM servers by files only"):
+        validate(c, 1)
+
+
+def test_policy_loading_freezes_the_base_in_the_compute_dtype(tiny_dir):
+    model = load_policy(PolicyModelConfig(dtype="bfloat16", lora=lora.LoRAConfig(rank=2)), tiny_dir, seed=0)
+    _, trained, frozen = lora.split_trained(model)
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(trained)} == {jnp.dtype(jnp.float32)}
+    full = load_policy(PolicyModelConfig(dtype="bfloat16"), tiny_dir, seed=0)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(full, nnx.Param))} == {jnp.dtype(jnp.float32)}
+
+
+def test_an_adapter_checkpoint_refuses_another_base(tiny_dir, tmp_path):
+    other = tiny.build_tiny_model(tmp_path / "other_base", seed=7)
+    model = lora.attach(models.load_pretrained(tiny_dir), lora.LoRAConfig(rank=2), seed=0)
+    learner = Learner(model, LearnerSettings())
+    saved = RunCheckpoints(str(tmp_path / "ck"), base=base_identity(tiny_dir))
+    saved.save(1, learner.state, {"x": 1})
+    saved.close()
+    assert base_identity(tiny_dir) != base_identity(other)
+    for base, match in ((base_identity(other), "another base model"), (None, "holds LoRA adapters")):
+        ck = RunCheckpoints(str(tmp_path / "ck"), base=base)
+        with pytest.raises(BaseMismatch, match=match):
+            ck.restore(1, learner.state)
+        ck.close()
+    ck = RunCheckpoints(str(tmp_path / "ck"), base=base_identity(tiny_dir))
+    restored, meta = ck.restore(1, learner.state)
+    ck.close()
+    assert meta == {"x": 1} and len(jax.tree.leaves(restored.params)) == len(jax.tree.leaves(learner.state.params))
