@@ -58,8 +58,8 @@ async def _chat(model, model_dir: str, format_name: str):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax import models
     from rstar2_jax.checkpoints import load_run_policy, run_info
+    from rstar2_jax.models.adapter_files import base_dir_of, load_model_dir
     from rstar2_jax.rollout import FORMATS
 
     if (_MODEL.value is None) == (_CHECKPOINT.value is None):
@@ -69,8 +69,8 @@ def main(argv):
     format_name = _FORMAT.value or run.get("format", "rstar2")
     if format_name not in FORMATS:
         raise app.UsageError(f"--format: {FORMATS.problem(format_name)}")
-    model = models.load_pretrained(model_dir) if model_dir else load_run_policy(_CHECKPOINT.value)
-    asyncio.run(_chat(model, model_dir or run["model_dir"], format_name))
+    model = load_model_dir(model_dir) if model_dir else load_run_policy(_CHECKPOINT.value)  # a HF dir or an adapter
+    asyncio.run(_chat(model, base_dir_of(model_dir) if model_dir else run["model_dir"], format_name))
 
 
 if __name__ == "__main__":

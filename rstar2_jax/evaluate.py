@@ -72,11 +72,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 
 
 def load_policy(model_dir: str | None, checkpoint: str | None):
-    """The model of a HF directory, or of a training run's latest checkpoint."""
-    from rstar2_jax import models
+    """The model of a HF directory (or a PEFT adapter directory on its base), or of a training
+    run's latest checkpoint."""
     from rstar2_jax.checkpoints import load_run_policy
+    from rstar2_jax.models.adapter_files import load_model_dir
 
-    return models.load_pretrained(model_dir) if model_dir is not None else load_run_policy(checkpoint)
+    return load_model_dir(model_dir) if model_dir is not None else load_run_policy(checkpoint)
 
 
 # The engine flags, as the RolloutConfig fields they set (errors name the flag). The flags of the
@@ -290,6 +291,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from rstar2_jax.checkpoints import run_info
+    from rstar2_jax.models.adapter_files import base_dir_of
     from rstar2_jax.data.problems import load_problems
     from rstar2_jax.data.templates import apply_instructions
     from rstar2_jax.eval_report import markdown_table, resolve_benchmark
@@ -317,7 +319,7 @@ def main(argv):
     # every file read and checked (a malformed line: DataError with file and line) before any rollout
     loaded = [(bench, [dataclasses.replace(p, question=apply_instructions(p.question, _INSTRUCTIONS.value))
                        for p in load_problems(bench.path, limit=_LIMIT.value or None)]) for bench in benchmarks]
-    model_dir = model_path or run["model_dir"]
+    model_dir = base_dir_of(model_path) if model_path else run["model_dir"]  # an adapter's: its base's
     tokenizer = Tokenizer.from_pretrained(model_dir)
     positions = ModelConfig.from_json_file(os.path.join(model_dir, "config.json")).max_position_embeddings
     budgets = {bench.name: token_budget(max(len(tokenizer.encode(fmt.prompt(q))) for q in questions_of(bench, problems)),

@@ -119,3 +119,29 @@ def base_identity(model_dir: str, sample_bytes: int = 1 << 20) -> dict[str, str]
                 digest = hashlib.sha256(f.read(header + sample_bytes)).hexdigest()
             out[name] = f"{os.path.getsize(path)}:{digest}"
     return out
+
+
+def load_model_dir(path: str, dtype=None) -> nnx.Module:
+    """A HF model directory, or a PEFT adapter directory on the base its adapter_config.json
+    names (`base_model_name_or_path`): what evaluate and chat take as --model."""
+    import jax.numpy as jnp
+
+    from rstar2_jax.models.checkpoint import load_pretrained
+    from rstar2_jax.models.lora import attach
+    dtype = dtype or jnp.float32
+    if not is_adapter_dir(path):
+        return load_pretrained(path, dtype)
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        base = json.load(f).get("base_model_name_or_path") or ""
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise ValueError(f"{path}/{CONFIG_FILE} names base model {base!r}, which is not a model directory here: "
+                         "set base_model_name_or_path to the base's directory")
+    return load_adapter(attach(load_pretrained(base, dtype), read_adapter_config(path), seed=0), path)
+
+
+def base_dir_of(path: str) -> str:
+    """The model directory holding the tokenizer and config of `path` (an adapter's base)."""
+    if not is_adapter_dir(path):
+        return path
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        return json.load(f).get("base_model_name_or_path") or path

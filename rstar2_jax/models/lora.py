@@ -156,3 +156,20 @@ def adapter_paths(model_params) -> list[str]:
     """Dotted paths of the adapter matrices in an nnx.State of a model's Params."""
     return [".".join(map(str, path)) for path, var in nnx.to_flat_state(model_params)
             if isinstance(var, LoRAParam)]
+
+
+def merged_into_base(model: nnx.Module) -> nnx.Module:
+    """A plain decoder (no adapters) whose targeted kernels are W + scale * A B: what a HF
+    checkpoint of the adapted policy holds. `model` is left as it is."""
+    plain = nnx.clone(model)  # new Variables (the arrays, immutable, are shared until replaced)
+    for layer in plain.layers:
+        for name, (part, _, _) in TARGETS.items():
+            module = getattr(layer, part)
+            adapter = getattr(module, name + ADAPTER_SUFFIX, None)
+            if adapter is None:
+                continue
+            kernel = getattr(module, name)
+            delta = jnp.tensordot(adapter.a[...], adapter.b[...], axes=1) * adapter.scale
+            kernel.set_value((kernel[...].astype(jnp.float32) + delta).astype(kernel.dtype))
+            delattr(module, name + ADAPTER_SUFFIX)
+    return plain

@@ -27,7 +27,10 @@ from rstar2_jax.models.resolve import PolicyModelConfig, load_policy
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(1, 300, (2, 12)), jnp.int32)
 
 
-def adapted(tiny_dir, cfg=lora.LoRAConfig(rank=4, alpha=8.0), seed=1, noise=0.05):
+RANK4 = lora.LoRAConfig(rank=4, alpha=8.0)
+
+
+def adapted(tiny_dir, cfg=RANK4, seed=1, noise=0.05):
     """The tiny model with adapters set to random values (B nonzero: they change the output)."""
     model = lora.attach(models.load_pretrained(tiny_dir), cfg, seed=seed)
     state = nnx.state(model, lora.LoRAParam)

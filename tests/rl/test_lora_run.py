@@ -1,0 +1,80 @@
+"""A LoRA run end to end on the embedded engine: SFT and RL train only the adapters, the engine
+samples with them (no second base), checkpoints hold the adapters alone and resume exactly, and
+the run exports as a PEFT adapter or a merged HF model that load back to the same policy."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstar2_jax import models
+from rstar2_jax.checkpoints import load_run_policy
+from rstar2_jax.models import lora
+from rstar2_jax.models.adapter_files import is_adapter_dir, load_model_dir
+from rstar2_jax.rl.trainer import RLRun
+from tests.rl.test_async import moving_advantage, moving_config  # noqa: F401 (a fixture)
+from tests.rl.test_training import COMPARED, ROOT, rl_lines
+
+pytestmark = [pytest.mark.usefixtures("moving_advantage")]
+
+
+def lora_config(steps):
+    c = moving_config(steps, max_staleness=0)  # updates that move the weights, whatever the rewards
+    c.model.lora.rank, c.model.lora.alpha = 4, 8.0
+    c.model.lora.targets = ("q_proj", "v_proj", "down_proj")
+    c.rl.kl.coef, c.rl.kl.place = 0.05, "loss"  # the reference: the adapters after SFT
+    c.rl.lr = 1e-2
+    return c
+
+
+def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports(tmp_path):
+    straight = RLRun(lora_config(3), str(tmp_path / "straight"))
+    asyncio.run(straight.run())
+    asyncio.run(RLRun(lora_config(2), str(tmp_path / "resumed")).run())
+    resumed = RLRun(lora_config(3), str(tmp_path / "resumed"))
+    asyncio.run(resumed.run())
+    a, b = rl_lines(tmp_path / "straight"), rl_lines(tmp_path / "resumed")
+    assert [l["step"] for l in b] == [0, 1, 2] and all("optimizer_steps" in l for l in a)
+    for la, lb in zip(a, b):
+        for key in COMPARED:
+            if key in la:
+                assert la[key] == pytest.approx(lb[key], rel=1e-6, abs=1e-7), (la["step"], key)
+        # the engine sampled with the adapters the learner had (sharing its base): float32, on-policy
+        assert la["logprob_mismatch_max"] < 1e-4
+
+    learner = straight.learner
+    base = models.load_pretrained(straight.model_dir)
+    loaded = dict(nnx.to_flat_state(nnx.state(base, nnx.Param)))
+    for path, var in nnx.to_flat_state(learner.frozen):  # the base never moved
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(loaded[path].get_value()))
+    assert {p[-2] for p, _ in nnx.to_flat_state(learner.state.params)} == {"q_proj_lora", "v_proj_lora",
+                                                                           "down_proj_lora"}
+    tokens = jnp.asarray([list(range(5, 29))], jnp.int32)
+    policy = learner.model()(tokens)
+    assert float(jnp.abs(policy - base(tokens)).max()) > 1e-3  # the adapters changed the policy
+    np.testing.assert_allclose(np.asarray(load_run_policy(str(tmp_path / "straight"))(tokens)), np.asarray(policy),
+                               atol=1e-5)
+
+    for flag, out in (("", "adapter"), ("--merged", "merged")):
+        proc = subprocess.run([sys.executable, "-m", "rstar2_jax.export", f"--checkpoint={tmp_path / 'straight'}",
+                               f"--out={tmp_path / out}", *([flag] if flag else [])],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert is_adapter_dir(str(tmp_path / "adapter")) and not is_adapter_dir(str(tmp_path / "merged"))
+    assert os.path.getsize(tmp_path / "adapter" / "adapter_model.safetensors") < 0.2 * os.path.getsize(
+        os.path.join(straight.model_dir, "model.safetensors"))
+    for exported in ("adapter", "merged"):  # what evaluate and chat load as --model
+        loaded = load_model_dir(str(tmp_path / exported))
+        assert lora.has_adapters(loaded) == (exported == "adapter")
+        np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(policy), atol=1e-4)
+    # adapter-only checkpoints: the state holds the adapters and their moments, not the base
+    state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
+                      os.walk(tmp_path / "straight" / "checkpoints" / "3" / "state") for f in fs)
+    base_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(learner.frozen))
+    assert state_bytes < 0.5 * base_bytes
