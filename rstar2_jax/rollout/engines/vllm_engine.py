@@ -213,8 +213,11 @@ class VLLMEngine(Engine):
             start = time.monotonic()
             try:
                 out = await self._call("POST", "/v1/completions", body)
-            except ServerUnavailable:
-                if time.monotonic() > deadline:
+            except (ServerUnavailable, ServerRequestError) as err:
+                # a restarted server answers 404 for the adapter it no longer holds: restore it
+                lost_adapter = isinstance(err, ServerRequestError) and self.adapters is not None \
+                    and "does not exist" in str(err)
+                if isinstance(err, ServerRequestError) and not lost_adapter or time.monotonic() > deadline:
                     raise
                 self.retries += 1
                 self._mark_down()

@@ -1,0 +1,115 @@
+"""LoRA adapters on a real vLLM CPU server (--enable-lora, runtime loading): a sync moves only the
+adapters, the server's log-probs under them match the learner's and the JaxEngine's, requests name
+one version for their whole completion, old versions are unloaded, a failed sync keeps the last
+adapter, and a restarted server gets the current adapter back."""
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+
+from rstar2_jax import models
+from rstar2_jax.learner import Learner, LearnerSettings, make_batch
+from rstar2_jax.models import lora
+from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.engines import adapter_sync
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.sampling import SamplingParams
+from tests.rollout.test_vllm_engine import VLLM_PYTHON, jax_logprobs
+
+pytestmark = pytest.mark.slow  # a real vLLM CPU server
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_dir, tmp_path_factory):
+    opts = ServerOptions(port=free_port(), dtype="float32", max_model_len=1024, cpu_kv_cache_gib=1, eager=True,
+                         lora_rank=4)
+    server = VLLMServer(tiny_dir, opts, python=VLLM_PYTHON,
+                        log_path=os.path.join(str(tmp_path_factory.mktemp("vllm_lora")), "server.log"))
+    server.start().wait_ready(timeout=600)
+    yield server
+    server.stop()
+
+
+def lora_learner(tiny_dir):
+    model = lora.attach(models.load_pretrained(tiny_dir), lora.LoRAConfig(rank=4, alpha=8.0), seed=0)
+    return Learner(model, LearnerSettings(lr=2e-2, warmup_steps=0))
+
+
+def update(learner, seed):
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 256, 48).tolist() for _ in range(4)]
+    learner.update(make_batch(rows, [[0] * 8 + [1] * 40] * 4, [[-5.0] * 48] * 4, [1.0, -1.0, 0.5, -0.5],
+                              pad_multiple=16))
+
+
+def served_names(server) -> set[str]:
+    return {m["id"] for m in json.load(urllib.request.urlopen(server.url + "/v1/models"))["data"]}
+
+
+def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_dir, tokenizer, monkeypatch):
+    learner = lora_learner(tiny_dir)
+    engine = VLLMEngine(lora_server.url, learner.model())
+    assert engine.adapters == lora.LoRAConfig(rank=4, alpha=8.0)
+    prompt = tokenizer.encode("<|im_start|>user\nWhat is 12+34?<|im_end|>\n<|im_start|>assistant\n")
+    full_bytes = sum(x.size * 4 for x in jax.tree.leaves(learner.model_state()))
+    for version in (1, 2):
+        update(learner, version)
+        engine.update_weights(learner.model_state(), version)
+        assert engine.probe_verdict() <= engine.probe_tolerance  # the deferred probe: served == learner
+        assert engine.served_name == adapter_sync.adapter_name(version)
+        assert engine.last_sync.ok and engine.last_sync.bytes < 0.25 * full_bytes
+    policy = learner.model()
+    ids = prompt + tokenizer.encode("46")
+    np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(policy, ids)[1:], atol=1e-3)
+
+    async def both():
+        greedy = await engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))
+        async with JaxEngine(policy, tokenizer, slots=2, max_len=256) as jax_engine:
+            reference = await jax_engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))
+        return greedy, reference
+    greedy, reference = asyncio.run(both())
+    assert greedy.token_ids == reference.token_ids and len(greedy.token_ids) == 32
+    np.testing.assert_allclose(greedy.logprobs, reference.logprobs, atol=1e-3)
+    assert (greedy.version_start, greedy.version_end) == (2, 2)  # one adapter sampled every token
+
+    # a sync whose load fails keeps the last adapter (still loaded: nothing to roll back)
+    real_load = adapter_sync.load_on_server
+    monkeypatch.setattr(adapter_sync, "load_on_server", lambda e, d, v: (_ for _ in ()).throw(OSError("disk gone")))
+    update(learner, 3)
+    engine.update_weights(learner.model_state(), 3)
+    assert not engine.last_sync.ok and "disk gone" in engine.last_sync.error and engine.sync_failures == 1
+    assert engine.version == 2 and engine.served_name == adapter_sync.adapter_name(2)
+    monkeypatch.setattr(adapter_sync, "load_on_server", real_load)
+    for version in (3, 4, 5):
+        engine.update_weights(learner.model_state(), version)
+        engine.probe_verdict()
+    # the KEEP newest versions stay loaded; older ones are unloaded and their files removed
+    names = served_names(lora_server)
+    assert {adapter_sync.adapter_name(v) for v in (3, 4, 5)} <= names
+    assert not names & {adapter_sync.adapter_name(v) for v in (1, 2)}
+    assert sorted(os.listdir(engine.sync_root)) == ["adapter_v3", "adapter_v4", "adapter_v5"]
+    asyncio.run(engine.close())
+
+
+def test_a_restarted_server_gets_the_current_adapter_back(lora_server, tiny_dir, tokenizer):
+    learner = lora_learner(tiny_dir)
+    update(learner, 7)
+    engine = VLLMEngine(lora_server.url, learner.model(), restart_timeout=600)
+    engine.update_weights(learner.model_state(), 1)
+    engine.probe_verdict()
+    lora_server.restart()
+    assert adapter_sync.adapter_name(1) not in served_names(lora_server)
+    prompt = tokenizer.encode("<|im_start|>user\nWhat is 5*7?<|im_end|>\n<|im_start|>assistant\n")
+
+    async def after_restart():
+        return await engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    out = asyncio.run(after_restart())
+    assert len(out.token_ids) == 8 and engine.reloads_after_restart == 1
+    np.testing.assert_allclose(engine.prompt_logprobs(prompt), jax_logprobs(learner.model(), prompt)[1:], atol=1e-3)
+    asyncio.run(engine.close())
