@@ -47,13 +47,26 @@ def load_config_module(config_file: str):
 
 
 def warm_start_key(cfg) -> str:
-    """Runs with equal keys start RL from the same SFT'd weights."""
+    """Runs with equal keys start RL from the same SFT'd weights. LoRA cells share the full
+    fine-tuned warm start (their fresh adapters start at zero on it): model.lora is not in it."""
     return config_hash(cfg, ("seed", "model", "data", "format", "sft"))
 
 
+def without_adapters(cfg):
+    """`cfg` with model.lora off: what the warm start trains, and what a fresh adapter computes."""
+    plain = cfg.copy_and_resolve_references()
+    if "lora" in plain.model:
+        plain.model.lora.rank = 0
+    return plain
+
+
 def config_hash(cfg, keys) -> str:
-    """A short hash of the config's sections `keys`: equal hashes, equal settings there."""
+    """A short hash of the config's sections `keys` (model.lora left out: fresh adapters change
+    neither the warm start nor the policy before RL): equal hashes, equal settings there."""
+    cfg = without_adapters(cfg)
     parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in keys}
+    if "model" in parts:
+        parts["model"].pop("lora", None)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -80,7 +93,8 @@ def ensure_warm_start(cfg, workdir: str) -> str:
     final = os.path.join(root, "model")
     if os.path.exists(os.path.join(final, "config.json")):
         return final
-    run = RLRun(cfg, os.path.join(root, "build"), config_mismatch="ok")  # SFT only: any cell of the key may build it
+    run = RLRun(without_adapters(cfg), os.path.join(root, "build"), config_mismatch="ok")  # SFT only: any cell of
+    # the key may build it
     params = run.sft()
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -42,7 +42,7 @@ from rstar2_jax.learner.packing import PackingPlan, plan_packing, row_lengths
 from rstar2_jax.learner.settings import LearnerSettings
 from rstar2_jax.models import lora
 from rstar2_jax.learner.train_step import (TrainState, UpdateConfig, batch_logprobs, packed_apply, packed_gradients,
-                                           packed_logprobs, packing_inputs, train_step)
+                                           packed_logprobs, packing_inputs, step_key, train_step)
 
 
 class Learner:
@@ -221,7 +221,8 @@ class Learner:
         with self._ctx():
             for k in range(plan.micro_batches):
                 mb = self._put_all({n: plan.micro_batch(v, k) for n, v in part.arrays.items()})
-                accumulated = self._packed_gradients(self.state.params, accumulated, mb, part.count, self.frozen)
+                accumulated = self._packed_gradients(self.state.params, accumulated, mb, part.count, self.frozen,
+                                                     step_key(self.state.step, k))
             self.state, metrics = self._packed_apply(self.state, accumulated, part.count, part.total_tokens)
         return metrics, plan.computed_tokens
 

@@ -14,7 +14,7 @@ from flax import nnx
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
 from rstar2_jax.learner.optimizer import make_optimizer
-from rstar2_jax.learner.train_step import TrainState
+from rstar2_jax.learner.train_step import TrainState, step_key
 from rstar2_jax.models import lora
 from rstar2_jax.models.logprobs import token_logprobs
 
@@ -32,7 +32,8 @@ class SFTConfig(Section):
 def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None):
     """frozen: the base when the state's params are LoRA adapters (models/lora.py)."""
     def loss(params):
-        lp = token_logprobs(lora.merged(graphdef, params, frozen), tokens)
+        with lora.dropout_key(step_key(state.step, 0)):  # LoRA dropout, when set
+            lp = token_logprobs(lora.merged(graphdef, params, frozen), tokens)
         return -jnp.sum(lp * loss_mask) / jnp.maximum(loss_mask.sum(), 1.0)
 
     value, grads = jax.value_and_grad(loss)(state.params)

@@ -23,7 +23,7 @@ from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, Loss
                              policy_loss_terms)
 from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
 from rstar2_jax.models.decoder import PackedSegments
-from rstar2_jax.models.lora import merged
+from rstar2_jax.models.lora import dropout_key, merged
 from rstar2_jax.models.logprobs import token_logprobs
 
 
@@ -142,11 +142,19 @@ def loss_count(cfg: UpdateConfig, mask) -> jax.Array:
     return jnp.maximum(AGGREGATIONS[cfg.loss.aggregation_name()].count(mask > 0, cfg.constant_tokens), 1e-9)
 
 
-def _micro_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, count, frozen=None):
+def step_key(step, micro) -> jax.Array:
+    """The PRNG key of optimizer step `step`'s micro-batch `micro`: LoRA dropout's (models/lora.py),
+    so a resumed run drops what the uninterrupted one did."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), step), micro)
+
+
+def _micro_gradients(graphdef, cfg: UpdateConfig, params, mb: dict, count, frozen=None, key=None):
     """(gradient, {statistic: sum}) of one micro-batch's scaled loss sum / `count` (the whole
-    mini-batch's normaliser): summed over micro-batches, the mini-batch's gradient."""
+    mini-batch's normaliser): summed over micro-batches, the mini-batch's gradient. key: LoRA
+    dropout's (None: none)."""
     def micro_loss(p):
-        loss_sum, stats, _ = _loss_terms(graphdef, cfg, p, mb, frozen)
+        with dropout_key(key):
+            loss_sum, stats, _ = _loss_terms(graphdef, cfg, p, mb, frozen)
         return loss_sum / count, {**stats, "policy_loss": loss_sum}
     return jax.grad(micro_loss, has_aux=True)(params)
 
@@ -183,11 +191,13 @@ def train_step(graphdef, tx: optax.GradientTransformation, cfg: UpdateConfig, st
     micro = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
     count = loss_count(cfg, batch["loss_mask"])
 
-    def accumulate(carry, mb):
-        return jax.tree.map(jnp.add, carry, _micro_gradients(graphdef, cfg, state.params, mb, count, frozen)), None
+    def accumulate(carry, xs):
+        mb, i = xs
+        out = _micro_gradients(graphdef, cfg, state.params, mb, count, frozen, step_key(state.step, i))
+        return jax.tree.map(jnp.add, carry, out), None
 
     zeros = _zeros_like_gradients(graphdef, cfg, state.params, jax.tree.map(lambda x: x[0], micro), frozen)
-    (grads, stats), _ = jax.lax.scan(accumulate, zeros, micro)
+    (grads, stats), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
     return _applied(tx, state, grads, stats, count, jnp.maximum(batch["loss_mask"].sum(), 1.0))
 
 
@@ -206,11 +216,11 @@ def packing_inputs(cfg: UpdateConfig, batch: dict) -> dict:
     return out
 
 
-def packed_gradients(graphdef, cfg: UpdateConfig, params, accumulated, mb: dict, count, frozen=None):
+def packed_gradients(graphdef, cfg: UpdateConfig, params, accumulated, mb: dict, count, frozen=None, key=None):
     """`accumulated` (None: zeros) plus one packed micro-batch's (gradient, statistic sums).
     mb: tokens, positions, segment_ids, loss_mask, advantages (per token), old_logprobs,
     token_scale [width, budget] (sampler_logprobs, ref_logprobs, is_weight when in use)."""
-    out = _micro_gradients(graphdef, cfg, params, mb, count, frozen)
+    out = _micro_gradients(graphdef, cfg, params, mb, count, frozen, key)
     return out if accumulated is None else jax.tree.map(jnp.add, accumulated, out)
 
 

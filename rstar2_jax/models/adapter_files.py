@@ -60,7 +60,7 @@ def write_adapter(params, cfg: LoRAConfig, out_dir: str, base_model: str = "") -
     save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(out_dir, WEIGHTS_FILE))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-              "target_modules": list(cfg.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": list(cfg.targets), "lora_dropout": cfg.dropout, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "base_model_name_or_path": base_model}
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
@@ -79,7 +79,8 @@ def read_adapter_config(path: str) -> LoRAConfig:
         raise ValueError(f"{path}/{CONFIG_FILE}: only plain LoRA adapters are read (no DoRA, no rsLoRA)")
     targets = c["target_modules"]
     targets = [targets] if isinstance(targets, str) else targets
-    return LoRAConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), targets=tuple(t for t in TARGETS if t in targets))
+    return LoRAConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), targets=tuple(t for t in TARGETS if t in targets),
+                      dropout=float(c.get("lora_dropout", 0.0)))
 
 
 def load_adapter(model: nnx.Module, path: str) -> nnx.Module:

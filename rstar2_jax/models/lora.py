@@ -12,10 +12,18 @@ The adapters are `LoRAParam`s (a kind of nnx.Param), so everything that handles 
 Params (engines, the weight sync, `model_with`) handles them too, and `split_trained` tells the
 learner what it trains: only the adapters when a model has them, else every parameter.
 Their names follow PEFT (`adapter_files` writes them), so an adapter loads in PEFT and vLLM.
+
+Dropout (`LoRAConfig.dropout`, PEFT's `lora_dropout`: on the adapter's input, B A dropout(x))
+applies only inside `with dropout_key(key):`, which the learner's and SFT's gradient passes open
+(a key per optimizer step and micro-batch); every other pass (old and reference log-probs,
+engines, evaluation) runs without it. With dropout the recomputed policy of the loss is not the
+one that sampled or the old one: PPO's ratio departs from 1 from the first step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -50,6 +58,8 @@ class LoRAConfig(Section):
     alpha: float = setting(16.0, "scale alpha / r of the adapters' product (PEFT's lora_alpha)", min=0.0)
     targets: tuple[str, ...] = setting(tuple(TARGETS), "projections that get an adapter, by name: "
                                        + " | ".join(TARGETS))
+    dropout: float = setting(0.0, "dropout on each adapter's input in the gradient passes (PEFT's lora_dropout; "
+                             "0: none)", min=0.0)
 
     def rules(self):
         unknown = [t for t in self.targets if t not in TARGETS]
@@ -57,6 +67,8 @@ class LoRAConfig(Section):
             yield "targets", f"{unknown} are not projections of the decoder; choose from {list(TARGETS)}"
         if self.rank and not self.targets:
             yield "targets", "rank > 0 needs at least one target projection"
+        if self.dropout >= 1.0:
+            yield "dropout", f"must be below 1 (the share of inputs dropped), got {self.dropout}"
         if len(set(self.targets)) != len(self.targets):
             yield "targets", f"{list(self.targets)} names a projection twice"
 
@@ -69,33 +81,64 @@ class LoRAConfig(Section):
         return self.alpha / self.rank
 
 
-def rank_problems(cfg: LoRAConfig, model_cfg) -> list[str]:
-    """Why `cfg` cannot adapt a model of `model_cfg` (a rank above a target's smaller width)."""
-    widths = {"q_proj": (model_cfg.hidden_size, model_cfg.num_heads * model_cfg.head_dim),
+def widths(model_cfg) -> dict[str, tuple[int, int]]:
+    """Each target projection's (in, out) features in a model of `model_cfg` (a ModelConfig)."""
+    return {"q_proj": (model_cfg.hidden_size, model_cfg.num_heads * model_cfg.head_dim),
               "k_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
               "v_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
               "o_proj": (model_cfg.num_heads * model_cfg.head_dim, model_cfg.hidden_size),
               "gate_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
               "up_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
               "down_proj": (model_cfg.intermediate_size, model_cfg.hidden_size)}
-    return [f"rank {cfg.rank} is above {t}'s width {min(widths[t])} (in {widths[t][0]}, out {widths[t][1]}): "
-            f"lower model.lora.rank to at most {min(widths[t])}"
-            for t in cfg.targets if t in widths and cfg.rank > min(widths[t])]
+
+
+def adapter_parameters(cfg: LoRAConfig, model_cfg) -> int:
+    """How many numbers the adapters hold: r x (in + out) per target and layer."""
+    if not cfg.enabled:
+        return 0
+    w = widths(model_cfg)
+    return model_cfg.num_layers * sum(cfg.rank * sum(w[t]) for t in cfg.targets if t in w)
+
+
+def rank_problems(cfg: LoRAConfig, model_cfg) -> list[str]:
+    """Why `cfg` cannot adapt a model of `model_cfg` (a rank above a target's smaller width)."""
+    widths_of = widths(model_cfg)
+    return [f"rank {cfg.rank} is above {t}'s width {min(widths_of[t])} (in {widths_of[t][0]}, out {widths_of[t][1]}): "
+            f"lower model.lora.rank to at most {min(widths_of[t])}"
+            for t in cfg.targets if t in widths_of and cfg.rank > min(widths_of[t])]
+
+
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
+
+
+@contextlib.contextmanager
+def dropout_key(key):
+    """Adapters with dropout drop inputs while tracing inside this block (key: a jax PRNG key; each
+    adapter folds in its own index). None: no dropout."""
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
 
 
 class Adapter(nnx.Module):
-    """scale * (x A) B for one projection whose kernel has `in_ndim` input dims."""
+    """scale * (dropout(x) A) B for one projection whose kernel has `in_ndim` input dims."""
 
     def __init__(self, kernel_shape: tuple[int, ...], kernel_axes: tuple, in_ndim: int, rank: int, scale: float,
-                 *, rngs: nnx.Rngs):
+                 *, rngs: nnx.Rngs, dropout: float = 0.0, index: int = 0):
         in_shape, out_shape = kernel_shape[:in_ndim], kernel_shape[in_ndim:]
         bound = 1.0 / math.sqrt(math.prod(in_shape))  # PEFT: kaiming_uniform(a=sqrt(5)) on A
-        self.in_ndim, self.scale = in_ndim, scale
+        self.in_ndim, self.scale, self.dropout, self.index = in_ndim, scale, dropout, index
         self.a = LoRAParam(jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound),
                            axes=(*kernel_axes[:in_ndim], None))
         self.b = LoRAParam(jnp.zeros((rank, *out_shape), jnp.float32), axes=(None, *kernel_axes[in_ndim:]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        key = _DROPOUT_KEY.get()
+        if key is not None and self.dropout > 0:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.index), 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
         low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.in_ndim)
         return jnp.tensordot(low, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
 
@@ -114,13 +157,14 @@ def attach(model: nnx.Module, cfg: LoRAConfig, seed: int) -> nnx.Module:
     if problems:
         raise ValueError("; ".join(problems))
     rngs = nnx.Rngs(seed)
-    for layer in model.layers:
-        for name in cfg.targets:
+    for i, layer in enumerate(model.layers):
+        for j, name in enumerate(cfg.targets):
             part, _, in_ndim = TARGETS[name]
             module = getattr(layer, part)
             kernel = getattr(module, name)
             setattr(module, name + ADAPTER_SUFFIX,
-                    Adapter(tuple(kernel.shape), tuple(kernel.axes), in_ndim, cfg.rank, cfg.scale, rngs=rngs))
+                    Adapter(tuple(kernel.shape), tuple(kernel.axes), in_ndim, cfg.rank, cfg.scale, rngs=rngs,
+                            dropout=cfg.dropout, index=i * len(TARGETS) + j))
     return model
 
 
@@ -131,8 +175,10 @@ def config_of(model: nnx.Module) -> LoRAConfig | None:
     found = [(name, a) for name, a in found if a is not None]
     if not found:
         return None
-    rank, scale = found[0][1].a.shape[-1], found[0][1].scale
-    return LoRAConfig(rank=rank, alpha=scale * rank, targets=tuple(name for name, _ in found))
+    first = found[0][1]
+    rank = first.a.shape[-1]
+    return LoRAConfig(rank=rank, alpha=first.scale * rank, targets=tuple(name for name, _ in found),
+                      dropout=first.dropout)
 
 
 def has_adapters(model: nnx.Module) -> bool:

@@ -181,10 +181,13 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
     mesh = mesh_sizes(cfg, devices)
     params = shard_bytes(arch, mesh, 4)
     n_params = f"{_param_count(arch) / 1e9:.2f}B parameters"
-    lines = [Line("parameters", params, f"float32 master weights, {n_params}, split by the logical-axis rules"),
-             Line("gradients", *_gradient_bytes(arch, cfg, mesh, params)),
-             Line("optimizer", 2 * params, "AdamW: two float32 moments")]
-    if cfg.rl.kl.enabled:
+    if cfg.model.lora.enabled:
+        lines = _lora_state_lines(arch, cfg, mesh)
+    else:
+        lines = [Line("parameters", params, f"float32 master weights, {n_params}, split by the logical-axis rules"),
+                 Line("gradients", *_gradient_bytes(arch, cfg, mesh, params)),
+                 Line("optimizer", 2 * params, "AdamW: two float32 moments")]
+    if cfg.rl.kl.enabled and not cfg.model.lora.enabled:
         lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
     lines.append(Line("activations", *activation_bytes(arch, cfg, mesh)))
 
@@ -196,6 +199,25 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
         lines.append(Line("allowance", ALLOWANCE_FRACTION * capacity,
                           f"{ALLOWANCE_FRACTION:.0%} of the device: XLA workspace, programs, fragmentation"))
     return MemoryPlan(tuple(lines), capacity, mesh, engine_devices)
+
+
+def _lora_state_lines(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> list[Line]:
+    """A LoRA run's state (models/lora.py): the base frozen in the compute dtype and split as full
+    training splits it; the adapters, their gradients and moments float32 (counted whole: they are
+    a few MB to a few hundred)."""
+    from rstar2_jax.models.lora import adapter_parameters
+    b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
+    n = adapter_parameters(cfg.model.lora, arch)
+    accumulator = cfg.rl.micro_batches > 1 or cfg.rl.token_budget
+    lines = [Line("parameters", shard_bytes(arch, mesh, b) + 4 * n,
+                  f"the base frozen in {cfg.model.dtype} ({_param_count(arch) / 1e9:.2f}B), split by the logical-axis "
+                  f"rules, + {n / 1e6:.2f}M float32 adapter parameters (rank {cfg.model.lora.rank})"),
+             Line("gradients", 4 * n * (2 if accumulator else 1), "float32, the adapters' only"
+                  + (" (and their accumulator)" if accumulator else "")),
+             Line("optimizer", 8 * n, "AdamW: two float32 moments of the adapters")]
+    if cfg.rl.kl.enabled:
+        lines.append(Line("reference weights", 4 * n, "the adapters as they started (the base is shared)"))
+    return lines
 
 
 def _gradient_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], params: float) -> tuple[float, str]:

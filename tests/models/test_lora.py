@@ -172,3 +172,68 @@ def test_an_adapter_checkpoint_refuses_another_base(tiny_dir, tmp_path):
     restored, meta = ck.restore(1, learner.state)
     ck.close()
     assert meta == {"x": 1} and len(jax.tree.leaves(restored.params)) == len(jax.tree.leaves(learner.state.params))
+
+
+def test_the_plan_counts_the_frozen_base_and_float32_adapters():
+    """Qwen3-14B at rank 32 on 8 devices, by hand: the adapters hold 40 layers x 32 x (in + out)
+    summed over q (5120+5120), k and v (5120+1024 each), o (5120+5120), gate, up, down
+    (5120+17408 each) = 128,450,560 numbers; the base's bf16 shard is half its float32 one."""
+    from rstar2_jax.models.config import ModelConfig
+    from rstar2_jax.models.shard_sizes import shard_bytes
+    from rstar2_jax.rl.config import base_config, validate
+    from rstar2_jax.rl.memory_plan import memory_plan
+    arch = ModelConfig(family="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40,
+                       num_heads=40, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       qk_norm=True, max_position_embeddings=40960)
+    n = 40 * 32 * (2 * 10240 + 2 * 6144 + 3 * 22528)
+    assert n == 128_450_560 == lora.adapter_parameters(lora.LoRAConfig(rank=32), arch)
+    c = base_config()
+    c.model.dtype, c.model.lora.rank, c.rl.kl.coef = "bfloat16", 32, 0.01
+    plan = memory_plan(arch, validate(c, 1), devices=8, devices_per_process=8, capacity=None)
+    mesh = {"data": 1, "fsdp": 8, "tensor": 1}
+    assert plan.line("parameters").bytes == shard_bytes(arch, mesh, 2) + 4 * n
+    assert (plan.line("gradients").bytes, plan.line("optimizer").bytes) == (4 * n, 8 * n)
+    assert plan.line("reference weights").bytes == 4 * n
+
+
+def test_the_adapter_count_is_what_attach_creates(tiny_dir):
+    model = models.load_pretrained(tiny_dir)
+    for cfg in (lora.LoRAConfig(rank=3), lora.LoRAConfig(rank=5, targets=("o_proj", "up_proj"))):
+        attached = lora.attach(models.load_pretrained(tiny_dir), cfg, seed=0)
+        held = sum(x.size for x in jax.tree.leaves(nnx.state(attached, lora.LoRAParam)))
+        assert held == lora.adapter_parameters(cfg, model.cfg)
+
+
+def test_dropout_drops_adapter_inputs_in_gradient_passes_only_and_keeps_their_mean(tiny_dir):
+    """Inverted dropout on the adapter's input (PEFT's lora_dropout: lora_B(lora_A(dropout(x))),
+    each kept input scaled by 1 / (1 - p)): its mean over keys is the undropped output."""
+    adapter = lora.Adapter((16, 8), ("embed", "mlp"), 1, 4, 2.0, rngs=nnx.Rngs(0), dropout=0.25)
+    adapter.b.set_value(jnp.ones((4, 8)))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 16)), jnp.float32)
+    plain = adapter(x)
+    with lora.dropout_key(jax.random.key(1)):
+        once = adapter(x)
+    assert not jnp.allclose(once, plain)
+    mean = jnp.mean(jnp.stack([_dropped(adapter, x, k) for k in range(2000)]), axis=0)
+    np.testing.assert_allclose(np.asarray(mean), np.asarray(plain), atol=0.1 * float(jnp.abs(plain).max()))
+
+    cfg = lora.LoRAConfig(rank=4, alpha=8.0, dropout=0.5)
+    rng = np.random.default_rng(0)
+    ids = [list(rng.integers(1, 300, 12)) for _ in range(4)]
+    batch = make_batch(ids, [[0] * 4 + [1] * 8] * 4, [[0.0] * 12] * 4, [1.0, -1.0, 0.5, -0.5], pad_multiple=16)
+    norms = {}
+    for p in (0.0, 0.5):
+        learner = Learner(adapted(tiny_dir, lora.LoRAConfig(rank=4, alpha=8.0, dropout=p)), LearnerSettings(lr=0.0))
+        before = learner.logprobs(batch.tokens)
+        norms[p] = learner.update(batch)["grad_norm"]
+        np.testing.assert_array_equal(learner.logprobs(batch.tokens), before)  # lr 0: nothing moved ...
+        if p:  # ... and the log-prob pass is the undropped model's (the p = 0 learner's)
+            np.testing.assert_allclose(before, reference, atol=1e-6)
+        reference = before
+    assert norms[0.5] != pytest.approx(norms[0.0], rel=1e-4)  # the gradient pass dropped inputs
+    assert lora.config_of(adapted(tiny_dir, cfg)) == cfg
+
+
+def _dropped(adapter, x, k):
+    with lora.dropout_key(jax.random.key(k)):
+        return adapter(x)
