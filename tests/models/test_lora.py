@@ -221,15 +221,13 @@ def test_dropout_drops_adapter_inputs_in_gradient_passes_only_and_keeps_their_me
     rng = np.random.default_rng(0)
     ids = [list(rng.integers(1, 300, 12)) for _ in range(4)]
     batch = make_batch(ids, [[0] * 4 + [1] * 8] * 4, [[0.0] * 12] * 4, [1.0, -1.0, 0.5, -0.5], pad_multiple=16)
-    norms = {}
+    norms, logprobs = {}, {}
     for p in (0.0, 0.5):
         learner = Learner(adapted(tiny_dir, lora.LoRAConfig(rank=4, alpha=8.0, dropout=p)), LearnerSettings(lr=0.0))
-        before = learner.logprobs(batch.tokens)
+        logprobs[p] = learner.logprobs(batch.tokens)
         norms[p] = learner.update(batch)["grad_norm"]
-        np.testing.assert_array_equal(learner.logprobs(batch.tokens), before)  # lr 0: nothing moved ...
-        if p:  # ... and the log-prob pass is the undropped model's (the p = 0 learner's)
-            np.testing.assert_allclose(before, reference, atol=1e-6)
-        reference = before
+        np.testing.assert_array_equal(learner.logprobs(batch.tokens), logprobs[p])  # lr 0: nothing moved
+    np.testing.assert_allclose(logprobs[0.5], logprobs[0.0], atol=1e-6)  # log-prob passes run undropped
     assert norms[0.5] != pytest.approx(norms[0.0], rel=1e-4)  # the gradient pass dropped inputs
     assert lora.config_of(adapted(tiny_dir, cfg)) == cfg
 
