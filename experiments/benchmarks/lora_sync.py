@@ -110,8 +110,11 @@ def main(argv=None):
         sync_s = med(x.total_s for x in r)
         rows.append([("full fine-tuning" if key == "full" else f"LoRA rank {key} (all 7 projections)"),
                      f"{r[0].bytes / 1e6:.2f}", f"{sync_s:.3f} ({sync_s / full_sync:.3f}x)",
+                     f"{med(x.export_s for x in r):.3f} / {med(x.reload_s - x.export_s for x in r):.3f} / "
+                     f"{med(x.probe_s for x in r):.3f}",
                      f"{update_s:.3f} ({update_s / full_update:.2f}x)", f"{state / 1e6:.1f} ({state / full_state:.3f}x)"])
     table = common.markdown_table(["trained", "sync bytes, MB", "sync to every server, s (vs full)",
+                                   "of it: export / reload or load / probe, s",
                                    "learner update, s (vs full)", "train state, MB (vs full)"], rows)
     common.record(args.record, f"LoRA against full fine-tuning: the sync to {args.servers} vLLM CPU servers and the "
                   "learner's update (issue 49)",

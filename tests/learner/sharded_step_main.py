@@ -8,6 +8,7 @@ import numpy as np
 
 from rstar2_jax import sharding
 from rstar2_jax.learner import Learner, LearnerSettings
+from rstar2_jax.models import lora
 from tests.learner.test_learner import _batch
 from tests.models.conftest import random_model, small_config
 
@@ -52,6 +53,18 @@ def main():
                           grad_norm=metrics["grad_norm"], ref_grad_norm=ref_metrics["grad_norm"],
                           spec=str(seen[-1].sharding.spec), rows=int(seen[-1].shape[0]),
                           rows_multiple=learner.rows_multiple, entropy_rows=int(batch.entropy.shape[0]))))
+    # LoRA (models/lora.py): adapters trained over fsdp=8 with the frozen base split as full training
+    # splits it == the one-device LoRA learner
+    def adapted():
+        return lora.attach(random_model(cfg, seed=9), lora.LoRAConfig(rank=4, alpha=8.0), seed=3)
+    ref = Learner(adapted(), lcfg)
+    ref_metrics = ref.update(_batch(seed=1, rows=8, vocab=256))
+    learner = Learner(adapted(), lcfg, mesh=sharding.make_mesh(data=1, fsdp=8, tensor=1))
+    metrics = learner.update(_batch(seed=1, rows=8, vocab=256))
+    base_specs = {str(x.sharding.spec) for x in jax.tree.leaves(learner.frozen)}
+    print(json.dumps(dict(mesh="lora", max_param_diff=float(np.abs(flat(learner) - flat(ref)).max()),
+                          grad_norm=metrics["grad_norm"], ref_grad_norm=ref_metrics["grad_norm"],
+                          spec=" ".join(sorted(base_specs)), trained=len(jax.tree.leaves(learner.state.params)))))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ def test_learner_pads_a_batch_that_does_not_divide_the_mesh(results):
     assert r["max_param_diff"] < 5e-5 and abs(r["grad_norm"] - r["ref_grad_norm"]) < 1e-5 * r["ref_grad_norm"], r
 
 
+def test_lora_adapters_trained_over_fsdp_with_the_base_split_equal_the_one_device_update(results):
+    r = results[4]
+    assert r["mesh"] == "lora" and r["trained"] == 2 * 7 * 2, r  # A and B of 7 projections x 2 layers
+    assert r["max_param_diff"] < 5e-5 and abs(r["grad_norm"] - r["ref_grad_norm"]) < 1e-5 * r["ref_grad_norm"], r
+    assert "fsdp" in r["spec"], r  # the frozen base really is split
+
+
 def test_packed_rows_split_over_the_mesh_equal_the_unsharded_padded_update(results):
     r = results[2]
     assert r["mesh"] == "packed" and r["packed_rows"] == 1.0 and r["width"] == 8, r

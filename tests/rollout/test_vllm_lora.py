@@ -97,6 +97,29 @@ def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_di
     asyncio.run(engine.close())
 
 
+def test_adapters_reach_a_server_through_its_fetcher_beside_a_files_engine(lora_server, tiny_dir, tmp_path):
+    """sync=pull: the fetcher beside the server copies the two PEFT files from the trainer's export
+    server, the server loads that copy; one sync to two engines (pull and files) lands on both."""
+    from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
+    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+    learner = lora_learner(tiny_dir)
+    update(learner, 11)
+    fetcher = WeightFetcher(str(tmp_path / "pulled"))
+    try:
+        pulled = VLLMEngine(lora_server.url, learner.model(), sync="pull", fetch_url=fetcher.url)
+        files = VLLMEngine(lora_server.url, learner.model())
+        report = push_to_servers([pulled, files], learner.model_state(), 1)
+        assert report.ok, report.error
+        assert pulled.probe_verdict() <= pulled.probe_tolerance and files.probe_verdict() <= files.probe_tolerance
+        assert pulled.loaded_adapters[1] == str(tmp_path / "pulled" / "v1")
+        assert sorted(os.listdir(tmp_path / "pulled" / "v1"))[:2] == ["adapter", "adapter_config.json"]
+        assert files.loaded_adapters[1].startswith(pulled.sync_root)  # the lead engine writes the one export
+        for e in (pulled, files):
+            asyncio.run(e.close())
+    finally:
+        fetcher.close()
+
+
 def test_a_restarted_server_gets_the_current_adapter_back(lora_server, tiny_dir, tokenizer):
     learner = lora_learner(tiny_dir)
     update(learner, 7)

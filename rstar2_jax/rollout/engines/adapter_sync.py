@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from rstar2_jax.models.adapter_files import write_adapter
+from rstar2_jax.models.adapter_files import CONFIG_FILE, WEIGHTS_FILE, write_adapter
 from rstar2_jax.models.lora import LoRAParam
 
 if TYPE_CHECKING:
@@ -55,11 +55,27 @@ def gathered_adapters(params):
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int):
+def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int, fetch: bool = True) -> str:
     """One server loads `adapter_dir` as version `version` (replacing a same-named one left by a
-    sync that failed, or by an earlier session)."""
+    sync that failed, or by an earlier session); with sync=pull its fetcher first copies the two
+    files (weight_pull.py) and the server loads that copy (fetch=False: `adapter_dir` is already
+    on the server's host). The directory the server read."""
+    if engine.sync == "pull" and fetch:
+        adapter_dir = fetched(engine, adapter_dir, version)
     engine.client.request("POST", "/v1/load_lora_adapter", {"lora_name": adapter_name(version),
                                                             "lora_path": adapter_dir, "load_inplace": True})
+    return adapter_dir
+
+
+def fetched(engine: "VLLMEngine", adapter_dir: str, version: int) -> str:
+    """sync=pull: the fetcher beside the server copies the adapter's files from this trainer's
+    export server; the path of its whole copy on the server's host."""
+    from rstar2_jax.rollout.engines.vllm_engine import _file_server
+    from rstar2_jax.rollout.engines.weight_pull import ask_to_commit, ask_to_fetch
+    url = _file_server(engine.sync_base, engine.sync_host).url_for(adapter_dir)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        ask_to_fetch(engine.fetch_url, url, name, "adapter", version)
+    return ask_to_commit(engine.fetch_url, version)
 
 
 def unload_old(engine: "VLLMEngine", version: int):
@@ -89,6 +105,7 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
         loads = {e: pool.submit(load_on_server, e, adapter_dir, version) for e in engines}
         concurrent.futures.wait(loads.values())
     errors = [f"{e.url}: {type(f.exception()).__name__}: {f.exception()}" for e, f in loads.items() if f.exception()]
+    # (the fetchers of sync=pull keep their own copies; a failed sync's partial one goes at the next commit)
     report.reload_s = report.resumed_s = time.perf_counter() - start
     if errors:  # every engine stays on its last adapter, which every server still holds
         report.error = "; ".join(errors)
@@ -97,12 +114,17 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
         log.error("adapter sync v%d failed (%s); the servers keep adapter v%s", version, report.error, lead.version)
     else:
         for e in engines:
-            e.loaded_adapters[version] = adapter_dir
-            e.version, e._synced_dir, e._synced_model = version, adapter_dir, None
+            e.loaded_adapters[version] = loads[e].result()  # sync=pull: the fetcher's copy
+            e.version, e._synced_dir, e._synced_model = version, loads[e].result(), None
             unload_old(e, version)
         _remove_unloaded(lead.sync_root, engines)
+        probed = time.perf_counter()
         probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
+
+        def probed_in(_):
+            report.probe_s = max(report.probe_s, time.perf_counter() - probed)
         for e, f in zip(engines, probes):
+            f.add_done_callback(probed_in)
             e._probe = f
         if lead.probe == "wait":
             for e in engines:
@@ -117,7 +139,7 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
 
 def _remove_unloaded(root: str, engines: Sequence["VLLMEngine"]):
     """Adapter directories under `root` that no engine has loaded any more."""
-    live = {d for e in engines for d in e.loaded_adapters.values()}
+    live = {d for e in engines for d in e.loaded_adapters.values()}  # (pull: the fetchers' paths, none here)
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if name.startswith("adapter_v") and path not in live:

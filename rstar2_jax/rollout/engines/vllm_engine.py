@@ -138,8 +138,8 @@ class VLLMEngine(Engine):
             raise ValueError(f"swap must be one of {SWAP_MODES} and probe one of {PROBE_MODES}, got {swap!r}, {probe!r}")
         self.swap, self.probe = swap, probe
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
-        if self.adapters is not None and sync != "files":
-            raise ValueError(f"LoRA adapters reach vLLM servers by files only in this version, not sync={sync!r}")
+        if self.adapters is not None and sync == "nccl":
+            raise ValueError("LoRA adapters reach vLLM servers by files or pull, not sync='nccl'")
         self.loaded_adapters: dict[int, str] = {}  # adapter versions this server holds -> their directories
         self._probe: concurrent.futures.Future | None = None  # the last sync's deferred probe
         if (sync == "pull") != (fetch_url is not None):
@@ -243,6 +243,11 @@ class VLLMEngine(Engine):
         return adapter_name(self.version) if self.adapters and self._synced_dir else self.model_name
 
     @property
+    def sync_base(self) -> str:
+        """sync_dir: where this engine's exports live (what sync=pull's file server serves)."""
+        return self._sync_base
+
+    @property
     def sync_root(self) -> str:
         """This engine's directory of exports (under sync_dir), removed when it closes."""
         return self._sync_root
@@ -307,7 +312,7 @@ class VLLMEngine(Engine):
             served_ids = {m["id"] for m in self.client.request("GET", "/v1/models", timeout=10.0)["data"]}
             if self._synced_dir and adapter_name(self.version) not in served_ids:
                 log.warning("%s restarted without adapter v%d: loading %s", self.url, self.version, self._synced_dir)
-                load_on_server(self, self._synced_dir, self.version)
+                load_on_server(self, self._synced_dir, self.version, fetch=False)  # the server's own copy
                 self.loaded_adapters = {self.version: self._synced_dir}
                 self.reloads_after_restart += 1
             return

@@ -131,10 +131,10 @@ def _sync_window(x: EnginePlanInputs) -> tuple[float, str]:
 
 
 def _adapter_refusal(r: RolloutConfig, rank: int) -> str | None:
-    if r.vllm.sync != "files":
-        return (f"LoRA adapters reach vLLM servers by files only in this version, not rollout.vllm.sync={r.vllm.sync}: "
-                "set rollout.vllm.sync=files (the adapters are megabytes: a shared filesystem path in "
-                "rollout.vllm.sync_dir serves servers on other hosts), or model.lora.rank=0")
+    if r.vllm.sync == "nccl":
+        return ("LoRA adapters reach vLLM servers by files or pull, not rollout.vllm.sync=nccl (a broadcast of the "
+                "whole model): set rollout.vllm.sync=files or pull (the adapters are megabytes), or "
+                "model.lora.rank=0")
     if rank > 512:
         return f"vLLM serves LoRA adapters up to rank 512, not {rank}: lower model.lora.rank"
     return None
