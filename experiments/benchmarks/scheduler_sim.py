@@ -108,6 +108,11 @@ class SimConfig:
     group_size: int = 16                 # rollouts per problem (a group: what carry cuts)
     carry_fraction: float = 1.0          # rl.staleness: 1.0 = wait; < 1: carry (a step trains once
                                          # this share of its groups are in; the rest join the next)
+    # LoRA (model.lora.rank > 0, issue 49): the sync writes the adapters (float32 PEFT files) and each
+    # engine stops only for their load (a utility call between engine steps, at the reload's rate);
+    # the update forms no weight gradients of the base: 6 of full training's 8 x params FLOPs a token
+    lora_rank: int = 0
+    lora_update_factor: float = 0.75
 
     @property
     def step_rollouts(self) -> int:
@@ -116,14 +121,24 @@ class SimConfig:
     def learner_s(self, sampled_tokens: int) -> float:
         """The update of a step whose rollouts hold `sampled_tokens` (the learner trains the kept ones)."""
         tokens = sampled_tokens * self.kept_fraction
-        return tokens * 8 * self.params / (self.learner_devices * self.learner_mfu * self.peak_flops)
+        factor = self.lora_update_factor if self.lora_rank else 1.0
+        return factor * tokens * 8 * self.params / (self.learner_devices * self.learner_mfu * self.peak_flops)
+
+    @property
+    def sync_gb(self) -> float:
+        """What a sync moves: the bf16 model, or with LoRA the float32 adapters of Qwen3-14B."""
+        if self.lora_rank:
+            from rstar2_jax.models.lora import LoRAConfig, adapter_parameters
+            from rstar2_jax.models.shapes import shape
+            return 4 * adapter_parameters(LoRAConfig(rank=self.lora_rank), shape("qwen3_14b")) / 1e9
+        return 2 * self.params / 1e9
 
     @property
     def export_s(self) -> float:
         """The learner's share of a sync (files, streamed: it writes the bf16 export)."""
         if self.sync in ("streamed", "staged"):
-            return 2 * self.params / 1e9 / self.streamed_export_gb_s
-        return 2 * self.params / 1e9 / self.export_gb_s if self.sync == "files" else 0.0
+            return self.sync_gb / self.streamed_export_gb_s
+        return self.sync_gb / self.export_gb_s if self.sync == "files" else 0.0
 
     @property
     def pause_after_s(self) -> float:
@@ -131,13 +146,13 @@ class SimConfig:
         engines generate while it is written), its first bucket (streamed), none (broadcast,
         colocated)."""
         if self.sync == "streamed":
-            return self.export_s * min(1.0, self.bucket_gb / (2 * self.params / 1e9))
+            return self.export_s * min(1.0, self.bucket_gb / self.sync_gb)
         return self.export_s
 
     @property
     def sync_s(self) -> float:
         """How long every engine pauses for a sync."""
-        reload = 2 * self.params / 1e9 / self.reload_gb_s
+        reload = self.sync_gb / self.reload_gb_s
         return {"files": reload, "streamed": self.streamed_pause_factor * reload,
                 "staged": self.staged_pause_factor * reload, "broadcast": self.broadcast_s,
                 "colocated": self.colocated_sync_s}[self.sync]
@@ -490,6 +505,7 @@ def main(argv=None):
     p.add_argument("--carry", type=float, default=0.75, help="--rebased: rl.staleness.carry_fraction")
     p.add_argument("--split_sync", choices=("staged", "streamed"), default="staged",
                    help="--rebased: how the split schedules' engines take a sync (rollout.vllm.swap)")
+    p.add_argument("--lora_rank", type=int, default=0, help="--rebased: LoRA adapters of this rank (0: full training)")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     if args.rebased:
@@ -537,7 +553,8 @@ def run_rebased(args, argv):
     rows = []
     for gpus in args.gpus:
         colocated = SimConfig(engines=gpus, rollouts=args.rollouts, reserve_new_tokens=1024, affinity=True,
-                              learner_devices=gpus, sync="colocated", group_size=args.group_size)
+                              learner_devices=gpus, sync="colocated", group_size=args.group_size,
+                              lora_rank=args.lora_rank)
         runs = [simulate(colocated, "kv_aware", seed, args.steps, 0) for seed in range(args.seeds)]
         colocated_s = float(np.mean([r["steady_step_s"] for r in runs]))
         # the split by the work: the learner's share of the GPUs is its share of the colocated step's
@@ -562,22 +579,25 @@ def run_rebased(args, argv):
                          f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['carried_groups']:.1f}",
                          f"{mean['idle_share']:.1%}"))
             print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
-    b = SimConfig(sync=args.split_sync)
+    b = SimConfig(sync=args.split_sync, lora_rank=args.lora_rank)
     paused = (f"the engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for "
               f"{b.sync_s:.0f} s ({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s)"
               if b.sync == "streamed" else
-              f"the engines generate through it, then pause for {b.sync_s:.0f} s ({b.staged_pause_factor}x a reload "
+              f"the engines generate through it, then pause for {b.sync_s:.1f} s ({b.staged_pause_factor}x a reload "
               f"at {b.reload_gb_s} GB/s)")
     config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
               f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps (steady: the mean "
               f"time between syncs after the pipeline's first k + 1), {args.seeds} seed(s), "
               f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; {b.sync} sync: the "
-              f"learner exports {2 * b.params / 1e9:.1f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.0f} s), "
+              f"learner exports {b.sync_gb:.2f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.1f} s)"
+              + (f" (LoRA rank {b.lora_rank}: the adapters; update {b.lora_update_factor}x full's FLOPs)"
+                 if b.lora_rank else "") + ", "
               f"{paused}; colocated: every GPU generates, then "
               f"every GPU trains, {b.colocated_sync_s:.0f} s hand-over; learner {b.learner_mfu:.0%} MFU on the kept "
               f"tokens (packed rows: real tokens only)")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
-    common.record(args.record, f"RL pipeline simulation on what exists: {b.sync} sync, carry, packed learner (issue 47)",
+    what = f"LoRA rank {b.lora_rank}" if b.lora_rank else "packed learner"
+    common.record(args.record, f"RL pipeline simulation on what exists: {b.sync} sync, carry, {what} (issues 47, 49)",
                   command.strip(), config, common.markdown_table(header, rows))
 
 
