@@ -20,6 +20,10 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
     lines.append(_run_directory_state(cfg, workdir, config_mismatch))
     lines.append(f"model: {_model_line(cfg)}")
     lines.append(f"mesh: {_mesh_line(cfg)}")
+    if cfg.model.lora.enabled:
+        a = cfg.model.lora
+        lines.append(f"LoRA: rank {a.rank}, alpha {a.alpha:g}, dropout {a.dropout:g} on {', '.join(a.targets)}: trains "
+                     f"the adapters only (the base frozen in {cfg.model.dtype}); syncs and checkpoints hold them alone")
     lines.append(f"data: task {cfg.data.task}, format {cfg.format}" +
                  (f", SFT warm start {cfg.sft.steps} steps x {cfg.sft.batch_size}" if cfg.sft.steps else ""))
     lines.append(f"per step: {rl.batch_problems} problems x {rl.rollouts_per_problem} rollouts = "

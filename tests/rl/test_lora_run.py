@@ -3,6 +3,7 @@ samples with them (no second base), checkpoints hold the adapters alone and resu
 the run exports as a PEFT adapter or a merged HF model that load back to the same policy."""
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -55,6 +56,15 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports(tmp_path):
         np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(loaded[path].get_value()))
     assert {p[-2] for p, _ in nnx.to_flat_state(learner.state.params)} == {"q_proj_lora", "v_proj_lora",
                                                                            "down_proj_lora"}
+    # the engine holds the learner's base, not a copy: on-policy float32 (the whole state shared), and
+    # an engine in the compute dtype (bf16 runs: the base is loaded in it) copies the adapters only
+    base_ids = {id(x) for x in jax.tree.leaves(learner.frozen)}
+    assert base_ids <= {id(x) for x in jax.tree.leaves(straight.engine_weights())}
+    straight.cfg = dataclasses.replace(straight.cfg, model=dataclasses.replace(straight.cfg.model, dtype="bfloat16"))
+    held = straight.engine_weights()
+    assert base_ids <= {id(x) for x in jax.tree.leaves(held)}
+    adapters = [x for p, x in nnx.to_flat_state(held) if str(p[-2:][0]).endswith(lora.ADAPTER_SUFFIX)]
+    assert adapters and {x.get_value().dtype for x in adapters} == {jnp.dtype(jnp.bfloat16)}
     tokens = jnp.asarray([list(range(5, 29))], jnp.int32)
     policy = learner.model()(tokens)
     assert float(jnp.abs(policy - base(tokens)).max()) > 1e-3  # the adapters changed the policy
