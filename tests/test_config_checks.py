@@ -40,6 +40,7 @@ FREE_STRINGS = {
 }
 # Lists of strings: the element check, under the setting that reads them.
 STRING_LISTS = {"rl.correction.names": ({}, ["no_such_correction"]),
+                "model.lora.targets": ({"model.lora.rank": 4}, ["qkv_proj"]),
                 "logging.backends": ({}, ["no_such_tracker"]),
                 "rollout.vllm.urls": ({"rollout.engine": "vllm"}, ["not-a-url"]),
                 "rollout.vllm.fetch_urls": ({"rollout.engine": "vllm", "rollout.vllm.urls": ["http://127.0.0.1:1"],
