@@ -90,7 +90,7 @@ def unload_old(engine: "VLLMEngine", version: int):
 
 def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) -> "SyncReport":
     """The adapters of `params` to every server as version `version` (the module's docstring)."""
-    from rstar2_jax.rollout.engines.vllm_engine import _PROBES, SyncReport, probe_logprobs
+    from rstar2_jax.rollout.engines.vllm_engine import SyncReport, finish, probe_logprobs, start_probes
     for e in engines:
         e.probe_verdict()
     lead = engines[0]
@@ -118,20 +118,8 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
             e.version, e._synced_dir, e._synced_model = version, loads[e].result(), None
             unload_old(e, version)
         _remove_unloaded(lead.sync_root, engines)
-        probed = time.perf_counter()
-        probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
-
-        def probed_in(_):
-            report.probe_s = max(report.probe_s, time.perf_counter() - probed)
-        for e, f in zip(engines, probes):
-            f.add_done_callback(probed_in)
-            e._probe = f
-        if lead.probe == "wait":
-            for e in engines:
-                e.probe_verdict()
-    report.total_s = time.perf_counter() - start
-    for e in engines:
-        e.last_sync = report
+        start_probes(engines, model, reference, report)
+    finish(engines, report, start)
     log.info("synced adapters v%d (%d bytes) to %d server(s) in %.3f s%s", version, nbytes, len(engines),
              report.total_s, "" if report.ok else f"; FAILED: {report.error}")
     return report

@@ -553,6 +553,29 @@ class SyncReport:
         return self.error is None
 
 
+def start_probes(engines: Sequence[VLLMEngine], model: Decoder, reference: np.ndarray, report: SyncReport):
+    """Every server's log-prob probe after a sync landed, on the probe pool: waited for with
+    probe="wait", else collected later (VLLMEngine.probe_verdict); report.probe_s fills in as they end."""
+    probed = time.perf_counter()
+    probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
+
+    def probed_in(_):
+        report.probe_s = max(report.probe_s, time.perf_counter() - probed)
+    for e, f in zip(engines, probes):
+        f.add_done_callback(probed_in)
+        e._probe = f
+    if engines[0].probe == "wait":
+        for e in engines:
+            e.probe_verdict()
+
+
+def finish(engines: Sequence[VLLMEngine], report: SyncReport, start: float):
+    """The sync's total time, and the report on every engine (last_sync)."""
+    report.total_s = time.perf_counter() - start
+    for e in engines:
+        e.last_sync = report
+
+
 def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
     """The learner's weights to every server: one export, bucket by bucket (weight_export.py).
     Staged (the engines' `swap`, the default): every bucket is written (sync=pull: and copied by
@@ -677,20 +700,8 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
             lead.slots.commit(slot)
         for e in engines:
             e._synced_dir, e._synced_model, e.version = landed[e], None, version
-        probed = time.perf_counter()
-        probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
-
-        def probed_in(_):
-            report.probe_s = max(report.probe_s, time.perf_counter() - probed)
-        for e, f in zip(engines, probes):
-            f.add_done_callback(probed_in)
-            e._probe = f
-        if lead.probe == "wait":
-            for e in engines:
-                e.probe_verdict()
-    report.total_s = time.perf_counter() - start
-    for e in engines:
-        e.last_sync = report
+        start_probes(engines, model, reference, report)
+    finish(engines, report, start)
     log.info("synced weights v%d to %d server(s) in %d bucket(s), %s: %.2f s (export %.2f s, reloaded at %.2f s, "
              "generating again at %.2f s after a pause of at most %.2f s from %.2f s, probes %s)%s", version,
              len(engines), report.buckets, lead.swap, report.total_s, report.export_s, report.reload_s,
