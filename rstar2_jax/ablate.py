@@ -63,7 +63,6 @@ def without_adapters(cfg):
 def config_hash(cfg, keys) -> str:
     """A short hash of the config's sections `keys` (model.lora left out: fresh adapters change
     neither the warm start nor the policy before RL): equal hashes, equal settings there."""
-    cfg = without_adapters(cfg)
     parts = {k: cfg[k].to_dict() if hasattr(cfg[k], "to_dict") else cfg[k] for k in keys}
     if "model" in parts:
         parts["model"].pop("lora", None)

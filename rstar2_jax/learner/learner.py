@@ -255,7 +255,7 @@ class Learner:
     def model_state(self):
         """Every parameter of the model as an nnx.State (with LoRA: the base and the adapters), for
         engines."""
-        return self.state.params if self.frozen is None else nnx.merge_state(self.frozen, self.state.params)
+        return lora.whole(self.state.params, self.frozen)
 
     def model(self) -> nnx.Module:
         return lora.merged(self.graphdef, self.state.params, self.frozen)

@@ -66,7 +66,7 @@ class SFTTrainer:
 
     def params(self):
         """Every parameter of the model (with LoRA: the base and the trained adapters)."""
-        return self.state.params if self.frozen is None else nnx.merge_state(self.frozen, self.state.params)
+        return lora.whole(self.state.params, self.frozen)
 
 
 def iterate_batches(data, batch_size: int, seed: int):

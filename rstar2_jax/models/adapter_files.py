@@ -132,17 +132,21 @@ def load_model_dir(path: str, dtype=None) -> nnx.Module:
     dtype = dtype or jnp.float32
     if not is_adapter_dir(path):
         return load_pretrained(path, dtype)
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        base = json.load(f).get("base_model_name_or_path") or ""
+    base = _named_base(path)
     if not os.path.isfile(os.path.join(base, "config.json")):
         raise ValueError(f"{path}/{CONFIG_FILE} names base model {base!r}, which is not a model directory here: "
                          "set base_model_name_or_path to the base's directory")
     return load_adapter(attach(load_pretrained(base, dtype), read_adapter_config(path), seed=0), path)
 
 
+def _named_base(adapter_dir: str) -> str:
+    """The base an adapter directory's adapter_config.json names ('' when none)."""
+    with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
+        return json.load(f).get("base_model_name_or_path") or ""
+
+
 def base_dir_of(path: str) -> str:
     """The model directory holding the tokenizer and config of `path` (an adapter's base)."""
     if not is_adapter_dir(path):
         return path
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        return json.load(f).get("base_model_name_or_path") or path
+    return _named_base(path) or path

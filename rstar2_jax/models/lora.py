@@ -84,12 +84,12 @@ class LoRAConfig(Section):
 def widths(model_cfg) -> dict[str, tuple[int, int]]:
     """Each target projection's (in, out) features in a model of `model_cfg` (a ModelConfig)."""
     return {"q_proj": (model_cfg.hidden_size, model_cfg.num_heads * model_cfg.head_dim),
-              "k_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
-              "v_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
-              "o_proj": (model_cfg.num_heads * model_cfg.head_dim, model_cfg.hidden_size),
-              "gate_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
-              "up_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
-              "down_proj": (model_cfg.intermediate_size, model_cfg.hidden_size)}
+            "k_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
+            "v_proj": (model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim),
+            "o_proj": (model_cfg.num_heads * model_cfg.head_dim, model_cfg.hidden_size),
+            "gate_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
+            "up_proj": (model_cfg.hidden_size, model_cfg.intermediate_size),
+            "down_proj": (model_cfg.intermediate_size, model_cfg.hidden_size)}
 
 
 def adapter_parameters(cfg: LoRAConfig, model_cfg) -> int:
@@ -198,10 +198,10 @@ def merged(graphdef, trained, frozen=None) -> nnx.Module:
     return nnx.merge(graphdef, trained) if frozen is None else nnx.merge(graphdef, trained, frozen)
 
 
-def adapter_paths(model_params) -> list[str]:
-    """Dotted paths of the adapter matrices in an nnx.State of a model's Params."""
-    return [".".join(map(str, path)) for path, var in nnx.to_flat_state(model_params)
-            if isinstance(var, LoRAParam)]
+def whole(trained, frozen=None):
+    """Every parameter as one nnx.State (what engines and exports take): `trained` alone, or the
+    frozen base with the adapters."""
+    return trained if frozen is None else nnx.merge_state(frozen, trained)
 
 
 def merged_into_base(model: nnx.Module) -> nnx.Module:

@@ -187,8 +187,8 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
         lines = [Line("parameters", params, f"float32 master weights, {n_params}, split by the logical-axis rules"),
                  Line("gradients", *_gradient_bytes(arch, cfg, mesh, params)),
                  Line("optimizer", 2 * params, "AdamW: two float32 moments")]
-    if cfg.rl.kl.enabled and not cfg.model.lora.enabled:
-        lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
+        if cfg.rl.kl.enabled:
+            lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
     lines.append(Line("activations", *activation_bytes(arch, cfg, mesh)))
 
     engine_lines, engine_devices = engine_kind(cfg.rollout).plan(EnginePlanInputs(

@@ -34,6 +34,7 @@ from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.learner import Learner, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
+from rstar2_jax.models import lora
 from rstar2_jax.models.adapter_files import base_identity
 from rstar2_jax.models.resolve import DTYPES, load_policy
 from rstar2_jax.models.tokenizer import Tokenizer
@@ -244,8 +245,8 @@ class RLRun:
         mesh = engine_mesh(self.cfg.model.decode_attention) if how.split else None
         frozen = self.learner.frozen  # LoRA: the base, never donated, read as it is (one copy); adapters copied
         if frozen is not None and mesh is None and jax.device_count() == 1 and how.dtype in (None, self.cfg.model.dtype):
-            return nnx.merge_state(frozen, processes.local_copy(self.learner.state.params,
-                                                                DTYPES[how.dtype] if how.dtype else None))
+            return lora.whole(processes.local_copy(self.learner.state.params, DTYPES[how.dtype] if how.dtype else None),
+                              frozen)
         return processes.local_copy(params, DTYPES[how.dtype] if how.dtype else None,
                                     sharding.param_shardings(params, mesh) if mesh else None)
 

@@ -43,14 +43,14 @@ def adapter_name(version: int) -> str:
     return f"{NAME_PREFIX}{version}"
 
 
-def gathered_adapters(params):
-    """`params` with each adapter matrix readable on this host (a collective when the adapters are
+def gathered_adapters(model):
+    """`model`'s adapters, each matrix readable on this host (a collective when the adapters are
     split over processes: every trainer process calls it, in the same order)."""
     import jax
     from flax import nnx
 
     from rstar2_jax.sharding import gathered
-    adapters = nnx.state(params, LoRAParam) if isinstance(params, nnx.Module) else nnx.filter_state(params, LoRAParam)
+    adapters = nnx.state(model, LoRAParam)
     return jax.tree.map(lambda v: v.replace(np.asarray(gathered(v.get_value()))), adapters,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -89,10 +89,9 @@ def unload_old(engine: "VLLMEngine", version: int):
 
 
 def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) -> "SyncReport":
-    """The adapters of `params` to every server as version `version` (the module's docstring)."""
+    """The adapters of `params` to every server as version `version` (the module's docstring);
+    push_to_servers calls it, after collecting the previous sync's probes."""
     from rstar2_jax.rollout.engines.vllm_engine import SyncReport, finish, probe_logprobs, start_probes
-    for e in engines:
-        e.probe_verdict()
     lead = engines[0]
     model = lead.as_model(params)
     start = time.perf_counter()

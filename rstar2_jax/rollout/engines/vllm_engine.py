@@ -591,10 +591,10 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     error is logged and returned (SyncReport.error, and each engine's sync_failures); the
     servers go on answering, and the caller retries with the next sync. The previous sync's
     deferred probe is collected first: a failed one raises WeightSyncError before any export."""
-    if engines[0].adapters is not None:  # a LoRA run: only the adapters move (adapter_sync.py)
-        return adapter_sync.push_adapters(engines, params, version)
     for e in engines:
         e.probe_verdict()
+    if engines[0].adapters is not None:  # a LoRA run: only the adapters move (adapter_sync.py)
+        return adapter_sync.push_adapters(engines, params, version)
     lead = engines[0]
     staged = lead.swap == "staged"
     model = lead.as_model(params)
