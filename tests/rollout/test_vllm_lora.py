@@ -136,3 +136,56 @@ def test_a_restarted_server_gets_the_current_adapter_back(lora_server, tiny_dir,
     assert len(out.token_ids) == 8 and engine.reloads_after_restart == 1
     np.testing.assert_allclose(engine.prompt_logprobs(prompt), jax_logprobs(learner.model(), prompt)[1:], atol=1e-3)
     asyncio.run(engine.close())
+
+
+def test_two_trainer_processes_train_adapters_and_only_the_first_loads_them(lora_server, tiny_dir, tmp_path):
+    """A LoRA run over two jax.distributed trainer processes sampling from one LoRA server: the
+    adapters are split over the processes' devices (fsdp=2) and both gather them for each sync in
+    the same order; process 0 alone loads each version (one load per version, not one per
+    process), and both sample with the adapter of the version they stamp (the sampler's log-probs
+    are the learner's, where the base's are not). At the end process 0 unloads what it loaded
+    before its files go, and the server stays up."""
+    from rstar2_jax.checkpoints import RunCheckpoints
+    from rstar2_jax.models.adapter_files import base_identity
+    from tests.rl.launch import launch
+    from tests.rl.test_multiprocess import CONFIG, train_args
+    from tests.rl.test_training import rl_lines
+
+    config = tmp_path / "moving_tiny_arith.py"
+    config.write_text(CONFIG)
+    work = tmp_path / "run"
+    loads_before = open(lora_server.log_path).read().count("POST /v1/load_lora_adapter")
+    results = launch(train_args(str(config), work, 2) + [
+        f"--config.model.path={tiny_dir}", "--config.model.lora.rank=4", "--config.model.lora.alpha=8.0",
+        "--config.sft.lr=1e-2", "--config.sft.warmup_steps=0", "--config.rl.lr=1e-2", "--config.rollout.engine=vllm",
+        f"--config.rollout.vllm.urls={lora_server.url}"], work, n=2)
+    assert all(status == 0 for status, _, _ in results), [err[-3000:] for _, _, err in results]
+    lines = rl_lines(work)
+    assert [l["step"] for l in lines] == [0, 1] and all(l["kept_rollouts"] > 0 for l in lines)
+    assert [l["sync/failures"] for l in lines] == [0, 0] and all(l["staleness/max"] == 0 for l in lines)
+    loads = open(lora_server.log_path).read().count("POST /v1/load_lora_adapter") - loads_before
+    assert loads == 1 + 2  # after SFT, then one per RL step: loaded by process 0 alone
+    assert not served_names(lora_server) & {adapter_sync.adapter_name(v) for v in (0, 1, 2)}  # unloaded at the end
+    base = models.load_pretrained(tiny_dir)
+    probe = list(range(5, 69))
+    engine = VLLMEngine(lora_server.url, base)  # and the server still serves the base
+    np.testing.assert_allclose(engine.prompt_logprobs(probe), jax_logprobs(base, probe)[1:], atol=1e-3)
+    asyncio.run(engine.close())
+
+    # every token of both processes was sampled with the adapters the learner had at its version:
+    # the sampler's log-probs equal the learner's to float rounding, while the adapters of every
+    # version (as checkpointed: after SFT, after each RL step) move the log-probs well beyond that
+    ids = jax.numpy.asarray([probe], jax.numpy.int32)
+    template = Learner(lora.attach(models.load_pretrained(tiny_dir), lora.LoRAConfig(rank=4, alpha=8.0), seed=0))
+    ckpts = RunCheckpoints(str(work / "checkpoints"), keep=10)
+    ckpts.base = base_identity(tiny_dir)
+    try:
+        for step in (0, 1):
+            template.state, _ = ckpts.restore(step, template.state)
+            moved = np.abs(models.token_logprobs(template.model(), ids) - models.token_logprobs(base, ids)).max()
+            assert moved > 1e-2 and lines[step]["logprob_mismatch_max"] < 1e-4, (step, moved)
+    finally:
+        ckpts.close()
+    state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(work / "checkpoints" / "2" / "state")
+                      for f in fs)
+    assert state_bytes < 0.5 * os.path.getsize(os.path.join(tiny_dir, "model.safetensors"))

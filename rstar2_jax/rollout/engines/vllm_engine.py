@@ -141,6 +141,7 @@ class VLLMEngine(Engine):
         if self.adapters is not None and sync == "nccl":
             raise ValueError("LoRA adapters reach vLLM servers by files or pull, not sync='nccl'")
         self.loaded_adapters: dict[int, str] = {}  # adapter versions this server holds -> their directories
+        self.loads_adapters = False  # this process loads them (the one that pushes), so it unloads them at close
         self._probe: concurrent.futures.Future | None = None  # the last sync's deferred probe
         if (sync == "pull") != (fetch_url is not None):
             raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
@@ -473,6 +474,8 @@ class VLLMEngine(Engine):
             await asyncio.get_running_loop().run_in_executor(None, self.probe_verdict)
         if self._recovery is not None:
             self._recovery.cancel()
+        if self.loads_adapters:  # before the files go: the server must not keep names whose files are gone
+            await asyncio.get_running_loop().run_in_executor(None, adapter_sync.unload_all, self)
         await self.async_client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._sync_root, ignore_errors=True)
