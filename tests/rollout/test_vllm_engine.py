@@ -252,15 +252,17 @@ def test_tied_embedding_reload_is_detected(tmp_path):
         server.stop()
 
 
-def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(tiny_model, tokenizer, tmp_path):
-    """Eight trajectories are in flight when the server is SIGKILLed; it is restarted from its
-    launch directory (the old weights). Each trajectory completes exactly once, whole, and equals
-    what a healthy server with the synced weights produced: the engine put them back first.
+def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(vllm_server, tiny_model, tokenizer):
+    """Eight trajectories are in flight when the module's server is SIGKILLed; it is restarted
+    from its launch directory (the fixture's model, not the synced weights). Each trajectory
+    completes exactly once, whole, and equals what the healthy server with the synced weights
+    produced: the engine put them back first. (The module's server, killed and restarted: a server
+    of its own cost the suite a start.)
 
     The kill comes as the batch's fourth generation request is about to be sent, so at least that
     request meets a dead server whatever the timing (waiting for the server to report 4 running
     requests raced with short turns: some runs never saw 4 at once)."""
-    server = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "killed")
+    server = vllm_server
     synced = perturbed(tiny_model, seed=1)
     fmt = tiny_format()
     cfg = AgentConfig(format=fmt, max_turns=2, max_response_tokens=500, temperature=0.0)
@@ -291,10 +293,7 @@ def test_server_killed_mid_batch_then_restarted_every_trajectory_completes_once(
             await engine.close()
             return engine, healthy, recovered, sent
 
-    try:
-        engine, healthy, recovered, sent = asyncio.run(main())
-    finally:
-        server.stop()
+    engine, healthy, recovered, sent = asyncio.run(main())
     assert sent >= 4 and engine.retries >= 1 and engine.reloads_after_restart >= 1
     assert len(recovered) == len(questions)
     for a, b in zip(healthy, recovered):
