@@ -101,8 +101,9 @@ def run_info(run_dir: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_run_policy(run_dir: str):
-    """The policy of a training run's latest checkpoint (an nnx.Module of its architecture)."""
+def load_run_policy(run_dir: str, step: int | None = None):
+    """The policy of a training run's checkpoint at `step` (None: the latest; 0: after SFT, before
+    RL), an nnx.Module of its architecture."""
     from rstar2_jax import models
     from rstar2_jax.learner import Learner
     from rstar2_jax.models import lora
@@ -110,7 +111,7 @@ def load_run_policy(run_dir: str):
 
     ckpts = RunCheckpoints(os.path.join(run_dir, "checkpoints"))
     try:
-        step = ckpts.latest_step()
+        step = ckpts.latest_step() if step is None else step
         if step is None:
             raise NotARunError(f"no checkpoint under {run_dir}/checkpoints")
         model_dir = run_info(run_dir)["model_dir"]

@@ -84,7 +84,12 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports(tmp_path):
         assert lora.has_adapters(loaded) == (exported == "adapter")
         np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(policy), atol=1e-4)
     # adapter-only checkpoints: the state holds the adapters and their moments, not the base
-    state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
-                      os.walk(tmp_path / "straight" / "checkpoints" / "3" / "state") for f in fs)
+    state_bytes = checkpoint_state_bytes(tmp_path / "straight", 3)
     base_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(learner.frozen))
     assert state_bytes < 0.5 * base_bytes
+
+
+def checkpoint_state_bytes(run_dir, step: int) -> int:
+    """The bytes of a run's checkpointed train state at `step` (with LoRA: adapters and moments only)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
+               os.walk(os.path.join(run_dir, "checkpoints", str(step), "state")) for f in fs)
