@@ -10,8 +10,10 @@ tuple whose comma-joined values are the `arg` (e.g. ("paper", 4, 2, 0.001) -> "p
 
 Resumable: a finished run (results.json) is skipped, an unfinished one resumes from its last
 checkpoint. Runs of one seed whose model, data and SFT settings agree share one SFT warm start
-(WORKDIR/_warm_start/<key>/, an HF directory), so the grid pays for SFT once per seed; runs that
-evaluate the same weights the same way share one before-RL evaluation (WORKDIR/_before_rl/).
+(WORKDIR/_warm_start/<key>/, an HF directory), so the grid pays for SFT once per seed, or once
+in all with `--warm_start_seed=K` (every seed's RL from seed K's warm start: the seeds then vary
+RL alone, as RL ablations from one SFT checkpoint do); runs that evaluate the same weights the
+same way share one before-RL evaluation (WORKDIR/_before_rl/).
 Writes WORKDIR/summary.csv, summary.md, runs.csv, curves.png and finals.png.
 """
 
@@ -31,6 +33,9 @@ from rstar2_jax import cli
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ablation config: get_config(arg) and a list of cells")
 _GRID = flags.DEFINE_string("grid", "GRID", "name of the list of cells in the config file")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "seeds per cell (0 .. seeds-1)")
+_WARM_START_SEED = flags.DEFINE_integer(
+    "warm_start_seed", None, "every seed's RL starts from this seed's SFT warm start (one SFT for the grid, "
+    "so the seeds vary RL alone); default: each seed from its own", lower_bound=0)
 _WORKDIR = flags.DEFINE_string("workdir", None, "ablation directory", required=True)
 _SUMMARY_ONLY = flags.DEFINE_bool("summary_only", False, "only write the summary of the runs already finished")
 
@@ -50,6 +55,16 @@ def warm_start_key(cfg) -> str:
     """Runs with equal keys start RL from the same SFT'd weights. LoRA cells share the full
     fine-tuned warm start (their fresh adapters start at zero on it): model.lora is not in it."""
     return config_hash(cfg, ("seed", "model", "data", "format", "sft"))
+
+
+def warm_start_config(cfg, warm_start_seed: int | None):
+    """The config whose SFT warm start `cfg`'s RL starts from: its own, or (warm_start_seed set)
+    the same cell's at that seed, so every seed of a grid shares one SFT."""
+    if warm_start_seed is None:
+        return cfg
+    shared = cfg.copy_and_resolve_references()
+    shared.seed = warm_start_seed
+    return shared
 
 
 def without_adapters(cfg):
@@ -159,7 +174,7 @@ def main(argv):
                 continue
             print(f"{head}: {run_dir}", flush=True)
             if cfg.sft.steps > 0 and not cfg.model.path:
-                cfg.model.path = ensure_warm_start(cfg, workdir)
+                cfg.model.path = ensure_warm_start(warm_start_config(cfg, _WARM_START_SEED.value), workdir)
                 cfg.sft.steps = 0
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "cell.json"), "w") as f:

@@ -18,13 +18,14 @@ CELLS = ["roc_off_4_2_0.001", "roc_paper_4_2_0.001", "roc_release_4_2_0.001"]
 
 
 def fig4(workdir, *extra):
-    return ablate(workdir, "--grid=FIG4", "--seeds=2", *extra)
+    return ablate(workdir, "--grid=FIG4", "--seeds=2", "--warm_start_seed=0", *extra)
 
 
 @pytest.fixture(scope="module")
 def ablation_dir(tmp_path_factory, seed0_warm_start):
-    """2 seeds x 3 cells of 3 RL steps. Seed 0's warm start is the session's (copied in, as a
-    re-run finds it); seed 1's is trained by the grid itself."""
+    """2 seeds x 3 cells of 3 RL steps, every seed from seed 0's warm start: the session's (copied
+    in, as a re-run finds it), so the grid trains no SFT. (Each seed's own warm start, the
+    default, is the same code with the seed in the key: tests/test_ablate_warm_start.py.)"""
     workdir = tmp_path_factory.mktemp("fig4")
     with_warm_start(workdir, seed0_warm_start)
     proc = fig4(workdir)
@@ -32,7 +33,7 @@ def ablation_dir(tmp_path_factory, seed0_warm_start):
     return workdir
 
 
-def test_ablate_runs_every_cell_and_seed_from_one_warm_start_per_seed(ablation_dir, seed0_warm_start):
+def test_ablate_runs_every_cell_and_seed_from_the_one_warm_start_it_was_given(ablation_dir, seed0_warm_start):
     for cell in CELLS:
         for seed in (0, 1):
             run = ablation_dir / cell / f"seed{seed}"
@@ -41,19 +42,17 @@ def test_ablate_runs_every_cell_and_seed_from_one_warm_start_per_seed(ablation_d
             config = json.loads((run / "config.json").read_text())
             assert config["rl"]["steps"] == 3 and config["seed"] == seed and config["sft"]["steps"] == 0
             assert config["rl"]["roc"]["mode"] == cell.split("_")[1]
-            assert config["model"]["path"].startswith(str(ablation_dir / "_warm_start"))
+            assert config["model"]["path"] == str(ablation_dir / "_warm_start" / seed0_warm_start[0] / "model")
             assert (run / "results.json").exists() and sorted(os.listdir(run / "traces"))[-1] == "step_000002.parquet"
-    warm = os.listdir(ablation_dir / "_warm_start")
-    assert len(warm) == 2 and seed0_warm_start[0] in warm  # seed 1's was trained by the grid: a key of its own
-    assert os.path.exists(ablation_dir / "_warm_start" / [k for k in warm if k != seed0_warm_start[0]][0] / "build")
-    for seed in (0, 1):  # one warm start, one before-RL evaluation per seed: the first cell's, the others share it
+    assert os.listdir(ablation_dir / "_warm_start") == [seed0_warm_start[0]]  # no SFT ran: seed 1 shares seed 0's
+    for seed in (0, 1):  # one before-RL evaluation per seed (sampling differs): the first cell's, the others share it
         before = [json.loads((ablation_dir / c / f"seed{seed}" / "results.json").read_text())["before"] for c in CELLS]
         assert before[0] == before[1] == before[2]
         rows = [[json.loads(l) for l in open(ablation_dir / c / f"seed{seed}" / "metrics.jsonl")
                  if '"label": "before_rl"' in l] for c in CELLS]
         assert [[r.get("shared", 0) for r in cell_rows] for cell_rows in rows] == [[0], [1], [1]]
         assert rows[1][0]["greedy/accuracy"] == rows[0][0]["greedy/accuracy"]
-    assert len(os.listdir(ablation_dir / "_before_rl")) == 2  # one per seed (their warm starts differ)
+    assert len(os.listdir(ablation_dir / "_before_rl")) == 2  # one per seed (the seed is in its key)
 
 
 def test_ablate_summary_is_mean_and_spread_over_seeds(ablation_dir):
