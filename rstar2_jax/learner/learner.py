@@ -23,7 +23,6 @@ width, so every micro-batch splits evenly over the devices (never silently repli
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -41,6 +40,7 @@ from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.packing import PackingPlan, plan_packing, row_lengths
 from rstar2_jax.learner.settings import LearnerSettings
 from rstar2_jax.models import lora
+from rstar2_jax.shared_jit import shared_jit
 from rstar2_jax.learner.train_step import (TrainState, UpdateConfig, batch_logprobs, packed_apply, packed_gradients,
                                            packed_logprobs, packing_inputs, step_key, train_step)
 
@@ -77,14 +77,16 @@ class Learner:
         # The frozen reference of a KL term: the weights the learner starts from (after SFT); with
         # LoRA, the base with the adapters as they start (zero, or their SFT values).
         self.ref_params = jax.tree.map(jnp.copy, params) if update.kl.enabled else None
-        self._train = jax.jit(partial(train_step, self.graphdef, self.tx, update), donate_argnums=(0,))
-        self._logprobs = jax.jit(partial(batch_logprobs, self.graphdef, cfg=update), static_argnames="with_entropy")
+        # the process's one jitted program per (graph, settings): a second learner like this one
+        # (the next cell of an ablation grid) compiles nothing again
+        self._train = shared_jit(train_step, self.graphdef, self.tx, update, donate_argnums=(0,))
+        self._logprobs = shared_jit(batch_logprobs, self.graphdef, cfg=update, static_argnames=("with_entropy",))
         # packed rows (cfg.token_budget > 0): one compiled shape [width, budget] per pass
-        self._packed_logprobs = jax.jit(partial(packed_logprobs, self.graphdef, cfg=update),
-                                        static_argnames="with_entropy")
-        self._packing_inputs = jax.jit(partial(packing_inputs, update))
-        self._packed_gradients = jax.jit(partial(packed_gradients, self.graphdef, update), donate_argnums=(1,))
-        self._packed_apply = jax.jit(partial(packed_apply, self.tx), donate_argnums=(0,))
+        self._packed_logprobs = shared_jit(packed_logprobs, self.graphdef, cfg=update,
+                                           static_argnames=("with_entropy",))
+        self._packing_inputs = shared_jit(packing_inputs, update)
+        self._packed_gradients = shared_jit(packed_gradients, self.graphdef, update, donate_argnums=(1,))
+        self._packed_apply = shared_jit(packed_apply, self.tx, donate_argnums=(0,))
 
     # ------------------------------------------------------------------------------------------
     @property

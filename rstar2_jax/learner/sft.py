@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState, step_key
 from rstar2_jax.models import lora
 from rstar2_jax.models.logprobs import token_logprobs
+from rstar2_jax.shared_jit import shared_jit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class SFTTrainer:
         self.tx = make_optimizer(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip)
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
         self.pad_multiple = pad_multiple
-        self._step = jax.jit(partial(sft_step, self.graphdef, self.tx), donate_argnums=(0,))
+        self._step = shared_jit(sft_step, self.graphdef, self.tx, donate_argnums=(0,))  # one per process (shared_jit.py)
 
     def step(self, examples) -> dict[str, float]:
         """examples: [(token_ids, loss_mask), ...]"""

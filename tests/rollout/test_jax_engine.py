@@ -193,13 +193,14 @@ def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model,
 
     async def go(warm):
         eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32)
-        if warm:
+        if warm:  # the kernels are the process's (shared_jit.py): count what this engine adds to them
+            before = eng.kernels.decode._cache_size()
             eng.precompile([len(prompt)])
             compiled = eng.kernels.decode._cache_size()
         async with eng:
             out = await eng.generate(prompt, greedy)
-        if warm:
-            assert compiled == 3 and eng.kernels.decode._cache_size() == compiled  # buckets 32, 64, 96: no new compile
+        if warm:  # buckets 32, 64, 96 (no other test decodes at 2 x 96), then no new compile
+            assert compiled - before == 3 and eng.kernels.decode._cache_size() == compiled
         return out.token_ids
 
     assert _run(go(True)) == _run(go(False))

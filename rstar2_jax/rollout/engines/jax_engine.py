@@ -65,7 +65,7 @@ from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
-from rstar2_jax.rollout.engines.jax_kernels import EngineKernels
+from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.sampling import SamplingParams
 
@@ -146,7 +146,7 @@ class JaxEngine(Engine):
         self._loop_task: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
-        self.kernels = EngineKernels(self._graphdef, self.cfg)
+        self.kernels = engine_kernels(self._graphdef, self.cfg)
 
     # ------------------------------------------------------------------------------------------
     # public interface

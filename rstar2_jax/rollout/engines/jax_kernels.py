@@ -7,6 +7,8 @@ never copied per step."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -78,3 +80,11 @@ class EngineKernels:
         self.extend = jax.jit(extend, donate_argnums=(1,))
         self.fill_pages = jax.jit(fill_pages, donate_argnums=(1,))
         self.decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
+
+
+@functools.lru_cache(maxsize=16)
+def engine_kernels(graphdef, cfg: ModelConfig) -> EngineKernels:
+    """The process's one EngineKernels per (graph, model config): an engine built after another
+    over the same model (the evaluation after RL, the tests' engines) compiles nothing again
+    (shared_jit.py says why; the kernels close over these two only)."""
+    return EngineKernels(graphdef, cfg)
