@@ -113,3 +113,23 @@ def test_a_tracker_that_is_not_installed_is_refused_naming_the_extra(monkeypatch
         LoggingConfig.from_mapping({"backends": ["tensorboard", "wandb"]})
     with pytest.raises(ConfigValueError, match=r"'tensorboard' is listed twice"):
         LoggingConfig.from_mapping({"backends": ["tensorboard", "tensorboard"]})
+
+
+def test_tensorboard_writes_its_events_without_loading_torch(tmp_path):
+    """tensorboardX imports torch when it is installed (3 s per training process here); the
+    tracker hides it for that import (trackers/tensorboard.py), and torch still imports after."""
+    import subprocess
+    import sys
+    script = f"""
+import sys
+from rstar2_jax.trackers import TrackerSet, LoggingConfig
+trackers = TrackerSet({str(tmp_path)!r}, LoggingConfig(backends=("tensorboard",)), run_name="t", config={{}})
+trackers.log({{"accuracy": 0.5}}, 0, axis="rl")
+trackers.close()
+assert "torch" not in sys.modules, "tensorboardX loaded torch"
+import torch  # hidden for tensorboardX's import only
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    assert "accuracy" in tensorboard_tags(tmp_path / "tensorboard")

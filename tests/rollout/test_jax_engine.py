@@ -81,7 +81,8 @@ def test_more_requests_than_slots_all_finish_and_slots_refill(tiny_model, tokeni
     busy = []
 
     async def go():
-        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=64) as eng:
+        # 128: the greedy test's shape (the engine's kernels are the process's: nothing new to compile)
+        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=128) as eng:
             async def watch():
                 while True:
                     busy.append(eng.busy_slots)
@@ -142,7 +143,7 @@ def test_seeded_requests_reproduce_whatever_else_is_batched(tiny_model, tokenize
     sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=2 ** 40 + 7)
 
     async def go():
-        async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=64) as eng:
+        async with JaxEngine(tiny_model, tokenizer, slots=4, max_len=128) as eng:  # the owners test's shape
             alone = await eng.generate(prompt, sampling)
             crowd = await asyncio.gather(eng.generate(prompt, sampling),
                                          *(eng.generate(tokenizer.encode(f"other {i}"), SamplingParams(max_tokens=16))
