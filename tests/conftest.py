@@ -24,9 +24,13 @@ import pytest  # noqa: E402
 _CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the tiny model's programs compile fast but are many
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    # A size cap turns on JAX's file lock around every read and write of the cache: without it a
-    # process could read an entry another is still writing (many processes share the directory).
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
+    # No size cap (JAX_COMPILATION_CACHE_MAX_SIZE): a cap turns on JAX's LRU eviction, which takes
+    # one file lock, shared by every process of the run, around each read and write, and under it
+    # lists and reads the whole directory on every write (jax/_src/lru_cache.py); with thousands of
+    # entries that serialised the suite's compiles: tests/models, algo and learner took 697 s with
+    # the cap and 515 s without (BENCHMARKS.md, "Test suite"). The entries are small (~20 KB each).
+    # Without the lock a process may read an entry another is still writing: JAX then warns and
+    # compiles (compiler._cache_read), which tests/test_compile_cache.py checks.
 }
 
 

@@ -1,0 +1,39 @@
+"""What the suite's shared compilation cache relies on (tests/conftest.py): it runs without JAX's
+size cap, so without its file lock, and a process may read an entry that another is still
+writing. JAX must take such an entry as a miss (warn, compile, give the right result), never
+crash or run a broken program."""
+
+import os
+import subprocess
+import sys
+
+_SCRIPT = """
+import os, sys, warnings
+import jax, jax.numpy as jnp
+
+cache = sys.argv[1]
+f = lambda x: jnp.sin(x) * 2.0 + x
+want = float(jax.jit(f)(1.5))
+entries = [e for e in os.listdir(cache) if e.endswith("-cache")]
+assert entries, os.listdir(cache)
+for e in entries:  # every entry cut in half, as a reader sees one mid-write (and one still empty)
+    path = os.path.join(cache, e)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2] if e != entries[0] else b"")
+jax.clear_caches()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = float(jax.jit(f)(1.5))
+assert got == want, (got, want)
+assert any("Error reading persistent compilation cache entry" in str(w.message) for w in caught), \\
+    [str(w.message) for w in caught]
+print("ok")
+"""
+
+
+def test_an_entry_read_mid_write_is_a_miss_that_compiles_again(tmp_path):
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
