@@ -13,6 +13,9 @@ object's calls hit the jit's in-memory cache. The static parts must be hashable 
 when they give the same program: an nnx GraphDef (by value), frozen settings dataclasses (by
 value), an optax transformation (by identity: `learner.optimizer.make_optimizer` returns the same
 one for the same settings). Nothing else may reach the traced function except its arguments.
+
+The JaxEngine's four kernels close over its graph and model config; they are shared the same
+way, as one object per (graph, config): rollout/engines/jax_kernels.engine_kernels.
 """
 
 from __future__ import annotations

@@ -62,13 +62,13 @@ def test_sft_trainers_share_their_step_per_settings():
 
 
 def test_engines_over_one_model_share_their_kernels(tiny_model, tokenizer):
-    async def first_token(slots):
-        async with JaxEngine(tiny_model, tokenizer, slots=slots, max_len=64) as eng:
+    async def first_token():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=64) as eng:
             out = await eng.generate(tokenizer.encode("1+1="), SamplingParams(max_tokens=4, temperature=0.0))
             return eng.kernels, out.token_ids
 
-    (k1, t1), (k2, t2) = (asyncio.run(first_token(2)) for _ in range(2))
+    (k1, t1), (k2, t2) = (asyncio.run(first_token()) for _ in range(2))
     assert k1 is k2 and t1 == t2
     compiled = k1.decode._cache_size()
-    asyncio.run(first_token(2))
+    asyncio.run(first_token())
     assert k1.decode._cache_size() == compiled  # the second engine's decode was the first's program

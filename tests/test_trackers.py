@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -118,8 +120,6 @@ def test_a_tracker_that_is_not_installed_is_refused_naming_the_extra(monkeypatch
 def test_tensorboard_writes_its_events_without_loading_torch(tmp_path):
     """tensorboardX imports torch when it is installed (3 s per training process here); the
     tracker hides it for that import (trackers/tensorboard.py), and torch still imports after."""
-    import subprocess
-    import sys
     script = f"""
 import sys
 from rstar2_jax.trackers import TrackerSet, LoggingConfig

@@ -39,10 +39,10 @@ from rstar2_jax.learner.batching import TrainBatch, pad_rows
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.packing import PackingPlan, plan_packing, row_lengths
 from rstar2_jax.learner.settings import LearnerSettings
-from rstar2_jax.models import lora
-from rstar2_jax.shared_jit import shared_jit
 from rstar2_jax.learner.train_step import (TrainState, UpdateConfig, batch_logprobs, packed_apply, packed_gradients,
                                            packed_logprobs, packing_inputs, step_key, train_step)
+from rstar2_jax.models import lora
+from rstar2_jax.shared_jit import shared_jit
 
 
 class Learner:
