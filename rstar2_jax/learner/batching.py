@@ -1,7 +1,7 @@
 """Trajectories -> padded training arrays, with length bucketing.
 
-Sequences are right-padded to a multiple of `pad_multiple` (few compiled shapes, little waste)
-and the batch can be padded with all-masked rows to a multiple of `rows_multiple`; the Learner
+Sequences are right-padded to a multiple of `pad_multiple` and the batch can be padded with
+all-masked rows to a multiple of `rows_multiple` (few compiled shapes, some waste); the Learner
 pads what it is given to micro-batches x the mesh's batch width itself (`pad_rows`). Masks and
 log-probs stay aligned with token positions: position t holds the token, its loss mask, and
 log p(token_t | tokens_<t).
@@ -36,7 +36,11 @@ def round_up(n: int, multiple: int) -> int:
 
 def make_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
                sampler_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
-               pad_multiple: int = 64, rows_multiple: int = 1, pad_id: int = 0, max_len: int | None = None) -> TrainBatch:
+               pad_multiple: int = 64, rows_multiple: int = 1, pad_id: int = 0, max_len: int | None = None,
+               max_rows: int | None = None) -> TrainBatch:
+    """Right-padded arrays of the rows: the width a multiple of `pad_multiple` (at most `max_len`:
+    longer rows are cut), the rows a multiple of `rows_multiple` (at most `max_rows`, never fewer
+    than given) with all-masked rows added."""
     if not (len(token_ids) == len(loss_masks) == len(sampler_logprobs) == len(advantages)):
         raise ValueError("token_ids, loss_masks, sampler_logprobs and advantages differ in length")
     longest = max((len(t) for t in token_ids), default=1)
@@ -44,6 +48,8 @@ def make_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence
     if max_len is not None:
         t = min(t, max_len)
     n = round_up(max(len(token_ids), 1), rows_multiple)
+    if max_rows is not None:
+        n = max(min(n, max_rows), len(token_ids))
     tokens = np.full((n, t), pad_id, np.int32)
     mask = np.zeros((n, t), np.float32)
     logp = np.zeros((n, t), np.float32)

@@ -325,17 +325,21 @@ class RLRun:
         update runs on a worker thread: rollouts of later steps go on meanwhile (async mode)."""
         if not kept:
             return {}
+        rl = self.cfg.rl
         batch = make_batch([k.trajectory.token_ids for k in kept], [k.trajectory.loss_mask for k in kept],
-                           [k.trajectory.logprobs for k in kept], [k.advantage for k in kept], pad_multiple=32,
-                           max_len=self.cfg.rollout.max_len)
-        kl = self.cfg.rl.kl
+                           [k.trajectory.logprobs for k in kept], [k.advantage for k in kept],
+                           pad_multiple=rl.pad_width_multiple, max_len=self.cfg.rollout.max_len,
+                           rows_multiple=rl.pad_rows_multiple, max_rows=rl.batch_problems * rl.group_size)
+        kl = rl.kl
         with timeline.span("learner"):
             if kl.in_reward:  # the KL to the reference lowers each reward before the group advantage
-                seq_kl = await asyncio.to_thread(self.learner.sequence_kl, batch)
-                batch.advantages = advantages_with_kl(kept, seq_kl, kl.coef, self.cfg.rl.advantage)
+                seq_kl = (await asyncio.to_thread(self.learner.sequence_kl, batch))[:len(kept)]  # not the padding rows
+                batch.advantages[:len(kept)] = advantages_with_kl(kept, seq_kl, kl.coef, rl.advantage)
             metrics = await asyncio.to_thread(self.learner.update, batch)
             if kl.in_reward:
                 metrics[f"kl_reward_{kl.estimator}"] = float(np.mean(seq_kl))
+        if not self.learner.packs:  # the padded shape the update compiled for (rl.pad_*_multiple)
+            metrics["update/rows"], metrics["update/width"] = map(float, batch.tokens.shape)
         if batch.entropy is not None:
             for i, k in enumerate(kept):
                 records[k.record]["entropy"] = batch.entropy[i, :len(k.trajectory.token_ids)].tolist()

@@ -128,6 +128,40 @@ def test_make_batch_pads_and_aligns():
         make_batch([[1, 2]], [[1]], [[0, 0]], [0.0])
 
 
+def test_make_batch_pads_rows_to_their_multiple_but_not_past_max_rows_nor_below_the_rows_given():
+    rows = [[1, 2, 3]] * 5
+    batch = lambda pad_multiple=4, **kw: make_batch(rows, [[0, 1, 1]] * 5, [[0.0] * 3] * 5, [1.0] * 5,
+                                                    pad_multiple=pad_multiple, **kw)
+    assert batch(rows_multiple=4).tokens.shape == (8, 4)
+    assert batch(rows_multiple=4, max_rows=6).tokens.shape == (6, 4)
+    assert batch(rows_multiple=4, max_rows=3).tokens.shape == (5, 4)
+    assert batch(pad_multiple=128, max_len=64).tokens.shape == (5, 64)  # the width, as the rows, never past its cap
+
+
+@pytest.mark.slow
+def test_an_update_on_rows_padded_wider_and_to_more_rows_equals_the_tight_one():
+    """The trainer pads each update to few shapes (rl.pad_width_multiple, rl.pad_rows_multiple:
+    fewer compiles); the padding is masked, so the update is the same. seq_mean_token_mean counts
+    sequences: a padding row counted as one would scale the step."""
+    from rstar2_jax.algo import PolicyLossConfig
+    rng = np.random.default_rng(31)
+    tokens = [list(rng.integers(1, 257, size=int(rng.integers(10, 40)))) for _ in range(6)]
+    args = (tokens, [[0] * 5 + [1] * (len(t) - 5) for t in tokens], [[0.0] * len(t) for t in tokens],
+            list(rng.normal(size=6)))
+    steps = []
+    for pad_multiple, rows_multiple in ((1, 1), (64, 16)):
+        learner = _learner(seed=1, loss=PolicyLossConfig(name="clip_higher", aggregation="seq_mean_token_mean"),
+                           optimizer=SGD)
+        start = _params_flat(learner)
+        batch = make_batch(*args, pad_multiple=pad_multiple, rows_multiple=rows_multiple)
+        metrics = learner.update(batch)
+        steps.append((_params_flat(learner) - start, metrics, batch.tokens.shape))
+    assert steps[0][2] == (6, max(map(len, tokens))) and steps[1][2] == (16, 64)
+    assert np.abs(steps[0][0]).max() > 1e-4  # the gradient is not zero
+    np.testing.assert_allclose(steps[1][0], steps[0][0], rtol=1e-4, atol=1e-7)
+    assert steps[1][1]["policy_loss"] == pytest.approx(steps[0][1]["policy_loss"], rel=1e-5, abs=1e-7)
+
+
 def _update_with(names=(), sampler_shift=0.0, seed=11, micro_batches=1, **settings):
     from rstar2_jax.algo.corrections import CorrectionConfig
     cfg = small_config("qwen3")

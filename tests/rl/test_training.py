@@ -82,6 +82,8 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
         assert (rl["time/learner_s"] > 0) == (rl["kept_rollouts"] > 0)  # no informative group: no update
         assert 0 < rl["engine/busy"] <= 1 and 0 < rl["engine/slot_utilization"] <= 1
         assert 0 <= rl["time/tool_wait_s"] <= rl["time/tool_s"] <= rl["time/rollout_s"]
+        if rl["kept_rollouts"]:  # few shapes: rows up to the most a step keeps (2 x 2), width 128s up to max_len
+            assert rl["update/rows"] == 4 and rl["update/width"] in (128, 256)
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
     tags = tensorboard_tags(tmp_path / "tensorboard")
     for tag in ("accuracy", "format_failure_rate", "tool_error_ratio_correct", "sft/loss", "eval/before_rl/greedy/accuracy",
