@@ -23,6 +23,8 @@ _BATCH = flags.DEFINE_integer("batch_size", 16, "conversations per step", lower_
 _LR = flags.DEFINE_float("lr", 1e-5, "peak learning rate", lower_bound=0.0)
 _WARMUP = flags.DEFINE_integer("warmup_steps", 50, "linear warm-up steps", lower_bound=0)
 _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "conversations are cut to this many tokens", lower_bound=2)
+_BUDGET = flags.DEFINE_integer("token_budget", 0, "pack each step's conversations into rows of this many tokens "
+                               "(at least --max_len; 0: one padded row per conversation)", lower_bound=0)
 _SEED = flags.DEFINE_integer("seed", 0, "shuffling seed")
 
 
@@ -39,11 +41,14 @@ def main(argv):
     model_dir = cli.model_dir(_MODEL.value)  # a directory, or a hub id through the cache
     if not os.path.isfile(_DATA.value):
         raise app.UsageError(f"--data={_DATA.value}: no such file")
+    if _BUDGET.value and _BUDGET.value < _MAX_LEN.value:
+        raise app.UsageError(f"--token_budget={_BUDGET.value} is below --max_len={_MAX_LEN.value}: a packed row must "
+                             "hold the longest conversation (raise it, or 0 for padded rows)")
     tokenizer = Tokenizer.from_pretrained(model_dir)
     data = [tuple(x[:_MAX_LEN.value] for x in tokenize_conversation(tokenizer, row))
             for row in load_conversations(_DATA.value)]
     model = models.load_pretrained(model_dir)
-    trainer = SFTTrainer(model, lr=_LR.value, warmup_steps=_WARMUP.value)
+    trainer = SFTTrainer(model, lr=_LR.value, warmup_steps=_WARMUP.value, token_budget=_BUDGET.value)
     bar = tqdm(zip(range(_STEPS.value), iterate_batches(data, min(_BATCH.value, len(data)), _SEED.value)),
                total=_STEPS.value, desc="SFT")
     for _, batch in bar:

@@ -69,7 +69,7 @@ def ratios(args):
     rows, sources = [], []
     if args.traces:
         steps = trace_lengths(args.traces)
-        for budget in map(int, args.budget.split(",")):
+        for budget in map(int, (args.budget or "640,1280,2560").split(",")):
             padded = [padded_positions(v) / v.sum() for v in steps]
             packed = [packed_positions(v, budget) / v.sum() for v in steps]
             rows.append([f"run's {len(steps)} steps, budget {budget}", f"{np.mean([len(v) for v in steps]):.0f}",
@@ -144,6 +144,59 @@ def cpu_update(args):
         "per row, masked by segment); old-log-prob + entropy pass "
         f"and one SGD step; {args.steps} batches twice, the median of the second pass (the first compiles "
         "each shape: a packed update's last micro-batch takes one of 8 widths)", table)
+
+
+def sft(args):
+    """SFT steps on the CPU demo's own traces (experiments/tiny_arith.py: its task, format and
+    tiny model), padded rows against packed rows (sft.token_budget), the variants taking turns
+    step by step (this VM is shared: they see the same noise)."""
+    import tempfile
+
+    import jax
+
+    from rstar2_jax.data.tasks import make_task
+    from rstar2_jax.learner.packing import plan_packing
+    from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
+    from rstar2_jax.models import load_pretrained
+    from rstar2_jax.models.resolve import resolve
+    from rstar2_jax.models.tokenizer import Tokenizer
+    from rstar2_jax.rollout.prompt import make_format
+    from experiments import tiny_arith
+
+    c = tiny_arith.get_config()
+    model_dir = resolve(c.model, tempfile.mkdtemp(), c.seed)  # the demo's tiny model, as a run builds it
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    data = make_task(c.data, c.seed).sft_data(tokenizer, make_format(c.format), c.sft.examples, seed=c.seed + 2)
+    batches = [b for _, b in zip(range(args.steps), iterate_batches(data, c.sft.batch_size, c.seed))]
+    longest = max(len(t) for t, _ in data)
+    budgets = [int(b) for b in args.budget.split(",")] if args.budget else [longest, 2 * longest]
+    variants = {"padded (multiple of 32)": 0, **{f"packed, budget {b}": b for b in budgets}}
+    trainers = {name: SFTTrainer(load_pretrained(model_dir), lr=c.sft.lr,
+                                 warmup_steps=c.sft.warmup_steps, pad_multiple=32, token_budget=b)
+                for name, b in variants.items()}
+    times = {name: [] for name in variants}
+    for i, batch in enumerate(batches * 2):  # the first pass compiles every shape; the second is timed
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.step(batch)
+            jax.block_until_ready(trainer.state.params)
+            if i >= len(batches):
+                times[name].append(time.perf_counter() - start)
+    real = sum(len(t) for b in batches for t, _ in b)
+    padded = sum(len(b) * -(-max(len(t) for t, _ in b) // 32) * 32 for b in batches)
+    computed = {name: padded if not budget else sum(
+        plan_packing(np.array([len(t) for t, _ in b]), budget).rows * budget for b in batches)
+        for name, budget in variants.items()}
+    base = float(np.median(times["padded (multiple of 32)"]))
+    rows = [[name, f"{np.median(t) * 1e3:.0f}", f"{np.median(t) / base:.2f}", f"{computed[name] / real:.2f}"]
+            for name, t in times.items()]
+    table = common.markdown_table(["rows", "SFT step ms (median)", "time / padded", "computed / real"], rows)
+    print(table)
+    common.record(args.record, "Packed SFT rows: the demo's warm start on this CPU", common.command_line(
+        "experiments.benchmarks.packing", sys.argv[1:]),
+        f"experiments/tiny_arith.py's task, format and tiny model (2 layers, 128 wide), {c.sft.batch_size} traces "
+        f"per step (longest trace {longest} tokens); {args.steps} steps twice, the second pass timed (the first "
+        "compiles each shape), the variants taking turns step by step", table)
 
 
 def gpu(args):
@@ -269,9 +322,10 @@ def gpu(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ratios", "cpu_update", "gpu"])
+    p.add_argument("what", choices=["ratios", "cpu_update", "sft", "gpu"])
     p.add_argument("--traces", help="a run directory whose traces give the kept rollouts' lengths")
-    p.add_argument("--budget", default="640,1280,2560", help="ratios: packed rows' budgets for --traces")
+    p.add_argument("--budget", default=None, help="ratios: packed rows' budgets for --traces (640,1280,2560); "
+                   "sft: the packed variants' budgets (the longest trace and twice it)")
     p.add_argument("--rollouts", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--model", default="qwen3_1p7b")
@@ -280,7 +334,7 @@ def main(argv=None):
     p.add_argument("--attention", default="cudnn", help="gpu: the learner's attention (xla: a CPU rehearsal)")
     p.add_argument("--record")
     args = p.parse_args(argv)
-    {"ratios": ratios, "cpu_update": cpu_update, "gpu": gpu}[args.what](args)
+    {"ratios": ratios, "cpu_update": cpu_update, "sft": sft, "gpu": gpu}[args.what](args)
 
 
 if __name__ == "__main__":

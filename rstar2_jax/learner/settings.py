@@ -25,17 +25,20 @@ class LearnerSettings(Section):
     token_budget: int = setting(0, "pack rollouts into rows of this many tokens for every learner pass (verl's "
                                 "ppo_max_token_len_per_gpu): micro-batches follow from the tokens; 0: padded rows "
                                 "split in rl.micro_batches", min=0)
-    # A padded update compiles the learner's programs once per (rows, width) it meets: seconds for
-    # the CPU demo's model, minutes for a large one. With few rows both move every step (the
-    # longest rollout sets the width, the groups RoC and the filters keep set the rows): padded to
-    # multiples of 32 tokens and unpadded rows, the demo met a new shape nearly every update
-    # (BENCHMARKS.md, "Padded shapes and recompiles"). Packed rows (rl.token_budget) have one.
-    pad_width_multiple: int = setting(128, "padded rows: each update's rows padded to a multiple of this many tokens "
-                                      "(capped at rollout.max_len): larger, fewer shapes to compile, more padding",
+    # A padded update compiles the learner's programs once per (rows, width) it meets: ~9 s for the
+    # CPU demo's model, minutes for a large one. The longest rollout sets the width and the groups
+    # RoC and the filters keep set the rows, so both can move every step; coarser multiples mean
+    # fewer compiles but more padding, and padding is not free (the demo's 52 rows: 5.1 s an update
+    # at width 480, 6.9 s at 512 on this CPU). The defaults suit the demo (64-row updates, compute
+    # dominates); short runs of small updates (an ablation grid's cells) compile less with 128 and
+    # 16 (BENCHMARKS.md, "Padded updates: shapes and recompiles"). Packed rows (rl.token_budget)
+    # compile one shape whatever the rows.
+    pad_width_multiple: int = setting(32, "padded rows: each update's rows padded to a multiple of this many tokens "
+                                      "(capped at rollout.max_len): coarser, fewer shapes to compile, more padding",
                                       min=1)
-    pad_rows_multiple: int = setting(16, "padded rows: each update's rows padded with masked rows to a multiple of "
-                                     "this (capped at the most a step keeps, rl.batch_problems x rl.group_size): "
-                                     "larger, fewer shapes to compile, more padding", min=1)
+    pad_rows_multiple: int = setting(1, "padded rows: each update padded with masked rows to a multiple of this many "
+                                     "rows (capped at the most a step keeps, rl.batch_problems x rl.group_size): "
+                                     "coarser, fewer shapes to compile, more padding", min=1)
     mini_batches: int = setting(1, "optimizer steps per epoch of an update: the kept rollouts split in this many "
                                 "row slices (1: the paper; verl's ppo_mini_batch_size)", min=1)
     epochs: int = setting(1, "passes over the kept rollouts per update (1: the paper; verl's ppo_epochs)", min=1)

@@ -1,4 +1,9 @@
-"""Supervised fine-tuning step: token-mean NLL over the loss mask (model turns only)."""
+"""Supervised fine-tuning step: token-mean NLL over the loss mask (model turns only).
+
+Traces are padded rows (each its own row, as wide as the batch's longest), or with a token budget
+packed rows (learner/packing.py: several traces per row, each attending within itself): the
+demo's traces are 53% real tokens padded and ~90% packed, and the loss is the same token mean
+(BENCHMARKS.md, "Packed SFT rows")."""
 
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ from flax import nnx
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
+from rstar2_jax.learner.packing import plan_packing
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState, step_key
 from rstar2_jax.models import lora
+from rstar2_jax.models.decoder import PackedSegments
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.shared_jit import shared_jit
 
@@ -27,13 +34,22 @@ class SFTConfig(Section):
     lr: float = setting(2e-3, "peak learning rate (AdamW, warm-up then constant)", min=0.0)
     warmup_steps: int = setting(30, "linear warm-up steps", min=0)
     examples: int = setting(4000, "synthetic traces made for SFT", min=1)
+    token_budget: int = setting(0, "pack each step's traces into rows of this many tokens (at least the longest "
+                                "trace; 0: one padded row per trace)", min=0)
 
 
-def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None):
-    """frozen: the base when the state's params are LoRA adapters (models/lora.py)."""
+def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, layout=None):
+    """frozen: the base when the state's params are LoRA adapters (models/lora.py). layout: packed
+    rows' positions and segment tables (PackingPlan.layout(); None: padded rows). A packed trace's
+    first token is masked as a padded row's is, so what precedes it in its row is never read."""
+    positions, segments = None, None
+    if layout is not None:
+        positions = layout["positions"]
+        segments = PackedSegments(layout["segment_ids"], layout["segment_starts"], layout["segment_lengths"])
+
     def loss(params):
         with lora.dropout_key(step_key(state.step, 0)):  # LoRA dropout, when set
-            lp = token_logprobs(lora.merged(graphdef, params, frozen), tokens)
+            lp = token_logprobs(lora.merged(graphdef, params, frozen), tokens, positions, segments)
         return -jnp.sum(lp * loss_mask) / jnp.maximum(loss_mask.sum(), 1.0)
 
     value, grads = jax.value_and_grad(loss)(state.params)
@@ -44,12 +60,17 @@ def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None):
 
 class SFTTrainer:
     def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, pad_multiple: int = 64):
+                 grad_clip: float = 1.0, pad_multiple: int = 64, token_budget: int = 0,
+                 optimizer: optax.GradientTransformation | None = None):
+        """token_budget: pack each step's traces into rows of this many tokens (0: padded rows).
+        optimizer: in place of AdamW (tests step with plain SGD, as the Learner's do)."""
         self.graphdef, params, self.frozen = lora.split_trained(model)  # with adapters: only they train
         params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
-        self.tx = make_optimizer(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.tx = optimizer or make_optimizer(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
+                                              grad_clip=grad_clip)
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
         self.pad_multiple = pad_multiple
+        self.token_budget = token_budget
         self._step = shared_jit(sft_step, self.graphdef, self.tx, donate_argnums=(0,))  # one per process (shared_jit.py)
 
     def step(self, examples) -> dict[str, float]:
@@ -57,8 +78,15 @@ class SFTTrainer:
         ids = [e[0] for e in examples]
         batch = make_batch(ids, [e[1] for e in examples], [[0.0] * len(t) for t in ids], [0.0] * len(ids),
                            pad_multiple=self.pad_multiple)
-        self.state, metrics = self._step(self.state, jnp.asarray(batch.tokens), jnp.asarray(batch.loss_mask),
-                                          self.frozen)
+        tokens, mask, layout = batch.tokens, batch.loss_mask, None
+        if self.token_budget:
+            longest = int(batch.lengths.max())
+            if longest > self.token_budget:
+                raise ValueError(f"an SFT trace has {longest} tokens, more than sft.token_budget "
+                                 f"({self.token_budget}): raise it to at least the longest trace")
+            plan = plan_packing(batch.lengths, self.token_budget)
+            tokens, mask, layout = plan.pack(tokens), plan.pack(mask), plan.layout()
+        self.state, metrics = self._step(self.state, jnp.asarray(tokens), jnp.asarray(mask), self.frozen, layout)
         return {k: float(v) for k, v in metrics.items()}
 
     def model(self) -> nnx.Module:

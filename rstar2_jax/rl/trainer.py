@@ -103,7 +103,12 @@ class RLRun:
     def sft(self):
         c = self.cfg.sft
         data = self.task.sft_data(self.tokenizer, self.fmt, c.examples, seed=self.cfg.seed + 2)
-        trainer = SFTTrainer(self.model, lr=c.lr, warmup_steps=c.warmup_steps, pad_multiple=32)
+        longest = max((len(ids) for ids, _ in data), default=0)
+        if c.token_budget and longest > c.token_budget:  # before the first step, not at the batch that meets it
+            raise ValueError(f"sft.token_budget={c.token_budget}: the longest of the {len(data)} SFT traces has "
+                             f"{longest} tokens; set sft.token_budget to at least {longest} (or 0: padded rows)")
+        trainer = SFTTrainer(self.model, lr=c.lr, warmup_steps=c.warmup_steps, pad_multiple=32,
+                             token_budget=c.token_budget)
         bar = tqdm(zip(range(c.steps), iterate_batches(data, c.batch_size, self.cfg.seed)), total=c.steps,
                    desc="SFT", dynamic_ncols=True)
         for i, batch in bar:

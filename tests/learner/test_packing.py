@@ -222,3 +222,33 @@ def test_a_packed_update_over_two_processes_equals_the_padded_update_on_one_devi
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5), r
         assert r["policy_loss"] == pytest.approx(r["ref_policy_loss"], rel=1e-5, abs=1e-7), r
         assert r["old_logprob_diff"] < 1e-5 and "fsdp" in r["spec"], r
+
+
+def _sft_traces(seed=40, n=7):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(8, 48, size=n)
+    return [(list(rng.integers(1, 257, size=int(k))), [0] * 4 + [1] * (int(k) - 4)) for k in lengths]
+
+
+@pytest.mark.slow
+def test_a_packed_sft_step_equals_the_padded_step():
+    """sft.token_budget: the traces packed several to a row (each attending within itself) give
+    the padded step's token-mean loss and gradient (SGD: the step is the gradient)."""
+    from rstar2_jax.learner.sft import SFTTrainer
+    model, traces, sgd = random_model(small_config("qwen3"), seed=41), _sft_traces(), optax.sgd(1.0)
+    steps = []
+    for budget in (0, 96):
+        trainer = SFTTrainer(model, token_budget=budget, optimizer=sgd)
+        start = _params_flat(trainer)
+        metrics = trainer.step(traces)
+        steps.append((_params_flat(trainer) - start, metrics))
+    assert np.abs(steps[0][0]).max() > 1e-4  # the gradient is not zero
+    np.testing.assert_allclose(steps[1][0], steps[0][0], rtol=1e-4, atol=1e-7)
+    assert steps[1][1]["loss"] == pytest.approx(steps[0][1]["loss"], rel=1e-5)
+
+
+def test_an_sft_trace_longer_than_the_budget_is_refused_by_name():
+    from rstar2_jax.learner.sft import SFTTrainer
+    trainer = SFTTrainer(random_model(small_config("qwen3"), seed=41), token_budget=16)
+    with pytest.raises(ValueError, match=r"an SFT trace has \d+ tokens, more than sft.token_budget \(16\)"):
+        trainer.step(_sft_traces())

@@ -58,7 +58,7 @@ def tensorboard_tags(directory) -> set[str]:
 
 @pytest.mark.slow
 def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, benchmark_dir):
-    cfg = small_config()
+    cfg = small_config(pad_width_multiple=128, pad_rows_multiple=16)  # few update shapes (rl.pad_*_multiple)
     cfg.logging.backends = ("tensorboard", "wandb", "mlflow")  # issue 39: every tracker, one run
     cfg.logging.wandb_mode = "offline"
     results = run(cfg, str(tmp_path))
@@ -82,7 +82,7 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
         assert (rl["time/learner_s"] > 0) == (rl["kept_rollouts"] > 0)  # no informative group: no update
         assert 0 < rl["engine/busy"] <= 1 and 0 < rl["engine/slot_utilization"] <= 1
         assert 0 <= rl["time/tool_wait_s"] <= rl["time/tool_s"] <= rl["time/rollout_s"]
-        if rl["kept_rollouts"]:  # few shapes: rows up to the most a step keeps (2 x 2), width 128s up to max_len
+        if rl["kept_rollouts"]:  # rows padded up to the most a step keeps (2 x 2), width 128s up to max_len
             assert rl["update/rows"] == 4 and rl["update/width"] in (128, 256)
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
     tags = tensorboard_tags(tmp_path / "tensorboard")
