@@ -23,7 +23,6 @@ def get_config():
     c.data.eval_problems = 200
     c.format = "tiny"
     c.sft.steps = 350                    # a warm start on the task's synthetic traces
-    c.sft.token_budget = 384             # packed rows (the longest trace: 362 tokens): 0.55x a padded step here
     c.rollout.jax.slots = 32
     c.rollout.max_len = 640
     c.sandbox.local.workers = 2

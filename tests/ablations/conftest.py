@@ -21,10 +21,11 @@ from nbclient import NotebookClient
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 # big enough for the SFT'd policy to solve some problems (so runs have positives, negatives and
-# RoC choices), small enough for the suite; updates of at most 16 rows padded to few shapes (each
-# new one compiles the learner's programs again: FIG4 with one seed 145 -> 117 s, BENCHMARKS.md)
-SMALL = ["--config.sft.steps=200", "--config.rl.steps=3", "--config.rl.batch_problems=4",
-         "--config.data.eval_problems=16", "--config.checkpoint.every=3",
+# RoC choices), small enough for the suite: SFT on packed rows (0.55x a padded step), updates of
+# at most 16 rows padded to few shapes (each new one compiles the learner's programs again: FIG4
+# with one seed 145 -> 117 s); BENCHMARKS.md, "Packed SFT rows" and "Padded updates"
+SMALL = ["--config.sft.steps=200", "--config.sft.token_budget=384", "--config.rl.steps=3",
+         "--config.rl.batch_problems=4", "--config.data.eval_problems=16", "--config.checkpoint.every=3",
          "--config.rl.pad_width_multiple=128", "--config.rl.pad_rows_multiple=16"]
 
 # Builds the seed-0 warm start exactly as `ablate` does for the FIG4 grid's first cell (its key
