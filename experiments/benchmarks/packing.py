@@ -93,6 +93,16 @@ def ratios(args):
         "workload (log-normal turns, 8,192-token budget, 300-token prompts)", table)
 
 
+def against_padded(header: list[str], out: dict[str, tuple[float, float]], padded: str) -> str:
+    """The printed table of {variant: (median seconds, computed positions per real token)}, each
+    variant's time also as a ratio to the `padded` one's."""
+    base = out[padded][0]
+    rows = [[name, f"{t * 1e3:.0f}", f"{t / base:.2f}", f"{c:.2f}"] for name, (t, c) in out.items()]
+    table = common.markdown_table([*header, "time / padded", "computed / real"], rows)
+    print(table)
+    return table
+
+
 def cpu_update(args):
     import jax
     import optax
@@ -133,10 +143,7 @@ def cpu_update(args):
                 times.append(time.perf_counter() - start)
         out[name] = (float(np.median(times)), metrics["computed_per_real_token"])
         print(name, out[name], flush=True)
-    base = out["padded"][0]
-    rows = [[name, f"{t * 1e3:.0f}", f"{t / base:.2f}", f"{c:.2f}"] for name, (t, c) in out.items()]
-    table = common.markdown_table(["path", "update ms (median)", "time / padded", "computed / real"], rows)
-    print(table)
+    table = against_padded(["path", "update ms (median)"], out, "padded")
     common.record(args.record, "Packed rows: learner update on this CPU", common.command_line(
         "experiments.benchmarks.packing", sys.argv[1:]),
         f"tiny model (2 layers, 128 wide), {args.rollouts} rollouts per update, the simulation's lengths / 16 "
@@ -187,11 +194,9 @@ def sft(args):
     computed = {name: padded if not budget else sum(
         plan_packing(np.array([len(t) for t, _ in b]), budget).rows * budget for b in batches)
         for name, budget in variants.items()}
-    base = float(np.median(times["padded (multiple of 32)"]))
-    rows = [[name, f"{np.median(t) * 1e3:.0f}", f"{np.median(t) / base:.2f}", f"{computed[name] / real:.2f}"]
-            for name, t in times.items()]
-    table = common.markdown_table(["rows", "SFT step ms (median)", "time / padded", "computed / real"], rows)
-    print(table)
+    table = against_padded(["rows", "SFT step ms (median)"],
+                           {name: (float(np.median(t)), computed[name] / real) for name, t in times.items()},
+                           "padded (multiple of 32)")
     common.record(args.record, "Packed SFT rows: the demo's warm start on this CPU", common.command_line(
         "experiments.benchmarks.packing", sys.argv[1:]),
         f"experiments/tiny_arith.py's task, format and tiny model (2 layers, 128 wide), {c.sft.batch_size} traces "
