@@ -78,8 +78,11 @@ notebook: $(VENV)/.viewers
 
 # The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 30 minutes
 # from a fresh clone on a 2-core machine, installs included (README, "Tests").
+# A worker that dies (a native abort) ends the run at once (--max-worker-restart=0): with
+# --dist loadgroup, xdist hangs after restarting a crashed worker (both workers idle, the
+# controller waiting; seen 2026-11-29), which would run CI into its time limit.
 test: lint $(VENV)/.dev $(VLLM_VENV)/.installed redis
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0 --durations=25 $(PYTEST_ARGS)
 
 # The linter, with the rules in pyproject.toml ([tool.ruff]): make test runs it first.
 lint: $(VENV)/.dev
@@ -88,7 +91,7 @@ lint: $(VENV)/.dev
 # Everything not marked slow (no vLLM servers, training runs, ablation, notebooks): for development,
 # on two pytest workers (pytest-xdist).
 test-quick: $(VENV)/.dev redis
-	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis
