@@ -19,9 +19,8 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
 from rstar2_jax.learner.packing import plan_packing
 from rstar2_jax.learner.optimizer import make_optimizer
-from rstar2_jax.learner.train_step import TrainState, step_key
+from rstar2_jax.learner.train_step import TrainState, packed_segments, step_key
 from rstar2_jax.models import lora
-from rstar2_jax.models.decoder import PackedSegments
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.shared_jit import shared_jit
 
@@ -42,10 +41,8 @@ def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, la
     """frozen: the base when the state's params are LoRA adapters (models/lora.py). layout: packed
     rows' positions and segment tables (PackingPlan.layout(); None: padded rows). A packed trace's
     first token is masked as a padded row's is, so what precedes it in its row is never read."""
-    positions, segments = None, None
-    if layout is not None:
-        positions = layout["positions"]
-        segments = PackedSegments(layout["segment_ids"], layout["segment_starts"], layout["segment_lengths"])
+    positions = None if layout is None else layout["positions"]
+    segments = None if layout is None else packed_segments(layout)
 
     def loss(params):
         with lora.dropout_key(step_key(state.step, 0)):  # LoRA dropout, when set

@@ -74,7 +74,7 @@ def compute_logprobs(graphdef, params, tokens, cfg: UpdateConfig, with_entropy: 
     return out
 
 
-def _segments(mb: dict):
+def packed_segments(mb: dict):
     """A packed micro-batch's segments as the decoder takes them (None: padded rows)."""
     if "segment_ids" not in mb:
         return None
@@ -83,7 +83,7 @@ def _segments(mb: dict):
 
 def packed_logprobs(graphdef, params, mb: dict, cfg: UpdateConfig, with_entropy: bool = False, frozen=None):
     """`compute_logprobs` of one packed micro-batch (tokens and the plan's layout)."""
-    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], _segments(mb),
+    return compute_logprobs(graphdef, params, mb["tokens"], cfg, with_entropy, mb["positions"], packed_segments(mb),
                             remat=False, frozen=frozen)
 
 
@@ -105,7 +105,7 @@ def _loss_terms(graphdef, cfg: UpdateConfig, params, batch, frozen=None):
     loss, the corrections' weights (`is_weight`, when corrections are on) and the KL term, masked
     and scaled per row by the aggregation."""
     lp = compute_logprobs(graphdef, params, batch["tokens"], cfg, positions=batch.get("positions"),
-                          segment_ids=_segments(batch), frozen=frozen)
+                          segment_ids=packed_segments(batch), frozen=frozen)
     mask = batch["loss_mask"] > 0
     inputs = LossInputs(lp, batch["old_logprobs"], batch["advantages"], mask, batch.get("sampler_logprobs"),
                         batch.get("ref_logprobs"), segment_ids=batch.get("segment_ids"),
