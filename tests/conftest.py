@@ -92,6 +92,14 @@ def tokenizer(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def seed0_warm_start(tmp_path_factory):
+    """The session's SFT'd tiny policy (tests/warm_start.py): (key, its directory); the model is
+    `<directory>/model`. Built once for every xdist worker of the run."""
+    from tests.warm_start import seed0_warm_start as build
+    return build(tmp_path_factory.getbasetemp().parent)  # the same for every xdist worker of this run
+
+
+@pytest.fixture(scope="session")
 def benchmark_dir(tmp_path_factory):
     """A data directory of small benchmark files in the public sets' formats (tests/benchmark_files.py)."""
     from tests.benchmark_files import write_benchmarks

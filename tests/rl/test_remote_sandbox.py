@@ -41,19 +41,6 @@ def start(args: list[str], ready: str) -> subprocess.Popen:
     return proc
 
 
-def warm_start(workdir) -> str:
-    """A tiny policy SFT'd long enough that most of its tool calls parse and run (shorter SFT
-    leaves malformed calls that never reach a sandbox)."""
-    from rstar2_jax import models
-    from rstar2_jax.rl.trainer import RLRun
-
-    cfg = small_config()
-    cfg.sft.steps, cfg.sft.batch_size, cfg.sft.examples = 200, 8, 1600
-    sft_run = RLRun(cfg, str(workdir / "sft"))
-    models.save_pretrained(sft_run.model_with(sft_run.sft()), str(workdir / "model"), tokenizer_dir=sft_run.model_dir)
-    return str(workdir / "model")
-
-
 def trained(workdir, model: str, backend: str = "local", url: str = ""):
     cfg = small_config(steps=2)
     cfg.eval.before_and_after = False
@@ -165,8 +152,10 @@ class Faults(threading.Thread):
 
 
 @pytest.mark.slow
-def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbox(tmp_path):
-    model = warm_start(tmp_path)
+def test_training_over_redis_workers_and_an_http_service_equals_the_local_sandbox(tmp_path, seed0_warm_start):
+    # a policy SFT'd long enough that most of its tool calls parse and run (a barely trained one
+    # makes malformed calls that never reach a sandbox): the session's, shared with the ablations
+    model = os.path.join(seed0_warm_start[1], "model")
     local = trained(tmp_path / "local", model)
     calls = sum(status != "parse_error" for o in local[1] for status, _ in o)  # the ones that reach a sandbox
     assert calls >= 4, "the policy made too few tool calls for the comparison to mean anything"

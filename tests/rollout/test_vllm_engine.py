@@ -41,18 +41,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 
-def start_server(model_dir, log_dir, name="server") -> VLLMServer:
+def start_server(model_dir, log_dir, name="server", extra_args=()) -> VLLMServer:
     if not os.path.exists(VLLM_PYTHON):
         pytest.fail(f"{VLLM_PYTHON} is missing: `make test` installs it (make venv-vllm)")
     server = VLLMServer(str(model_dir), ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
-                                                      cpu_kv_cache_gib=1, eager=True),
+                                                      cpu_kv_cache_gib=1, eager=True, extra_args=extra_args),
                         python=VLLM_PYTHON, log_path=os.path.join(str(log_dir), f"{name}.log"))
     return server.start().wait_ready(timeout=600)
 
 
+# The module's server also takes NCCL weight-transfer requests (as a GPU job's would be started),
+# so the NCCL protocol test needs no server of its own (a start is ~40 s here); the files and
+# pull syncs every other test uses work on it all the same.
+NCCL_BACKEND = ("--weight-transfer-config", '{"backend":"nccl"}')
+
+
 @pytest.fixture(scope="module")  # stopped when the module is done: an idle server holds ~1.7 GB and some CPU
 def vllm_server(tiny_dir, tmp_path_factory):
-    server = start_server(tiny_dir, tmp_path_factory.mktemp("vllm"))
+    server = start_server(tiny_dir, tmp_path_factory.mktemp("vllm"), extra_args=NCCL_BACKEND)
     yield server
     server.stop()
 
@@ -391,7 +397,7 @@ class RecordingNccl:
         pass
 
 
-def test_the_nccl_protocol_reaches_a_real_vllm_server_up_to_where_a_gpu_is_needed(tiny_dir, tiny_model, tmp_path):
+def test_the_nccl_protocol_reaches_a_real_vllm_server_up_to_where_a_gpu_is_needed(vllm_server, tiny_model):
     """A real vLLM CPU server started with the NCCL weight-transfer backend takes the sender's
     join request (our unique id, rank offset, world size) and fails only at its missing
     accelerator; it takes the description of an export (HF names, dtypes, shapes) and fails only
@@ -401,38 +407,32 @@ def test_the_nccl_protocol_reaches_a_real_vllm_server_up_to_where_a_gpu_is_neede
     from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable, VLLMClient
     from rstar2_jax.rollout.engines.weight_export import model_plan, param_arrays
 
-    server = VLLMServer(str(tiny_dir), ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
-                                                     cpu_kv_cache_gib=1, eager=True,
-                                                     extra_args=("--weight-transfer-config", '{"backend":"nccl"}')),
-                        python=VLLM_PYTHON, log_path=str(tmp_path / "nccl_server.log")).start().wait_ready(600)
-    try:
-        client, fake = VLLMClient(server.url, timeout=120), RecordingNccl()
-        with pytest.raises(NcclUnavailable, match="Cannot access accelerator device"):
-            NcclWeightSender(client, server_ranks=1, nccl=fake)
-        assert fake.calls == [("join", 2, 0), ("all_reduce", 1, NCCL_TYPES["float32"])]  # rank 0, then the handshake
-        # what the check above stands on: the same validation refuses a malformed id
-        with pytest.raises(ServerUnavailable, match="not valid standard base64"):
-            client.request("POST", "/init_weight_transfer_engine",
-                           {"init_info": {"nccl_unique_id_b64": "-_-_", "rank_offset": 1, "world_size": 2}})
+    server = vllm_server  # started with the NCCL backend (NCCL_BACKEND)
+    client, fake = VLLMClient(server.url, timeout=120), RecordingNccl()
+    with pytest.raises(NcclUnavailable, match="Cannot access accelerator device"):
+        NcclWeightSender(client, server_ranks=1, nccl=fake)
+    assert fake.calls == [("join", 2, 0), ("all_reduce", 1, NCCL_TYPES["float32"])]  # rank 0, then the handshake
+    # what the check above stands on: the same validation refuses a malformed id
+    with pytest.raises(ServerUnavailable, match="not valid standard base64"):
+        client.request("POST", "/init_weight_transfer_engine",
+                       {"init_info": {"nccl_unique_id_b64": "-_-_", "rank_offset": 1, "world_size": 2}})
 
-        sender = object.__new__(NcclWeightSender)  # as if the group had formed
-        sender.nccl, sender.client, sender.world_size, sender.comm = fake, client, 2, "communicator"
-        fake.calls.clear()
-        plan = model_plan(tiny_model, jnp.bfloat16, 1 << 30)
-        with pytest.raises(NcclUnavailable, match="NCCL weight transfer not initialized"):
-            sender.send(plan, sending_device_tensors(plan, param_arrays(tiny_model)), version=3)
-        assert fake.calls == [("broadcast", int(np.prod(t.hf_shape)), NCCL_TYPES["bfloat16"], 0)
-                              for b in plan.buckets for t in b.tensors]
-        # vLLM leaves its layers mid-reload after a failed update: the files sync the engine falls
-        # back to reloads every tensor, and the server generates with them (the probe passes)
-        engine = VLLMEngine(server.url, tiny_model)
-        engine.update_weights(tiny_model, 4)
-        out = client.request("POST", "/v1/completions", {"model": server.model_name, "prompt": [1, 2, 3, 4],
-                                                         "max_tokens": 4, "temperature": 0.0})
-        assert engine.version == 4 and out["choices"][0]["finish_reason"] in ("length", "stop")
-        asyncio.run(engine.close())
-    finally:
-        server.stop()
+    sender = object.__new__(NcclWeightSender)  # as if the group had formed
+    sender.nccl, sender.client, sender.world_size, sender.comm = fake, client, 2, "communicator"
+    fake.calls.clear()
+    plan = model_plan(tiny_model, jnp.bfloat16, 1 << 30)
+    with pytest.raises(NcclUnavailable, match="NCCL weight transfer not initialized"):
+        sender.send(plan, sending_device_tensors(plan, param_arrays(tiny_model)), version=3)
+    assert fake.calls == [("broadcast", int(np.prod(t.hf_shape)), NCCL_TYPES["bfloat16"], 0)
+                          for b in plan.buckets for t in b.tensors]
+    # vLLM leaves its layers mid-reload after a failed update: the files sync the engine falls
+    # back to reloads every tensor, and the server generates with them (the probe passes)
+    engine = VLLMEngine(server.url, tiny_model)
+    engine.update_weights(tiny_model, 4)
+    out = client.request("POST", "/v1/completions", {"model": server.model_name, "prompt": [1, 2, 3, 4],
+                                                     "max_tokens": 4, "temperature": 0.0})
+    assert engine.version == 4 and out["choices"][0]["finish_reason"] in ("length", "stop")
+    asyncio.run(engine.close())
 
 
 def test_evaluate_cli_on_a_vllm_server_matches_the_embedded_engine(vllm_server, tiny_dir, tiny_model, tmp_path,
