@@ -126,7 +126,8 @@ def test_an_interrupted_evaluation_keeps_its_problems_and_resumes(tmp_path):
     import signal
     import time
 
-    model = tiny.build_tiny_model(tmp_path / "m")
+    # 512 positions: the random model samples to the budget, so its size is the test's decode time
+    model = tiny.build_tiny_model(tmp_path / "m", max_position_embeddings=512)
     bench = _many_problems(tmp_path / "sums.jsonl", 12)
     out = tmp_path / "eval"
     args = [sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", f"--benchmarks={bench}", "--samples=2",
@@ -144,7 +145,7 @@ def test_an_interrupted_evaluation_keeps_its_problems_and_resumes(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted: every finished problem is kept" in err and "Traceback" not in err, err[-2000:]
-    assert "capped at" in err and "4096 positions" in err
+    assert "capped at" in err and "512 positions" in err
     first = [json.loads(line) for line in kept.read_text().splitlines()]
     assert 1 <= len(first) < 12
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -155,7 +156,7 @@ def test_an_interrupted_evaluation_keeps_its_problems_and_resumes(tmp_path):
     assert rows[:len(first)] == first  # the kept problems were not run again
     results = json.loads((out / "results.json").read_text())
     assert results["results"]["sums"]["problems"] == 12
-    assert results["protocol"]["token_budgets"]["sums"] < 4096
+    assert results["protocol"]["token_budgets"]["sums"] < 512
     assert len(os.listdir(out / "traces" / "sums")) == 12
     other = subprocess.run(args[:-1] + ["--samples=3", "--slots=2"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300)

@@ -18,12 +18,13 @@ CELLS = ["roc_off_4_2_0.001", "roc_paper_4_2_0.001", "roc_release_4_2_0.001"]
 
 
 def fig4(workdir, *extra):
-    return ablate(workdir, "--grid=FIG4", "--seeds=2", "--warm_start_seed=0", *extra)
+    # 2 RL steps, as the other ablation tests: a cell's second step already runs on updated weights
+    return ablate(workdir, "--grid=FIG4", "--seeds=2", "--warm_start_seed=0", "--config.rl.steps=2", *extra)
 
 
 @pytest.fixture(scope="module")
 def ablation_dir(tmp_path_factory, seed0_warm_start):
-    """2 seeds x 3 cells of 3 RL steps, every seed from seed 0's warm start: the session's (copied
+    """2 seeds x 3 cells of 2 RL steps, every seed from seed 0's warm start: the session's (copied
     in, as a re-run finds it), so the grid trains no SFT. (Each seed's own warm start, the
     default, is the same code with the seed in the key: tests/test_ablate_warm_start.py.)"""
     workdir = tmp_path_factory.mktemp("fig4")
@@ -40,10 +41,10 @@ def test_ablate_runs_every_cell_and_seed_from_the_one_warm_start_it_was_given(ab
             assert json.loads((run / "cell.json").read_text()) == {"cell": cell, "arg": cell[4:].replace("_", ","),
                                                                      "seed": seed}
             config = json.loads((run / "config.json").read_text())
-            assert config["rl"]["steps"] == 3 and config["seed"] == seed and config["sft"]["steps"] == 0
+            assert config["rl"]["steps"] == 2 and config["seed"] == seed and config["sft"]["steps"] == 0
             assert config["rl"]["roc"]["mode"] == cell.split("_")[1]
             assert config["model"]["path"] == str(ablation_dir / "_warm_start" / seed0_warm_start[0] / "model")
-            assert (run / "results.json").exists() and sorted(os.listdir(run / "traces"))[-1] == "step_000002.parquet"
+            assert (run / "results.json").exists() and sorted(os.listdir(run / "traces"))[-1] == "step_000001.parquet"
     assert os.listdir(ablation_dir / "_warm_start") == [seed0_warm_start[0]]  # no SFT ran: seed 1 shares seed 0's
     for seed in (0, 1):  # one before-RL evaluation per seed (sampling differs): the first cell's, the others share it
         before = [json.loads((ablation_dir / c / f"seed{seed}" / "results.json").read_text())["before"] for c in CELLS]
@@ -90,7 +91,7 @@ def test_ablate_rejects_an_unknown_grid(tmp_path):
 def test_explore_traces_notebook_runs_on_a_finished_run(ablation_dir):
     nb = execute("explore_traces.ipynb", {"RSTAR2_RUN": str(ablation_dir / "roc_paper_4_2_0.001" / "seed0")})
     text = outputs_text(nb)
-    assert "3 steps, 96 rollouts" in text                        # 3 steps x 4 problems x 8 rollouts
+    assert "2 steps, 64 rollouts" in text                        # 2 steps x 4 problems x 8 rollouts
     assert "turn 0" in text and "tool" in text                   # the trajectory viewer rendered
     assert "reflection_share" in text and "forking" in text      # the entropy section ran on real entropies
     assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))
