@@ -96,7 +96,15 @@ def seed0_warm_start(tmp_path_factory):
     """The session's SFT'd tiny policy (tests/warm_start.py): (key, its directory); the model is
     `<directory>/model`. Built once for every xdist worker of the run."""
     from tests.warm_start import seed0_warm_start as build
-    return build(tmp_path_factory.getbasetemp().parent)  # the same for every xdist worker of this run
+    return build(session_shared_dir(tmp_path_factory))
+
+
+def session_shared_dir(tmp_path_factory):
+    """A directory of this test session that all its xdist workers see: under xdist each worker's
+    base temp is `<session dir>/popen-gwN`; without xdist the base temp is the session's own (its
+    parent then holds every earlier session's, which must not be shared)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
