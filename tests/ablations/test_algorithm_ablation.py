@@ -18,7 +18,7 @@ ALGORITHM_CELLS = ["alg_grpo_roc", "alg_grpo", "alg_grpo_dynamic", "alg_gspo", "
 def algorithm_ablation_dir(tmp_path_factory, seed0_warm_start):
     workdir = tmp_path_factory.mktemp("algorithms")
     with_warm_start(workdir, seed0_warm_start)
-    proc = ablate(workdir, "--seeds=1", "--config.rl.steps=2", config="experiments/algorithm_ablation.py")
+    proc = ablate(workdir, "--seeds=1", config="experiments/algorithm_ablation.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 

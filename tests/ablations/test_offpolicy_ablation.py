@@ -15,8 +15,7 @@ pytestmark = pytest.mark.slow
 def offpolicy_ablation_dir(tmp_path_factory, seed0_warm_start):
     workdir = tmp_path_factory.mktemp("offpolicy")
     with_warm_start(workdir, seed0_warm_start)
-    proc = ablate(workdir, "--grid=QUICK_GRID", "--seeds=1", "--config.rl.steps=2",
-                  config="experiments/offpolicy_ablation.py")
+    proc = ablate(workdir, "--grid=QUICK_GRID", "--seeds=1", config="experiments/offpolicy_ablation.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 

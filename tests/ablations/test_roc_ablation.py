@@ -18,8 +18,7 @@ CELLS = ["roc_off_4_2_0.001", "roc_paper_4_2_0.001", "roc_release_4_2_0.001"]
 
 
 def fig4(workdir, *extra):
-    # 2 RL steps, as the other ablation tests: a cell's second step already runs on updated weights
-    return ablate(workdir, "--grid=FIG4", "--seeds=2", "--warm_start_seed=0", "--config.rl.steps=2", *extra)
+    return ablate(workdir, "--grid=FIG4", "--seeds=2", "--warm_start_seed=0", *extra)
 
 
 @pytest.fixture(scope="module")
