@@ -7,6 +7,9 @@ subprocess (13.7 s -> 7.2 s measured). It lives in a directory created when the 
 removed when it ends, so a clean clone always starts cold and nothing left by an earlier run can
 make a test pass. The controller creates it before pytest-xdist starts its workers, which (and
 every subprocess they start) inherit it through the environment.
+
+Between test modules a worker releases its compiled programs (tests/compiled_programs.py: their
+code's memory maps would pile up over the run until LLVM aborts the worker).
 """
 
 import os
@@ -64,6 +67,19 @@ def shared_fixture_group(item) -> str | None:
         if fixturedefs and fixturedefs[-1].scope == "module":
             return item.module.__name__
     return None
+
+
+@pytest.hookimpl(trylast=True)  # after the module's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """Moving on to another module: release this process's compiled programs, whose memory maps
+    would otherwise pile up until LLVM aborts the worker (tests/compiled_programs.py)."""
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    from tests.compiled_programs import headroom_problem, release_compiled_programs
+    release_compiled_programs()
+    problem = headroom_problem()
+    if problem:
+        pytest.fail(f"{problem} (after {item.nodeid})", pytrace=False)
 
 
 def pytest_unconfigure(config):

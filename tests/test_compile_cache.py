@@ -37,3 +37,31 @@ def test_an_entry_read_mid_write_is_a_miss_that_compiles_again(tmp_path):
     done = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **env})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_RELEASE_SCRIPT = """
+import jax.numpy as jnp
+from rstar2_jax.shared_jit import shared_jit
+from tests.compiled_programs import memory_maps, release_compiled_programs
+
+def program(i, x):
+    return (jnp.sin(x) * i + jnp.cos(x).sum()) @ x
+
+before = memory_maps()
+outs = [shared_jit(program, i)(jnp.ones((8, 8))) for i in range(120)]  # kept by shared_jit's cache
+compiled = memory_maps()
+release_compiled_programs()
+print(before, compiled, memory_maps())
+"""
+
+
+def test_releasing_compiled_programs_unmaps_their_code():
+    """What the suite does between modules (tests/compiled_programs.py): programs kept alive by
+    shared_jit hold memory maps until released, and releasing them gives the maps back."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    done = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={**env, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, compiled, released = map(int, done.stdout.split())
+    assert compiled - before >= 5 * 120, (before, compiled)  # the maps that pile up in a long process
+    assert released - before <= 0.1 * (compiled - before), (before, compiled, released)

@@ -1,0 +1,59 @@
+"""A long test process must not keep every program it ever compiled: each one holds memory maps.
+
+XLA:CPU loads each compiled program's machine code with LLVM's JIT, which maps its sections
+(~8.9 maps per program of the tiny model's kind, measured); they stay mapped while the program is
+cached, and jit caches live as long as the process. An xdist worker runs hundreds of tests for
+half an hour, so the maps pile up towards the kernel's per-process limit (`vm.max_map_count`,
+65,530 by default). Past it, LLVM cannot map the next program and aborts the whole process
+("LLVM ERROR: Unable to allocate section memory!"): the worker dies mid-test. Reproduced with the
+limit lowered to 6,000: a process compiling distinct programs aborted at ~680 of them; the suite
+lost a worker this way in test_jax_engine (CI, stop 61), inside the compilation cache's write,
+which loads the program's code a second time to serialise it.
+
+So the suite releases every compiled program whenever a worker moves on to another test module
+(tests/conftest.py), and says so clearly if a worker still holds half the limit afterwards.
+Programs a later module needs again come back from the persistent compilation cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+
+def memory_maps() -> int:
+    """How many memory maps this process holds (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def map_limit() -> int | None:
+    """The kernel's per-process limit on memory maps, None where it cannot be read."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def release_compiled_programs() -> None:
+    """Drop every compiled program of this process (jit caches, shared_jit's included: the jitted
+    functions stay, their executables go) so their code is unmapped."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    jax.clear_caches()
+    gc.collect()
+
+
+def headroom_problem() -> str | None:
+    """A message when this process holds more than half the kernel's map limit, else None."""
+    held, limit = memory_maps(), map_limit()
+    if not limit or held <= limit // 2:
+        return None
+    return (f"this test process holds {held} memory maps, over half of vm.max_map_count={limit}, "
+            "after releasing its compiled programs: LLVM aborts the process when a compile needs maps "
+            "past the limit (tests/compiled_programs.py); something keeps programs or maps alive")
