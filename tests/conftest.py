@@ -8,8 +8,9 @@ removed when it ends, so a clean clone always starts cold and nothing left by an
 make a test pass. The controller creates it before pytest-xdist starts its workers, which (and
 every subprocess they start) inherit it through the environment.
 
-Between test modules a worker releases its compiled programs (tests/compiled_programs.py: their
-code's memory maps would pile up over the run until LLVM aborts the worker).
+Between test modules a worker releases its compiled programs once their code's memory maps hold a
+quarter of the kernel's limit (tests/compiled_programs.py: kept, they pile up over the run until
+LLVM aborts the worker).
 """
 
 import os
@@ -71,13 +72,12 @@ def shared_fixture_group(item) -> str | None:
 
 @pytest.hookimpl(trylast=True)  # after the module's fixtures are torn down
 def pytest_runtest_teardown(item, nextitem):
-    """Moving on to another module: release this process's compiled programs, whose memory maps
-    would otherwise pile up until LLVM aborts the worker (tests/compiled_programs.py)."""
+    """Moving on to another module: release this process's compiled programs if their memory maps
+    crowd the kernel's limit, where LLVM would abort the worker (tests/compiled_programs.py)."""
     if nextitem is not None and nextitem.path == item.path:
         return
-    from tests.compiled_programs import headroom_problem, release_compiled_programs
-    release_compiled_programs()
-    problem = headroom_problem()
+    from tests.compiled_programs import release_if_crowded
+    problem = release_if_crowded()
     if problem:
         pytest.fail(f"{problem} (after {item.nodeid})", pytrace=False)
 

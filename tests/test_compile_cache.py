@@ -42,7 +42,7 @@ def test_an_entry_read_mid_write_is_a_miss_that_compiles_again(tmp_path):
 _RELEASE_SCRIPT = """
 import jax.numpy as jnp
 from rstar2_jax.shared_jit import shared_jit
-from tests.compiled_programs import memory_maps, release_compiled_programs
+from tests.compiled_programs import memory_maps, release_if_crowded
 
 def program(i, x):
     return (jnp.sin(x) * i + jnp.cos(x).sum()) @ x
@@ -50,18 +50,22 @@ def program(i, x):
 before = memory_maps()
 outs = [shared_jit(program, i)(jnp.ones((8, 8))) for i in range(120)]  # kept by shared_jit's cache
 compiled = memory_maps()
-release_compiled_programs()
-print(before, compiled, memory_maps())
+assert release_if_crowded(limit=4 * compiled + 4) is None  # under a quarter of the limit: kept
+kept = memory_maps()
+assert release_if_crowded(limit=2 * compiled + 2) is None  # over a quarter: released, under half after
+print(before, compiled, kept, memory_maps())
 """
 
 
 def test_releasing_compiled_programs_unmaps_their_code():
     """What the suite does between modules (tests/compiled_programs.py): programs kept alive by
-    shared_jit hold memory maps until released, and releasing them gives the maps back."""
+    shared_jit hold memory maps; under a quarter of the limit they are kept, over it releasing
+    them gives the maps back."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     done = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], capture_output=True, text=True, timeout=300,
                           env={**env, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr[-3000:]
-    before, compiled, released = map(int, done.stdout.split())
+    before, compiled, kept, released = map(int, done.stdout.split())
     assert compiled - before >= 5 * 120, (before, compiled)  # the maps that pile up in a long process
+    assert kept >= compiled - 20, (compiled, kept)
     assert released - before <= 0.1 * (compiled - before), (before, compiled, released)
