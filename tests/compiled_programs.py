@@ -33,13 +33,19 @@ def memory_maps() -> int:
         return 0
 
 
+DEFAULT_MAP_LIMIT = 65530  # Linux's default vm.max_map_count
+
+
 def map_limit() -> int | None:
-    """The kernel's per-process limit on memory maps, None where it cannot be read."""
+    """The kernel's per-process limit on memory maps (Linux's default where a container hides it),
+    None without /proc (no maps to count)."""
+    if not memory_maps():
+        return None
     try:
         with open("/proc/sys/vm/max_map_count") as f:
             return int(f.read())
     except (OSError, ValueError):
-        return None
+        return DEFAULT_MAP_LIMIT
 
 
 def release_compiled_programs() -> None:
