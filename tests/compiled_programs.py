@@ -6,7 +6,7 @@ cached, and jit caches live as long as the process. An xdist worker runs hundred
 half an hour, so the maps pile up towards the kernel's per-process limit (`vm.max_map_count`,
 65,530 by default). Past it, LLVM cannot map the next program and aborts the whole process
 ("LLVM ERROR: Unable to allocate section memory!"): the worker dies mid-test. Reproduced with the
-limit lowered to 6,000: a process compiling distinct programs aborted at ~680 of them; the suite
+limit lowered to 6,000: a process compiling distinct programs aborted between its 600th and 800th; the suite
 lost a worker this way in test_jax_engine (CI, stop 61), inside the compilation cache's write,
 which loads the program's code a second time to serialise it.
 
