@@ -6,9 +6,10 @@ cached, and jit caches live as long as the process. An xdist worker runs hundred
 half an hour, so the maps pile up towards the kernel's per-process limit (`vm.max_map_count`,
 65,530 by default). Past it, LLVM cannot map the next program and aborts the whole process
 ("LLVM ERROR: Unable to allocate section memory!"): the worker dies mid-test. Reproduced with the
-limit lowered to 6,000: a process compiling distinct programs aborted between its 600th and 800th; the suite
-lost a worker this way in test_jax_engine (CI, stop 61), inside the compilation cache's write,
-which loads the program's code a second time to serialise it.
+limit lowered to 6,000: a process compiling distinct programs aborted between its 600th and
+800th. In the suite (stop 61's code, run locally) a worker reached 65,100 maps and died in a
+compile; CI's run lost a worker in test_jax_engine inside the compilation cache's write, which
+loads the program's code a second time to serialise it (its message was not captured).
 
 So when a worker moves on to another test module holding over a quarter of the limit, it
 releases every compiled program (tests/conftest.py), and says so clearly if it still holds half
