@@ -80,7 +80,8 @@ notebook: $(VENV)/.viewers
 # from a fresh clone on a 2-core machine, installs included (README, "Tests").
 # A worker that dies (a native abort) ends the run at once (--max-worker-restart=0): with
 # --dist loadgroup, xdist hangs after restarting a crashed worker (both workers idle, the
-# controller waiting; seen 2026-11-29), which would run CI into its time limit.
+# controller waiting; seen 2026-11-29), which would run CI into its time limit. The one such abort
+# found so far, a worker out of memory maps, is prevented by tests/compiled_programs.py.
 test: lint $(VENV)/.dev $(VLLM_VENV)/.installed redis
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0 --durations=25 $(PYTEST_ARGS)
 
