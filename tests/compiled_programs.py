@@ -22,6 +22,7 @@ quarter of the limit a few times per run (peak 65,100 maps without releases).
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 
@@ -40,7 +41,7 @@ DEFAULT_MAP_LIMIT = 65530  # Linux's default vm.max_map_count
 def map_limit() -> int | None:
     """The kernel's per-process limit on memory maps (Linux's default where a container hides it),
     None without /proc (no maps to count)."""
-    if not memory_maps():
+    if not os.path.exists("/proc/self/maps"):
         return None
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -69,10 +70,10 @@ def release_if_crowded(limit: int | None = None) -> str | None:
     return headroom_problem(limit)
 
 
-def headroom_problem(limit: int | None = None) -> str | None:
-    """A message when this process holds more than half the kernel's map limit, else None."""
-    held, limit = memory_maps(), limit or map_limit()
-    if not limit or held <= limit // 2:
+def headroom_problem(limit: int) -> str | None:
+    """A message when this process holds more than half the map `limit`, else None."""
+    held = memory_maps()
+    if held <= limit // 2:
         return None
     return (f"this test process holds {held} memory maps, over half of vm.max_map_count={limit}, "
             "after releasing its compiled programs: LLVM aborts the process when a compile needs maps "
