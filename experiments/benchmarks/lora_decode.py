@@ -56,6 +56,7 @@ def main(argv=None):
                                       intermediate_size=3 * args.hidden)
     cfg = lora.LoRAConfig(rank=args.rank)
     adapted = lora.attach(models.load_pretrained(model_dir), cfg, seed=0)
+    params = flops.param_count(adapted.cfg)
     for name in ("plain", "inplace"):  # the same weights in two directories, one per loading
         write_adapter(gathered_adapters(adapted), cfg, os.path.join(work, name), base_model=model_dir)
     adapter_mb = sum(os.path.getsize(os.path.join(work, "plain", f)) for f in os.listdir(os.path.join(work, "plain"))) / 1e6
@@ -96,7 +97,6 @@ def main(argv=None):
             rows.append([kind, batch, f"{t:.3f}", f"{batch * args.tokens / t:.1f}", f"{t / base:.2f}x"])
     table = common.markdown_table(["served", "concurrent requests", "wall, s (median)", "tokens/s",
                                    "vs the base"], rows)
-    params = flops.param_count(models.load_pretrained(model_dir).cfg)
     common.record(args.record, "LoRA decoding on a vLLM CPU server: an adapter loaded plainly against in place",
                   common.command_line("experiments.benchmarks.lora_decode", argv),
                   f"random model, {params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), float32; "
