@@ -74,7 +74,8 @@ def served_names(server) -> set[str]:
 
 def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_dir, tokenizer, monkeypatch):
     learner = lora_learner(tiny_dir)
-    engine = VLLMEngine(lora_server.url, learner.model())
+    # no server restarts here: a dead engine fails the test in a minute, not the default ten
+    engine = VLLMEngine(lora_server.url, learner.model(), restart_timeout=60)
     assert engine.adapters == lora.LoRAConfig(rank=4, alpha=8.0)
     prompt = tokenizer.encode("<|im_start|>user\nWhat is 12+34?<|im_end|>\n<|im_start|>assistant\n")
     full_bytes = sum(x.size * 4 for x in jax.tree.leaves(learner.model_state()))
