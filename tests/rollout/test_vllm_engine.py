@@ -57,10 +57,34 @@ NCCL_BACKEND = ("--weight-transfer-config", '{"backend":"nccl"}')
 
 
 @pytest.fixture(scope="module")  # stopped when the module is done: an idle server holds ~1.7 GB and some CPU
-def vllm_server(tiny_dir, tmp_path_factory):
+def shared_vllm_server(tiny_dir, tmp_path_factory):
     server = start_server(tiny_dir, tmp_path_factory.mktemp("vllm"), extra_args=NCCL_BACKEND)
     yield server
     server.stop()
+
+
+ENGINE_DIED = "EngineCore encountered a fatal error"  # vLLM's log line when its engine process fails
+
+
+def restarted_if_it_died(server: VLLMServer):
+    """A per-test fixture's body over a module's server: a test that kills the server's engine
+    prints why (the log's traceback from then: CI shows only the clients' 500s), and the next
+    test gets a restarted server, so one death fails one test, not the rest of the module."""
+    with open(server.log_path, "rb") as f:
+        start = f.seek(0, os.SEEK_END)
+    yield server
+    with open(server.log_path, errors="replace") as f:
+        f.seek(start)
+        during = f.read()
+    if ENGINE_DIED in during or server.proc.poll() is not None:
+        why = during[during.find(ENGINE_DIED):][:6000] if ENGINE_DIED in during else during[-6000:]
+        print(f"the vLLM server died during this test; its log from then:\n{why}")
+        server.restart()
+
+
+@pytest.fixture
+def vllm_server(shared_vllm_server):
+    yield from restarted_if_it_died(shared_vllm_server)
 
 
 def perturbed(model, scale=0.05, seed=0):

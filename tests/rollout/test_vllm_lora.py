@@ -20,7 +20,7 @@ from rstar2_jax.rollout.engines import adapter_sync
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.sampling import SamplingParams
-from tests.rollout.test_vllm_engine import VLLM_PYTHON, jax_logprobs
+from tests.rollout.test_vllm_engine import VLLM_PYTHON, jax_logprobs, restarted_if_it_died
 
 pytestmark = pytest.mark.slow  # a real vLLM CPU server
 
@@ -36,24 +36,9 @@ def shared_lora_server(tiny_dir, tmp_path_factory):
     server.stop()
 
 
-ENGINE_DIED = "EngineCore encountered a fatal error"
-
-
 @pytest.fixture
 def lora_server(shared_lora_server):
-    """The module's server, for one test. A test that kills its engine process prints why (the
-    log's traceback: CI shows only the clients' 500s) and leaves a fresh server to the next test."""
-    server = shared_lora_server
-    with open(server.log_path, "rb") as f:
-        start = f.seek(0, os.SEEK_END)
-    yield server
-    with open(server.log_path, errors="replace") as f:
-        f.seek(start)
-        during = f.read()
-    if ENGINE_DIED in during or server.proc.poll() is not None:
-        why = during[during.find(ENGINE_DIED):][:6000] if ENGINE_DIED in during else during[-6000:]
-        print(f"the vLLM server died during this test; its log from then:\n{why}")
-        server.restart()
+    yield from restarted_if_it_died(shared_lora_server)
 
 
 def lora_learner(tiny_dir):
