@@ -31,8 +31,6 @@ import tempfile
 from experiments import tiny_arith
 from experiments.benchmarks import common
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def demo_config(steps: int, schedule: str, model_dir: str, engine: str, urls: list[str], token_budget: int):
     k, _, policy = schedule.partition(":")
@@ -72,7 +70,7 @@ def one_run(cfg) -> dict[str, float]:
 
 def start_servers(model_dir: str, n: int, work: str):
     from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
-    python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+    python = common.vllm_python()
     # every step's prompts in one engine step: vLLM 0.32's CPU build fails a seeded request whose
     # prefill is chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync),
     # and the default 2,048-token budget chunks the 64 prompts of a step

@@ -19,6 +19,13 @@ import jax.numpy as jnp
 from rstar2_jax.models import ModelConfig, shapes
 
 H100_DENSE_BF16 = 989e12  # FLOP/s, datasheet (SXM, dense)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def vllm_python() -> str:
+    """The repository's vLLM venv interpreter (.venv-vllm), wherever a benchmark is run from."""
+    return os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
 
 def shape(name: str) -> ModelConfig:
     """A public checkpoint's architecture (rstar2_jax.models.shapes), with random weights."""

@@ -29,8 +29,6 @@ from rstar2_jax.rollout.engines.adapter_sync import gathered_adapters
 from rstar2_jax.rollout.engines.vllm_client import AsyncVLLMClient, VLLMClient
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 async def decode_s(client: AsyncVLLMClient, model: str, tokens: int, batch: int) -> float:
     """Wall seconds for `batch` concurrent greedy completions of `tokens` tokens each."""
@@ -62,7 +60,7 @@ def main(argv=None):
     adapter_mb = sum(os.path.getsize(os.path.join(work, "plain", f)) for f in os.listdir(os.path.join(work, "plain"))) / 1e6
     server = VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=1024,
                                                  cpu_kv_cache_gib=1, lora_rank=args.rank),
-                        python=os.path.join(ROOT, ".venv-vllm", "bin", "python"),
+                        python=common.vllm_python(),
                         log_path=os.path.join(work, "server.log")).start()
     kinds = {"base model": model_dir, "adapter loaded plainly": "plain", "adapter loaded in place": "inplace"}
     times: dict[tuple[str, int], list[float]] = {(k, b): [] for k in kinds for b in (1, args.batch)}

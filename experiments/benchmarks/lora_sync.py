@@ -30,8 +30,6 @@ from rstar2_jax.models import flops, lora, tiny
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
@@ -69,7 +67,7 @@ def main(argv=None):
     full = models.load_pretrained(model_dir)
     params = flops.param_count(full.cfg)
     adapted = {r: lora.attach(models.load_pretrained(model_dir), lora.LoRAConfig(rank=r), seed=0) for r in ranks}
-    python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+    python = common.vllm_python()
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1, lora_rank=max(ranks)), python=python,
                           log_path=os.path.join(work, f"server{i}.log")).start() for i in range(args.servers)]

@@ -42,8 +42,6 @@ from rstar2_jax.models import checkpoint, flops, tiny
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 SWAP_ROWS = {"streamed": "streamed: each reloaded while the next is written, probes waited for",
              "staged": "staged: every bucket in, then one reload per server; probes deferred"}
@@ -120,7 +118,7 @@ def main(argv=None):
     params = flops.param_count(model.cfg)
     sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
     export_rate, copy_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
-    python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+    python = common.vllm_python()
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1), python=python,
                           log_path=os.path.join(work, f"server{i}.log")).start() for i in range(args.servers)]
