@@ -227,3 +227,13 @@ def test_a_token_budget_below_the_longest_rollout_names_both_numbers_and_micro_b
     assert problems_of(tree) == ["rl.micro_batches"]
     tree["rl"]["micro_batches"] = 1
     assert problems_of(tree) == []
+
+
+def test_segments_per_row_must_be_a_power_of_two_and_the_error_names_the_two_nearest():
+    tree = tiny_arith.get_config().to_dict()
+    tree["rl"].update(token_budget=tree["rollout"]["max_len"], segments_per_row=24)
+    _, problems = RunConfig.parse(tree)
+    [p] = [p for p in problems if p.path == "rl.segments_per_row"]
+    assert "is 24; it must be a power of two" in str(p) and "32 or 16" in str(p), p
+    tree["rl"]["segments_per_row"] = 16
+    assert problems_of(tree) == []

@@ -4,8 +4,10 @@
         --new 1024 --variants xla:full,pallas:full,xla:256 [--record BENCHMARKS.md]
 
 A variant is decode-attention:kv-bucket[:splits] ("full": every step reads the whole cache; a
-number: the live prefix rounded up to that bucket; splits: the Pallas kernel's parallel chunks per
-row and head, default its own). Random bf16 weights; `slots` requests of `prompt`
+number: the live prefix rounded up to that bucket; "pagedN": paged KV in pages of N positions, as
+much memory as the rows (pallas: the paged kernel reads the pages through the table; xla: gathers
+them into rows first); splits: the Pallas kernel's parallel chunks per row and head, default its
+own). Random bf16 weights; `slots` requests of `prompt`
 tokens each sample exactly `new` tokens (EOS off, temperature 1.0, no top-k/top-p), all slots
 busy. Roofline: the least bytes a step must move (every weight once + each row's live keys and
 values, rstar2_jax.models.flops.decode_step_bytes) over the copy bandwidth measured in the same
@@ -50,8 +52,10 @@ def run_variant(model, attention, bucket, splits, slots, prompt, new):
     for layer in model.layers:  # None (the kernel's default) must be settable back
         layer.attn.decode_splits = splits
     max_len = -(-(prompt + new) // 128) * 128
+    paged = bucket.startswith("paged")
     engine = JaxEngine(model, _NoTokenizer(), slots=slots, max_len=max_len, eos_ids=(),
-                       kv_bucket=None if bucket == "full" else int(bucket))
+                       kv_bucket=None if bucket == "full" or paged else int(bucket),
+                       page_size=int(bucket[len("paged"):]) if paged else None)
     engine.precompile([prompt])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.cfg.vocab_size, prompt).tolist() for _ in range(slots)]

@@ -10,6 +10,7 @@ The CPU test suite checks the same laws exactly (tests/models/test_attention_imp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.benchmarks import common
-from rstar2_jax.models import Decoder, init_cache, token_logprobs
+from rstar2_jax.models import Decoder, init_cache, init_paged_cache, token_logprobs
 
 
 def rel(a, b) -> float:
@@ -31,12 +32,26 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="qwen3_0p6b")
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (quicker to compile)")
+    p.add_argument("--decode_only", action="store_true", help="only the decode kernels' checks")
     args = p.parse_args(argv)
     cfg = common.shape(args.model)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     print(common.device_line(), flush=True)
     fp32 = Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     bf16 = nnx.merge(*nnx.split(Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, args.seq)), jnp.int32)
+    results = []
+    if not args.decode_only:
+        results += _forward_checks(fp32, bf16, tokens)
+    results += _decode_checks(cfg, bf16, args.seq)
+    print(common.markdown_table(["check", "relative error"],
+                                [[n, f"{e:.2e}" if isinstance(e, float) else e] for n, e in results]))
+
+
+def _forward_checks(fp32, bf16, tokens) -> list:
+    """bf16 against fp32, cuDNN against XLA: logits, log-probs and a gradient."""
     fwd = nnx.jit(lambda m, t: m(t))
     lp = nnx.jit(lambda m, t: token_logprobs(m, t))
     results = []
@@ -54,24 +69,51 @@ def main(argv=None):
         results.append(("cuDNN attention", f"unavailable: {str(e).splitlines()[0][:60]}"))
     bf16.set_attention(full="xla")
     results.append(("bf16 vs fp32 log-probs", rel(lp(bf16, tokens), lp(fp32, tokens))))
+    return results
 
+
+def _decode_checks(cfg, bf16, seq: int) -> list:
+    """Pallas's ragged and paged decode kernels against XLA's decode on the same rows."""
+    results = []
     # ragged decode: rows at very different lengths, Pallas vs XLA against the same cache
-    lengths = np.array([5, args.seq // 2, args.seq - 3, 200])
+    lengths = np.array([5, seq // 2, seq - 3, 200])
     step = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c))
     rng = np.random.default_rng(2)
-    cache = init_cache(cfg, 4, args.seq + 128, dtype=jnp.bfloat16)
+    cache = init_cache(cfg, 4, seq + 128, dtype=jnp.bfloat16)
     width = int(lengths.max())
-    pos = np.where(np.arange(width)[None] < lengths[:, None], np.arange(width)[None], args.seq + 128)
-    _, cache = step(bf16, jnp.asarray(rng.integers(0, cfg.vocab_size, (4, width)), jnp.int32),
-                    jnp.asarray(pos, jnp.int32), cache)
+    pos = np.where(np.arange(width)[None] < lengths[:, None], np.arange(width)[None], seq + 128)
+    prompt = rng.integers(0, cfg.vocab_size, (4, width))
+    _, cache = step(bf16, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos, jnp.int32), cache)
     tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 1)), jnp.int32)
     at = jnp.asarray(lengths[:, None], jnp.int32)
     want, _ = step(bf16, tok, at, jax.tree.map(jnp.copy, cache))
     bf16.set_attention(decode="pallas")
     got, _ = step(bf16, tok, at, jax.tree.map(jnp.copy, cache))
     results.append(("Pallas ragged vs XLA decode, bf16 logits", rel(got, want)))
-    print(common.markdown_table(["check", "relative error"],
-                                [[n, f"{e:.2e}" if isinstance(e, float) else e] for n, e in results]))
+
+    # paged decode: the same rows through a shuffled page table (pages of 16), Pallas's paged
+    # kernel against XLA's gather of the pages, and against the contiguous rows above
+    page, max_len = 16, seq + 128
+    per_row = [-(-(int(n) + 1) // page) for n in lengths]
+    order = rng.permutation(sum(per_row) + 5)  # 5 pages nobody holds
+    table = np.full((4, max_len // page), len(order), np.int32)
+    start = 0
+    for row, n in enumerate(per_row):
+        table[row, :n] = order[start:start + n]
+        start += n
+    paged = init_paged_cache(cfg, len(order), page, dtype=jnp.bfloat16)._replace(page_table=jnp.asarray(table))
+    bf16.set_attention(decode="xla")
+    _, paged = step(bf16, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos, jnp.int32), paged)
+    want_paged, _ = step(bf16, tok, at, jax.tree.map(jnp.copy, paged))
+    results.append(("XLA paged vs XLA rows decode, bf16 logits", rel(want_paged, want)))
+    bf16.set_attention(decode="pallas")
+    try:
+        got_paged, _ = step(bf16, tok, at, jax.tree.map(jnp.copy, paged))
+        results.append(("Pallas paged vs XLA paged decode, bf16 logits", rel(got_paged, want_paged)))
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run here is the result
+        results.append(("Pallas paged decode", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+    bf16.set_attention(decode="xla")
+    return results
 
 
 if __name__ == "__main__":

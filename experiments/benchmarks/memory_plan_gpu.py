@@ -32,7 +32,8 @@ from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import GiB, memory_plan
 
 
-def run_config(rows: int, seq: int, micro: int = 1) -> RunConfig:
+def run_config(rows: int, seq: int, micro: int = 1, *, remat: str = "full", token_budget: int = 0,
+               attention: str = "cudnn") -> RunConfig:
     data = os.path.join(tempfile.mkdtemp(), "problems.jsonl")
     with open(data, "w") as f:
         f.write('{"problem": "1+1", "answer": "2"}\n')
@@ -40,6 +41,10 @@ def run_config(rows: int, seq: int, micro: int = 1) -> RunConfig:
     c.data.problems.eval_path = data
     c.rl.batch_problems, c.rl.group_size, c.rl.micro_batches = rows // 2, 2, micro
     c.rl.oversample = 1
+    c.rl.token_budget = token_budget
+    c.logging.backends = ()  # only the plan is wanted: no tracker's package needed (a device image lacks them)
+    c.model.remat = remat
+    c.model.attention = attention
     c.rollout.max_len = seq
     c.stages = [{**stage, "max_response_tokens": seq // 2} for stage in c.stages]
     cfg, problems = RunConfig.parse(c.to_dict())

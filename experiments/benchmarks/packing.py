@@ -205,22 +205,26 @@ def sft(args):
 
 
 def gpu(args):
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from rstar2_jax.learner import Learner, LearnerSettings, make_batch
-    from rstar2_jax.learner.packing import plan_packing
-    from rstar2_jax.learner.train_step import UpdateConfig, packed_logprobs
-    from rstar2_jax.models import Decoder, flops
-    from rstar2_jax.models.tiny import tiny_config
-
     common.enable_compile_cache()
     print(common.device_line(), flush=True)
     results = {"device": common.device_line()}
+    out_path = os.path.join(os.environ.get("OUT", "."), args.json)
+    if not args.skip_checks:
+        _gpu_checks(results)
+    _gpu_learner(args, results, out_path)
 
-    # (1) cuDNN packed attention == XLA segment-masked attention on packed rows (bf16)
+
+def _gpu_checks(results: dict):
+    """(1) cuDNN packed attention == XLA segment-masked attention on packed rows (bf16)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstar2_jax.learner.packing import plan_packing
+    from rstar2_jax.learner.train_step import UpdateConfig, packed_logprobs
+    from rstar2_jax.models import Decoder
+    from rstar2_jax.models.tiny import tiny_config
+
     small = tiny_config(num_layers=2, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4,
                         head_dim=128, vocab_size=4096)
     lengths = np.array([700, 500, 400, 300, 148, 1000, 900])
@@ -261,8 +265,25 @@ def gpu(args):
     del out
     gc.collect()
 
-    # (2) the learner on a realistic mix: padded (cuDNN) against packed (cuDNN packed)
+
+def _gpu_learner(args, results: dict, out_path: str):
+    """(2) the learner on a realistic mix: padded (cuDNN) against packed (cuDNN packed); each
+    variant's peak, and for packed ones the plan (`train --plan`'s lines) and XLA's memory analysis
+    of the steady micro-batch program (an accumulator in hand). Results are written after each
+    variant, so a run cut short keeps what it measured. The device's peak is the process's: run
+    one variant per process to read each one's."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from rstar2_jax.learner import Learner, LearnerSettings, make_batch
+    from rstar2_jax.models import Decoder, flops
+    from rstar2_jax.models.tiny import tiny_config
+
     smoke = args.model == "tiny"  # a CPU rehearsal of this script: a tiny model, lengths / 16
+    if not smoke:  # the bf16 matmul rate this machine reaches, beside the datasheet's
+        results["matmul_tflops"] = common.matmul_rate() / 1e12
     cfg = tiny_config(num_layers=2) if smoke else common.shape(args.model)
     lengths = simulation_lengths(args.rollouts, seed=1, scale=1 / 16 if smoke else 1.0)
     lengths = np.minimum(lengths, 8192 + 512)
@@ -284,6 +305,7 @@ def gpu(args):
             model.set_attention(full=args.attention)
             learner = Learner(model, settings, optimizer=optax.adamw(1e-6), own_params=True)
             del model
+            analysed = _capture_packed_program(learner) if name == "packed" else None
 
             rows_multiple = int(arg) if name == "padded" else 1
             adv_rng = np.random.default_rng(2)  # every variant sees the same advantages: equal updates
@@ -312,6 +334,17 @@ def gpu(args):
                                   real_tok_per_s=float(lengths.sum() / t),
                                   mfu_real=real_flops / t / common.H100_DENSE_BF16,
                                   mfu_real_with_logprob_pass=(real_flops + real_fwd) / (t + t_lp) / common.H100_DENSE_BF16)
+            if analysed is not None and analysed.args is not None:
+                a = analysed.memory_analysis()
+                results[label].update(xla_arguments_gib=a.argument_size_in_bytes / 2 ** 30,
+                                      xla_temporaries_gib=a.temp_size_in_bytes / 2 ** 30,
+                                      xla_outputs_gib=a.output_size_in_bytes / 2 ** 30)
+            if name == "packed":
+                print(label, results[label], flush=True)
+                try:
+                    results[label].update(_plan_gib(args.model, int(arg), remat, args.attention))
+                except BaseException as e:  # noqa: BLE001 - the measurement stands without the plan
+                    results[label]["plan_error"] = repr(e)[:300]
             print(label, results[label], flush=True)
             learner = None
             gc.collect()
@@ -320,9 +353,38 @@ def gpu(args):
             print(label, results[label], flush=True)
             learner = None
             gc.collect()
-    out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "packing_gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+class _capture_packed_program:
+    """Wraps a learner's packed-gradients program to keep the abstract arguments of its first call
+    with an accumulator (the steady micro-batch program), for XLA's memory analysis afterwards."""
+
+    def __init__(self, learner):
+        self.jitted, self.args = learner._packed_gradients, None
+        learner._packed_gradients = self
+
+    def __call__(self, *args):
+        import jax
+        if self.args is None and args[1] is not None:
+            self.args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                     if isinstance(x, jax.Array) else x, args)
+        return self.jitted(*args)
+
+    def memory_analysis(self):
+        return self.jitted.lower(*self.args).compile().memory_analysis()
+
+
+def _plan_gib(model: str, budget: int, remat: str, attention: str) -> dict:
+    """`train --plan`'s learner lines for a packed update of `model` at `budget` on one device."""
+    from experiments.benchmarks.memory_plan_gpu import run_config
+    from rstar2_jax.rl.memory_plan import GiB, memory_plan
+    cfg = run_config(2, min(8192 + 1024, budget), remat=remat, token_budget=budget, attention=attention)
+    plan = memory_plan(common.shape(model), cfg, devices=1, devices_per_process=1, capacity=None)
+    lines = {line.name: line.bytes / GiB for line in plan.lines
+             if line.name in ("parameters", "gradients", "optimizer", "activations")}
+    return {"plan_gib": sum(lines.values()), "plan_lines_gib": lines}
 
 
 def main(argv=None):
@@ -337,6 +399,8 @@ def main(argv=None):
     p.add_argument("--variants", default="padded:16:dots,packed:32768:dots",
                    help="gpu: name:arg:remat, padded:<micro-batches> or packed:<token budget>")
     p.add_argument("--attention", default="cudnn", help="gpu: the learner's attention (xla: a CPU rehearsal)")
+    p.add_argument("--skip_checks", action="store_true", help="gpu: only the learner's variants")
+    p.add_argument("--json", default="packing_gpu.json", help="gpu: the results file (under $OUT when set)")
     p.add_argument("--record")
     args = p.parse_args(argv)
     {"ratios": ratios, "cpu_update": cpu_update, "sft": sft, "gpu": gpu}[args.what](args)

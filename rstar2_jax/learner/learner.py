@@ -134,7 +134,7 @@ class Learner:
             return tuple(map(_host, out)) if with_entropy else _host(out)
 
     def _plan(self, lengths: np.ndarray) -> PackingPlan:
-        return plan_packing(lengths, self.cfg.token_budget, self.width)
+        return plan_packing(lengths, self.cfg.token_budget, self.width, self.cfg.segments_per_row)
 
     def _put_all(self, arrays: dict[str, np.ndarray]) -> dict:
         return {k: self._put(v) for k, v in arrays.items()}

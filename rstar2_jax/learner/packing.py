@@ -120,13 +120,20 @@ class PackingPlan:
         return np.concatenate([np.pad(p, ((0, 0), (0, self.budget - p.shape[1]))) for p in parts])
 
 
-def plan_packing(lengths: np.ndarray, budget: int, width: int = 1) -> PackingPlan:
-    """First-fit decreasing of rollouts of `lengths` into rows of `budget` positions, rows
-    padded to a multiple of `width` (at least one micro-batch). A rollout longer than the budget
-    is an error (the config check keeps rollout.max_len within it)."""
+def plan_packing(lengths: np.ndarray, budget: int, width: int = 1, max_segments: int = 0) -> PackingPlan:
+    """First-fit decreasing of rollouts of `lengths` into rows of `budget` positions, at most
+    `max_segments` rollouts a row (0: no bound), rows padded to a multiple of `width` (at least
+    one micro-batch). A rollout longer than the budget is an error (the config check keeps
+    rollout.max_len within it).
+
+    Why bound the rollouts of a row: cuDNN's packed attention sizes its backward pass's float32
+    accumulator by rows x (segment bound) x heads x budget x head_dim, whatever the rows hold
+    (BENCHMARKS.md, "Packed rows on an H200: MFU on real tokens..."), so the segments of the
+    fullest row, not the tokens, set that memory; bounded, the memory plan can count it."""
     lengths = np.asarray(lengths, np.int64)
-    if budget < 1 or width < 1:
-        raise ValueError(f"packing needs a positive budget and width, got {budget} and {width}")
+    if budget < 1 or width < 1 or max_segments < 0:
+        raise ValueError(f"packing needs a positive budget and width and max_segments >= 0, got {budget}, {width} "
+                         f"and {max_segments}")
     if lengths.size and lengths.max() > budget:
         i = int(lengths.argmax())
         raise ValueError(f"row {i} has {lengths[i]} tokens, more than the packing budget of {budget} "
@@ -134,14 +141,17 @@ def plan_packing(lengths: np.ndarray, budget: int, width: int = 1) -> PackingPla
     packed_row = np.full(len(lengths), -1, np.int64)
     offset = np.zeros(len(lengths), np.int64)
     free = np.full(len(lengths) + width, budget, np.int64)  # room left in each row (opened or not)
+    held = np.zeros(len(lengths) + width, np.int64)         # rollouts in each row
+    room = max_segments or len(lengths) + 1
     opened = 0
     for i in sorted(np.flatnonzero(lengths > 0), key=lambda i: (-lengths[i], i)):
         n = int(lengths[i])
-        fits = free[:opened] >= n
+        fits = (free[:opened] >= n) & (held[:opened] < room)
         row = int(np.argmax(fits)) if fits.any() else opened
         opened = max(opened, row + 1)
         packed_row[i], offset[i] = row, budget - free[row]
         free[row] -= n
+        held[row] += 1
     rows = max(-(-opened // width), 1) * width
     fill = budget - free[rows - width:rows]  # the last micro-batch's rows (0 past those opened)
     granule = max(budget // 8, 1)

@@ -25,6 +25,14 @@ class LearnerSettings(Section):
     token_budget: int = setting(0, "pack rollouts into rows of this many tokens for every learner pass (verl's "
                                 "ppo_max_token_len_per_gpu): micro-batches follow from the tokens; 0: padded rows "
                                 "split in rl.micro_batches", min=0)
+    # cuDNN's packed attention holds a float32 accumulator of rows x (this bound, rounded up to a
+    # power of two) x heads x budget x head_dim in its backward pass, whatever the rows hold: on an
+    # H200, Qwen3-1.7B rows of 32,768 peaked 8 GiB higher with up to 32 rollouts than with 16 (BENCHMARKS.md,
+    # "Packed rows on an H200: MFU on real tokens..."). Bounded, the memory plan counts it; rows of
+    # short rollouts fill less (a row closes at the bound: the simulation's mix in rows of 73,728
+    # computes 1.14-1.21x its tokens at 32, 1.00-1.02x unbounded; rows of 32,768: 1.00-1.02x).
+    segments_per_row: int = setting(32, "packed rows: at most this many rollouts share a row (a power of two; "
+                                    "cuDNN's packed backward holds memory in proportion to it)", min=1)
     # A padded update compiles the learner's programs once per (rows, width) it meets: ~9 s for the
     # CPU demo's model, minutes for a large one. The longest rollout sets the width and the groups
     # RoC and the filters keep set the rows, so both can move every step; coarser multiples mean

@@ -13,6 +13,8 @@ SHAPES: dict[str, dict] = {
                        tie_word_embeddings=True),
     "qwen3_1p7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
                        tie_word_embeddings=True),
+    "qwen3_4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                     tie_word_embeddings=True),
     "qwen3_14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
                       tie_word_embeddings=False),
     # for trying scripts on a CPU

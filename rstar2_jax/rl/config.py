@@ -94,6 +94,11 @@ class RLConfig(LearnerSettings):
             yield "micro_batches", (f"is {self.micro_batches}, but with rl.token_budget ({self.token_budget}) the "
                                     "micro-batches follow from the tokens: set rl.micro_batches=1 (or "
                                     "rl.token_budget=0 for padded rows)")
+        if self.segments_per_row & (self.segments_per_row - 1):
+            yield "segments_per_row", (f"is {self.segments_per_row}; it must be a power of two (the packed rows' "
+                                       f"segment tables are sized in powers of two): "
+                                       f"{1 << (self.segments_per_row - 1).bit_length()} or "
+                                       f"{1 << (self.segments_per_row.bit_length() - 1)}")
         if self.mini_batches > self.batch_problems * self.group_size:
             yield "mini_batches", (f"{self.mini_batches} mini-batches cannot split a step's at most "
                                    f"{self.batch_problems * self.group_size} kept rollouts (rl.batch_problems x "

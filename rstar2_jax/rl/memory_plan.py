@@ -66,8 +66,8 @@ REMEDIES = {
     "parameters": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "gradients": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "optimizer": "a larger mesh (mesh.fsdp, mesh.tensor)",
-    "activations": "more rl.micro_batches (fewer rows at once; packed: a smaller rl.token_budget), model.remat=full, "
-                   "model.attention=cudnn, or a larger mesh.fsdp",
+    "activations": "more rl.micro_batches (fewer rows at once; packed: a smaller rl.token_budget or "
+                   "rl.segments_per_row), model.remat=full, model.attention=cudnn, or a larger mesh.fsdp",
     "engine weights": "model.decode_attention=xla (splits the engine over the process's devices), or "
                       "rollout.engine=vllm (rollouts on other GPUs)",
     "KV pool": "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer rollout.jax.slots, or "
@@ -167,10 +167,20 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
         per_layer_scores = rows * split_dim(arch.num_heads, "q_heads", mesh) * seq * seq * 4
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
-    total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits
+    segments = 0.0
+    if rl.token_budget and cfg.model.attention == "cudnn":
+        # cuDNN's packed backward: a float32 accumulator [rows x segment bound, heads, budget, head_dim]
+        # for the layer under way, whatever the rows hold. Not in cuDNN's documentation: the fit that
+        # put the plan within 4% of four H200 peaks (BENCHMARKS.md, "Packed rows on an H200: MFU...").
+        bound = 1 << (rl.segments_per_row - 1).bit_length()
+        segments = rows * bound * split_dim(arch.num_heads, "q_heads", mesh) * seq * hd * 4
+    total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits + segments
     packed = "packed " if rl.token_budget else ""
+    extra = f" (score matrices {scores / GiB:.1f} GiB)" if scores else ""
+    if segments:
+        extra = f" (its packed backward {segments / GiB:.1f} GiB at rl.segments_per_row={rl.segments_per_row})"
     how = (f"{rows} {packed}row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
-           f"attention{' (score matrices ' + f'{scores / GiB:.1f} GiB)' if scores else ''}")
+           f"attention{extra}")
     return float(total), how
 
 

@@ -20,10 +20,11 @@ lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=30)
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=lengths_st, budget=st.integers(40, 100), width=st.integers(1, 4))
+@given(lengths=lengths_st, budget=st.integers(40, 100), width=st.integers(1, 4),
+       max_segments=st.sampled_from([0, 1, 2, 4, 8]))
 def test_every_rollout_is_placed_once_within_its_row_and_first_fit_leaves_one_row_half_empty_at_most(
-        lengths, budget, width):
-    plan = plan_packing(np.array(lengths), budget, width)
+        lengths, budget, width, max_segments):
+    plan = plan_packing(np.array(lengths), budget, width, max_segments)
     assert plan.rows % width == 0 and plan.rows >= width
     used = np.zeros((plan.rows, budget), int)
     for row, off, n in zip(plan.packed_row, plan.offset, plan.length):
@@ -35,9 +36,13 @@ def test_every_rollout_is_placed_once_within_its_row_and_first_fit_leaves_one_ro
     assert used.max(initial=0) <= 1  # no two rollouts share a position
     assert used.sum() == sum(lengths) == plan.real_tokens
     fill = used.sum(axis=1)
-    opened = fill[fill > 0]
-    # first fit: a row at most half full while another is too would have taken the other's rollouts
-    assert (opened <= budget / 2).sum() <= 1
+    held = np.bincount(plan.packed_row[plan.length > 0], minlength=plan.rows)
+    if max_segments:  # no row holds more rollouts than the bound
+        assert held.max(initial=0) <= max_segments
+    open_to_more = (fill > 0) & (held < (max_segments or len(lengths) + 1))
+    # first fit: a row at most half full while another is too would have taken the other's
+    # rollouts, unless it had reached the bound
+    assert (fill[open_to_more] <= budget / 2).sum() <= 1
     layout = plan.layout()
     for row in range(plan.rows):  # positions restart at 0 at each segment; segments numbered 1, 2, ...
         seg, pos = layout["segment_ids"][row], layout["positions"][row]
@@ -59,6 +64,8 @@ def test_every_rollout_is_placed_once_within_its_row_and_first_fit_leaves_one_ro
     np.testing.assert_array_equal(plan.joined(parts), layout["positions"])  # nothing cut off was real
     bound = layout["segment_lengths"].shape[1]
     assert bound & (bound - 1) == 0 and layout["segment_starts"].shape[1] == bound + 1  # a power of two
+    if max_segments:  # what sizes cuDNN's packed backward: never past the bound rounded up
+        assert bound <= 1 << (max_segments - 1).bit_length()
 
 
 @settings(max_examples=100, deadline=None)

@@ -223,7 +223,25 @@ def test_packed_rows_count_one_row_of_the_token_budget_and_the_accumulator(tmp_p
     cfg = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=16_384, rl__micro_batches=1)
     plan = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
     tokens = 16_384
+    cudnn_packed_backward = 32 * 16 * tokens * 128 * 4  # rl.segments_per_row x q heads x budget x head_dim, f32
     act = 28 * tokens * 1024 * 2 + tokens * 2 * (3 * 1024 + 2048 + 2 * 1024 + 2048 + 3 * 3072) * 2 \
-        + 1 * 512 * 151_936 * 4
+        + 1 * 512 * 151_936 * 4 + cudnn_packed_backward
     assert plan.line("activations").bytes == act and "1 packed row(s) x 16384" in plan.line("activations").how
+    assert "packed backward 4.0 GiB at rl.segments_per_row=32" in plan.line("activations").how
     assert plan.line("gradients").bytes == 596_049_920 * 4 + 1024 * 151_936 * 4
+
+
+def test_cudnn_s_packed_backward_is_counted_by_the_segment_bound(tmp_path):
+    """cuDNN's packed attention holds [segment bound, heads, budget, head_dim] float32 in its
+    backward (fitted on H200 peaks: BENCHMARKS.md, "Packed rows on an H200: MFU..."): the plan
+    counts it from rl.segments_per_row, and not for XLA attention (no such buffer)."""
+    def activations(**kw):
+        cfg = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=16_384, rl__micro_batches=1, **kw)
+        return memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=None).line(
+            "activations").bytes
+    wide, narrow, xla = activations(), activations(rl__segments_per_row=8), activations(model__attention="xla")
+    assert wide - narrow == (32 - 8) * 16 * 16_384 * 128 * 4
+    assert "packed backward" not in memory_plan(shape("qwen3_0p6b"), _cfg(
+        qwen3_0p6b_math, tmp_path, rl__token_budget=16_384, rl__micro_batches=1, model__attention="xla"),
+        devices=1, devices_per_process=1, capacity=None).line("activations").how
+    assert xla > 0
