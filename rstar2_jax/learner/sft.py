@@ -35,6 +35,8 @@ class SFTConfig(Section):
     examples: int = setting(4000, "synthetic traces made for SFT", min=1)
     token_budget: int = setting(0, "pack each step's traces into rows of this many tokens (at least the longest "
                                 "trace; 0: one padded row per trace)", min=0)
+    segments_per_row: int = setting(32, "packed rows: at most this many traces share a row (cuDNN's packed backward "
+                                    "holds memory in proportion to it: rl.segments_per_row)", min=1)
 
 
 def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, layout=None):
@@ -57,9 +59,10 @@ def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, la
 
 class SFTTrainer:
     def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, pad_multiple: int = 64, token_budget: int = 0,
+                 grad_clip: float = 1.0, pad_multiple: int = 64, token_budget: int = 0, segments_per_row: int = 32,
                  optimizer: optax.GradientTransformation | None = None):
-        """token_budget: pack each step's traces into rows of this many tokens (0: padded rows).
+        """token_budget: pack each step's traces into rows of this many tokens (0: padded rows),
+        at most segments_per_row traces a row.
         optimizer: in place of AdamW (tests step with plain SGD, as the Learner's do)."""
         self.graphdef, params, self.frozen = lora.split_trained(model)  # with adapters: only they train
         params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays
@@ -67,7 +70,7 @@ class SFTTrainer:
                                               grad_clip=grad_clip)
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
         self.pad_multiple = pad_multiple
-        self.token_budget = token_budget
+        self.token_budget, self.segments_per_row = token_budget, segments_per_row
         self._step = shared_jit(sft_step, self.graphdef, self.tx, donate_argnums=(0,))  # one per process (shared_jit.py)
 
     def step(self, examples) -> dict[str, float]:
@@ -81,7 +84,7 @@ class SFTTrainer:
             if longest > self.token_budget:
                 raise ValueError(f"an SFT trace has {longest} tokens, more than sft.token_budget "
                                  f"({self.token_budget}): raise it to at least the longest trace")
-            plan = plan_packing(batch.lengths, self.token_budget)
+            plan = plan_packing(batch.lengths, self.token_budget, max_segments=self.segments_per_row)
             tokens, mask, layout = plan.pack(tokens), plan.pack(mask), plan.layout()
         self.state, metrics = self._step(self.state, jnp.asarray(tokens), jnp.asarray(mask), self.frozen, layout)
         return {k: float(v) for k, v in metrics.items()}

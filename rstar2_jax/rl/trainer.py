@@ -108,7 +108,7 @@ class RLRun:
             raise ValueError(f"sft.token_budget={c.token_budget}: the longest of the {len(data)} SFT traces has "
                              f"{longest} tokens; set sft.token_budget to at least {longest} (or 0: padded rows)")
         trainer = SFTTrainer(self.model, lr=c.lr, warmup_steps=c.warmup_steps, pad_multiple=32,
-                             token_budget=c.token_budget)
+                             token_budget=c.token_budget, segments_per_row=c.segments_per_row)
         bar = tqdm(zip(range(c.steps), iterate_batches(data, c.batch_size, self.cfg.seed)), total=c.steps,
                    desc="SFT", dynamic_ncols=True)
         for i, batch in bar:

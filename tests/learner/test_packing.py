@@ -177,9 +177,10 @@ def _case(name):
                                   pytest.param("cispo,constant,corrections,kl", marks=pytest.mark.slow)])
 def test_packed_update_equals_the_padded_update(name):
     """Gradient step, every metric, the old log-probs and the entropies: packed == padded
-    (within each rollout), and the packed path says it ran and computed fewer positions."""
+    (within each rollout), and the packed path says it ran and computed fewer positions. gspo's
+    rows hold at most 2 rollouts (rl.segments_per_row: more rows, the same update)."""
     padded, m_padded, b_padded = _update(0, **_case(name))
-    packed, m_packed, b_packed = _update(64, **_case(name))
+    packed, m_packed, b_packed = _update(64, **_case(name), **({"segments_per_row": 2} if name == "gspo" else {}))
     assert np.abs(padded).max() > 1e-4  # the gradient is not zero
     np.testing.assert_allclose(packed, padded, rtol=1e-5, atol=1e-6)  # params ~1: their float32 ulp is 1e-7
     inside = np.arange(b_padded.tokens.shape[1])[None] < b_padded.lengths[:, None]
@@ -240,18 +241,20 @@ def _sft_traces(seed=40, n=7):
 @pytest.mark.slow
 def test_a_packed_sft_step_equals_the_padded_step():
     """sft.token_budget: the traces packed several to a row (each attending within itself) give
-    the padded step's token-mean loss and gradient (SGD: the step is the gradient)."""
+    the padded step's token-mean loss and gradient (SGD: the step is the gradient), with rows
+    bounded to 2 traces too (sft.segments_per_row: more rows, the same step)."""
     from rstar2_jax.learner.sft import SFTTrainer
     model, traces, sgd = random_model(small_config("qwen3"), seed=41), _sft_traces(), optax.sgd(1.0)
     steps = []
-    for budget in (0, 96):
-        trainer = SFTTrainer(model, token_budget=budget, optimizer=sgd)
+    for budget, bound in ((0, 32), (96, 32), (96, 2)):
+        trainer = SFTTrainer(model, token_budget=budget, segments_per_row=bound, optimizer=sgd)
         start = _params_flat(trainer)
         metrics = trainer.step(traces)
         steps.append((_params_flat(trainer) - start, metrics))
     assert np.abs(steps[0][0]).max() > 1e-4  # the gradient is not zero
-    np.testing.assert_allclose(steps[1][0], steps[0][0], rtol=1e-4, atol=1e-7)
-    assert steps[1][1]["loss"] == pytest.approx(steps[0][1]["loss"], rel=1e-5)
+    for packed in steps[1:]:
+        np.testing.assert_allclose(packed[0], steps[0][0], rtol=1e-4, atol=1e-7)
+        assert packed[1]["loss"] == pytest.approx(steps[0][1]["loss"], rel=1e-5)
 
 
 def test_an_sft_trace_longer_than_the_budget_is_refused_by_name():
