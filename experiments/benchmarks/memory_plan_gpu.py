@@ -33,7 +33,7 @@ from rstar2_jax.rl.memory_plan import GiB, memory_plan
 
 
 def run_config(rows: int, seq: int, micro: int = 1, *, remat: str = "full", token_budget: int = 0,
-               attention: str = "cudnn") -> RunConfig:
+               attention: str = "cudnn", segments_per_row: int = 32) -> RunConfig:
     data = os.path.join(tempfile.mkdtemp(), "problems.jsonl")
     with open(data, "w") as f:
         f.write('{"problem": "1+1", "answer": "2"}\n')
@@ -45,6 +45,7 @@ def run_config(rows: int, seq: int, micro: int = 1, *, remat: str = "full", toke
     c.logging.backends = ()  # only the plan is wanted: no tracker's package needed (a device image lacks them)
     c.model.remat = remat
     c.model.attention = attention
+    c.rl.segments_per_row = segments_per_row
     c.rollout.max_len = seq
     c.stages = [{**stage, "max_response_tokens": seq // 2} for stage in c.stages]
     cfg, problems = RunConfig.parse(c.to_dict())

@@ -61,8 +61,11 @@ def padded_positions(lengths: np.ndarray, rows_multiple: int = 1) -> int:
 
 
 def packed_positions(lengths: np.ndarray, budget: int) -> int:
+    """The positions the learner computes for `lengths` in rows of `budget` (its default bound on
+    rollouts a row)."""
+    from rstar2_jax.learner import LearnerSettings
     from rstar2_jax.learner.packing import plan_packing
-    return plan_packing(lengths, budget).computed_tokens
+    return plan_packing(lengths, budget, 1, LearnerSettings().segments_per_row).computed_tokens
 
 
 def ratios(args):
@@ -278,6 +281,7 @@ def _gpu_learner(args, results: dict, out_path: str):
     from flax import nnx
 
     from rstar2_jax.learner import Learner, LearnerSettings, make_batch
+    from rstar2_jax.learner.packing import plan_packing
     from rstar2_jax.models import Decoder, flops
     from rstar2_jax.models.tiny import tiny_config
 
@@ -296,10 +300,11 @@ def _gpu_learner(args, results: dict, out_path: str):
                           real_tokens=int(lengths.sum()))
     print("mix", results["mix"], flush=True)
     variants = [v.split(":") for v in args.variants.split(",")]
-    for name, arg, remat in variants:
-        settings = LearnerSettings(lr=1e-6, warmup_steps=1, token_entropy=False,
+    for name, arg, remat, *bound in variants:
+        segments = int(bound[0]) if bound else LearnerSettings().segments_per_row
+        settings = LearnerSettings(lr=1e-6, warmup_steps=1, token_entropy=False, segments_per_row=segments,
                                    **({"micro_batches": int(arg)} if name == "padded" else {"token_budget": int(arg)}))
-        label = f"{name}:{arg}:{remat}"
+        label = ":".join([name, arg, remat, *bound])
         try:
             model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=remat)
             model.set_attention(full=args.attention)
@@ -340,9 +345,11 @@ def _gpu_learner(args, results: dict, out_path: str):
                                       xla_temporaries_gib=a.temp_size_in_bytes / 2 ** 30,
                                       xla_outputs_gib=a.output_size_in_bytes / 2 ** 30)
             if name == "packed":
+                plan = plan_packing(lengths, int(arg), 1, segments)  # what the learner packed (one device)
+                results[label]["segment_bound"] = int(plan.layout()["segment_lengths"].shape[1])
                 print(label, results[label], flush=True)
                 try:
-                    results[label].update(_plan_gib(args.model, int(arg), remat, args.attention))
+                    results[label].update(_plan_gib(args.model, int(arg), remat, args.attention, segments))
                 except BaseException as e:  # noqa: BLE001 - the measurement stands without the plan
                     results[label]["plan_error"] = repr(e)[:300]
             print(label, results[label], flush=True)
@@ -376,11 +383,13 @@ class _capture_packed_program:
         return self.jitted.lower(*self.args).compile().memory_analysis()
 
 
-def _plan_gib(model: str, budget: int, remat: str, attention: str) -> dict:
-    """`train --plan`'s learner lines for a packed update of `model` at `budget` on one device."""
+def _plan_gib(model: str, budget: int, remat: str, attention: str, segments: int = 32) -> dict:
+    """`train --plan`'s learner lines for a packed update of `model` at `budget` on one device,
+    rows holding at most `segments` rollouts."""
     from experiments.benchmarks.memory_plan_gpu import run_config
     from rstar2_jax.rl.memory_plan import GiB, memory_plan
-    cfg = run_config(2, min(8192 + 1024, budget), remat=remat, token_budget=budget, attention=attention)
+    cfg = run_config(2, min(8192 + 1024, budget), remat=remat, token_budget=budget, attention=attention,
+                     segments_per_row=segments)
     plan = memory_plan(common.shape(model), cfg, devices=1, devices_per_process=1, capacity=None)
     lines = {line.name: line.bytes / GiB for line in plan.lines
              if line.name in ("parameters", "gradients", "optimizer", "activations")}
@@ -397,7 +406,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--model", default="qwen3_1p7b")
     p.add_argument("--variants", default="padded:16:dots,packed:32768:dots",
-                   help="gpu: name:arg:remat, padded:<micro-batches> or packed:<token budget>")
+                   help="gpu: name:arg:remat[:segments], padded:<micro-batches> or packed:<token budget>, "
+                   "segments: rl.segments_per_row (default its default)")
     p.add_argument("--attention", default="cudnn", help="gpu: the learner's attention (xla: a CPU rehearsal)")
     p.add_argument("--skip_checks", action="store_true", help="gpu: only the learner's variants")
     p.add_argument("--json", default="packing_gpu.json", help="gpu: the results file (under $OUT when set)")
