@@ -99,6 +99,21 @@ def export_alone(model, bucket_bytes, work, repeats):
     return rate, nbytes / copy / 1e9, w.nbytes / moved / 1e9, buckets
 
 
+def strip_widths(model, bucket_bytes, work, widths, rounds):
+    """The export alone at each strip width of its host transpose, widths alternating per round."""
+    from rstar2_jax.rollout.engines import weight_export
+    kept = weight_export.STRIP_ROWS
+    try:
+        for r in range(rounds):
+            for rows in widths:
+                weight_export.STRIP_ROWS = rows
+                export, copy, transpose, _ = export_alone(model, bucket_bytes, work, 3)
+                print(f"round {r}, strips of {rows} rows: export {export:.2f} GB/s, its transposing copy alone "
+                      f"{transpose:.2f} GB/s, plain memory copy {copy:.2f} GB/s", flush=True)
+    finally:
+        weight_export.STRIP_ROWS = kept
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", type=int, default=2)
@@ -109,6 +124,8 @@ def main(argv=None):
     p.add_argument("--sync", choices=("files", "pull"), default="files")
     p.add_argument("--swap", default="streamed,staged", help="swap modes to compare, comma-separated (streamed waits "
                    "for the probes, staged defers them)")
+    p.add_argument("--strips", default="", help="only the export alone, no servers: these widths of the host "
+                   "transpose's strips (weight_export.STRIP_ROWS), comma-separated, alternating --repeats rounds")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="vllm_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -117,6 +134,8 @@ def main(argv=None):
     model = models.load_pretrained(model_dir)
     params = flops.param_count(model.cfg)
     sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
+    if args.strips:
+        return strip_widths(model, sizes[0], work, [int(x) for x in args.strips.split(",")], args.repeats)
     export_rate, copy_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
     python = common.vllm_python()
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,

@@ -50,9 +50,12 @@ def test_the_export_is_what_save_pretrained_writes(model, tmp_path, dtype):
 
 
 def test_a_square_linear_weight_is_transposed(tmp_path):
-    """A [n, n] projection looks the same in both layouts: only the values say it was transposed."""
-    ours = np.arange(16 * 16, dtype=np.float32).reshape(16, 16)
-    plan = we.export_plan({"layers.0.mlp.up_proj": (16, 16)}, np.float32, 1 << 20)
+    """A [n, n] projection looks the same in both layouts: only the values say it was transposed
+    (n = 100: whole strips of the host transpose and a shorter last one)."""
+    n = 100
+    assert n > we.STRIP_ROWS and n % we.STRIP_ROWS
+    ours = np.arange(n * n, dtype=np.float32).reshape(n, n)
+    plan = we.export_plan({"layers.0.mlp.up_proj": (n, n)}, np.float32, 1 << 20)
     slots = we.ExportSlots(str(tmp_path))
     slot = slots.begin(plan)
     slots.write(slot, plan.buckets[0], {"layers.0.mlp.up_proj": jnp.asarray(ours)})

@@ -45,7 +45,11 @@ import numpy as np
 from rstar2_jax.models import weight_map
 from rstar2_jax.models.weight_map import WeightSpec
 
-STRIP_ROWS = 16  # source rows per strip of the host transpose: 16 float32 = one 64-byte cache line
+# Source rows per strip of the host transpose (ours [in, out] -> HF's [out, in]): each strip
+# writes `STRIP_ROWS` contiguous values per destination row. 64 float32 (256 bytes, four cache
+# lines) against 16: the export alone 1.51-1.70 GB/s against 1.06-1.17 on a 2-core VM, 32 and
+# 128-256 in between (BENCHMARKS.md, "vLLM weight sync to 2 CPU servers (files)").
+STRIP_ROWS = 64
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
