@@ -28,7 +28,8 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
                  (f", SFT warm start {cfg.sft.steps} steps x {cfg.sft.batch_size}" if cfg.sft.steps else ""))
     lines.append(f"per step: {rl.batch_problems} problems x {rl.rollouts_per_problem} rollouts = "
                  f"{rl.batch_problems * rl.rollouts_per_problem}, RoC {rl.roc.mode} keeps {rl.group_size} per problem; " +
-                 (f"packed rows of {rl.token_budget} tokens; " if rl.token_budget else
+                 (f"packed rows of {rl.token_budget} tokens, at most {rl.segments_per_row} rollouts each; "
+                  if rl.token_budget else
                   f"{rl.micro_batches} micro-batch(es); ") +
                  (f"async, up to {rl.max_staleness} version(s) stale" if rl.max_staleness else "on-policy"))
     for i, stage in enumerate(cfg.stages):
