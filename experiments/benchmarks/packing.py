@@ -347,7 +347,6 @@ def _gpu_learner(args, results: dict, out_path: str):
             if name == "packed":
                 plan = plan_packing(lengths, int(arg), 1, segments)  # what the learner packed (one device)
                 results[label]["segment_bound"] = int(plan.layout()["segment_lengths"].shape[1])
-                print(label, results[label], flush=True)
                 try:
                     results[label].update(_plan_gib(args.model, int(arg), remat, args.attention, segments))
                 except BaseException as e:  # noqa: BLE001 - the measurement stands without the plan

@@ -135,7 +135,10 @@ def main(argv=None):
     params = flops.param_count(model.cfg)
     sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
     if args.strips:
-        return strip_widths(model, sizes[0], work, [int(x) for x in args.strips.split(",")], args.repeats)
+        try:
+            return strip_widths(model, sizes[0], work, [int(x) for x in args.strips.split(",")], args.repeats)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     export_rate, copy_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
     python = common.vllm_python()
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,

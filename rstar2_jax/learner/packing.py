@@ -100,7 +100,7 @@ class PackingPlan:
         segment_ids = np.zeros((self.rows, self.budget), np.int32)
         segment_ids[dst_row, dst_col] = segment[src_row]
         per_row = np.bincount(self.packed_row[placed], minlength=self.rows)
-        bound = 1 << int(max(per_row.max(initial=1), 1) - 1).bit_length()
+        bound = segment_bound(int(per_row.max(initial=1)))
         starts = np.full((self.rows, bound + 1), -1, np.int32)
         lengths = np.full((self.rows, bound), -1, np.int32)
         starts[:, 0], lengths[:, 0] = 0, 1  # empty rows; overwritten where a row has segments
@@ -118,6 +118,12 @@ class PackingPlan:
     def joined(self, parts: list[np.ndarray]) -> np.ndarray:
         """Per-micro-batch outputs [width, positions_of(k)] -> one packed [rows, budget] array."""
         return np.concatenate([np.pad(p, ((0, 0), (0, self.budget - p.shape[1]))) for p in parts])
+
+
+def segment_bound(segments: int) -> int:
+    """The segment tables' width for rows of at most `segments` rollouts: the power of two at or
+    above it (few compiled shapes); what cuDNN's packed backward is sized by."""
+    return 1 << (max(segments, 1) - 1).bit_length()
 
 
 def plan_packing(lengths: np.ndarray, budget: int, width: int = 1, max_segments: int = 0) -> PackingPlan:

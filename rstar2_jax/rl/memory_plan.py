@@ -50,6 +50,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from rstar2_jax.learner.packing import segment_bound
 from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.shard_sizes import shard_bytes, shard_shape, split_dim
 from rstar2_jax.models.resolve import DTYPES
@@ -172,7 +173,7 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
         # cuDNN's packed backward: a float32 accumulator [rows x segment bound, heads, budget, head_dim]
         # for the layer under way, whatever the rows hold. Not in cuDNN's documentation: the fit that
         # put the plan within 4% of four H200 peaks (BENCHMARKS.md, "Packed rows on an H200: MFU...").
-        bound = 1 << (rl.segments_per_row - 1).bit_length()
+        bound = segment_bound(rl.segments_per_row)
         segments = rows * bound * split_dim(arch.num_heads, "q_heads", mesh) * seq * hd * 4
     total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits + segments
     packed = "packed " if rl.token_budget else ""
