@@ -27,13 +27,14 @@ from flax import nnx
 from experiments import qwen3_0p6b_math
 from experiments.benchmarks import common
 from rstar2_jax.learner import Learner, LearnerSettings
+from rstar2_jax.learner.packing import SEGMENTS_PER_ROW
 from rstar2_jax.models import Decoder
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import GiB, memory_plan
 
 
 def run_config(rows: int, seq: int, micro: int = 1, *, remat: str = "full", token_budget: int = 0,
-               attention: str = "cudnn", segments_per_row: int = 32) -> RunConfig:
+               attention: str = "cudnn", segments_per_row: int = SEGMENTS_PER_ROW) -> RunConfig:
     data = os.path.join(tempfile.mkdtemp(), "problems.jsonl")
     with open(data, "w") as f:
         f.write('{"problem": "1+1", "answer": "2"}\n')

@@ -382,7 +382,7 @@ class _capture_packed_program:
         return self.jitted.lower(*self.args).compile().memory_analysis()
 
 
-def _plan_gib(model: str, budget: int, remat: str, attention: str, segments: int = 32) -> dict:
+def _plan_gib(model: str, budget: int, remat: str, attention: str, segments: int) -> dict:
     """`train --plan`'s learner lines for a packed update of `model` at `budget` on one device,
     rows holding at most `segments` rollouts."""
     from experiments.benchmarks.memory_plan_gpu import run_config

@@ -41,6 +41,7 @@ from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.engines.weight_export import export_threads
 
 
 SWAP_ROWS = {"streamed": "streamed: each reloaded while the next is written, probes waited for",
@@ -78,40 +79,42 @@ def reload_alone(engines):
 
 def export_alone(model, bucket_bytes, work, repeats):
     """The bucket writer alone, a plain copy of as many bytes, and the writer's transposing copy
-    alone (the MLP's largest weight, anonymous memory, warm): (GB/s, GB/s, GB/s, buckets). The
-    export runs at a share of this host's memory bandwidth at the time, which on a shared VM moves
-    with its neighbours: the three side by side say which."""
+    alone (the MLP's largest weight, anonymous memory, warm) on one thread and on the export's
+    threads: (GB/s, GB/s, GB/s one thread, GB/s, buckets). The export runs at a share of this
+    host's memory bandwidth at the time, which on a shared VM moves with its neighbours: the
+    figures side by side say which."""
+    from rstar2_jax.rollout.engines.weight_export import copy_to_hf
     nbytes, rate, buckets = common.weight_export_rate(model, None, bucket_bytes, os.path.join(work, "export_alone"),
                                                       repeats)
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     copy = min(timed(np.copyto, dst, src) for _ in range(3))
-    from rstar2_jax.rollout.engines.weight_export import STRIP_ROWS
     w = np.random.default_rng(0).random((model.cfg.intermediate_size, model.cfg.hidden_size), np.float32)
     out = np.empty(w.shape[::-1], np.float32)
-
-    def transpose():  # write_bucket's copy of a linear weight from ours [in, out] to HF's [out, in]
-        for i in range(0, w.shape[0], STRIP_ROWS):
-            np.copyto(out[:, i:i + STRIP_ROWS], w[i:i + STRIP_ROWS].T)
-    transpose()
-    moved = min(timed(transpose) for _ in range(3))
-    return rate, nbytes / copy / 1e9, w.nbytes / moved / 1e9, buckets
+    moved = {}
+    for threads in (1, export_threads()):  # write_bucket's copy of a linear weight, ours [in, out] to HF's [out, in]
+        copy_to_hf(out, w, True, threads)
+        moved[threads] = min(timed(copy_to_hf, out, w, True, threads) for _ in range(3))
+    return rate, nbytes / copy / 1e9, w.nbytes / moved[1] / 1e9, w.nbytes / moved[export_threads()] / 1e9, buckets
 
 
-def strip_widths(model, bucket_bytes, work, widths, rounds):
-    """The export alone at each strip width of its host transpose, widths alternating per round."""
+def export_variants(model, bucket_bytes, work, widths, threads, rounds):
+    """The export alone at each strip width of its host transpose and each thread count,
+    alternating per round."""
     from rstar2_jax.rollout.engines import weight_export
-    kept = weight_export.STRIP_ROWS
+    kept = weight_export.STRIP_ROWS, weight_export.MAX_EXPORT_THREADS
     try:
         for r in range(rounds):
             for rows in widths:
-                weight_export.STRIP_ROWS = rows
-                export, copy, transpose, _ = export_alone(model, bucket_bytes, work, 3)
-                print(f"round {r}, strips of {rows} rows: export {export:.2f} GB/s, its transposing copy alone "
-                      f"{transpose:.2f} GB/s, plain memory copy {copy:.2f} GB/s", flush=True)
+                for n in threads:
+                    weight_export.STRIP_ROWS, weight_export.MAX_EXPORT_THREADS = rows, n
+                    export, copy, transpose1, transpose, _ = export_alone(model, bucket_bytes, work, 3)
+                    print(f"round {r}, strips of {rows} rows, {weight_export.export_threads()} thread(s): export "
+                          f"{export:.2f} GB/s, its transposing copy alone {transpose1:.2f} GB/s on one thread, "
+                          f"{transpose:.2f} on the export's, plain memory copy {copy:.2f} GB/s", flush=True)
     finally:
-        weight_export.STRIP_ROWS = kept
+        weight_export.STRIP_ROWS, weight_export.MAX_EXPORT_THREADS = kept
 
 
 def main(argv=None):
@@ -126,6 +129,10 @@ def main(argv=None):
                    "for the probes, staged defers them)")
     p.add_argument("--strips", default="", help="only the export alone, no servers: these widths of the host "
                    "transpose's strips (weight_export.STRIP_ROWS), comma-separated, alternating --repeats rounds")
+    p.add_argument("--threads", default="", help="only the export alone, no servers: these most threads of its "
+                   "copy (weight_export.MAX_EXPORT_THREADS), comma-separated, alternating --repeats rounds")
+    p.add_argument("--sync_threads", default="", help="with servers: each sync at each of these most threads of "
+                   "the export's copy (weight_export.MAX_EXPORT_THREADS), comma-separated, alternating")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="vllm_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -134,12 +141,18 @@ def main(argv=None):
     model = models.load_pretrained(model_dir)
     params = flops.param_count(model.cfg)
     sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
-    if args.strips:
+    if args.strips or args.threads:
+        from rstar2_jax.rollout.engines import weight_export
         try:
-            return strip_widths(model, sizes[0], work, [int(x) for x in args.strips.split(",")], args.repeats)
+            return export_variants(model, sizes[0], work,
+                                   [int(x) for x in (args.strips or str(weight_export.STRIP_ROWS)).split(",")],
+                                   [int(x) for x in (args.threads or str(weight_export.MAX_EXPORT_THREADS)).split(",")],
+                                   args.repeats)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    export_rate, copy_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
+    export_rate, copy_rate, transpose1_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
+    from rstar2_jax.rollout.engines import weight_export
+    kept_threads = weight_export.MAX_EXPORT_THREADS
     python = common.vllm_python()
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
                                                    cpu_kv_cache_gib=1), python=python,
@@ -156,7 +169,8 @@ def main(argv=None):
             if fetchers else [VLLMEngine(s.url, model, **kw) for s in servers]
         whole, whole_export_s, floor = [], [], []
         swaps = args.swap.split(",")
-        bucketed = {(size, swap): [] for size in sizes for swap in swaps}
+        thread_counts = [int(x) for x in args.sync_threads.split(",")] if args.sync_threads else [None]
+        bucketed = {(size, swap, n): [] for size in sizes for swap in swaps for n in thread_counts}
         version = 0
         for size in sizes:
             for e in engines:
@@ -167,16 +181,18 @@ def main(argv=None):
                     total, export_s = whole_export(engines, model, version, work)
                     whole.append(total)
                     whole_export_s.append(export_s)
-                for swap in swaps:  # alternating, side by side
+                for swap, n in [(swap, n) for swap in swaps for n in thread_counts]:  # alternating, side by side
                     for e in engines:
                         e.swap, e.probe = swap, ("wait" if swap == "streamed" else "deferred")
                     version += 1
+                    weight_export.MAX_EXPORT_THREADS = n or kept_threads
                     report = push_to_servers(engines, model, version)
+                    weight_export.MAX_EXPORT_THREADS = kept_threads
                     assert report.ok, report.error
                     for e in engines:  # a deferred verdict: in a run the next update takes this time
                         e.probe_verdict()
                     if i >= 2:
-                        bucketed[size, swap].append(report)
+                        bucketed[size, swap, n].append(report)
                 if i >= 2:
                     floor.append(reload_alone(engines))
     except BaseException:
@@ -194,18 +210,19 @@ def main(argv=None):
     rows = [["whole export, then every server reloads it", f"{med(whole):.2f}", "",
              f"export {med(whole_export_s):.2f} s ({gb / med(whole_export_s):.2f} GB/s)",
              f"{med(whole) / med(floor):.2f}x"],
-            *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, {SWAP_ROWS[swap]}",
+            *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, {SWAP_ROWS[swap]}"
+               + (f"; export on {n} thread(s)" if n else ""),
                f"{med(x.total_s for x in r):.2f}",
                f"{med(x.paused_s for x in r):.2f} ({med(x.paused_s for x in r) / med(floor):.2f}x), from "
                f"{med(x.paused_from_s for x in r):.2f} s",
                f"export {med(x.export_s for x in r):.2f} s, all reloaded at {med(x.reload_s for x in r):.2f} s, "
                f"generating again at {med(x.resumed_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s"
                + (" (after the sync returned)" if swap == "staged" else ""),
-               f"{med(x.total_s for x in r) / med(floor):.2f}x"] for (size, swap), r in bucketed.items()],
+               f"{med(x.total_s for x in r) / med(floor):.2f}x"] for (size, swap, n), r in bucketed.items()],
             ["reload alone (an export already written)", f"{med(floor):.2f}", "", "the slowest server", "1.00x"],
             [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}", "",
              f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s, its transposing copy alone "
-             f"{transpose_rate:.2f} GB/s", ""]]
+             f"{transpose1_rate:.2f} GB/s on one thread, {transpose_rate:.2f} on {export_threads()}", ""]]
     table = common.markdown_table(["sync to all servers", "the trainer waits, s (median)",
                                    "a server's longest pause, s (vs reload alone)", "parts",
                                    "trainer's wait vs reload alone"], rows)

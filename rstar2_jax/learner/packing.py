@@ -120,6 +120,11 @@ class PackingPlan:
         return np.concatenate([np.pad(p, ((0, 0), (0, self.budget - p.shape[1]))) for p in parts])
 
 
+# The most rollouts (or SFT traces) a packed row holds by default: rl.segments_per_row and
+# sft.segments_per_row (learner/settings.py says what it costs and saves).
+SEGMENTS_PER_ROW = 32
+
+
 def segment_bound(segments: int) -> int:
     """The segment tables' width for rows of at most `segments` rollouts: the power of two at or
     above it (few compiled shapes); what cuDNN's packed backward is sized by."""

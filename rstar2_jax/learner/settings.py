@@ -12,6 +12,7 @@ import dataclasses
 from rstar2_jax.algo import KLConfig, PolicyLossConfig
 from rstar2_jax.algo.corrections import CorrectionConfig
 from rstar2_jax.config_types import Section, setting
+from rstar2_jax.learner.packing import SEGMENTS_PER_ROW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class LearnerSettings(Section):
     # "Packed rows on an H200: MFU on real tokens..."). Bounded, the memory plan counts it; rows of
     # short rollouts fill less (a row closes at the bound: the simulation's mix in rows of 73,728
     # computes 1.14-1.21x its tokens at 32, 1.00-1.02x unbounded; rows of 32,768: 1.00-1.02x).
-    segments_per_row: int = setting(32, "packed rows: at most this many rollouts share a row (a power of two; "
+    segments_per_row: int = setting(SEGMENTS_PER_ROW, "packed rows: at most this many rollouts share a row (a power of two; "
                                     "cuDNN's packed backward holds memory in proportion to it)", min=1)
     # A padded update compiles the learner's programs once per (rows, width) it meets: ~9 s for the
     # CPU demo's model, minutes for a large one. The longest rollout sets the width and the groups

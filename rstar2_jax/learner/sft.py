@@ -17,7 +17,7 @@ from flax import nnx
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
-from rstar2_jax.learner.packing import plan_packing
+from rstar2_jax.learner.packing import SEGMENTS_PER_ROW, plan_packing
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState, packed_segments, step_key
 from rstar2_jax.models import lora
@@ -35,8 +35,8 @@ class SFTConfig(Section):
     examples: int = setting(4000, "synthetic traces made for SFT", min=1)
     token_budget: int = setting(0, "pack each step's traces into rows of this many tokens (at least the longest "
                                 "trace; 0: one padded row per trace)", min=0)
-    segments_per_row: int = setting(32, "packed rows: at most this many traces share a row (cuDNN's packed backward "
-                                    "holds memory in proportion to it: rl.segments_per_row)", min=1)
+    segments_per_row: int = setting(SEGMENTS_PER_ROW, "packed rows: at most this many traces share a row (cuDNN's "
+                                    "packed backward holds memory in proportion to it: rl.segments_per_row)", min=1)
 
 
 def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, layout=None):
@@ -59,7 +59,7 @@ def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, la
 
 class SFTTrainer:
     def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, pad_multiple: int = 64, token_budget: int = 0, segments_per_row: int = 32,
+                 grad_clip: float = 1.0, pad_multiple: int = 64, token_budget: int = 0, segments_per_row: int = SEGMENTS_PER_ROW,
                  optimizer: optax.GradientTransformation | None = None):
         """token_budget: pack each step's traces into rows of this many tokens (0: padded rows),
         at most segments_per_row traces a row.

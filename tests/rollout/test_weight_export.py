@@ -62,6 +62,19 @@ def test_a_square_linear_weight_is_transposed(tmp_path):
     np.testing.assert_array_equal(read_slot(slot, plan)["model.layers.0.mlp.up_proj.weight"], ours.T)
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 150), cols=st.integers(1, 150), threads=st.integers(1, 5), transpose=st.booleans(),
+       bf16=st.booleans())
+def test_a_copy_split_over_threads_is_the_whole_copy(rows, cols, threads, transpose, bf16):
+    """copy_to_hf, split over threads by rows of the destination (every part, even of a few
+    bytes): the destination is x.T (a linear weight) or x, every element written once."""
+    bits = np.arange(1, rows * cols + 1, dtype=np.uint16 if bf16 else np.uint32).reshape(rows, cols)  # all distinct
+    x = bits.view(jnp.bfloat16 if bf16 else np.float32)
+    dst = np.zeros((cols, rows) if transpose else (rows, cols), x.dtype)
+    we.copy_to_hf(dst, x, transpose, threads=threads, min_part_bytes=1)
+    np.testing.assert_array_equal(dst.view(bits.dtype), bits.T if transpose else bits)
+
+
 def test_slots_alternate_and_are_rewritten_in_place(model, tmp_path):
     plan = we.model_plan(model, None, bucket_bytes=1 << 30)
     slots = we.ExportSlots(str(tmp_path))

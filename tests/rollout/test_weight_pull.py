@@ -48,6 +48,16 @@ def test_the_fetcher_copies_bucket_by_bucket_commits_whole_and_keeps_the_newest_
     finally:
         files.close()
         fetcher.close()
+    assert not server.exists()  # its copies are memory in /dev/shm: gone with the fetcher
+
+
+def test_a_closing_fetcher_leaves_what_is_not_its_own(tmp_path):
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "notes.txt").write_text("someone's")
+    fetcher = WeightFetcher(str(tmp_path / "server"))
+    (tmp_path / "server" / "v7.partial").mkdir()
+    fetcher.close()
+    assert os.listdir(tmp_path / "server") == ["notes.txt"]
 
 
 def test_a_sync_abandoned_half_way_is_dropped_by_the_next_commit(tmp_path):

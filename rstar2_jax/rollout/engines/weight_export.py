@@ -21,9 +21,9 @@ reload; a layer split over two buckets would leave half of its fused weight unse
 Why the writer is written this way (measured on the 2-core CPU VM, BENCHMARKS.md "vLLM weight
 sync"): a safetensors file is a JSON header and raw bytes, so each tensor is written straight into
 the file's pages (mmap) at its offset, with no intermediate copy; on CPU the HF layout change (a
-transpose) is done while writing, 16 source rows at a time, so each destination row receives one
-64-byte cache line per strip (4.9 GB/s here, against 1.6 GB/s for XLA's CPU transpose and
-0.4 GB/s for numpy's whole-array one). On an accelerator the device lays the tensor out (fast
+transpose) is done while writing, STRIP_ROWS source rows at a time, so each destination row receives
+whole cache lines per strip (faster than XLA's CPU transpose and numpy's whole-array one), and the
+copy of a tensor is split over the host's cores by rows of the destination. On an accelerator the device lays the tensor out (fast
 there) and the host copies contiguous bytes. The two slots are reused from sync to sync: rewriting
 pages that exist runs at memory speed, allocating fresh tmpfs pages does not; and the previous
 whole export stays intact while the next is written, so a sync that fails half-way can be undone.
@@ -31,6 +31,7 @@ whole export stays intact while the next is written, so a sync that fails half-w
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import mmap
@@ -50,6 +51,9 @@ from rstar2_jax.models.weight_map import WeightSpec
 # lines) against 16: the export alone 1.51-1.70 GB/s against 1.06-1.17 on a 2-core VM, 32 and
 # 128-256 in between (BENCHMARKS.md, "vLLM weight sync to 2 CPU servers (files)").
 STRIP_ROWS = 64
+# Threads copying one tensor into the export, and the least bytes worth a thread of their own.
+MAX_EXPORT_THREADS = 8
+MIN_PART_BYTES = 1 << 20
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -223,6 +227,56 @@ def take_part(plan: ExportPlan, arrays: Mapping[str, jax.Array], start: int = 0)
             pass
 
 
+def export_threads() -> int:
+    """Threads that copy into the export: the cores this process may run on, at most 8."""
+    return max(1, min(MAX_EXPORT_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+
+def _copy_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of at least `threads` threads, kept between exports."""
+    global _POOL
+    if _POOL is None or _POOL[0] < threads:
+        if _POOL is not None:
+            _POOL[1].shutdown(wait=False)
+        _POOL = threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weight-export")
+    return _POOL[1]
+
+
+def _transpose_rows(dst: np.ndarray, src: np.ndarray):
+    """dst[o, i] = src[i, o], STRIP_ROWS source rows at a time."""
+    for i in range(0, src.shape[0], STRIP_ROWS):
+        np.copyto(dst[:, i:i + STRIP_ROWS], src[i:i + STRIP_ROWS].T)
+
+
+def copy_to_hf(dst: np.ndarray, x: np.ndarray, transpose: bool, threads: int | None = None,
+               min_part_bytes: int = MIN_PART_BYTES):
+    """Copy tensor `x` into `dst` (HF's shape), transposing ours [in, out] to HF's [out, in] when
+    `transpose`; split over `threads` (export_threads() by default) by ranges of dst's rows, each
+    thread writing its own contiguous part of the file. numpy's copy releases the GIL, and one
+    thread's strided copy leaves the memory system idle most of the time: 2 threads on 2 cores
+    1.5-1.7x one (BENCHMARKS.md, "vLLM weight sync to 2 CPU servers (files)")."""
+    src = x.reshape(dst.shape[::-1]) if transpose else x.reshape(dst.shape)
+    threads = export_threads() if threads is None else threads
+    rows = dst.shape[0]
+    parts = min(threads, max(1, dst.nbytes // min_part_bytes), rows)
+    if parts <= 1:
+        return _transpose_rows(dst, src) if transpose else np.copyto(dst, src)
+    cuts = [rows * j // parts for j in range(parts + 1)]
+
+    def part(j: int):
+        a, b = cuts[j], cuts[j + 1]
+        return _transpose_rows(dst[a:b], src[:, a:b]) if transpose else np.copyto(dst[a:b], src[a:b])
+    pool = _copy_pool(parts)
+    futures = [pool.submit(part, j) for j in range(parts)]
+    concurrent.futures.wait(futures)  # every part done before any error surfaces: the mmap closes after
+    for f in futures:
+        f.result()
+
+
 def write_bucket(path: str, bucket: Bucket, tensors: Iterable[np.ndarray], laid_out: Sequence[bool]):
     """Write `bucket` to the safetensors file `path`, rewriting in place when it already has this
     size (its pages exist: memory speed), each tensor straight to its offset; `laid_out[i]`:
@@ -244,12 +298,7 @@ def write_bucket(path: str, bucket: Bucket, tensors: Iterable[np.ndarray], laid_
             offset = len(header)
             for t, x, hf in zip(bucket.tensors, tensors, laid_out):
                 dst = np.frombuffer(mm, np.uint8, t.nbytes, offset).view(t.dtype).reshape(t.hf_shape)
-                if t.spec.kind == "linear" and not hf:
-                    src = x.reshape(t.hf_shape[::-1])  # ours as [in, out]: transpose while copying
-                    for i in range(0, src.shape[0], STRIP_ROWS):
-                        np.copyto(dst[:, i:i + STRIP_ROWS], src[i:i + STRIP_ROWS].T)
-                else:
-                    np.copyto(dst, x.reshape(t.hf_shape))
+                copy_to_hf(dst, x, transpose=t.spec.kind == "linear" and not hf)
                 offset += t.nbytes
                 del dst  # the mmap cannot close while a view of it lives
     finally:

@@ -191,8 +191,19 @@ class WeightFetcher:
             return dest
 
     def close(self):
+        """Stop answering and delete the copies it made (in /dev/shm each is the model's size in
+        memory, which would outlive the job on a shared node); `root` too, once nothing else is in it."""
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._lock:
+            for d in os.listdir(self.root) if os.path.isdir(self.root) else ():
+                version = d[1:-len(".partial")] if d.endswith(".partial") else d[1:]
+                if d.startswith("v") and version.isdigit():
+                    shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+            try:
+                os.rmdir(self.root)
+            except OSError:  # something of someone else's is in it
+                pass
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
