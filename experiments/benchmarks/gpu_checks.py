@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from experiments.benchmarks import common
-from rstar2_jax.models import Decoder, init_cache, init_paged_cache, token_logprobs
+from rstar2_jax.models import Decoder, init_cache, token_logprobs
+from rstar2_jax.models.decoder import shuffled_paged_cache
 
 
 def rel(a, b) -> float:
@@ -93,15 +94,7 @@ def _decode_checks(cfg, bf16, seq: int) -> list:
 
     # paged decode: the same rows through a shuffled page table (pages of 16), Pallas's paged
     # kernel against XLA's gather of the pages, and against the contiguous rows above
-    page, max_len = 16, seq + 128
-    per_row = [-(-(int(n) + 1) // page) for n in lengths]
-    order = rng.permutation(sum(per_row) + 5)  # 5 pages nobody holds
-    table = np.full((4, max_len // page), len(order), np.int32)
-    start = 0
-    for row, n in enumerate(per_row):
-        table[row, :n] = order[start:start + n]
-        start += n
-    paged = init_paged_cache(cfg, len(order), page, dtype=jnp.bfloat16)._replace(page_table=jnp.asarray(table))
+    paged = shuffled_paged_cache(cfg, np.asarray(lengths) + 1, 16, max_len=seq + 128, dtype=jnp.bfloat16)
     bf16.set_attention(decode="xla")
     _, paged = step(bf16, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos, jnp.int32), paged)
     want_paged, _ = step(bf16, tok, at, jax.tree.map(jnp.copy, paged))

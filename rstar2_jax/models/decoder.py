@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rstar2_jax import sharding
@@ -105,6 +106,22 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     return PagedKVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                         values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)), page_table=None)
+
+
+def shuffled_paged_cache(cfg: ModelConfig, lengths, page_size: int, max_len: int, spare: int = 5, seed: int = 0,
+                         dtype=jnp.float32) -> PagedKVCache:
+    """A paged cache whose rows hold just the pages their `lengths` need, drawn in a shuffled
+    order from a pool with `spare` pages nobody holds (the rest of each table: "no page"): what an
+    engine's pool looks like after many allocations, for checks of the paged decode paths."""
+    per_row = [-(-int(n) // page_size) for n in lengths]
+    num_pages = sum(per_row) + spare
+    order = np.random.default_rng(seed).permutation(num_pages)
+    table = np.full((len(per_row), max_len // page_size), num_pages, np.int32)
+    start = 0
+    for row, n in enumerate(per_row):
+        table[row, :n] = order[start:start + n]
+        start += n
+    return init_paged_cache(cfg, num_pages, page_size, dtype)._replace(page_table=jnp.asarray(table))
 
 
 def _write_pages(pool_k, pool_v, page_table, positions, k, v):

@@ -29,20 +29,6 @@ def test_fused_call_equals_reference_causal_attention(t):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
-def _scrambled_paged_cache(cfg, lengths, page_size, max_len=256, spare=5, seed=0):
-    """A paged cache whose rows hold just the pages their `lengths` need, drawn in a shuffled
-    order from a pool with `spare` pages nobody holds; the rest of each table is "no page"."""
-    per_row = [-(-int(n) // page_size) for n in lengths]
-    num_pages = sum(per_row) + spare
-    order = np.random.default_rng(seed).permutation(num_pages)
-    table = np.full((len(lengths), max_len // page_size), num_pages, np.int32)
-    start = 0
-    for row, n in enumerate(per_row):
-        table[row, :n] = order[start:start + n]
-        start += n
-    return models.init_paged_cache(cfg, num_pages, page_size)._replace(page_table=jnp.asarray(table))
-
-
 def _decode_logits(model, kv_len=None, steps=6, seed=0, page_size=None, return_cache=False):
     """Prefill ragged rows, then decode `steps` tokens; the logits of every decode step (with
     page_size: through a paged cache holding just the pages the rows need, scrambled)."""
@@ -51,7 +37,7 @@ def _decode_logits(model, kv_len=None, steps=6, seed=0, page_size=None, return_c
     if page_size is None:
         cache = models.init_cache(model.cfg, batch=4, max_len=256)
     else:
-        cache = _scrambled_paged_cache(model.cfg, lengths + steps, page_size)
+        cache = decoder.shuffled_paged_cache(model.cfg, lengths + steps, page_size, max_len=256)
     step = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c, kv_len=kv_len))
     prefill = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c))
     width = int(lengths.max())

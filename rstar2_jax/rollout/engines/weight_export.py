@@ -196,9 +196,9 @@ def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool 
     """The bucket's tensors on the host, one after another: in the HF layout when the device lays
     them out (a tensor on one accelerator; see lays_out_on_device), else in ours (write_bucket
     transposes: on CPU, and for a tensor split over devices). Cast
-    on the device either way (half the bytes cross for bf16). Tensor k+1's device work is
-    dispatched before tensor k is read back, so the device lays out one while the host copies the
-    other: at most two tensors in the export dtype are held on a device beyond the learner's state
+    on the device either way (half the bytes cross for bf16). Tensor k+1's device work and its copy
+    to the host are started before tensor k is handed out, so the device lays out and sends one
+    while the host copies the other (the overlap of the transfer is not measured on a GPU yet): at most two tensors in the export dtype are held on a device beyond the learner's state
     (whole, when the parameters are split over processes: each is gathered; to_host=False: only
     that, for a process that does not write)."""
     def dispatch(t: ExportTensor):
@@ -211,7 +211,13 @@ def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool 
             x = gathered(x).addressable_data(0)
         return x
 
-    for _, x in one_ahead(bucket.tensors, dispatch):
+    def dispatch_and_send(t: ExportTensor):
+        x = dispatch(t)
+        if to_host:  # the device-to-host copy starts now, beside the host's copy of the tensor before
+            x.copy_to_host_async()
+        return x
+
+    for _, x in one_ahead(bucket.tensors, dispatch_and_send):
         yield np.asarray(x) if to_host else None
         del x
 
