@@ -371,12 +371,29 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
+# The primitive JAX's cuDNN attention binds in its forward rule (jax/_src/cudnn/
+# fused_attention_stablehlo.py, JAX 0.10-0.11); its outputs are the attention's output and softmax
+# statistics, what the backward kernel reads. Matched by name, as axlearn's flash-attention remat
+# policy does: the call is inside JAX, out of reach of checkpoint_name.
+CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
+
+
+def dots_and_attention_saveable(prim, *avals, **params) -> bool:
+    """Matmul outputs (as "dots") and cuDNN attention's forward outputs: the backward pass runs
+    cuDNN's backward kernel on them instead of running the attention's forward again. With XLA
+    attention (no such primitive) this is "dots"."""
+    return (str(prim) == CUDNN_ATTENTION_FORWARD
+            or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params))
+
+
 # Rematerialisation of each decoder layer in the backward pass (set Decoder.remat):
-# "none" keeps all activations, "full" keeps only layer inputs, "dots" keeps matmul outputs.
+# "none" keeps all activations, "full" keeps only layer inputs, "dots" keeps matmul outputs,
+# "dots_attention" those and cuDNN attention's output and statistics (memory_plan counts each).
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_attention": dots_and_attention_saveable,
 }
 
 

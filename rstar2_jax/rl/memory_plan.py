@@ -159,9 +159,17 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
     mlp = split_dim(arch.intermediate_size, "mlp", mesh)
     vocab = split_dim(arch.vocab_size, "vocab", mesh)
     # per-token widths of what a layer keeps for its backward pass
+    cudnn = cfg.model.attention == "cudnn"
     kept = {"none": 4 * h + q + 2 * kv + q + 4 * mlp,   # norms, residuals, q/k/v, attention out, gate/up/act/product
             "dots": 2 * h + q + 2 * kv + 2 * mlp,       # matmul outputs
+            "dots_attention": 2 * h + q + 2 * kv + 2 * mlp + q * cudnn,  # and cuDNN attention's output
             "full": h}[cfg.model.remat]                  # the layer's input
+    bound = segment_bound(rl.segments_per_row) if rl.token_budget else 1
+    statistics = 0.0
+    if cudnn and cfg.model.remat in ("none", "dots_attention"):
+        # cuDNN's softmax statistics, kept for its backward kernel: float32 per head and token, per
+        # segment slot of a packed row ([rows x bound, heads, positions])
+        statistics = arch.num_layers * tokens * bound * split_dim(arch.num_heads, "q_heads", mesh) * 4
     working = 2 * (3 * h + q + 2 * kv + q + 3 * mlp)    # one layer recomputed: values and cotangents
     scores = 0.0
     if cfg.model.attention == "xla":                     # [heads, S, S] float32 per row
@@ -169,17 +177,19 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     segments = 0.0
-    if rl.token_budget and cfg.model.attention == "cudnn":
+    if rl.token_budget and cudnn:
         # cuDNN's packed backward: a float32 accumulator [rows x segment bound, heads, budget, head_dim]
         # for the layer under way, whatever the rows hold. Not in cuDNN's documentation: the fit that
         # put the plan within 4% of four H200 peaks (BENCHMARKS.md, "Packed rows on an H200: MFU...").
-        bound = segment_bound(rl.segments_per_row)
         segments = rows * bound * split_dim(arch.num_heads, "q_heads", mesh) * seq * hd * 4
-    total = arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits + segments
+    total = (arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits + segments
+             + statistics)
     packed = "packed " if rl.token_budget else ""
     extra = f" (score matrices {scores / GiB:.1f} GiB)" if scores else ""
     if segments:
         extra = f" (its packed backward {segments / GiB:.1f} GiB at rl.segments_per_row={rl.segments_per_row})"
+    if statistics:
+        extra += f" (its softmax statistics {statistics / GiB:.1f} GiB)"
     how = (f"{rows} {packed}row(s) x {seq} positions per micro-batch, remat {cfg.model.remat}, {cfg.model.attention} "
            f"attention{extra}")
     return float(total), how

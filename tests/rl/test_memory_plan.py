@@ -245,3 +245,19 @@ def test_cudnn_s_packed_backward_is_counted_by_the_segment_bound(tmp_path):
         qwen3_0p6b_math, tmp_path, rl__token_budget=16_384, rl__micro_batches=1, model__attention="xla"),
         devices=1, devices_per_process=1, capacity=None).line("activations").how
     assert xla > 0
+
+
+def test_keeping_cudnn_s_attention_outputs_is_counted(tmp_path):
+    """model.remat=dots_attention keeps, beyond "dots", each layer's attention output (q width, in
+    the model's dtype) and cuDNN's softmax statistics (float32 per head and token, per segment
+    slot of a packed row); with XLA attention it is "dots" (no cuDNN forward to keep)."""
+    def activations(remat, attention="cudnn"):
+        cfg = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=16_384, rl__micro_batches=1, model__remat=remat,
+                   model__attention=attention)
+        return memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=None).line(
+            "activations")
+    tokens, layers, heads, q_width = 16_384, 28, 16, 16 * 128
+    statistics = layers * tokens * 32 * heads * 4
+    assert activations("dots_attention").bytes - activations("dots").bytes == layers * tokens * q_width * 2 + statistics
+    assert f"softmax statistics {statistics / GiB:.1f} GiB" in activations("dots_attention").how
+    assert activations("dots_attention", "xla").bytes == activations("dots", "xla").bytes
