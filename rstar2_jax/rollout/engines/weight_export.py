@@ -195,12 +195,12 @@ def one_ahead(items: Sequence, dispatch) -> Iterator[tuple[Any, Any]]:
 def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool = True) -> Iterator[np.ndarray | None]:
     """The bucket's tensors on the host, one after another: in the HF layout when the device lays
     them out (a tensor on one accelerator; see lays_out_on_device), else in ours (write_bucket
-    transposes: on CPU, and for a tensor split over devices). Cast
-    on the device either way (half the bytes cross for bf16). Tensor k+1's device work and its copy
-    to the host are started before tensor k is handed out, so the device lays out and sends one
-    while the host copies the other (the overlap of the transfer is not measured on a GPU yet): at most two tensors in the export dtype are held on a device beyond the learner's state
-    (whole, when the parameters are split over processes: each is gathered; to_host=False: only
-    that, for a process that does not write)."""
+    transposes: on CPU, and for a tensor split over devices). Cast on the device either way (half
+    the bytes cross for bf16). Tensor k+1's device work and its copy to the host are started before
+    tensor k is handed out, so the device lays out and sends one while the host copies the other
+    (the overlap of the transfer is not measured on a GPU yet): at most two tensors in the export
+    dtype are held on a device beyond the learner's state (whole, when the parameters are split
+    over processes: each is gathered; to_host=False: only that, for a process that does not write)."""
     def dispatch(t: ExportTensor):
         x = arrays[t.path]
         if laid_out_by_device(x):
