@@ -142,6 +142,46 @@ def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny
     asyncio.run(engine.close())
 
 
+# A trainer's engine, synced once, then waiting: what `scancel` finds.
+SYNCED_AND_WAITING = """
+import sys, time
+from rstar2_jax import models
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+url, model_dir, sync_dir, previous = sys.argv[1:]
+if previous == "handler":  # a handler that was there first (absl, serve.py) still runs
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: (print("previous handler", flush=True), sys.exit(3)))
+model = models.load_pretrained(model_dir)
+engine = VLLMEngine(url, model, sync_dir=sync_dir)
+engine.update_weights(model, 1)
+print(engine.sync_root, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("previous", ["default", "handler"])
+def test_sigterm_frees_the_trainer_s_exports(vllm_server, tiny_dir, tmp_path, previous):
+    """SIGTERM (scancel, a job's time limit) ends Python without its `finally` blocks: the
+    engine's two export slots (memory, in /dev/shm) used to stay behind. Now they are deleted,
+    and the process still ends as SIGTERM (or the handler it had before) would end it."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-c", SYNCED_AND_WAITING, vllm_server.url, str(tiny_dir),
+                             str(tmp_path / "sync"), previous], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        root = proc.stdout.readline().strip()
+        assert root and os.listdir(root), proc.stderr.read()[-2000:] if proc.poll() is not None else root
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert not os.path.exists(root)
+    if previous == "default":
+        assert proc.returncode == -signal.SIGTERM
+    else:
+        assert proc.returncode == 3 and "previous handler" in rest
+
+
 @pytest.mark.parametrize("swap", ["staged", "streamed"])
 def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weights(vllm_server, tiny_model,
                                                                                       tokenizer, monkeypatch, swap):

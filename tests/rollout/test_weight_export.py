@@ -168,7 +168,7 @@ def test_exports_of_trainers_that_are_gone_are_freed(tmp_path):
     import subprocess
     import sys
 
-    from rstar2_jax.rollout.engines.vllm_engine import SYNC_ROOT_PREFIX, remove_orphaned_exports
+    from rstar2_jax.rollout.engines.export_roots import SYNC_ROOT_PREFIX, remove_orphaned_exports
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a pid whose process has exited

@@ -70,6 +70,7 @@ from rstar2_jax.rollout.engines import adapter_sync
 from rstar2_jax.rollout.engines.adapter_sync import adapter_name, load_on_server
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
+from rstar2_jax.rollout.engines.export_roots import export_root, release, remove_orphaned_exports
 from rstar2_jax.rollout.engines.reach import default_sync_root
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
@@ -83,35 +84,6 @@ log = logging.getLogger(__name__)
 
 class WeightSyncError(RuntimeError):
     pass
-
-
-SYNC_ROOT_PREFIX = "rstar2_sync_"  # + the trainer's pid + "_" + the engine's id
-
-
-def remove_orphaned_exports(root: str) -> list[str]:
-    """Delete the exports under `root` whose trainer process is gone (a crash or SIGKILL skips
-    close()): each holds two copies of the model in /dev/shm, which is memory. Only for a
-    directory of this host: a pid means nothing on another. Returns what was deleted."""
-    removed = []
-    for name in os.listdir(root) if os.path.isdir(root) else ():
-        pid = name[len(SYNC_ROOT_PREFIX):].split("_", 1)[0]
-        if not (name.startswith(SYNC_ROOT_PREFIX) and pid.isdigit()) or _alive(int(pid)):
-            continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        removed.append(name)
-    if removed:
-        log.info("removed %d weight export(s) of trainers that are gone from %s", len(removed), root)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class VLLMEngine(Engine):
@@ -166,7 +138,7 @@ class VLLMEngine(Engine):
         self._sync_base = sync_dir or default_sync_root()
         if sync_dir is None:  # this host's own directory: exports of trainers that died are this host's to free
             remove_orphaned_exports(self._sync_base)
-        self._sync_root = os.path.join(self._sync_base, f"{SYNC_ROOT_PREFIX}{os.getpid()}_{id(self):x}")
+        self._sync_root = export_root(self._sync_base, self)  # freed at close, at SIGTERM, or by the next trainer
         self.bucket_bytes = int(bucket_bytes)
         self.slots = ExportSlots(self._sync_root)  # the exports, written in turn (weight_export.py)
         self.sync_failures = 0                 # syncs that did not reach this server (it kept its weights)
@@ -478,7 +450,7 @@ class VLLMEngine(Engine):
             await asyncio.get_running_loop().run_in_executor(None, adapter_sync.unload_all, self)
         await self.async_client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        shutil.rmtree(self._sync_root, ignore_errors=True)
+        release(self._sync_root)
 
 
 def probe_logprobs(model: Decoder, tokens: Sequence[int]) -> np.ndarray:
