@@ -217,7 +217,11 @@ def batch_script(job: SlurmJob) -> str:
         'host() { echo "${NODES[$(( $1 % ${#NODES[@]} ))]}"; }',
         'hosts() { local out=(); for i in "$@"; do out+=("$(host "$i")"); done; local IFS=,; echo "${out[*]}"; }',
         "STEPS=()",
-        'cleanup() { for pid in "${STEPS[@]}"; do kill "$pid" 2>/dev/null; done; wait; }',
+        # at the end the services get SIGTERM through SLURM, so each frees what it holds (the fetcher's
+        # copies, memory in /dev/shm); killing an srun instead makes SLURM SIGKILL its tasks at once
+        'alive() { for pid in "${STEPS[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }',
+        'cleanup() { scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null; for _ in $(seq 30); do alive || break; sleep 1; '
+        'done; for pid in "${STEPS[@]}"; do kill "$pid" 2>/dev/null; done; wait; }',
         "trap cleanup EXIT",
         'trap "exit 143" TERM',
         "CPUS=${SLURM_CPUS_ON_NODE:-1}",

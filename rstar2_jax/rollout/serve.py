@@ -84,10 +84,10 @@ def main(argv):
         pass
     except OpenServiceError as e:  # beyond loopback without the secret: refused before either one listens
         sys.exit(str(e))
-    finally:
-        server.stop()
+    finally:  # the fetcher first: its copies are memory, and SLURM's SIGKILL may end a slow server.stop()
         if fetcher is not None:
             fetcher.close()
+        server.stop()
 
 
 if __name__ == "__main__":

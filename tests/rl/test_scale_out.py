@@ -119,13 +119,18 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     _wait(lambda: (checkpoints / "2").exists() or first not in cluster.jobs(), 1200, "checkpoint 2")
     assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
     _only_the_job_is_served(cluster, first, work, ports)
+    trainers = _trainer_pids(first)
     cluster.run("scancel", first)
     cluster.wait_gone(first, 120)
     assert not (checkpoints / "4").exists()
+    _nothing_left_in_shm(trainers, ports)  # SIGTERM freed the trainer's exports and the fetcher's copies
 
     # the same script, submitted again, finishes the run from its last checkpoint
     second = cluster.run("sbatch", "--parsable", str(work / "slurm" / "job.sh")).stdout.strip().split(";")[0]
+    _wait(lambda: second not in cluster.jobs() or _trainer_pids(second), 600, "the second job's trainers")
+    trainers = _trainer_pids(second)
     cluster.wait_gone(second, 1200)
+    _nothing_left_in_shm(trainers, ports)
     trainer_log = (work / "slurm" / f"{second}.trainer.0.log").read_text()
     assert cluster.exit_status(second) == 0, trainer_log[-3000:]
     assert "resumed from" in trainer_log
@@ -154,6 +159,28 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     assert "slots on redis://" in sandbox_logs
     vllm_log = (work / "slurm" / f"{second}.vllm.0.0.log").read_text()
     assert "ready: http://" in vllm_log
+
+
+def _trainer_pids(job_id: str) -> set[str]:
+    """The trainer processes of SLURM job `job_id` (other tests' trainers may run beside it)."""
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (b"rstar2_jax.train" in open(f"/proc/{pid}/cmdline", "rb").read()
+                    and f"SLURM_JOB_ID={job_id}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")):
+                pids.add(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def _nothing_left_in_shm(trainers: set[str], ports: dict):
+    """A job's weights in /dev/shm are memory on a shared node: once it is gone, neither its
+    trainers' exports (rstar2_sync_<pid>_...) nor its fetcher's copies may stay."""
+    assert trainers
+    left = [n for n in os.listdir("/dev/shm") if n == f"rstar2_pulled_{ports['vllm']}"
+            or any(n.startswith(f"rstar2_sync_{pid}_") for pid in trainers)]
+    assert not left, left
 
 
 def _job_secret() -> str:
