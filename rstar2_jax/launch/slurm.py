@@ -264,8 +264,7 @@ def batch_script(job: SlurmJob) -> str:
                 serve = [f"{py} -m rstar2_jax.rollout.serve", f"--model={_q(job.model_path)}", "--host=0.0.0.0",
                          f"--port={port}", f"--fetch_port={fetch}", f"--dtype={job.dtype}",
                          f"--max_model_len={job.max_model_len}",
-                         f"--tensor_parallel_size={r.tensor_parallel}", f"--cpu_kv_cache_gib={job.cpu_kv_cache_gib}",
-                         f"--fetch_dir=/dev/shm/rstar2_pulled_{port}"]
+                         f"--tensor_parallel_size={r.tensor_parallel}", f"--cpu_kv_cache_gib={job.cpu_kv_cache_gib}"]
                 if job.vllm_python:
                     serve.append(f"--python={_q(job.vllm_python)}")
                 serve += [f"--lora_rank={job.lora_rank}"] * bool(job.lora_rank)

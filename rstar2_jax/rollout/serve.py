@@ -41,7 +41,8 @@ _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "print the command instead 
 _EXTRA = flags.DEFINE_multi_string("vllm_arg", [], "extra argument passed to vLLM as is (repeat)")
 _FETCH_PORT = flags.DEFINE_integer("fetch_port", None, "also run a weight fetcher on this port (trainers on hosts "
                                    "that share no filesystem with this one: --config.rollout.vllm.sync=pull)")
-_FETCH_DIR = flags.DEFINE_string("fetch_dir", "/dev/shm/rstar2_pulled", "where the fetcher keeps pulled weights")
+_FETCH_DIR = flags.DEFINE_string("fetch_dir", None, "where the fetcher keeps pulled weights (default "
+                                 "/dev/shm/rstar2_pulled_<fetch_port>: one directory per fetcher on a host)")
 
 
 def _interrupt(signum, frame):
@@ -72,7 +73,9 @@ def main(argv):
     try:
         if _FETCH_PORT.value is not None:
             from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
-            fetcher = WeightFetcher(_FETCH_DIR.value, _HOST.value, _FETCH_PORT.value)
+            from rstar2_jax.rollout.engines.weight_pull import default_fetch_dir
+            fetcher = WeightFetcher(_FETCH_DIR.value or default_fetch_dir(_FETCH_PORT.value), _HOST.value,
+                                    _FETCH_PORT.value)
             print(f"weight fetcher: {fetcher.url} (--config.rollout.vllm.fetch_urls={fetcher.url})", flush=True)
         server.start()
         print(f"starting vLLM at {server.url} (about a minute on CPU) ...", flush=True)

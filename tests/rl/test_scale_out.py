@@ -178,7 +178,7 @@ def _nothing_left_in_shm(trainers: set[str], ports: dict):
     """A job's weights in /dev/shm are memory on a shared node: once it is gone, neither its
     trainers' exports (rstar2_sync_<pid>_...) nor its fetcher's copies may stay."""
     assert trainers
-    left = [n for n in os.listdir("/dev/shm") if n == f"rstar2_pulled_{ports['vllm']}"
+    left = [n for n in os.listdir("/dev/shm") if n == f"rstar2_pulled_{ports['fetch']}"
             or any(n.startswith(f"rstar2_sync_{pid}_") for pid in trainers)]
     assert not left, left
 

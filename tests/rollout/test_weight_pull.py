@@ -51,10 +51,13 @@ def test_the_fetcher_copies_bucket_by_bucket_commits_whole_and_keeps_the_newest_
     assert not server.exists()  # its copies are memory in /dev/shm: gone with the fetcher
 
 
-def test_a_closing_fetcher_leaves_what_is_not_its_own(tmp_path):
-    (tmp_path / "server").mkdir()
+def test_a_fetcher_deletes_a_killed_one_s_copies_and_leaves_what_is_not_its_own(tmp_path):
+    """A fetcher started where a killed one left copies deletes them (no sync will name them);
+    closing, it deletes its own; neither touches anything else there."""
+    (tmp_path / "server" / "v3").mkdir(parents=True)
     (tmp_path / "server" / "notes.txt").write_text("someone's")
     fetcher = WeightFetcher(str(tmp_path / "server"))
+    assert os.listdir(tmp_path / "server") == ["notes.txt"]
     (tmp_path / "server" / "v7.partial").mkdir()
     fetcher.close()
     assert os.listdir(tmp_path / "server") == ["notes.txt"]

@@ -27,6 +27,7 @@ import http.server
 import json
 import os
 import shutil
+import tempfile
 import threading
 import urllib.request
 
@@ -112,6 +113,12 @@ def _checked_name(name: str, what: str) -> str:
     return name
 
 
+def default_fetch_dir(port: int) -> str:
+    """Where the fetcher on `port` keeps its copies: this host's memory (/dev/shm), one directory
+    per fetcher (a killed one's copies are deleted by the next fetcher on its port)."""
+    return os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"rstar2_pulled_{port}")
+
+
 class WeightFetcher:
     """Beside a vLLM server: copies the buckets of each export it is told about into
     `root`/v<version>.partial, which /commit renames `root`/v<version> (keeping only the newest
@@ -124,6 +131,7 @@ class WeightFetcher:
         self.secret = secret = secret or job_secret()
         check_open_service("the weight fetcher", host, secret)
         os.makedirs(self.root, exist_ok=True)
+        self._remove_versions()  # a previous fetcher's copies here (it was killed): no sync will name them
         fetcher = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -196,14 +204,18 @@ class WeightFetcher:
         self._httpd.shutdown()
         self._httpd.server_close()
         with self._lock:
-            for d in os.listdir(self.root) if os.path.isdir(self.root) else ():
-                version = d[1:-len(".partial")] if d.endswith(".partial") else d[1:]
-                if d.startswith("v") and version.isdigit():
-                    shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+            self._remove_versions()
             try:
                 os.rmdir(self.root)
             except OSError:  # something of someone else's is in it
                 pass
+
+    def _remove_versions(self):
+        """Delete every copy in `root` (v<N> and v<N>.partial), nothing else."""
+        for d in os.listdir(self.root) if os.path.isdir(self.root) else ():
+            version = d[1:-len(".partial")] if d.endswith(".partial") else d[1:]
+            if d.startswith("v") and version.isdigit():
+                shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -233,10 +245,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Copy synced weights from the trainer for the vLLM server beside it.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8101)
-    p.add_argument("--dir", default="/dev/shm/rstar2_pulled" if os.path.isdir("/dev/shm") else "/tmp/rstar2_pulled")
+    p.add_argument("--dir", default=None, help="where it keeps its copies (default /dev/shm/rstar2_pulled_<port>)")
     args = p.parse_args(argv)
     try:
-        fetcher = WeightFetcher(args.dir, args.host, args.port)
+        fetcher = WeightFetcher(args.dir or default_fetch_dir(args.port), args.host, args.port)
     except OpenServiceError as e:
         raise SystemExit(str(e)) from None
     print(f"weight fetcher on {fetcher.url}, copies into {fetcher.root}", flush=True)
