@@ -155,28 +155,35 @@ model = models.load_pretrained(model_dir)
 engine = VLLMEngine(url, model, sync_dir=sync_dir)
 engine.update_weights(model, 1)
 print(engine.sync_root, flush=True)
-time.sleep(600)
+if previous == "exit":  # told to, the process ends without closing the engine
+    sys.stdin.readline()
+else:
+    time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("previous", ["default", "handler"])
-def test_sigterm_frees_the_trainer_s_exports(vllm_server, tiny_dir, tmp_path, previous):
+@pytest.mark.parametrize("previous", ["default", "handler", "exit"])
+def test_sigterm_or_exit_frees_the_trainer_s_exports(vllm_server, tiny_dir, tmp_path, previous):
     """SIGTERM (scancel, a job's time limit) ends Python without its `finally` blocks: the
     engine's two export slots (memory, in /dev/shm) used to stay behind. Now they are deleted,
-    and the process still ends as SIGTERM (or the handler it had before) would end it."""
+    and the process still ends as SIGTERM (or the handler it had before) would end it; a process
+    that exits without closing its engine deletes them too ("exit")."""
     import signal
     proc = subprocess.Popen([sys.executable, "-c", SYNCED_AND_WAITING, vllm_server.url, str(tiny_dir),
-                             str(tmp_path / "sync"), previous], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             str(tmp_path / "sync"), previous], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         root = proc.stdout.readline().strip()
         assert root and os.listdir(root), proc.stderr.read()[-2000:] if proc.poll() is not None else root
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
+        if previous != "exit":
+            proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate("\n", timeout=60)
     finally:
         proc.kill()
     assert not os.path.exists(root)
-    if previous == "default":
+    if previous == "exit":
+        assert proc.returncode == 0
+    elif previous == "default":
         assert proc.returncode == -signal.SIGTERM
     else:
         assert proc.returncode == 3 and "previous handler" in rest

@@ -2,7 +2,7 @@
 
 Each VLLMEngine writes its exports under `<sync base>/rstar2_sync_<pid>_<engine id>`: two copies of
 the model, in /dev/shm by default, which is memory. They are freed
-- at close (VLLMEngine.close);
+- at close (VLLMEngine.close), or at the interpreter's exit for an engine never closed (atexit);
 - at SIGTERM (scancel, a SLURM time limit, `kill`): Python's default ends the process without
   running any `finally`, so the handler installed here deletes the live exports first, then ends
   the process as SIGTERM would have (or calls the handler that was there before);
@@ -12,6 +12,7 @@ the model, in /dev/shm by default, which is memory. They are freed
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -28,6 +29,8 @@ _LIVE: set[str] = set()
 def export_root(base: str, owner: object) -> str:
     """The directory of `owner`'s exports under `base`, registered to be freed at SIGTERM."""
     root = os.path.join(base, f"{SYNC_ROOT_PREFIX}{os.getpid()}_{id(owner):x}")
+    if not _LIVE:
+        atexit.register(_release_all)  # once per process (unregistered when the last one is released)
     _LIVE.add(root)
     _free_at_sigterm()
     return root
@@ -37,6 +40,13 @@ def release(root: str):
     """Delete `root` (the owner closes)."""
     shutil.rmtree(root, ignore_errors=True)
     _LIVE.discard(root)
+    if not _LIVE:
+        atexit.unregister(_release_all)
+
+
+def _release_all():
+    for root in list(_LIVE):
+        release(root)
 
 
 def _free_at_sigterm():
@@ -47,8 +57,7 @@ def _free_at_sigterm():
         return
 
     def handler(signum, frame):
-        for root in list(_LIVE):
-            release(root)
+        _release_all()
         if callable(previous):
             return previous(signum, frame)
         if previous != signal.SIG_IGN:  # the default: end the process, by SIGTERM, as it would have

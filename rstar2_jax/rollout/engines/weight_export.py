@@ -21,10 +21,10 @@ reload; a layer split over two buckets would leave half of its fused weight unse
 Why the writer is written this way (measured on the 2-core CPU VM, BENCHMARKS.md "vLLM weight
 sync"): a safetensors file is a JSON header and raw bytes, so each tensor is written straight into
 the file's pages (mmap) at its offset, with no intermediate copy; on CPU the HF layout change (a
-transpose) is done while writing, STRIP_ROWS source rows at a time, so each destination row receives
-whole cache lines per strip (faster than XLA's CPU transpose and numpy's whole-array one), and the
-copy of a tensor is split over the host's cores by rows of the destination. On an accelerator the device lays the tensor out (fast
-there) and the host copies contiguous bytes. The two slots are reused from sync to sync: rewriting
+transpose) is done while writing, STRIP_ROWS source rows at a time, so each destination row
+receives whole cache lines per strip (faster than XLA's CPU transpose and numpy's whole-array
+one), and the copy of a tensor is split over the host's cores by rows of the destination. On an
+accelerator the device lays the tensor out (fast there) and the host copies contiguous bytes. The two slots are reused from sync to sync: rewriting
 pages that exist runs at memory speed, allocating fresh tmpfs pages does not; and the previous
 whole export stays intact while the next is written, so a sync that fails half-way can be undone.
 """
@@ -263,8 +263,8 @@ def copy_to_hf(dst: np.ndarray, x: np.ndarray, transpose: bool, threads: int | N
     """Copy tensor `x` into `dst` (HF's shape), transposing ours [in, out] to HF's [out, in] when
     `transpose`; split over `threads` (export_threads() by default) by ranges of dst's rows, each
     thread writing its own contiguous part of the file. numpy's copy releases the GIL, and one
-    thread's strided copy leaves the memory system idle most of the time: 2 threads on 2 cores
-    1.5-1.7x one (BENCHMARKS.md, "vLLM weight sync to 2 CPU servers (files)")."""
+    thread's strided copy leaves the memory system idle most of the time: the export on 2 threads
+    on a 2-core VM 1.7-1.8x one (BENCHMARKS.md, "vLLM weight sync to 2 CPU servers (files)")."""
     src = x.reshape(dst.shape[::-1]) if transpose else x.reshape(dst.shape)
     threads = export_threads() if threads is None else threads
     rows = dst.shape[0]
