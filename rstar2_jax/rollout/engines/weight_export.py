@@ -24,9 +24,10 @@ the file's pages (mmap) at its offset, with no intermediate copy; on CPU the HF 
 transpose) is done while writing, STRIP_ROWS source rows at a time, so each destination row
 receives whole cache lines per strip (faster than XLA's CPU transpose and numpy's whole-array
 one), and the copy of a tensor is split over the host's cores by rows of the destination. On an
-accelerator the device lays the tensor out (fast there) and the host copies contiguous bytes. The two slots are reused from sync to sync: rewriting
-pages that exist runs at memory speed, allocating fresh tmpfs pages does not; and the previous
-whole export stays intact while the next is written, so a sync that fails half-way can be undone.
+accelerator the device lays the tensor out (fast there) and the host copies contiguous bytes. The
+two slots are reused from sync to sync: rewriting pages that exist runs at memory speed, allocating
+fresh tmpfs pages does not; and the previous whole export stays intact while the next is written,
+so a sync that fails half-way can be undone.
 """
 
 from __future__ import annotations
