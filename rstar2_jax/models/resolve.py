@@ -27,7 +27,8 @@ class PolicyModelConfig(Section):
     tiny_hidden: int = setting(128, "tiny model (path ''): hidden size", min=32)
     dtype: str = setting("float32", "compute dtype (trained parameters stay float32; with LoRA the frozen base is "
                          "held in it)", choices=DTYPES)
-    remat: str = setting("none", "rematerialisation of each layer in the backward pass",
+    remat: str = setting("none", "rematerialisation of each layer in the backward pass: none | dots (matmul "
+                         "outputs kept) | dots_attention (and cuDNN attention's outputs) | full (layer inputs only)",
                          choices=tuple(REMAT_POLICIES))
     attention: str = setting("xla", "full forwards: xla | cudnn (NVIDIA; see BENCHMARKS.md)", choices=FULL_ATTENTION)
     decode_attention: str = setting("xla", "engine decode: xla | pallas (ragged; rollout.max_len % 128 == 0 "
