@@ -57,28 +57,28 @@ class PackingPlan:
         return int(self.length.sum())
 
     @functools.cached_property
-    def _index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(source row, source column, packed row, packed column) of every placed token (once per
-        plan: every array of an update is packed through it)."""
+    def _runs(self) -> list[tuple[int, int, int, int]]:
+        """(source row, packed row, offset, length) of every placed rollout: a rollout's tokens are
+        one run in both layouts, so packing is a slice copy per rollout (a few thousand a step):
+        8-11x faster than scattering token by token through index arrays at 8.6M tokens
+        (BENCHMARKS.md, "Packed rows: learner update on this CPU")."""
         placed = np.flatnonzero(self.length > 0)
-        n = self.length[placed]
-        src_row = np.repeat(placed, n)
-        src_col = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
-        return src_row, src_col, self.packed_row[src_row], self.offset[src_row] + src_col
+        return list(zip(placed.tolist(), self.packed_row[placed].tolist(), self.offset[placed].tolist(),
+                        self.length[placed].tolist()))
 
     def pack(self, x: np.ndarray) -> np.ndarray:
         """x [N, T] per token, or [N] per row (broadcast to its tokens) -> [rows, budget], 0 on
         padding."""
-        src_row, src_col, dst_row, dst_col = self._index
         out = np.zeros((self.rows, self.budget), x.dtype)
-        out[dst_row, dst_col] = x[src_row, src_col] if x.ndim == 2 else x[src_row]
+        for i, r, o, n in self._runs:
+            out[r, o:o + n] = x[i, :n] if x.ndim == 2 else x[i]
         return out
 
     def unpack(self, y: np.ndarray, width: int) -> np.ndarray:
         """Packed per-token values [rows, budget] -> [N, width], 0 beyond each row's length."""
-        src_row, src_col, dst_row, dst_col = self._index
         out = np.zeros((len(self.length), width), y.dtype)
-        out[src_row, src_col] = y[dst_row, dst_col]
+        for i, r, o, n in self._runs:
+            out[i, :n] = y[r, o:o + n]
         return out
 
     def layout(self) -> dict[str, np.ndarray]:
@@ -87,9 +87,6 @@ class PackingPlan:
         packed attention `segment_starts` [rows, M + 1] and `segment_lengths` [rows, M] (-1 past
         a row's last segment; M the most segments of a row, rounded up to a power of two: few
         compiled shapes). An empty row gets one 1-token segment (its output is discarded)."""
-        src_row, src_col, dst_row, dst_col = self._index
-        positions = np.zeros((self.rows, self.budget), np.int32)
-        positions[dst_row, dst_col] = src_col
         # a rollout's segment id: its rank among the rollouts of its packed row, by offset
         segment = np.zeros(len(self.length), np.int32)
         placed = np.flatnonzero(self.length > 0)
@@ -97,8 +94,12 @@ class PackingPlan:
         first_of_row = np.r_[0, np.flatnonzero(np.diff(self.packed_row[order])) + 1]
         rank = np.arange(len(order)) - np.repeat(first_of_row, np.diff(np.r_[first_of_row, len(order)]))
         segment[order] = rank + 1
+        positions = np.zeros((self.rows, self.budget), np.int32)
         segment_ids = np.zeros((self.rows, self.budget), np.int32)
-        segment_ids[dst_row, dst_col] = segment[src_row]
+        count = np.arange(self.budget, dtype=np.int32)
+        for i, r, o, n in self._runs:
+            positions[r, o:o + n] = count[:n]
+            segment_ids[r, o:o + n] = segment[i]
         per_row = np.bincount(self.packed_row[placed], minlength=self.rows)
         bound = segment_bound(int(per_row.max(initial=1)))
         starts = np.full((self.rows, bound + 1), -1, np.int32)
