@@ -41,7 +41,7 @@ from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
-from rstar2_jax.rollout.engines.weight_export import export_threads
+from rstar2_jax.rollout.engines import weight_export
 
 
 SWAP_ROWS = {"streamed": "streamed: each reloaded while the next is written, probes waited for",
@@ -83,7 +83,6 @@ def export_alone(model, bucket_bytes, work, repeats):
     threads: (GB/s, GB/s, GB/s one thread, GB/s, buckets). The export runs at a share of this
     host's memory bandwidth at the time, which on a shared VM moves with its neighbours: the
     figures side by side say which."""
-    from rstar2_jax.rollout.engines.weight_export import copy_to_hf
     nbytes, rate, buckets = common.weight_export_rate(model, None, bucket_bytes, os.path.join(work, "export_alone"),
                                                       repeats)
     src = np.ones(nbytes // 4, np.float32)
@@ -93,16 +92,16 @@ def export_alone(model, bucket_bytes, work, repeats):
     w = np.random.default_rng(0).random((model.cfg.intermediate_size, model.cfg.hidden_size), np.float32)
     out = np.empty(w.shape[::-1], np.float32)
     moved = {}
-    for threads in (1, export_threads()):  # write_bucket's copy of a linear weight, ours [in, out] to HF's [out, in]
-        copy_to_hf(out, w, True, threads)
-        moved[threads] = min(timed(copy_to_hf, out, w, True, threads) for _ in range(3))
-    return rate, nbytes / copy / 1e9, w.nbytes / moved[1] / 1e9, w.nbytes / moved[export_threads()] / 1e9, buckets
+    threads = weight_export.export_threads()
+    for n in (1, threads):  # write_bucket's copy of a linear weight, ours [in, out] to HF's [out, in]
+        weight_export.copy_to_hf(out, w, True, n)
+        moved[n] = min(timed(weight_export.copy_to_hf, out, w, True, n) for _ in range(3))
+    return rate, nbytes / copy / 1e9, w.nbytes / moved[1] / 1e9, w.nbytes / moved[threads] / 1e9, buckets
 
 
 def export_variants(model, bucket_bytes, work, widths, threads, rounds):
     """The export alone at each strip width of its host transpose and each thread count,
     alternating per round."""
-    from rstar2_jax.rollout.engines import weight_export
     kept = weight_export.STRIP_ROWS, weight_export.MAX_EXPORT_THREADS
     try:
         for r in range(rounds):
@@ -142,7 +141,6 @@ def main(argv=None):
     params = flops.param_count(model.cfg)
     sizes = [int(x) << 20 for x in args.bucket_mb.split(",")]
     if args.strips or args.threads:
-        from rstar2_jax.rollout.engines import weight_export
         try:
             return export_variants(model, sizes[0], work,
                                    [int(x) for x in (args.strips or str(weight_export.STRIP_ROWS)).split(",")],
@@ -151,7 +149,6 @@ def main(argv=None):
         finally:
             shutil.rmtree(work, ignore_errors=True)
     export_rate, copy_rate, transpose1_rate, transpose_rate, n_buckets = export_alone(model, sizes[0], work, args.repeats)
-    from rstar2_jax.rollout.engines import weight_export
     kept_threads = weight_export.MAX_EXPORT_THREADS
     python = common.vllm_python()
     servers = [VLLMServer(model_dir, ServerOptions(port=free_port(), dtype="float32", max_model_len=512,
@@ -222,7 +219,7 @@ def main(argv=None):
             ["reload alone (an export already written)", f"{med(floor):.2f}", "", "the slowest server", "1.00x"],
             [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}", "",
              f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s, its transposing copy alone "
-             f"{transpose1_rate:.2f} GB/s on one thread, {transpose_rate:.2f} on {export_threads()}", ""]]
+             f"{transpose1_rate:.2f} GB/s on one thread, {transpose_rate:.2f} on {weight_export.export_threads()}", ""]]
     table = common.markdown_table(["sync to all servers", "the trainer waits, s (median)",
                                    "a server's longest pause, s (vs reload alone)", "parts",
                                    "trainer's wait vs reload alone"], rows)

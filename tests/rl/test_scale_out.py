@@ -161,17 +161,23 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     assert "ready: http://" in vllm_log
 
 
-def _trainer_pids(job_id: str) -> set[str]:
-    """The trainer processes of SLURM job `job_id` (other tests' trainers may run beside it)."""
-    pids = set()
+def _trainer_environments(job_id: str) -> dict[str, dict[bytes, bytes]]:
+    """pid -> environment of the trainer processes of SLURM job `job_id` (other tests' trainers
+    may run beside it; an environment is readable by its owner only)."""
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if (b"rstar2_jax.train" in open(f"/proc/{pid}/cmdline", "rb").read()
-                    and f"SLURM_JOB_ID={job_id}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")):
-                pids.add(pid)
+            if b"rstar2_jax.train" in open(f"/proc/{pid}/cmdline", "rb").read():
+                env = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+                if env.get(b"SLURM_JOB_ID") == job_id.encode():
+                    found[pid] = env
         except OSError:
             continue
-    return pids
+    return found
+
+
+def _trainer_pids(job_id: str) -> set[str]:
+    return set(_trainer_environments(job_id))
 
 
 def _nothing_left_in_shm(trainers: set[str], ports: dict):
@@ -183,21 +189,16 @@ def _nothing_left_in_shm(trainers: set[str], ports: dict):
     assert not left, left
 
 
-def _job_secret() -> str:
+def _job_secret(job_id: str) -> str:
     """The secret, from the environment of the job's trainer process (readable by its owner only)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if b"rstar2_jax.train" in open(f"/proc/{pid}/cmdline", "rb").read():
-                env = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
-                if b"RSTAR2_SECRET" in env:
-                    return env[b"RSTAR2_SECRET"].decode()
-        except OSError:
-            continue
+    for env in _trainer_environments(job_id).values():
+        if b"RSTAR2_SECRET" in env:
+            return env[b"RSTAR2_SECRET"].decode()
     raise AssertionError("no trainer process with RSTAR2_SECRET in its environment")
 
 
 def _only_the_job_is_served(cluster, job_id, work, ports):
-    secret = _job_secret()
+    secret = _job_secret(job_id)
     assert len(secret) >= 32
     export = re.search(r"weight export served at (http://\S+) for the fetchers \(they show the job secret\)",
                        (work / "slurm" / f"{job_id}.trainer.0.log").read_text())[1]
