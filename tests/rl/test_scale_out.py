@@ -114,11 +114,17 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
     assert "--config.sandbox.redis.url=$REDIS_URL" in script and "rstar2_jax.rollout.serve" in script
     assert "rstar2_jax.rollout.serve" in next(l for l in script.splitlines() if " --eager" in l)
 
+    # while the job runs (from the trainer's first line on, not after checkpoint 2: the shrunk run
+    # may finish its 4 steps within seconds of it), only the job's holders of its secret are served
+    trainer_log = work / "slurm" / f"{first}.trainer.0.log"
+    _wait(lambda: first not in cluster.jobs() or (trainer_log.exists() and "weight export served at"
+                                                   in trainer_log.read_text()), 1200, "the trainer's export server")
+    assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
+    _only_the_job_is_served(cluster, first, work, ports)
     # stop it once two RL steps are checkpointed (the pre-filter and stage 2 still to come)
     checkpoints = work / "checkpoints"
     _wait(lambda: (checkpoints / "2").exists() or first not in cluster.jobs(), 1200, "checkpoint 2")
     assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
-    _only_the_job_is_served(cluster, first, work, ports)
     trainers = _trainer_pids(first)
     cluster.run("scancel", first)
     cluster.wait_gone(first, 120)
