@@ -7,7 +7,9 @@
   before its first reload, each bucket reloaded while the next is written, the trainer waiting
   for the log-prob probes: the sync before issue 47) and staged (the servers generate through the
   export, then each stops for one reload of the whole export; the probes deferred: their verdict
-  comes with the next sync, so the trainer does not wait for them);
+  comes with the next sync, so the trainer does not wait for them); and background: staged with
+  `rollout.vllm.sync_wait=export` (background_sync.py), where the trainer waits only for the
+  export and the reload lands behind it;
 - reload alone: every server reloads an export already written (the floor a sync can reach
   without a faster path into vLLM).
 
@@ -41,11 +43,13 @@ from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
-from rstar2_jax.rollout.engines import weight_export
+from rstar2_jax.rollout.engines import background_sync, weight_export
 
 
 SWAP_ROWS = {"streamed": "streamed: each reloaded while the next is written, probes waited for",
-             "staged": "staged: every bucket in, then one reload per server; probes deferred"}
+             "staged": "staged: every bucket in, then one reload per server; probes deferred",
+             "background": "staged, sync_wait=export: the trainer waits for the export only, the reload lands "
+                           "behind it"}
 
 
 def timed(fn, *args):
@@ -124,8 +128,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket_mb", default="512", help="bucket sizes to compare, comma-separated (MiB)")
     p.add_argument("--sync", choices=("files", "pull"), default="files")
-    p.add_argument("--swap", default="streamed,staged", help="swap modes to compare, comma-separated (streamed waits "
-                   "for the probes, staged defers them)")
+    p.add_argument("--swap", default="streamed,staged,background", help="swap modes to compare, comma-separated "
+                   "(streamed waits for the probes, staged defers them, background: staged with sync_wait=export)")
     p.add_argument("--strips", default="", help="only the export alone, no servers: these widths of the host "
                    "transpose's strips (weight_export.STRIP_ROWS), comma-separated, alternating --repeats rounds")
     p.add_argument("--threads", default="", help="only the export alone, no servers: these most threads of its "
@@ -180,16 +184,24 @@ def main(argv=None):
                     whole_export_s.append(export_s)
                 for swap, n in [(swap, n) for swap in swaps for n in thread_counts]:  # alternating, side by side
                     for e in engines:
-                        e.swap, e.probe = swap, ("wait" if swap == "streamed" else "deferred")
+                        e.swap = "staged" if swap == "background" else swap
+                        e.probe = "wait" if swap == "streamed" else "deferred"
                     version += 1
                     weight_export.MAX_EXPORT_THREADS = n or kept_threads
-                    report = push_to_servers(engines, model, version)
+                    start = time.perf_counter()
+                    if swap == "background":  # the trainer's wait ends at the export; then the landing is awaited
+                        background_sync.push_in_background(engines, model, version)
+                        waited = time.perf_counter() - start
+                        report = background_sync.settle(engines)[-1]
+                    else:
+                        report = push_to_servers(engines, model, version)
+                        waited = time.perf_counter() - start
                     weight_export.MAX_EXPORT_THREADS = kept_threads
                     assert report.ok, report.error
                     for e in engines:  # a deferred verdict: in a run the next update takes this time
                         e.probe_verdict()
                     if i >= 2:
-                        bucketed[size, swap, n].append(report)
+                        bucketed[size, swap, n].append((report, waited))
                 if i >= 2:
                     floor.append(reload_alone(engines))
     except BaseException:
@@ -209,13 +221,15 @@ def main(argv=None):
              f"{med(whole) / med(floor):.2f}x"],
             *[[f"{r[0].buckets} bucket(s) of <= {size >> 20} MiB, {SWAP_ROWS[swap]}"
                + (f"; export on {n} thread(s)" if n else ""),
-               f"{med(x.total_s for x in r):.2f}",
+               f"{med(waits):.2f}",
                f"{med(x.paused_s for x in r):.2f} ({med(x.paused_s for x in r) / med(floor):.2f}x), from "
                f"{med(x.paused_from_s for x in r):.2f} s",
                f"export {med(x.export_s for x in r):.2f} s, all reloaded at {med(x.reload_s for x in r):.2f} s, "
                f"generating again at {med(x.resumed_s for x in r):.2f} s, probes {med(x.probe_s for x in r):.2f} s"
-               + (" (after the sync returned)" if swap == "staged" else ""),
-               f"{med(x.total_s for x in r) / med(floor):.2f}x"] for (size, swap, n), r in bucketed.items()],
+               + (" (after the sync returned)" if swap != "streamed" else "")
+               + (f"; landed at {med(x.total_s for x in r):.2f} s" if swap == "background" else ""),
+               f"{med(waits) / med(floor):.2f}x"]
+              for (size, swap, n), pairs in bucketed.items() for r, waits in [tuple(zip(*pairs))]],
             ["reload alone (an export already written)", f"{med(floor):.2f}", "", "the slowest server", "1.00x"],
             [f"export alone, no servers ({n_buckets} bucket(s))", f"{gb / export_rate:.2f}", "",
              f"{export_rate:.2f} GB/s; plain memory copy {copy_rate:.2f} GB/s, its transposing copy alone "

@@ -97,6 +97,7 @@ class RLRun:
         self._evaluated = False  # an evaluation ran in this call of run()
         self.inflight_dir = os.path.join(self.workdir, "inflight")  # in-flight rollouts (rollout/journal.py)
         self.restored_version = 0  # weights version the session started from (the checkpoint's)
+        self.synced_version = 0  # the newest weights sent to the engine (maybe still landing: background_sync.py)
         self.carried: RunningGroups | None = None  # rl.staleness.policy=carry: groups the next step trains
 
     # ------------------------------------------------------------------------------------------
@@ -189,6 +190,7 @@ class RLRun:
             async with make_sandbox(cfg.sandbox) as sb, \
                     make_engine(cfg.rollout, self.model_with(weights), self.tokenizer, seed=cfg.seed) as engine:
                 await engine.sync_weights(weights, self.learner.version)
+                self.synced_version = self.learner.version
                 self.producer = RolloutProducer(cfg, engine, sb, self.tokenizer, self.fmt,
                                                 inflight_dir=self.inflight_dir, restored_version=self.restored_version)
                 yield self.producer
@@ -212,6 +214,9 @@ class RLRun:
         last_end = time.monotonic()
 
         async def draw(step: int):
+            # the weights the pipeline promises this step's rollouts: with rollout.vllm.sync_wait=export
+            # the last sync may still be landing on the servers (background_sync.py)
+            await self.producer.engine.weights_at_least(self.synced_version)
             return self.roll_out(step, *await self.draw(step))
 
         self.carried = carry.relaunch(self.state.carried, self.producer, self.task.train_problems)  # carried at the checkpoint
@@ -351,9 +356,11 @@ class RLRun:
         engine = self.producer.engine
         with timeline.span("sync"):
             await engine.sync_weights(self.engine_weights(), self.learner.version)
+            self.synced_version = self.learner.version
         if engine.weights_on_servers:
             metrics["sync/failures"] = engine.failed_syncs  # this session's so far (each was retried at once)
-            if (paused := engine.sync_paused_s()) is not None:  # the process that pushed: how long the servers stood
+            # the process that pushed: how long the servers stood (sync_wait=export: in the last sync that landed)
+            if (paused := engine.sync_paused_s()) is not None:
                 metrics["sync/servers_paused_s"] = paused
         return metrics
 

@@ -82,13 +82,27 @@ class Scheduler(Engine):
         engines (NCCL sync, embedded) are updated one by one."""
         from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
 
+        from rstar2_jax.rollout.engines.background_sync import push_in_background
+
         version = self.version + 1 if version is None else version
         shared = self._shared()
         if shared:
-            push_to_servers(shared, params, version)
+            (push_in_background if shared[0].lands_in_background else push_to_servers)(shared, params, version)
         for e in self.engines:
             if e not in shared:
                 e.update_weights(params, version)
+
+    @property
+    def lands_in_background(self) -> bool:
+        return any(e.lands_in_background for e in self.engines)
+
+    def settle_sync(self) -> list[str | None]:
+        from rstar2_jax.rollout.engines.background_sync import settle
+        return [r.error for r in settle([e for e in self.engines if getattr(e, "landing", None) is not None])]
+
+    async def weights_at_least(self, version: int) -> None:
+        for e in self.engines:
+            await e.weights_at_least(version)
 
     def adopt_weights(self, params, version: int, synced: dict[str, str] | None = None) -> None:
         for e in self.engines:

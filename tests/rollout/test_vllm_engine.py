@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import jax
@@ -29,6 +30,9 @@ from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.engines import background_sync
+from rstar2_jax.rollout.engines.base import WeightSyncFailed
+from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -229,6 +233,91 @@ def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weig
     asyncio.run(engine.close())
 
 
+def served_version(server) -> str:
+    return json.load(urllib.request.urlopen(server.url + "/weight_info"))["weight_version"]
+
+
+def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one_at_a_time(
+        vllm_server, tiny_model, tokenizer, monkeypatch):
+    """sync_wait=export: update_weights returns once the export is written, while the server's
+    reload is held back; the learner's arrays are deleted right then (as the next update donates
+    them) and the sync still lands: the server then serves those weights and the engine's
+    version moves only when it does. A second sync started meanwhile waits for the first to land
+    before it exports (one sync at a time), then lands in turn."""
+    ids = tokenizer.encode("<|im_start|>user\nWhat is 3*9?<|im_end|>\n<|im_start|>assistant\n27")
+    engine = VLLMEngine(vllm_server.url, tiny_model, sync_wait="export")
+    assert engine.lands_in_background
+    release = threading.Event()
+    reloads: list[str] = []
+    reload_part = engine._reload_part
+
+    def held_reload(bucket_dir):
+        release.wait(60)
+        reloads.append(bucket_dir)
+        reload_part(bucket_dir)
+
+    monkeypatch.setattr(engine, "_reload_part", held_reload)
+    graphdef, state = nnx.split(perturbed(tiny_model, seed=31))
+    first = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # arrays of its own (perturbed shares the vectors)
+    second = perturbed(tiny_model, seed=32)
+    expected = [jax_logprobs(m, ids)[1:] for m in (first, second)]
+    engine.update_weights(first, 41)
+    assert engine.version == 0 and reloads == [] and served_version(vllm_server) != "41"  # still landing
+    for leaf in jax.tree.leaves(nnx.state(first)):
+        leaf.delete()  # the next update donates them: the landing must not read them again
+    started = threading.Thread(target=engine.update_weights, args=(second, 42))
+    started.start()
+    started.join(1.0)
+    assert started.is_alive() and engine.landing.done() is False  # v42 waits for v41's landing
+    release.set()
+    started.join(60)
+    assert not started.is_alive() and len(reloads) >= 1
+    asyncio.run(engine.weights_at_least(42))
+    assert engine.version == 42 and served_version(vllm_server) == "42" and engine.last_sync.ok
+    assert [r.version for r in background_sync.settle([engine])] == [42]
+    np.testing.assert_allclose(engine.prompt_logprobs(ids), expected[1], atol=1e-3)
+    asyncio.run(engine.close())
+
+
+def test_a_failed_background_sync_is_made_again_from_its_export_and_a_second_failure_stops_the_run(
+        vllm_server, tiny_model, tokenizer, monkeypatch):
+    """A background sync whose reload fails is rolled back and made once more from the export it
+    already wrote (the arrays may be gone): it lands, and the next sync counts the failure. A
+    sync whose reload fails twice leaves the server on its previous weights, the wait for its
+    version raises WeightSyncFailed, and so does the next sync (two failures in a row)."""
+    ids = tokenizer.encode("<|im_start|>user\nWhat is 4*8?<|im_end|>\n<|im_start|>assistant\n32")
+    engine = VLLMEngine(vllm_server.url, tiny_model, sync_wait="export")
+    failures = {"left": 0}
+    reload_part = engine._reload_part
+
+    def failing_reload(bucket_dir):
+        if failures["left"] and bucket_dir != engine._synced_dir:  # the new export's reload; roll-backs go through
+            failures["left"] -= 1
+            raise ServerRequestError("reload refused by the test")
+        reload_part(bucket_dir)
+
+    monkeypatch.setattr(engine, "_reload_part", failing_reload)
+    first, second, third = (perturbed(tiny_model, seed=s) for s in (51, 52, 53))
+    asyncio.run(engine.sync_weights(first, 1))
+    asyncio.run(engine.weights_at_least(1))
+    failures["left"] = 1
+    asyncio.run(engine.sync_weights(second, 2))
+    asyncio.run(engine.weights_at_least(2))  # the second attempt landed
+    assert engine.version == 2 and served_version(vllm_server) == "2"
+    np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(second, ids)[1:], atol=1e-3)
+    assert [r.ok for r in background_sync.settle([engine])] == [False, True] and engine.failed_syncs == 0
+    failures["left"] = 2
+    asyncio.run(engine.sync_weights(third, 3))
+    assert engine.failed_syncs == 1  # counted by the sync after it
+    with pytest.raises(WeightSyncFailed, match="could not reach"):
+        asyncio.run(engine.weights_at_least(3))
+    assert engine.version == 2 and served_version(vllm_server) == "2"
+    np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(second, ids)[1:], atol=1e-3)
+    with pytest.raises(WeightSyncFailed, match="twice in a row"):
+        asyncio.run(engine.sync_weights(first, 4))
+    asyncio.run(engine.close())
+
+
 def memorized_tool_model(tiny_model, tokenizer, fmt):
     """The tiny model fine-tuned on one clean trace until greedy decoding replays it: a tool call
     printing 123+456, then the answer from the tool's output."""
@@ -412,23 +501,40 @@ def test_scheduler_over_a_vllm_server_and_a_jax_engine(vllm_server, tiny_model, 
     assert min(out["least_requests"][0].dispatched) > 0
 
 
-def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path):
+@pytest.mark.parametrize("sync_wait", ["reload", "export"])
+def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypatch, sync_wait):
+    """The trainer over a vLLM server, each reload held back 1 s. reload: the trainer's sync holds
+    it. export (one step of staleness, three steps): the trainer's first sync returns before its
+    reload, and the rollouts of step 2 wait for v1 to land, not started under v0 (two versions
+    behind: the run would stop on the staleness bound)."""
     from rstar2_jax.rl.trainer import run
     from tests.rl.test_training import small_config
 
-    cfg = small_config(steps=2)
+    held_s = 1.0
+    reload_part = VLLMEngine._reload_part
+
+    def held_reload(self, bucket_dir):
+        time.sleep(held_s)
+        reload_part(self, bucket_dir)
+
+    monkeypatch.setattr(VLLMEngine, "_reload_part", held_reload)
+    export = sync_wait == "export"
+    cfg = small_config(steps=3, max_staleness=1) if export else small_config(steps=2)
     cfg.rollout.engine = "vllm"
     cfg.rollout.vllm.urls = [vllm_server.url]
+    cfg.rollout.vllm.sync_wait = sync_wait
     cfg.rl.roc.reject_uniform_groups = False  # every step updates (and syncs), whatever the rewards
     results = run(cfg, str(tmp_path))
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     rl = [l for l in lines if l["phase"] == "rl"]
-    assert [l["step"] for l in rl] == [0, 1] and all(l["kept_rollouts"] > 0 for l in rl)
-    # the server stood only for its reloads, inside the trainer's sync
-    assert all(0 < l["sync/servers_paused_s"] <= l["time/sync_s"] for l in rl), rl
+    assert [l["step"] for l in rl] == list(range(cfg.rl.steps)) and all(l["kept_rollouts"] > 0 for l in rl)
+    if export:  # step 0's sync: the export alone (v0 had landed before its rollouts)
+        assert rl[0]["time/sync_s"] < held_s, rl[0]
+        assert all(l["staleness/max"] <= 1 for l in rl), rl
+    else:  # the server stood only for its reloads, inside the trainer's sync
+        assert all(held_s <= l["sync/servers_paused_s"] <= l["time/sync_s"] for l in rl), rl
     assert "before" in results and "after" in results
-    served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
-    assert served == "2"  # SFT start = version 0, then one sync per RL step
+    assert served_version(vllm_server) == str(cfg.rl.steps)  # SFT start = version 0, then one sync per RL step
 
 
 def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, tiny_model, caplog):

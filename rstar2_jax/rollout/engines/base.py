@@ -129,6 +129,9 @@ class Engine(abc.ABC):
         if not self.weights_on_servers:
             self.update_weights(params, version)
             return
+        if self.lands_in_background:  # one process (rl/config.py): the reload lands behind the trainer
+            await self._sync_in_background(params, version)
+            return
         primary = processes.is_primary()
         for attempt in (1, 2):
             if primary:
@@ -150,6 +153,31 @@ class Engine(abc.ABC):
                                    "logs)")
         if not primary:
             self.adopt_weights(params, version, synced)
+
+    # True when a push to shared servers returns once the weights are exported, and the servers'
+    # reload lands behind the trainer (rollout.vllm.sync_wait=export: background_sync.py).
+    lands_in_background: bool = False
+
+    async def _sync_in_background(self, params: Any, version: int) -> None:
+        """The previous sync settled (its failed attempts counted; two in a row raise), then this
+        one started: returns once the learner's arrays are free, before the servers have it."""
+        errors = await asyncio.to_thread(self.settle_sync)
+        self.failed_syncs += sum(e is not None for e in errors)
+        if len(errors) > 1 and errors[-1] is not None:
+            raise WeightSyncFailed(f"the weights before v{version} could not reach the vLLM servers twice in a row: "
+                                   f"{errors[-1]} (the servers answer with their previous weights; see the trainer's "
+                                   "and servers' logs)")
+        await asyncio.to_thread(self.update_weights, params, version)
+
+    def settle_sync(self) -> list[str | None]:
+        """Wait for the background sync under way, if any: each of its attempts' error (None:
+        landed); empty when none was started."""
+        return []
+
+    async def weights_at_least(self, version: int) -> None:
+        """Until this engine samples with `version` or newer weights (a background sync landed:
+        what a step's rollouts wait for). Engines whose syncs land before returning: at once."""
+        return None
 
     @abc.abstractmethod
     def update_weights(self, params: Any, version: int | None = None) -> None:

@@ -54,7 +54,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,8 @@ from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
 from rstar2_jax.models import lora
 from rstar2_jax.models.lora import LoRAConfig
-from rstar2_jax.rollout.engines import adapter_sync
+from rstar2_jax.rollout.engines import adapter_sync, background_sync
+from rstar2_jax.rollout.engines.background_sync import WAIT_MODES
 from rstar2_jax.rollout.engines.adapter_sync import adapter_name, load_on_server
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
@@ -95,20 +96,24 @@ class VLLMEngine(Engine):
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
                  max_concurrency: int = 256, sync: str = "files", nccl_server_ranks: int = 1,
                  fetch_url: str | None = None, sync_host: str = "127.0.0.1", bucket_bytes: int = 2048 << 20,
-                 swap: str = "staged", probe: str = "deferred"):
+                 swap: str = "staged", probe: str = "deferred", sync_wait: str = "reload"):
         """sync: "files" (safetensors files; the server reads the export from sync_dir: this host's /dev/shm by
         default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
         `fetch_url`, beside the server, copies the export from this process's file server at
         `sync_host`; no shared filesystem: weight_pull.py) or "nccl" (GPU broadcast). bucket_bytes:
         the export's bucket (weight_export.py, host memory): the servers reload bucket by bucket as
         the export is written. swap: "staged" | "streamed", probe: "deferred" | "wait" (the module's
-        docstring). A `model` with LoRA adapters (models/lora.py): a sync moves only them, and the
-        server, started with adapters enabled (ServerOptions.lora_rank), loads each version (adapter_sync.py)."""
+        docstring); sync_wait: "reload" | "export" (background_sync.py). A `model` with LoRA adapters
+        (models/lora.py): a sync moves only them, and the server, started with adapters enabled
+        (ServerOptions.lora_rank), loads each version (adapter_sync.py)."""
         if sync not in SYNC_METHODS:
             raise ValueError(f"sync must be one of {SYNC_METHODS}, got {sync!r}")
         if swap not in SWAP_MODES or probe not in PROBE_MODES:
             raise ValueError(f"swap must be one of {SWAP_MODES} and probe one of {PROBE_MODES}, got {swap!r}, {probe!r}")
-        self.swap, self.probe = swap, probe
+        if sync_wait not in WAIT_MODES:
+            raise ValueError(f"sync_wait must be one of {WAIT_MODES}, got {sync_wait!r}")
+        self.swap, self.probe, self.sync_wait = swap, probe, sync_wait
+        self.landing: concurrent.futures.Future | None = None  # sync_wait=export: the last sync, landing or landed
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
         if self.adapters is not None and sync == "nccl":
             raise ValueError("LoRA adapters reach vLLM servers by files or pull, not sync='nccl'")
@@ -305,11 +310,26 @@ class VLLMEngine(Engine):
 
     weights_on_servers = True
 
+    @property
+    def lands_in_background(self) -> bool:
+        """sync_wait=export, for a sync of whole weights through files (adapters and NCCL: waited for)."""
+        return self.sync_wait == "export" and self.adapters is None and self.sync != "nccl"
+
+    def settle_sync(self) -> list[str | None]:
+        return [r.error for r in background_sync.settle([self])]
+
+    async def weights_at_least(self, version: int) -> None:
+        await background_sync.wait_for_version([self], version)
+
     def update_weights(self, params: Any, version: int | None = None) -> None:
-        """Push parameters (an nnx.State of the model's variables, or a Decoder) to the server."""
+        """Push parameters (an nnx.State of the model's variables, or a Decoder) to the server
+        (sync_wait=export: returns once they are exported, background_sync.py)."""
         model = self.as_model(params)
         version = self.version + 1 if version is None else version
         start = time.perf_counter()
+        if self.lands_in_background:
+            background_sync.push_in_background([self], model, version)
+            return
         if not (self.sync == "nccl" and self._sync_nccl(model, version)):
             push_to_servers([self], model, version)
             return
@@ -442,6 +462,8 @@ class VLLMEngine(Engine):
         return err
 
     async def close(self):
+        if self.landing is not None:  # no reload may run beside the export's removal
+            await asyncio.get_running_loop().run_in_executor(None, background_sync.settle, [self])
         if self._probe is not None:  # the last sync's verdict still counts
             await asyncio.get_running_loop().run_in_executor(None, self.probe_verdict)
         if self._recovery is not None:
@@ -507,6 +529,15 @@ class _Abandoned(Exception):
     """A bucket a server did not load because another load of the same sync had failed."""
 
 
+@dataclasses.dataclass(frozen=True)
+class WrittenExport:
+    """A sync's export once every bucket is written (and the probe's reference computed): all a
+    second attempt of the same sync needs, without the learner's arrays (background_sync.py)."""
+    plan: ExportPlan
+    slot: str
+    reference: np.ndarray
+
+
 @dataclasses.dataclass
 class SyncReport:
     """One sync to a set of servers: its times, and the error that stopped it (None: it landed)."""
@@ -522,6 +553,8 @@ class SyncReport:
                                  # filled in when the last one answers, after the sync returned)
     total_s: float = 0.0         # the whole sync, as the trainer waits for it (deferred: without the probes)
     error: str | None = None
+    written: WrittenExport | None = None  # the whole export, once written: what a second attempt reloads
+
 
     @property
     def ok(self) -> bool:
@@ -551,7 +584,8 @@ def finish(engines: Sequence[VLLMEngine], report: SyncReport, start: float):
         e.last_sync = report
 
 
-def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
+def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
+                    on_exported: Callable[[], None] | None = None, again: WrittenExport | None = None) -> SyncReport:
     """The learner's weights to every server: one export, bucket by bucket (weight_export.py).
     Staged (the engines' `swap`, the default): every bucket is written (sync=pull: and copied by
     each server's fetcher) while the servers generate; then each server pauses for one reload of
@@ -565,20 +599,26 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
     whole weights and version: the ones that took new buckets reload the previous export. The
     error is logged and returned (SyncReport.error, and each engine's sync_failures); the
     servers go on answering, and the caller retries with the next sync. The previous sync's
-    deferred probe is collected first: a failed one raises WeightSyncError before any export."""
+    deferred probe is collected first: a failed one raises WeightSyncError before any export.
+
+    `on_exported` is called once the export is whole and the probe's reference computed: the
+    learner's arrays are no longer read, and the rest may finish behind the caller
+    (background_sync.py; a sync that fails before calls it never). `again`: a second attempt that
+    reloads that written export (report.written) instead of writing one (params unused)."""
     for e in engines:
         e.probe_verdict()
     if engines[0].adapters is not None:  # a LoRA run: only the adapters move (adapter_sync.py)
         return adapter_sync.push_adapters(engines, params, version)
     lead = engines[0]
     staged = lead.swap == "staged"
-    model = lead.as_model(params)
-    plan = lead.export_plan(model)
-    arrays = param_arrays(model)
+    model = lead.as_model(params) if again is None else None
+    plan = lead.export_plan(model) if again is None else again.plan
+    arrays = param_arrays(model) if again is None else {}
     report = SyncReport(version, len(plan.buckets), plan.nbytes)
     start = time.perf_counter()
-    reference: np.ndarray | None = None  # the probe's reference: the learner's log-probs of the probe
-    slot = lead.slots.begin(plan)
+    # the probe's reference: the learner's log-probs of the probe
+    reference: np.ndarray | None = None if again is None else again.reference
+    slot = lead.slots.begin(plan) if again is None else again.slot
     paused: dict[VLLMEngine, float] = {}  # server -> when it paused (each entry written by that server's queue)
     failed: list[BaseException] = []      # the errors of servers' loads; one is enough to end the sync
 
@@ -611,22 +651,31 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int) ->
             raise
 
     landed: dict[VLLMEngine, str] = {}
-    written = 0
+    written = 0 if again is None else len(plan.buckets)  # buckets whose gathers this process took part in
     queues = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-sync") for e in engines}
     try:
         # one queue per server: it reloads the buckets in order, bucket k while k+1 is written
         pending: list[concurrent.futures.Future] = []
         for bucket in plan.buckets:
-            written = bucket.index + 1  # write() takes part in all of its bucket's gathers, even failing
-            bucket_dir = lead.slots.write(slot, bucket, arrays)
+            if again is None:
+                written = bucket.index + 1  # write() takes part in all of its bucket's gathers, even failing
+                bucket_dir = lead.slots.write(slot, bucket, arrays)
+            else:
+                bucket_dir = os.path.join(slot, bucket.dir_name)
             pending += [queues[e].submit(load, e, bucket, bucket_dir) for e in engines]
             if failed:
                 break  # a server already failed: stop writing
         report.export_s = time.perf_counter() - start
+        export_whole = written == len(plan.buckets)  # every bucket written (again: by the first attempt)
         take_part(plan, arrays, start=written)  # writing stopped early: the other processes' gathers go on
         written = len(plan.buckets)
         # while the servers reload; after every gather, the order of collectives of take_part_in_sync
-        reference = probe_logprobs(model, lead._probe_tokens)
+        if reference is None:
+            reference = probe_logprobs(model, lead._probe_tokens)
+        if export_whole:
+            report.written = WrittenExport(plan, slot, reference)
+            if on_exported is not None:
+                on_exported()  # the learner's arrays are free: the rest may run behind the caller
         concurrent.futures.wait(pending)
         if failed:
             raise failed[0]

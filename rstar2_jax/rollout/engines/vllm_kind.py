@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_sizes
+from rstar2_jax.rollout.engines.background_sync import WAIT_MODES
 from rstar2_jax.rollout.engines.base import Engine
 from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
 from rstar2_jax.rollout.engines.reach import default_sync_root, unreadable_by_servers
@@ -52,6 +53,9 @@ class VLLMSettings(Section):
                         "each stops only for one reload of the whole export | streamed: each bucket reloaded while "
                         "the next is written (shorter syncs where servers have cores of their own, longer pauses)",
                         choices=SWAP_MODES)
+    sync_wait: str = setting("reload", "what the trainer waits for at each sync: reload (every server holds the new "
+                             "weights) | export (only the export: the servers' reload lands beside the next update, "
+                             "and the next step's rollouts wait for it; one trainer process)", choices=WAIT_MODES)
     probe: str = setting("deferred", "deferred: the log-prob probe after each sync runs beside the next rollouts and "
                          "a mismatch stops the run at the next sync | wait: the trainer waits for it every sync",
                          choices=PROBE_MODES)
@@ -66,7 +70,8 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     fetchers = cfg.vllm.fetch_urls or (None,) * len(cfg.vllm.urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm.probe_tolerance,
                           sync_dir=v.sync_dir or None, sync=v.sync, fetch_url=fetch, sync_host=v.sync_host,
-                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)), swap=v.swap, probe=v.probe)
+                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)), swap=v.swap, probe=v.probe,
+                          sync_wait=v.sync_wait)
                for url, fetch in zip(v.urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.vllm.scheduler)
 
@@ -81,6 +86,9 @@ def _check_vllm(cfg: RolloutConfig):
     if cfg.vllm.sync == "pull" and len(cfg.vllm.fetch_urls) != len(cfg.vllm.urls):
         yield "vllm.fetch_urls", (f"sync=pull needs one weight fetcher URL per server ({len(cfg.vllm.urls)}), got "
                                   f"{len(cfg.vllm.fetch_urls)}")
+    if cfg.vllm.sync == "nccl" and cfg.vllm.sync_wait == "export":
+        yield "vllm.sync_wait", ("export needs a sync through files (rollout.vllm.sync=files or pull): an NCCL "
+                                 "broadcast is the servers' load itself; set sync_wait=reload")
     if cfg.vllm.sync != "pull" and cfg.vllm.fetch_urls:
         yield "vllm.fetch_urls", "are only read with rollout.vllm.sync=pull"
     for i, url in enumerate(cfg.vllm.fetch_urls):
@@ -135,6 +143,9 @@ def _adapter_refusal(r: RolloutConfig, rank: int) -> str | None:
         return ("LoRA adapters reach vLLM servers by files or pull, not rollout.vllm.sync=nccl (a broadcast of the "
                 "whole model): set rollout.vllm.sync=files or pull (the adapters are megabytes), or "
                 "model.lora.rank=0")
+    if r.vllm.sync_wait == "export":
+        return ("a LoRA run's sync moves only the adapters (megabytes) and is always waited for: set "
+                "rollout.vllm.sync_wait=reload, or model.lora.rank=0")
     if rank > 512:
         return f"vLLM serves LoRA adapters up to rank 512, not {rank}: lower model.lora.rank"
     return None
