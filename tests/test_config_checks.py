@@ -237,3 +237,27 @@ def test_segments_per_row_must_be_a_power_of_two_and_the_error_names_the_two_nea
     assert "is 24; it must be a power of two" in str(p) and "32 or 16" in str(p), p
     tree["rl"]["segments_per_row"] = 16
     assert problems_of(tree) == []
+
+
+def test_sync_wait_export_is_refused_where_its_landing_cannot_be_awaited_and_warned_where_nothing_overlaps():
+    """rollout.vllm.sync_wait=export (rollout/engines/background_sync.py): one trainer process, a
+    sync through files, whole weights; with rl.max_staleness=0 it runs but overlaps nothing."""
+    tree = tiny_arith.get_config().to_dict()
+    tree["rollout"].update(engine="vllm")
+    tree["rollout"]["vllm"].update(urls=("http://127.0.0.1:8100",), sync_wait="export")
+    tree["rl"]["max_staleness"] = 1
+    run_cfg, problems = RunConfig.parse(tree)
+    assert problems == [] and run_cfg.topology_problems(1) == []
+    assert not any("sync_wait" in w for w in run_cfg.warnings())
+    [p] = run_cfg.topology_problems(2)
+    assert p.path == "rollout.vllm.sync_wait" and "one trainer process, not 2" in str(p), p
+    tree["rollout"]["vllm"]["sync"] = "nccl"
+    assert problems_of(tree) == ["rollout.vllm.sync_wait"]
+    tree["rollout"]["vllm"]["sync"] = "pull"
+    tree["rollout"]["vllm"]["fetch_urls"] = ("http://127.0.0.1:8200",)
+    assert problems_of(tree) == []
+    tree["model"]["lora"]["rank"] = 8
+    assert problems_of(tree) == ["model.lora.rank"]
+    tree["model"]["lora"]["rank"], tree["rl"]["max_staleness"] = 0, 0
+    run_cfg, problems = RunConfig.parse(tree)
+    assert problems == [] and any("sync_wait=export with rl.max_staleness=0" in w for w in run_cfg.warnings())

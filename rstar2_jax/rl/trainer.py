@@ -121,6 +121,8 @@ class RLRun:
     async def evaluate(self, step: int, label: str, known: dict[str, Any] | None = None) -> dict[str, Any]:
         """Greedy and sampled on the eval problems; `known` (another run's): logged as shared, not rerun."""
         probs, out = self.task.eval_problems, dict(known or {})
+        if not known:  # the weights evaluated are the last ones sent (sync_wait=export: maybe still landing)
+            await self.producer.engine.weights_at_least(self.synced_version)
         for name, temperature in () if known else (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
             seeds = [stable_seed(self.cfg.seed, label, name, i) for i in range(len(probs))]
             with tqdm(total=len(probs), desc=f"eval {label} ({name})", dynamic_ncols=True, leave=False,

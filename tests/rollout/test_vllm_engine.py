@@ -268,7 +268,7 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
     started = threading.Thread(target=engine.update_weights, args=(second, 42))
     started.start()
     started.join(1.0)
-    assert started.is_alive() and engine.landing.done() is False  # v42 waits for v41's landing
+    assert started.is_alive() and engine.landing.version == 41 and not engine.landing.future.done()  # v42 waits
     release.set()
     started.join(60)
     assert not started.is_alive() and len(reloads) >= 1
@@ -505,8 +505,9 @@ def test_scheduler_over_a_vllm_server_and_a_jax_engine(vllm_server, tiny_model, 
 def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypatch, sync_wait):
     """The trainer over a vLLM server, each reload held back 1 s. reload: the trainer's sync holds
     it. export (one step of staleness, three steps): the trainer's first sync returns before its
-    reload, and the rollouts of step 2 wait for v1 to land, not started under v0 (two versions
-    behind: the run would stop on the staleness bound)."""
+    reload, the rollouts of step 2 wait for v1 to land, not started under v0 (two versions
+    behind: the run would stop on the staleness bound), and the evaluations before and after RL
+    wait for the weights they evaluate."""
     from rstar2_jax.rl.trainer import run
     from tests.rl.test_training import small_config
 
@@ -518,6 +519,14 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypa
         reload_part(self, bucket_dir)
 
     monkeypatch.setattr(VLLMEngine, "_reload_part", held_reload)
+    landed_at_request = []  # whether the engine's last sync had landed when each request went out
+    generate = VLLMEngine.generate
+
+    def recording_generate(self, *args, **kwargs):
+        landed_at_request.append(self.landing is None or self.landing.future.done())
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMEngine, "generate", recording_generate)
     export = sync_wait == "export"
     cfg = small_config(steps=3, max_staleness=1) if export else small_config(steps=2)
     cfg.rollout.engine = "vllm"
@@ -534,6 +543,7 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypa
     else:  # the server stood only for its reloads, inside the trainer's sync
         assert all(held_s <= l["sync/servers_paused_s"] <= l["time/sync_s"] for l in rl), rl
     assert "before" in results and "after" in results
+    assert landed_at_request[0] and landed_at_request[-1]  # both evaluations sample the weights last sent
     assert served_version(vllm_server) == str(cfg.rl.steps)  # SFT start = version 0, then one sync per RL step
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -43,10 +44,21 @@ WAIT_MODES = ("reload", "export")  # the names of rollout.vllm.sync_wait
 _LANDINGS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-landing")
 
 
-def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int) -> concurrent.futures.Future:
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """A background sync of `version`: `future` is its attempts' reports (one, or two when the
+    first failed), the same object on every engine of the sync."""
+    version: int
+    future: concurrent.futures.Future
+
+    def landed(self) -> bool:
+        """Over, and its last attempt landed."""
+        return self.future.done() and self.future.exception() is None and self.future.result()[-1].ok
+
+
+def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int) -> Landing:
     """Start the sync of `params` as `version` to `engines` (one export, push_to_servers) and
-    return once the learner's arrays are free; the future's result is the attempts' reports (one,
-    or two when the first failed), set on every engine as `landing`."""
+    return once the learner's arrays are free; the landing is set on every engine as `landing`."""
     from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
 
     settle(engines)  # a server takes one sync at a time
@@ -65,34 +77,40 @@ def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int)
         finally:
             arrays_free.set()
 
-    landing = _LANDINGS.submit(land)
+    landing = Landing(version, _LANDINGS.submit(land))
     for e in engines:
         e.landing = landing
     arrays_free.wait()
     return landing
 
 
+def _landings(engines: Sequence[VLLMEngine]) -> list[Landing]:
+    """The engines' last background syncs, each once."""
+    return list({id(e.landing): e.landing for e in engines if e.landing is not None}.values())
+
+
 def settle(engines: Sequence[VLLMEngine]) -> list[SyncReport]:
-    """Wait for the engines' background syncs (each distinct one once): the reports of their
-    attempts, in order (empty: none was started). A sync that raised (not a failed sync:
-    push_to_servers reports those) raises here."""
-    landings = {id(e.landing): e.landing for e in engines if e.landing is not None}
-    return [report for landing in landings.values() for report in landing.result()]
+    """Wait for the engines' background syncs: the reports of their attempts, in order (empty:
+    none was started). A sync that raised (not a failed sync: push_to_servers reports those)
+    raises here."""
+    return [report for landing in _landings(engines) for report in landing.future.result()]
 
 
 async def wait_for_version(engines: Sequence[VLLMEngine], version: int) -> None:
-    """Until every engine samples with weights `version` or newer: its background sync landed.
-    Raises WeightSyncFailed when the sync that was to bring them failed twice."""
-    while behind := [e for e in engines if e.version < version]:
-        pending = {id(e.landing): e.landing for e in behind if e.landing is not None and not e.landing.done()}
+    """Until every engine samples with weights `version` or newer: a background sync of `version`
+    or older still under way is waited for (the first sync's version is the engine's starting
+    one: the version alone cannot tell). Raises WeightSyncFailed when the sync that was to bring
+    them failed twice."""
+    while behind := [e for e in engines if e.version < version or e.landing is not None
+                     and e.landing.version <= version and not e.landing.landed()]:
+        pending = [landing for landing in _landings(behind) if not landing.future.done()]
         if pending:
-            await asyncio.wait([asyncio.wrap_future(f) for f in pending.values()])
+            await asyncio.wait([asyncio.wrap_future(landing.future) for landing in pending])
             continue
-        for e in behind:
-            reports = e.landing.result() if e.landing is not None else []
-            if reports and not reports[-1].ok:
-                raise WeightSyncFailed(f"weights v{reports[-1].version} could not reach {e.url} twice in a row: "
-                                       f"{reports[-1].error} (the servers answer with their previous weights; see "
-                                       "the trainer's and servers' logs; the run resumes from its last checkpoint)")
-        raise RuntimeError(f"{behind[0].url} samples with v{behind[0].version} and no sync of v{version} or newer "
-                           "is under way")
+        e = behind[0]
+        if e.landing is not None and not e.landing.landed():
+            report = e.landing.future.result()[-1]  # (or what ended it, raised)
+            raise WeightSyncFailed(f"weights v{report.version} could not reach {e.url} twice in a row: "
+                                   f"{report.error} (the servers answer with their previous weights; see the "
+                                   "trainer's and servers' logs; the run resumes from its last checkpoint)")
+        raise RuntimeError(f"{e.url} samples with v{e.version} and no sync of v{version} or newer is under way")

@@ -125,7 +125,9 @@ class Engine(abc.ABC):
         gathers; the primary then tells them whether the sync landed, and they take the version
         on only then, so no token is stamped with a version its server does not have yet. A
         sync that failed part-way (the servers were rolled back to their previous weights) is
-        made once more, counted in `failed_syncs`; a second failure raises WeightSyncFailed."""
+        made once more, counted in `failed_syncs`; a second failure raises WeightSyncFailed. An
+        engine that `lands_in_background` (rollout.vllm.sync_wait=export, one process) returns
+        once the weights are exported; `weights_at_least` then waits for them to land."""
         if not self.weights_on_servers:
             self.update_weights(params, version)
             return

@@ -113,7 +113,7 @@ class VLLMEngine(Engine):
         if sync_wait not in WAIT_MODES:
             raise ValueError(f"sync_wait must be one of {WAIT_MODES}, got {sync_wait!r}")
         self.swap, self.probe, self.sync_wait = swap, probe, sync_wait
-        self.landing: concurrent.futures.Future | None = None  # sync_wait=export: the last sync, landing or landed
+        self.landing: background_sync.Landing | None = None  # sync_wait=export: the last sync, landing or landed
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
         if self.adapters is not None and sync == "nccl":
             raise ValueError("LoRA adapters reach vLLM servers by files or pull, not sync='nccl'")
