@@ -463,7 +463,10 @@ class VLLMEngine(Engine):
 
     async def close(self):
         if self.landing is not None:  # no reload may run beside the export's removal
-            await asyncio.get_running_loop().run_in_executor(None, background_sync.settle, [self])
+            reports = await asyncio.get_running_loop().run_in_executor(None, background_sync.settle, [self])
+            if reports and not reports[-1].ok:  # the last sync: nothing waits for it any more
+                log.error("%s: the last weights (v%d) never reached the server: %s", self.url, reports[-1].version,
+                          reports[-1].error)
         if self._probe is not None:  # the last sync's verdict still counts
             await asyncio.get_running_loop().run_in_executor(None, self.probe_verdict)
         if self._recovery is not None:
