@@ -170,11 +170,8 @@ class RunConfig(Section):
 
     def topology_problems(self, processes: int) -> list[ConfigProblem]:
         """What this config cannot do with `processes` trainer processes."""
-        if processes > 1 and self.rollout.engine == "vllm" and self.rollout.vllm.sync_wait == "export":
-            return [ConfigProblem("rollout.vllm.sync_wait", f"export is built for one trainer process, not {processes}: "
-                                  "the others would learn that a sync landed only at their next collective, after "
-                                  "the rollouts that must wait for it (rollout/engines/background_sync.py); set "
-                                  "rollout.vllm.sync_wait=reload")]
+        if refusal := engine_kind(self.rollout).process_refusal(self.rollout, processes):
+            return [ConfigProblem(f"rollout.{refusal[0]}", refusal[1])]
         sizes = self.mesh.axes()
         devices = int(np.prod(list(sizes.values())))
         per_process = self.mesh.devices_per_process
@@ -197,7 +194,7 @@ class RunConfig(Section):
             out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.correction.names: nothing corrects for "
                        "tokens sampled by older weights (asynchronous RL usually sets one, e.g. "
                        "--config.rl.correction.names='(\"token_tis\",)')")
-        if self.rollout.engine == "vllm" and self.rollout.vllm.sync_wait == "export" and self.rl.max_staleness == 0:
+        if engine_kind(self.rollout).lands_in_background(self.rollout) and self.rl.max_staleness == 0:
             out.append("rollout.vllm.sync_wait=export with rl.max_staleness=0: each step's rollouts need the weights "
                        "of the update just before it, so they wait for the reload the trainer no longer waits for "
                        "(nothing overlaps; asynchronous steps, rl.max_staleness >= 1, do)")

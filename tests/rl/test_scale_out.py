@@ -77,12 +77,12 @@ def test_the_paper_recipe_runs_as_a_slurm_job_survives_scancel_and_resumes(tmp_p
         cluster.stop()
 
 
-def _wait(predicate, timeout: float, what: str):
+def _wait(predicate, timeout: float, what: str, poll_s: float = 1.0):
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not after {timeout:g} s")
-        time.sleep(1.0)
+        time.sleep(poll_s)
 
 
 def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
@@ -121,9 +121,11 @@ def _run_kill_and_resume(tmp_path, tiny_dir, cluster):
                                                    in trainer_log.read_text()), 1200, "the trainer's export server")
     assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
     _only_the_job_is_served(cluster, first, work, ports)
-    # stop it once two RL steps are checkpointed (the pre-filter and stage 2 still to come)
+    # stop it once the first RL step is checkpointed (stages 1 and 2 and the pre-filter still to come:
+    # three steps, ~10 s, for the scancel to land before the run's end; at checkpoint 2 a loaded
+    # machine could finish the last two steps first)
     checkpoints = work / "checkpoints"
-    _wait(lambda: (checkpoints / "2").exists() or first not in cluster.jobs(), 1200, "checkpoint 2")
+    _wait(lambda: (checkpoints / "1").exists() or first not in cluster.jobs(), 1200, "checkpoint 1", poll_s=0.2)
     assert first in cluster.jobs(), open(work / "slurm" / f"{first}.out").read()[-3000:]
     trainers = _trainer_pids(first)
     cluster.run("scancel", first)

@@ -159,9 +159,19 @@ def _host_refusal(r: RolloutConfig, platform: str) -> str | None:
     return None
 
 
+def _process_refusal(r: RolloutConfig, processes: int) -> tuple[str, str] | None:
+    if processes > 1 and r.vllm.sync_wait == "export":
+        return "vllm.sync_wait", (f"export is built for one trainer process, not {processes}: the others would "
+                                  "learn that a sync landed only at their next collective, after the rollouts that "
+                                  "must wait for it (rollout/engines/background_sync.py); set "
+                                  "rollout.vllm.sync_wait=reload")
+    return None
+
+
 ENGINES.register("vllm", EngineKind(
     build=_build_vllm, settings=VLLMSettings, check=_check_vllm, embedded=False,
     samples_like_learner=lambda r, compute_dtype: False,  # other kernels, whatever the dtype
     weights=_weights, plan=_plan,
     describe=lambda r: f"vllm, {len(r.vllm.urls)} server(s), scheduler {r.vllm.scheduler}",
-    host_refusal=_host_refusal, adapter_refusal=_adapter_refusal))
+    host_refusal=_host_refusal, adapter_refusal=_adapter_refusal, process_refusal=_process_refusal,
+    lands_in_background=lambda r: r.vllm.sync_wait == "export"))
