@@ -80,9 +80,8 @@ class Scheduler(Engine):
     def update_weights(self, params, version: int | None = None) -> None:
         """vLLM servers that sync through files share one export and reload in parallel; other
         engines (NCCL sync, embedded) are updated one by one."""
-        from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
-
         from rstar2_jax.rollout.engines.background_sync import push_in_background
+        from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
 
         version = self.version + 1 if version is None else version
         shared = self._shared()
@@ -97,6 +96,8 @@ class Scheduler(Engine):
         return any(e.lands_in_background for e in self.engines)
 
     def settle_sync(self) -> list[str | None]:
+        """The engines' background syncs, each once (the shared engines hold one landing: their
+        own settle_sync would count its failures once per server)."""
         from rstar2_jax.rollout.engines.background_sync import settle
         return [r.error for r in settle([e for e in self.engines if getattr(e, "landing", None) is not None])]
 

@@ -131,7 +131,7 @@ class Engine(abc.ABC):
         if not self.weights_on_servers:
             self.update_weights(params, version)
             return
-        if self.lands_in_background:  # one process (rl/config.py): the reload lands behind the trainer
+        if self.lands_in_background:  # one trainer process (EngineKind.process_refusal): the reload lands behind
             await self._sync_in_background(params, version)
             return
         primary = processes.is_primary()

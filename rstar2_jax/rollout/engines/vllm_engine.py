@@ -539,6 +539,7 @@ class WrittenExport:
     plan: ExportPlan
     slot: str
     reference: np.ndarray
+    model: Decoder  # its arrays may be donated by then: only its config is read (the probe's message)
 
 
 @dataclasses.dataclass
@@ -557,7 +558,6 @@ class SyncReport:
     total_s: float = 0.0         # the whole sync, as the trainer waits for it (deferred: without the probes)
     error: str | None = None
     written: WrittenExport | None = None  # the whole export, once written: what a second attempt reloads
-
 
     @property
     def ok(self) -> bool:
@@ -614,7 +614,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
         return adapter_sync.push_adapters(engines, params, version)
     lead = engines[0]
     staged = lead.swap == "staged"
-    model = lead.as_model(params) if again is None else None
+    model = lead.as_model(params) if again is None else again.model
     plan = lead.export_plan(model) if again is None else again.plan
     arrays = param_arrays(model) if again is None else {}
     report = SyncReport(version, len(plan.buckets), plan.nbytes)
@@ -676,7 +676,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
         if reference is None:
             reference = probe_logprobs(model, lead._probe_tokens)
         if export_whole:
-            report.written = WrittenExport(plan, slot, reference)
+            report.written = WrittenExport(plan, slot, reference, model)
             if on_exported is not None:
                 on_exported()  # the learner's arrays are free: the rest may run behind the caller
         concurrent.futures.wait(pending)
