@@ -101,6 +101,10 @@ def test_the_plan_resolves_a_hub_id_as_the_run_does(hub_env, monkeypatch, tmp_pa
     from rstar2_jax.rl.plan import describe_plan
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    # huggingface_hub retries a refused connection for a file it has not cached, with back-off (23 s
+    # here, once the hub's client exists); what is tested is our answer to the error, not its waits
+    from huggingface_hub import file_download
+    monkeypatch.setattr(file_download, "_DEFAULT_RETRY_ON_EXCEPTIONS", (), raising=False)
     tree = base_config().to_dict()
     tree["model"]["path"] = REPO
     assert f"model: {REPO}: qwen3, " in describe_plan(RunConfig.from_config(tree), str(tmp_path / "run"))
