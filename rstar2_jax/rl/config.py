@@ -35,7 +35,7 @@ from rstar2_jax.rl.carry import StalenessConfig
 from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
 from rstar2_jax.trackers import LoggingConfig
 from rstar2_jax.rl.grpo_roc import RoCConfig
-from rstar2_jax.rollout.engines.factory import RolloutConfig, engine_kind
+from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_kind
 from rstar2_jax.rollout.prompt import FORMATS
 from rstar2_jax.rollout.sandboxes import SandboxConfig
 from rstar2_jax.sharding import MeshConfig
@@ -170,7 +170,9 @@ class RunConfig(Section):
 
     def topology_problems(self, processes: int) -> list[ConfigProblem]:
         """What this config cannot do with `processes` trainer processes."""
-        if refusal := engine_kind(self.rollout).process_refusal(self.rollout, processes):
+        # (an unknown engine is already refused by name)
+        if self.rollout.engine in ENGINES and (refusal := engine_kind(self.rollout).process_refusal(self.rollout,
+                                                                                                    processes)):
             return [ConfigProblem(f"rollout.{refusal[0]}", refusal[1])]
         sizes = self.mesh.axes()
         devices = int(np.prod(list(sizes.values())))

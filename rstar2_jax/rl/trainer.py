@@ -192,6 +192,9 @@ class RLRun:
             async with make_sandbox(cfg.sandbox) as sb, \
                     make_engine(cfg.rollout, self.model_with(weights), self.tokenizer, seed=cfg.seed) as engine:
                 await engine.sync_weights(weights, self.learner.version)
+                # landed before anything samples (sync_wait=export returns at the export): the
+                # evaluation, the carried groups relaunched at a resume, the first draws
+                await engine.weights_at_least(self.learner.version)
                 self.synced_version = self.learner.version
                 self.producer = RolloutProducer(cfg, engine, sb, self.tokenizer, self.fmt,
                                                 inflight_dir=self.inflight_dir, restored_version=self.restored_version)

@@ -566,15 +566,20 @@ class SyncReport:
 
 def start_probes(engines: Sequence[VLLMEngine], model: Decoder, reference: np.ndarray, report: SyncReport):
     """Every server's log-prob probe after a sync landed, on the probe pool: waited for with
-    probe="wait", else collected later (VLLMEngine.probe_verdict); report.probe_s fills in as they end."""
+    probe="wait", else collected later (VLLMEngine.probe_verdict); report.probe_s fills in as they end.
+    One probe per server: engines on the same server share its verdict (two prompt_logprobs
+    requests of an adapter in one batch crashed vLLM 0.32's CPU EngineCore once in the suite; its
+    prompt-logprobs path maps LoRA per sequence, not per token: vllm-project/vllm#16668, #51594)."""
     probed = time.perf_counter()
-    probes = [_PROBES.submit(e.check_sync, model, reference) for e in engines]
 
     def probed_in(_):
         report.probe_s = max(report.probe_s, time.perf_counter() - probed)
-    for e, f in zip(engines, probes):
-        f.add_done_callback(probed_in)
-        e._probe = f
+    probes: dict[str, concurrent.futures.Future] = {}
+    for e in engines:
+        if e.url not in probes:
+            probes[e.url] = _PROBES.submit(e.check_sync, model, reference)
+            probes[e.url].add_done_callback(probed_in)
+        e._probe = probes[e.url]
     if engines[0].probe == "wait":
         for e in engines:
             e.probe_verdict()
