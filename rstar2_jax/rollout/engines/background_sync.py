@@ -11,8 +11,10 @@ reload, the swap and the engines' new version land behind it, beside the next up
 What stays true:
 - The staleness bound: an engine's `version` moves only when its server has the weights, and
   the trainer's producer starts a step's rollouts only once the engine holds the version the
-  pipeline promises them (`Engine.weights_at_least`, awaited in the trainer's draw): rollouts
-  wait for the reload, the update does not.
+  pipeline promises them (`Engine.weights_at_least`, awaited in the trainer's draw, before its
+  evaluations and after a session's first sync): rollouts wait for the reload, the update does
+  not. A landing carries its version (`Landing`): the first sync's version is the engine's
+  starting one, so the number alone cannot say whether it landed.
 - One sync at a time: a sync settles the previous one (waits for it) before it exports.
 - A failed sync is made once more, as `sync_weights` does with `reload`: from the export
   already written (report.written; the arrays may be in use again), or, when the export itself
@@ -22,7 +24,8 @@ What stays true:
   a mismatch raises where it does with `reload`.
 
 One trainer process only: the other processes would learn of a landing only at their next
-collective, after the draws that must wait for it (rl/config.py refuses the combination).
+collective, after the draws that must wait for it (the vLLM kind's `process_refusal` refuses
+more).
 """
 
 from __future__ import annotations
