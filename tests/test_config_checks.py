@@ -261,3 +261,14 @@ def test_sync_wait_export_is_refused_where_its_landing_cannot_be_awaited_and_war
     tree["model"]["lora"]["rank"], tree["rl"]["max_staleness"] = 0, 0
     run_cfg, problems = RunConfig.parse(tree)
     assert problems == [] and any("sync_wait=export with rl.max_staleness=0" in w for w in run_cfg.warnings())
+
+
+def test_an_unknown_engine_is_refused_by_name_while_the_checks_that_ask_an_engine_s_kind_skip_it():
+    """The LoRA refusal and the process refusal ask the engine's kind: with a name the registry
+    lacks they must not raise past the config check, which lists the name's problem."""
+    tree = tiny_arith.get_config().to_dict()
+    tree["rollout"]["engine"] = "sglang"
+    tree["model"]["lora"]["rank"] = 8
+    run_cfg, problems = RunConfig.parse(tree)
+    assert [p.path for p in problems] == ["rollout.engine"] and "unknown engine 'sglang'" in str(problems[0])
+    assert run_cfg.topology_problems(2) == []

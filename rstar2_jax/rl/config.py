@@ -135,15 +135,21 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = setting(CheckpointConfig, "checkpoints")
     logging: LoggingConfig = setting(LoggingConfig, "trackers besides metrics.jsonl (TensorBoard, W&B, MLflow)")
 
+    def _checked_engine_kind(self):
+        """The rollout engine's kind, for the checks that ask it; None for a name the registry does
+        not have (that name is refused on its own, and the other checks still run)."""
+        return engine_kind(self.rollout) if self.rollout.engine in ENGINES else None
+
     def rules(self):
         r, rl = self.rollout, self.rl
+        kind = self._checked_engine_kind()
         if self.model.decode_attention == "pallas" and not r.jax.page_size and r.max_len % 128:
             yield "model.decode_attention", (f"pallas needs rollout.max_len to be a multiple of 128 (or paged KV), "
                                              f"got {r.max_len}")
         if self.sft.steps and self.data.task in TASKS and not TASKS[self.data.task].has_sft_data:
             yield "sft.steps", (f"must be 0 for data.task={self.data.task!r}: it has no SFT data (fine-tune first "
                                 "with python -m rstar2_jax.sft and set model.path)")
-        if self.model.lora.enabled and (why := engine_kind(r).adapter_refusal(r, self.model.lora.rank)):
+        if self.model.lora.enabled and kind and (why := kind.adapter_refusal(r, self.model.lora.rank)):
             yield "model.lora.rank", why
         if rl.token_budget and rl.token_budget < r.max_len:
             yield "rl.token_budget", (f"{rl.token_budget} tokens is below rollout.max_len ({r.max_len}), the longest "
@@ -170,9 +176,8 @@ class RunConfig(Section):
 
     def topology_problems(self, processes: int) -> list[ConfigProblem]:
         """What this config cannot do with `processes` trainer processes."""
-        # (an unknown engine is already refused by name)
-        if self.rollout.engine in ENGINES and (refusal := engine_kind(self.rollout).process_refusal(self.rollout,
-                                                                                                    processes)):
+        kind = self._checked_engine_kind()
+        if kind and (refusal := kind.process_refusal(self.rollout, processes)):
             return [ConfigProblem(f"rollout.{refusal[0]}", refusal[1])]
         sizes = self.mesh.axes()
         devices = int(np.prod(list(sizes.values())))
