@@ -619,14 +619,15 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
         return adapter_sync.push_adapters(engines, params, version)
     lead = engines[0]
     staged = lead.swap == "staged"
-    model = lead.as_model(params) if again is None else again.model
-    plan = lead.export_plan(model) if again is None else again.plan
-    arrays = param_arrays(model) if again is None else {}
+    reference: np.ndarray | None  # the probe's reference: the learner's log-probs of the probe
+    if again is None:  # an export to write: into the slot not holding the last whole one
+        model = lead.as_model(params)
+        plan, arrays, reference = lead.export_plan(model), param_arrays(model), None
+        slot = lead.slots.begin(plan)
+    else:  # the first attempt's export, whole: reloaded as it is (no array is read)
+        model, plan, arrays, reference, slot = again.model, again.plan, {}, again.reference, again.slot
     report = SyncReport(version, len(plan.buckets), plan.nbytes)
     start = time.perf_counter()
-    # the probe's reference: the learner's log-probs of the probe
-    reference: np.ndarray | None = None if again is None else again.reference
-    slot = lead.slots.begin(plan) if again is None else again.slot
     paused: dict[VLLMEngine, float] = {}  # server -> when it paused (each entry written by that server's queue)
     failed: list[BaseException] = []      # the errors of servers' loads; one is enough to end the sync
 
@@ -667,9 +668,8 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
         for bucket in plan.buckets:
             if again is None:
                 written = bucket.index + 1  # write() takes part in all of its bucket's gathers, even failing
-                bucket_dir = lead.slots.write(slot, bucket, arrays)
-            else:
-                bucket_dir = os.path.join(slot, bucket.dir_name)
+                lead.slots.write(slot, bucket, arrays)
+            bucket_dir = lead.slots.bucket_dir(slot, bucket)
             pending += [queues[e].submit(load, e, bucket, bucket_dir) for e in engines]
             if failed:
                 break  # a server already failed: stop writing

@@ -331,11 +331,16 @@ class ExportSlots:
                 p = os.path.join(slot, name)
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
         for b in plan.buckets:
-            link = os.path.join(slot, b.dir_name, "model.safetensors")
+            link = os.path.join(self.bucket_dir(slot, b), "model.safetensors")
             if not os.path.lexists(link):
                 os.makedirs(os.path.dirname(link), exist_ok=True)
                 os.symlink(os.path.join("..", b.file_name), link)
         return slot
+
+    @staticmethod
+    def bucket_dir(slot: str, bucket: Bucket) -> str:
+        """The directory a partial reload of `bucket` reads (a link to its file in `slot`)."""
+        return os.path.join(slot, bucket.dir_name)
 
     def write(self, slot: str, bucket: Bucket, arrays: Mapping[str, jax.Array]) -> str:
         """Bucket `bucket` of `arrays` (our parameter path -> array) into `slot`; its directory."""
@@ -346,7 +351,7 @@ class ExportSlots:
         finally:
             for _ in tensors:  # a failed write still takes part in the rest of the bucket's gathers
                 pass
-        return os.path.join(slot, bucket.dir_name)
+        return self.bucket_dir(slot, bucket)
 
     def commit(self, slot: str):
         self.latest = slot
