@@ -100,6 +100,11 @@ def perturbed(model, scale=0.05, seed=0):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
+def served_version(url: str) -> str:
+    """The weight version a server reports (what /update_weight_version last set)."""
+    return json.load(urllib.request.urlopen(url + "/weight_info"))["weight_version"]
+
+
 def jax_logprobs(model, ids, temperature=1.0):
     return np.asarray(models.token_logprobs(model, jnp.asarray([ids], jnp.int32), temperature=temperature))[0]
 
@@ -141,8 +146,7 @@ def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny
     updated = jax_logprobs(learner.model(), ids)[1:]
     np.testing.assert_allclose(after, updated, atol=1e-3)
     assert np.max(np.abs(after - before)) > 1e-2  # the update moved the served model
-    served_version = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
-    assert served_version == str(learner.version) == str(engine.version)
+    assert served_version(vllm_server.url) == str(learner.version) == str(engine.version)
     asyncio.run(engine.close())
 
 
@@ -223,7 +227,7 @@ def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weig
     monkeypatch.setattr(engine.slots, "write", write_then_cut)
     engine.update_weights(second, 22)
     assert not engine.last_sync.ok and engine.sync_failures == 1 and engine.version == 21, engine.last_sync
-    served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+    served = served_version(vllm_server.url)
     assert served == "21"
     np.testing.assert_allclose(engine.prompt_logprobs(ids), served_first, atol=1e-6)  # buckets 0 and 1 undone
     monkeypatch.undo()
@@ -231,10 +235,6 @@ def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weig
     assert engine.last_sync.ok and engine.version == 22
     np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(second, ids)[1:], atol=1e-3)
     asyncio.run(engine.close())
-
-
-def served_version(server) -> str:
-    return json.load(urllib.request.urlopen(server.url + "/weight_info"))["weight_version"]
 
 
 def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one_at_a_time(
@@ -262,7 +262,7 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
     second = perturbed(tiny_model, seed=32)
     expected = [jax_logprobs(m, ids)[1:] for m in (first, second)]
     engine.update_weights(first, 41)
-    assert engine.version == 0 and reloads == [] and served_version(vllm_server) != "41"  # still landing
+    assert engine.version == 0 and reloads == [] and served_version(vllm_server.url) != "41"  # still landing
     for leaf in jax.tree.leaves(nnx.state(first)):
         leaf.delete()  # the next update donates them: the landing must not read them again
     started = threading.Thread(target=engine.update_weights, args=(second, 42))
@@ -273,7 +273,7 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
     started.join(60)
     assert not started.is_alive() and len(reloads) >= 1
     asyncio.run(engine.weights_at_least(42))
-    assert engine.version == 42 and served_version(vllm_server) == "42" and engine.last_sync.ok
+    assert engine.version == 42 and served_version(vllm_server.url) == "42" and engine.last_sync.ok
     assert [r.version for r in background_sync.settle([engine])] == [42]
     np.testing.assert_allclose(engine.prompt_logprobs(ids), expected[1], atol=1e-3)
     asyncio.run(engine.close())
@@ -303,7 +303,7 @@ def test_a_failed_background_sync_is_made_again_from_its_export_and_a_second_fai
     failures["left"] = 1
     asyncio.run(engine.sync_weights(second, 2))
     asyncio.run(engine.weights_at_least(2))  # the second attempt landed
-    assert engine.version == 2 and served_version(vllm_server) == "2"
+    assert engine.version == 2 and served_version(vllm_server.url) == "2"
     np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(second, ids)[1:], atol=1e-3)
     assert [r.ok for r in background_sync.settle([engine])] == [False, True] and engine.failed_syncs == 0
     failures["left"] = 2
@@ -311,7 +311,7 @@ def test_a_failed_background_sync_is_made_again_from_its_export_and_a_second_fai
     assert engine.failed_syncs == 1  # counted by the sync after it
     with pytest.raises(WeightSyncFailed, match="could not reach"):
         asyncio.run(engine.weights_at_least(3))
-    assert engine.version == 2 and served_version(vllm_server) == "2"
+    assert engine.version == 2 and served_version(vllm_server.url) == "2"
     np.testing.assert_allclose(engine.prompt_logprobs(ids), jax_logprobs(second, ids)[1:], atol=1e-3)
     with pytest.raises(WeightSyncFailed, match="twice in a row"):
         asyncio.run(engine.sync_weights(first, 4))
@@ -544,7 +544,7 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypa
         assert all(held_s <= l["sync/servers_paused_s"] <= l["time/sync_s"] for l in rl), rl
     assert "before" in results and "after" in results
     assert landed_at_request[0] and landed_at_request[-1]  # both evaluations sample the weights last sent
-    assert served_version(vllm_server) == str(cfg.rl.steps)  # SFT start = version 0, then one sync per RL step
+    assert served_version(vllm_server.url) == str(cfg.rl.steps)  # SFT start = version 0, then one sync per RL step
 
 
 def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, tiny_model, caplog):
@@ -678,7 +678,7 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
             scheduler = Scheduler(engines, "round_robin", refresh_s=0.2)
             scheduler.update_weights(synced, 7)
             exports = {e._synced_dir for e in engines}
-            versions = [json.load(urllib.request.urlopen(e.url + "/weight_info"))["weight_version"] for e in engines]
+            versions = [served_version(e.url) for e in engines]
             both_up = await asyncio.gather(*(run_agent(scheduler, sb, tokenizer, q, cfg, seed=i)
                                              for i, q in enumerate(questions)))
             sent = {"n": 0}
@@ -754,7 +754,7 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     # the first try stopped at the failed copy, after the server had reloaded a bucket; the retry copied all
     assert [b for v, b in FailingOnce.copies if v == syncs[1]] == ["b00000", "b00001", "b00000", "b00001", "b00002"]
     assert len({b for _, b in FailingOnce.copies}) == 3  # a bucket a sync for each of the 2 layers, with the rest
-    served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+    served = served_version(vllm_server.url)
     lines = rl_lines(work)
     assert [l["step"] for l in lines] == [0, 1] and served == "2"
     assert [l["sync/failures"] for l in lines] == [1, 1]
@@ -784,7 +784,7 @@ def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_ser
             assert len(copied) == buckets  # every bucket fetched (and reloaded) on its own, then committed
             assert not any(f.endswith(".safetensors") for _, _, files in os.walk(tmp_path / "trainer_side")
                            for f in files)
-            served = json.load(urllib.request.urlopen(vllm_server.url + "/weight_info"))["weight_version"]
+            served = served_version(vllm_server.url)
             assert served == str(version)
         assert engine.probe_verdict() < 1e-3  # the deferred probe of the last sync
         assert sorted(os.listdir(tmp_path / "server_side")) == ["v11", "v12"]
