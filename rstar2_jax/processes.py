@@ -95,9 +95,9 @@ def local_copy(tree, dtype=None, shardings=None):
     """A copy of a (possibly sharded over processes) pytree of arrays for this process's engine:
     cast to `dtype` (default: kept) and placed on `shardings` (this process's devices; default:
     its first device, whole). One leaf at a time, so at most one whole tensor is in flight."""
-    from rstar2_jax.sharding import gathered
+    from rstar2_jax.sharding import caster, gathered
 
-    cast = jax.jit(lambda x: x if dtype is None else x.astype(dtype))  # a fresh buffer, never the learner's
+    cast = caster(dtype)  # a fresh buffer, never the learner's
 
     def one(x, target=None):
         x = cast(x)

@@ -72,3 +72,38 @@ def test_engines_over_one_model_share_their_kernels(tiny_model, tokenizer):
     compiled = k1.decode._cache_size()
     asyncio.run(first_token())
     assert k1.decode._cache_size() == compiled  # the second engine's decode was the first's program
+
+
+def test_a_second_copy_of_the_weights_for_the_engine_traces_nothing():
+    """processes.local_copy (each sync of an engine that keeps a copy) and sharding.gathered (each
+    gather over processes) reuse one program per tensor shape and target. A fresh
+    `jax.jit(lambda ...)` per call traced every tensor again at every sync: 1.4 s of each 1.5 s
+    sync of a two-process tiny run (BENCHMARKS.md, "Test suite")."""
+    import jax
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rstar2_jax import processes, sharding
+
+    params = nnx.state(random_model(small_config("qwen3"), seed=0), nnx.Param)
+    processes.local_copy(params)
+    traces = []
+
+    def count(event, _duration, **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traces.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        copy = processes.local_copy(params)
+        assert not traces  # every tensor shape was traced by the first copy
+        first = jax.tree.leaves(copy)[0]
+        mesh = Mesh(jax.devices()[:1], ("x",))
+        sharding.resharder(NamedSharding(mesh, PartitionSpec()))(first)
+        assert len(traces) == 1  # a new target: its program, once
+        sharding.resharder(NamedSharding(mesh, PartitionSpec()))(first)
+        assert len(traces) == 1  # an equal target: the same program
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(copy)):
+        assert np.array_equal(a, b) and a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()  # a copy

@@ -296,7 +296,7 @@ def _placed_on(params, shardings):
         if getattr(x, "sharding", None) == target:
             return x
         if isinstance(x, jax.Array) and not x.is_fully_addressable:  # global already: reshard on the devices
-            return jax.jit(lambda a: a, out_shardings=target)(x)
+            return sharding_lib.resharder(target)(x)
         return jax.device_put(_host_if_multiprocess(x), target)
     return jax.tree.map(place, params, shardings)
 
