@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import pickle
+import threading
 from typing import Any, Sequence, TypeVar
 
 import jax
@@ -51,6 +52,11 @@ def _check_collective(name: str):
     if where is not None:
         raise CollectiveInProducerError(f"{name} called in {where}: processes would issue collectives in different "
                                         "orders (a deadlock with several); gather in the consumer instead")
+
+
+def count() -> int:
+    """The job's trainer processes."""
+    return jax.process_count()
 
 
 def is_primary() -> bool:
@@ -89,6 +95,48 @@ def barrier(name: str):
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+# one process: what publish() set (several: jax.distributed's key-value store holds it)
+_PUBLISHED: dict[str, str] = {}
+_PUBLISHED_CHANGED = threading.Condition()
+
+
+def publish(key: str, value: str) -> None:
+    """Set `key` to `value` for every process of the job, once, without a collective: the others
+    read it when they need it (await_published), whatever they are doing meanwhile. Several
+    processes: jax.distributed's key-value store (its coordination service)."""
+    if jax.process_count() == 1:
+        with _PUBLISHED_CHANGED:
+            _PUBLISHED[key] = value
+            _PUBLISHED_CHANGED.notify_all()
+        return
+    _distributed_client().key_value_set(key, value)
+
+
+def await_published(key: str, give_up: threading.Event, poll_s: float = 1.0) -> str | None:
+    """What a process published under `key`, once it is there; None once `give_up` is set (the
+    caller closes). A job whose publishing process died ends the wait with the coordination
+    service's error."""
+    while not give_up.is_set():
+        if jax.process_count() == 1:
+            with _PUBLISHED_CHANGED:
+                if _PUBLISHED_CHANGED.wait_for(lambda: key in _PUBLISHED, poll_s):
+                    return _PUBLISHED[key]
+            continue
+        try:
+            return _distributed_client().blocking_key_value_get(key, int(poll_s * 1000))
+        except Exception as e:  # jaxlib's runtime error; a wait that timed out says DEADLINE_EXCEEDED
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+    return None
+
+
+def _distributed_client():
+    from jax._src import distributed  # the client orbax's multi-host code uses too; no public accessor
+    if distributed.global_state.client is None:
+        raise RuntimeError("several processes without jax.distributed.initialize(): nothing to publish through")
+    return distributed.global_state.client
 
 
 def local_copy(tree, dtype=None, shardings=None):

@@ -176,9 +176,6 @@ class RunConfig(Section):
 
     def topology_problems(self, processes: int) -> list[ConfigProblem]:
         """What this config cannot do with `processes` trainer processes."""
-        kind = self._checked_engine_kind()
-        if kind and (refusal := kind.process_refusal(self.rollout, processes)):
-            return [ConfigProblem(f"rollout.{refusal[0]}", refusal[1])]
         sizes = self.mesh.axes()
         devices = int(np.prod(list(sizes.values())))
         per_process = self.mesh.devices_per_process

@@ -109,6 +109,22 @@ class Scheduler(Engine):
         for e in self.engines:
             e.adopt_weights(params, version, synced)
 
+    def export_error(self) -> str | None:
+        shared = self._shared()
+        return shared[0].export_error() if shared else None
+
+    def expect_landing(self, params, version: int) -> None:
+        """The shared engines' landing comes from the primary (one verdict for their one export);
+        the others take the weights now, as update_weights gives them theirs."""
+        from rstar2_jax.rollout.engines.background_sync import await_landing
+
+        shared = self._shared()
+        if shared:
+            await_landing(shared, version)
+        for e in self.engines:
+            if e not in shared:
+                e.adopt_weights(params, version)
+
     def take_part_in_sync(self, params) -> None:
         """update_weights' collectives, in its order, in a process that does not push."""
         shared = self._shared()

@@ -4,10 +4,12 @@ with an optimizer reset) shrunk to the tiny CPU model, written and submitted by
 `python -m rstar2_jax.launch slurm` to a one-node SLURM cluster the test starts (slurmctld,
 slurmd, munged): Redis, two sandbox workers, a vLLM CPU server with its weight fetcher, and two
 trainer processes that find each other through SLURM, with asynchronous rollouts
-(max_staleness=1). Every service answers only the job (issue 48, item 4): while it runs, a
-client without the job's secret is refused by Redis, the vLLM server, its weight fetcher and the
-trainer's weight export, one with it (read from a job process's environment, as only its owner
-can) is served, and the secret is on no command line nor in the script or `scontrol show job`.
+(max_staleness=1) and weight syncs that land behind the trainers (sync_wait=export: process 0
+lands each and publishes the verdict, process 1 takes the version on from it). Every service
+answers only the job (issue 48, item 4): while it runs, a client without the job's secret is
+refused by Redis, the vLLM server, its weight fetcher and the trainer's weight export, one with
+it (read from a job process's environment, as only its owner can) is served, and the secret is
+on no command line nor in the script or `scontrol show job`.
 The job is scancel-led mid-run and its script resubmitted: the run finishes from its checkpoint."""
 
 import json
@@ -56,6 +58,7 @@ def get_config():
     c.rl.steps, c.rl.batch_problems, c.rl.group_size, c.rl.oversample = 4, 2, 2, 2
     c.rl.micro_batches, c.rl.lr, c.rl.warmup_steps = 1, 1e-4, 1
     c.rl.max_staleness, c.rl.correction.names = 1, ("token_tis",)
+    c.rollout.vllm.sync_wait = "export"  # the trainers wait for the export; process 0 lands it behind them
     c.rl.advantage.name, c.rl.roc.reject_uniform_groups = "test_alternating_signs", False
     c.stages = [dict(s, max_response_tokens=120, max_turns=2) for s in c.stages]
     c.stages[1]["start_step"], c.stages[2]["start_step"], c.stages[2]["filter_solved_k"] = 2, 3, 2

@@ -5,12 +5,13 @@ reloads, deleted arrays, failed reloads) is tests/rollout/test_vllm_engine.py's.
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar2_jax.rollout.engines.background_sync import Landing, wait_for_version
+from rstar2_jax.rollout.engines.background_sync import Landing, _publish_verdict, await_landing, settle, wait_for_version
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
 
 
@@ -106,3 +107,40 @@ def test_the_gate_opens_exactly_when_every_engine_has_the_target_and_nothing_old
     else:  # nothing under way will bring it: a failed landing, or no sync of it at all
         with pytest.raises((WeightSyncFailed, RuntimeError)):
             gate_returns(engines, target)
+
+
+@dataclasses.dataclass
+class Follower(StandIn):  # what await_landing reads and calls of a VLLMEngine in a process that does not push
+    closing: threading.Event = dataclasses.field(default_factory=threading.Event)
+    synced: dict | None = None
+
+    def adopt_weights(self, params, version, synced=None):
+        assert params is None  # the learner's arrays may be in use again: only the published directories
+        self.version, self.synced = version, synced
+
+    def synced_dirs(self):
+        return {self.url: f"/exports/v{self.version}"}
+
+
+def test_a_process_that_does_not_push_takes_a_version_on_only_when_process_0_publishes_that_it_landed():
+    """Several trainer processes: process 0 lands each export and publishes the verdict
+    (processes.publish: jax.distributed's key-value store; in one process a local one); the
+    others wait for it where they need the version, count its failed attempts and take the
+    version on with the directory the server reloaded (what restores a restarted server)."""
+    url = "http://follower-test"
+    follower, pusher = Follower(1, url=url), Follower(2, url=url)
+    await_landing([follower], 2)
+    assert not gate_returns([follower], 2) and follower.version == 1
+    _publish_verdict([pusher], 2, [Report(2, "refused"), Report(2)])  # the second attempt landed
+    assert gate_returns([follower], 2) and follower.version == 2 and follower.synced == {url: "/exports/v2"}
+    assert [r.error for r in settle([follower])] == ["refused", None]
+
+    await_landing([follower], 3)
+    _publish_verdict([pusher], 3, [Report(3, "refused"), Report(3, "refused again")])
+    with pytest.raises(WeightSyncFailed, match="v3 could not reach http://follower-test twice in a row: refused again"):
+        gate_returns([follower], 3)
+    assert follower.version == 2
+
+    await_landing([follower], 4)  # closing: no verdict waited for any more
+    follower.closing.set()
+    assert [r.error for r in settle([follower])] == ["closed before process 0's verdict came"]

@@ -23,9 +23,14 @@ What stays true:
 - The previous sync's deferred probe is collected on the trainer's path before the export, so
   a mismatch raises where it does with `reload`.
 
-One trainer process only: the other processes would learn of a landing only at their next
-collective, after the draws that must wait for it (the vLLM kind's `process_refusal` refuses
-more).
+Several trainer processes: the export is every process's work (its gathers of tensors split
+over processes), so each sync's export is made in step, as with `reload` (Engine.sync_weights:
+an export that failed before it was whole is made again by all, at once). Only the primary
+pushes and lands; the others learn the landing's verdict when they first need the version
+(`await_landing`): the primary publishes it in the job's key-value store (jax.distributed's
+coordination service, `processes.publish`), which needs no collective, so a draw of an
+asynchronous run, which may issue none, can wait for it. A landing that fails after the export
+was whole is made once more by the primary alone, from the written export.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
+from rstar2_jax import processes
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
 
 if TYPE_CHECKING:
@@ -50,40 +57,94 @@ _LANDINGS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-la
 @dataclasses.dataclass(frozen=True)
 class Landing:
     """A background sync of `version`: `future` is its attempts' reports (one, or two when the
-    first failed), the same object on every engine of the sync."""
+    first failed), the same object on every engine of the sync. `exported`: set once an export
+    of it was whole (what a second attempt can reload without the learner's arrays)."""
     version: int
     future: concurrent.futures.Future
+    exported: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def landed(self) -> bool:
         """Over, and its last attempt landed."""
         return self.future.done() and self.future.exception() is None and self.future.result()[-1].ok
 
+    def export_error(self) -> str | None:
+        """Why its export failed before it was whole (None: it was whole, the landing goes on)."""
+        return None if self.exported.is_set() else self.future.result()[-1].error
+
 
 def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int) -> Landing:
     """Start the sync of `params` as `version` to `engines` (one export, push_to_servers) and
-    return once the learner's arrays are free; the landing is set on every engine as `landing`."""
+    return once the learner's arrays are free; the landing is set on every engine as `landing`.
+    Several processes: an export that fails before it is whole is not made again here (the
+    processes make it again together: Engine.sync_weights), and the verdict of a landing is
+    published for the others (await_landing)."""
     from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
 
     settle(engines)  # a server takes one sync at a time
     for e in engines:  # the previous sync's probe: a mismatch raises here, on the trainer's path
         e.probe_verdict()
-    arrays_free = threading.Event()
+    alone = processes.count() == 1
+    arrays_free, whole = threading.Event(), threading.Event()
+
+    def exported():
+        whole.set()
+        arrays_free.set()
 
     def land() -> list[SyncReport]:
         try:
-            reports = [push_to_servers(engines, params, version, on_exported=arrays_free.set)]
+            reports = [push_to_servers(engines, params, version, on_exported=exported)]
             if not reports[0].ok:  # once more, as Engine.sync_weights does
                 again = reports[0].written
-                reports.append(push_to_servers(engines, None, version, again=again) if again is not None
-                               else push_to_servers(engines, params, version, on_exported=arrays_free.set))
+                if again is not None:
+                    reports.append(push_to_servers(engines, None, version, again=again))
+                elif alone:  # the caller still waits: the arrays are still the learner's
+                    reports.append(push_to_servers(engines, params, version, on_exported=exported))
+            if not alone and whole.is_set():
+                _publish_verdict(engines, version, reports)
             return reports
         finally:
             arrays_free.set()
 
-    landing = Landing(version, _LANDINGS.submit(land))
+    landing = Landing(version, _LANDINGS.submit(land), whole)
     for e in engines:
         e.landing = landing
     arrays_free.wait()
+    return landing
+
+
+def _verdict_key(url: str, version: int) -> str:
+    return f"rstar2_jax/weights/{url}/v{version}"
+
+
+def _publish_verdict(engines: Sequence[VLLMEngine], version: int, reports: Sequence[SyncReport]) -> None:
+    """The primary: what became of `version` on these engines' servers, for the other processes."""
+    synced = {url: d for e in engines for url, d in e.synced_dirs().items()}
+    verdict = json.dumps({"errors": [r.error for r in reports], "synced": synced})
+    for e in engines:
+        processes.publish(_verdict_key(e.url, version), verdict)
+
+
+def await_landing(engines: Sequence[VLLMEngine], version: int) -> Landing:
+    """A process that does not push, once `version`'s export was whole: a landing whose future
+    ends with the primary's verdict (its attempts' errors), the engines then on `version` if it
+    landed. Waited for where the version is needed (wait_for_version), as the primary's own."""
+    from rstar2_jax.rollout.engines.vllm_engine import SyncReport
+
+    def verdict() -> list[SyncReport]:
+        published = processes.await_published(_verdict_key(engines[0].url, version), engines[0].closing)
+        if published is None:
+            return [SyncReport(version, 0, 0, error="closed before process 0's verdict came")]
+        found = json.loads(published)
+        reports = [SyncReport(version, 0, 0, error=error) for error in found["errors"]]
+        if reports[-1].ok:
+            for e in engines:
+                e.adopt_weights(None, version, found["synced"])
+        return reports
+
+    landing = Landing(version, _LANDINGS.submit(verdict))
+    landing.exported.set()
+    for e in engines:
+        e.landing = landing
     return landing
 
 

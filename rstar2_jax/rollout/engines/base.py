@@ -131,7 +131,7 @@ class Engine(abc.ABC):
         if not self.weights_on_servers:
             self.update_weights(params, version)
             return
-        if self.lands_in_background:  # one trainer process (EngineKind.process_refusal): the reload lands behind
+        if self.lands_in_background:  # the reload lands behind (background_sync.py)
             await self._sync_in_background(params, version)
             return
         primary = processes.is_primary()
@@ -146,15 +146,19 @@ class Engine(abc.ABC):
             landed, synced, error = processes.gather_shares([outcome] if primary else [], 1)[0]
             if landed:
                 break
-            self.failed_syncs += 1
-            log.warning("weights v%d did not reach the servers (%s)%s", version, error,
-                        "; syncing again" if attempt == 1 else "")
-        else:
+            self._failed_attempt(version, error, attempt)
+        if not primary:
+            self.adopt_weights(params, version, synced)
+
+    def _failed_attempt(self, version: int, error: str | None, attempt: int) -> None:
+        """An attempt of a sync failed: counted, and the second in a row raises."""
+        self.failed_syncs += 1
+        log.warning("weights v%d did not reach the servers (%s)%s", version, error,
+                    "; syncing again" if attempt == 1 else "")
+        if attempt == 2:
             raise WeightSyncFailed(f"weights v{version} could not reach the vLLM servers twice in a row: {error} "
                                    "(the servers answer with their previous weights; see the trainer's and servers' "
                                    "logs)")
-        if not primary:
-            self.adopt_weights(params, version, synced)
 
     # True when a push to shared servers returns once the weights are exported, and the servers'
     # reload lands behind the trainer (rollout.vllm.sync_wait=export: background_sync.py).
@@ -162,14 +166,47 @@ class Engine(abc.ABC):
 
     async def _sync_in_background(self, params: Any, version: int) -> None:
         """The previous sync settled (its failed attempts counted; two in a row raise), then this
-        one started: returns once the learner's arrays are free, before the servers have it."""
-        errors = await asyncio.to_thread(self.settle_sync)
-        self.failed_syncs += sum(e is not None for e in errors)
+        one started: returns once the learner's arrays are free, before the servers have it.
+        Several processes: the export is made in step by all (its gathers need every process),
+        and again by all when it failed before it was whole; the primary's landing then goes on
+        behind, and the others wait for its verdict where they need the version."""
+        errors = await asyncio.to_thread(self.settle_sync)  # others: the primary's verdict on the last one
+        for attempt, error in enumerate(errors, 1):
+            if error is not None:
+                self.failed_syncs += 1
+                log.warning("the last weights did not reach the servers (%s)%s", error,
+                            "; made again from their export" if attempt == 1 and len(errors) > 1 else "")
         if len(errors) > 1 and errors[-1] is not None:
             raise WeightSyncFailed(f"the weights before v{version} could not reach the vLLM servers twice in a row: "
                                    f"{errors[-1]} (the servers answer with their previous weights; see the trainer's "
                                    "and servers' logs)")
-        await asyncio.to_thread(self.update_weights, params, version)
+        if processes.count() == 1:
+            await asyncio.to_thread(self.update_weights, params, version)
+            return
+        primary = processes.is_primary()
+        for attempt in (1, 2):
+            if primary:
+                await asyncio.to_thread(self.update_weights, params, version)
+                error = self.export_error()
+            else:
+                await asyncio.to_thread(self.take_part_in_sync, params)
+                error = None
+            error = processes.gather_shares([error] if primary else [], 1)[0]  # also the barrier
+            if error is None:
+                break
+            self._failed_attempt(version, error, attempt)
+        if not primary:
+            self.expect_landing(params, version)
+
+    def export_error(self) -> str | None:
+        """The last background sync's export failed before it was whole: why (None: it was whole)."""
+        return None
+
+    def expect_landing(self, params: Any, version: int) -> None:
+        """A process that does not push, once the export of `version` (of `params`) was whole: the
+        primary lands it behind; this engine takes the version on when its verdict comes
+        (background_sync.await_landing), which `weights_at_least` waits for."""
+        self.adopt_weights(params, version)
 
     def settle_sync(self) -> list[str | None]:
         """Wait for the background sync under way, if any: each of its attempts' error (None:

@@ -74,8 +74,6 @@ class EngineKind:
     host_refusal: Callable[[RolloutConfig, str], str | None]         # (rollout, device platform): why it cannot run here
     # (rollout, model.lora.rank): why it cannot serve the LoRA adapters a run trains (None: it can)
     adapter_refusal: Callable[[RolloutConfig, int], str | None] = lambda rollout, rank: None
-    # (rollout, trainer processes): (field under rollout., why it cannot run with that many), or None
-    process_refusal: Callable[[RolloutConfig, int], tuple[str, str] | None] = lambda rollout, processes: None
     # (rollout): whether a sync returns before the engines have the weights (background_sync.py)
     lands_in_background: Callable[[RolloutConfig], bool] = lambda rollout: False
 

@@ -53,6 +53,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -61,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rstar2_jax import processes
 from rstar2_jax.models.checkpoint import save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.logprobs import token_logprobs
@@ -114,6 +116,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"sync_wait must be one of {WAIT_MODES}, got {sync_wait!r}")
         self.swap, self.probe, self.sync_wait = swap, probe, sync_wait
         self.landing: background_sync.Landing | None = None  # sync_wait=export: the last sync, landing or landed
+        self.closing = threading.Event()  # set by close(): a verdict still awaited from process 0 is not
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
         if self.adapters is not None and sync == "nccl":
             raise ValueError("LoRA adapters reach vLLM servers by files or pull, not sync='nccl'")
@@ -321,6 +324,12 @@ class VLLMEngine(Engine):
     async def weights_at_least(self, version: int) -> None:
         await background_sync.wait_for_version([self], version)
 
+    def export_error(self) -> str | None:
+        return self.landing.export_error() if self.landing is not None else None
+
+    def expect_landing(self, params: Any, version: int) -> None:
+        background_sync.await_landing([self], version)
+
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Push parameters (an nnx.State of the model's variables, or a Decoder) to the server
         (sync_wait=export: returns once they are exported, background_sync.py)."""
@@ -462,9 +471,10 @@ class VLLMEngine(Engine):
         return err
 
     async def close(self):
+        self.closing.set()
         if self.landing is not None:  # no reload may run beside the export's removal
             reports = await asyncio.get_running_loop().run_in_executor(None, background_sync.settle, [self])
-            if reports and not reports[-1].ok:  # the last sync: nothing waits for it any more
+            if processes.is_primary() and reports and not reports[-1].ok:  # the last sync: nothing waits for it
                 log.error("%s: the last weights (v%d) never reached the server: %s", self.url, reports[-1].version,
                           reports[-1].error)
         if self._probe is not None:  # the last sync's verdict still counts

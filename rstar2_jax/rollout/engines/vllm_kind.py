@@ -55,7 +55,7 @@ class VLLMSettings(Section):
                         choices=SWAP_MODES)
     sync_wait: str = setting("reload", "what the trainer waits for at each sync: reload (every server holds the new "
                              "weights) | export (only the export: the servers' reload lands beside the next update, "
-                             "and the next step's rollouts wait for it; one trainer process)", choices=WAIT_MODES)
+                             "and the next step's rollouts wait for it)", choices=WAIT_MODES)
     probe: str = setting("deferred", "deferred: the log-prob probe after each sync runs beside the next rollouts and "
                          "a mismatch stops the run at the next sync | wait: the trainer waits for it every sync",
                          choices=PROBE_MODES)
@@ -159,19 +159,10 @@ def _host_refusal(r: RolloutConfig, platform: str) -> str | None:
     return None
 
 
-def _process_refusal(r: RolloutConfig, processes: int) -> tuple[str, str] | None:
-    if processes > 1 and r.vllm.sync_wait == "export":
-        return "vllm.sync_wait", (f"export is built for one trainer process, not {processes}: the others would "
-                                  "learn that a sync landed only at their next collective, after the rollouts that "
-                                  "must wait for it (rollout/engines/background_sync.py); set "
-                                  "rollout.vllm.sync_wait=reload")
-    return None
-
-
 ENGINES.register("vllm", EngineKind(
     build=_build_vllm, settings=VLLMSettings, check=_check_vllm, embedded=False,
     samples_like_learner=lambda r, compute_dtype: False,  # other kernels, whatever the dtype
     weights=_weights, plan=_plan,
     describe=lambda r: f"vllm, {len(r.vllm.urls)} server(s), scheduler {r.vllm.scheduler}",
-    host_refusal=_host_refusal, adapter_refusal=_adapter_refusal, process_refusal=_process_refusal,
+    host_refusal=_host_refusal, adapter_refusal=_adapter_refusal,
     lands_in_background=lambda r: r.vllm.sync_wait == "export"))
