@@ -131,12 +131,12 @@ def test_a_process_that_does_not_push_takes_a_version_on_only_when_process_0_pub
     follower, pusher = Follower(1, url=url), Follower(2, url=url)
     await_landing([follower], 2)
     assert not gate_returns([follower], 2) and follower.version == 1
-    _publish_verdict([pusher], 2, [Report(2, "refused"), Report(2)])  # the second attempt landed
+    _publish_verdict([pusher], 2, ["refused", None])  # the second attempt landed
     assert gate_returns([follower], 2) and follower.version == 2 and follower.synced == {url: "/exports/v2"}
     assert [r.error for r in settle([follower])] == ["refused", None]
 
     await_landing([follower], 3)
-    _publish_verdict([pusher], 3, [Report(3, "refused"), Report(3, "refused again")])
+    _publish_verdict([pusher], 3, ["refused", "refused again"])
     with pytest.raises(WeightSyncFailed, match="v3 could not reach http://follower-test twice in a row: refused again"):
         gate_returns([follower], 3)
     assert follower.version == 2

@@ -91,6 +91,7 @@ def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int)
         arrays_free.set()
 
     def land() -> list[SyncReport]:
+        errors: list[str | None] = []  # each attempt's, for the other processes
         try:
             reports = [push_to_servers(engines, params, version, on_exported=exported)]
             if not reports[0].ok:  # once more, as Engine.sync_weights does
@@ -99,11 +100,15 @@ def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int)
                     reports.append(push_to_servers(engines, None, version, again=again))
                 elif alone:  # the caller still waits: the arrays are still the learner's
                     reports.append(push_to_servers(engines, params, version, on_exported=exported))
-            if not alone and whole.is_set():
-                _publish_verdict(engines, version, reports)
+            errors = [r.error for r in reports]
             return reports
+        except BaseException as crash:  # a bug, not a failed sync: the others must not wait for ever
+            errors = [f"the landing raised {type(crash).__name__}: {crash}"]
+            raise
         finally:
             arrays_free.set()
+            if not alone and whole.is_set():  # the others wait for this verdict (await_landing)
+                _publish_verdict(engines, version, errors)
 
     landing = Landing(version, _LANDINGS.submit(land), whole)
     for e in engines:
@@ -116,10 +121,11 @@ def _verdict_key(url: str, version: int) -> str:
     return f"rstar2_jax/weights/{url}/v{version}"
 
 
-def _publish_verdict(engines: Sequence[VLLMEngine], version: int, reports: Sequence[SyncReport]) -> None:
-    """The primary: what became of `version` on these engines' servers, for the other processes."""
+def _publish_verdict(engines: Sequence[VLLMEngine], version: int, errors: Sequence[str | None]) -> None:
+    """The primary: what became of `version` on these engines' servers (each attempt's error,
+    None: landed), for the other processes."""
     synced = {url: d for e in engines for url, d in e.synced_dirs().items()}
-    verdict = json.dumps({"errors": [r.error for r in reports], "synced": synced})
+    verdict = json.dumps({"errors": list(errors), "synced": synced})
     for e in engines:
         processes.publish(_verdict_key(e.url, version), verdict)
 
