@@ -13,7 +13,7 @@ import abc
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from rstar2_jax import processes
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -134,31 +134,32 @@ class Engine(abc.ABC):
         if self.lands_in_background:  # the reload lands behind (background_sync.py)
             await self._sync_in_background(params, version)
             return
+        synced = await self._push_in_step(params, version,
+                                          lambda: (self.version == version, self.synced_dirs(), self.sync_error()))
+        if not processes.is_primary():
+            self.adopt_weights(params, version, synced)
+
+    async def _push_in_step(self, params: Any, version: int,
+                            outcome: Callable[[], tuple[bool, dict[str, str], str | None]]) -> dict[str, str]:
+        """Every process: the primary pushes, the others take part in the export's gathers (the
+        parameters may be split over processes); then `outcome()`, the primary's (done, the
+        directory each server reloaded, error), is shared (also the barrier). A failed attempt is
+        counted and made once more; a second raises WeightSyncFailed. Returns the directories."""
         primary = processes.is_primary()
         for attempt in (1, 2):
             if primary:
                 await asyncio.to_thread(self.update_weights, params, version)
-                outcome = (self.version == version, self.synced_dirs(), self.sync_error())
-            else:  # the parameters may be split over processes: the export's gathers need every process
+            else:
                 await asyncio.to_thread(self.take_part_in_sync, params)
-                outcome = None
-            # what the primary's sync did, on every process (also the barrier)
-            landed, synced, error = processes.gather_shares([outcome] if primary else [], 1)[0]
-            if landed:
-                break
-            self._failed_attempt(version, error, attempt)
-        if not primary:
-            self.adopt_weights(params, version, synced)
-
-    def _failed_attempt(self, version: int, error: str | None, attempt: int) -> None:
-        """An attempt of a sync failed: counted, and the second in a row raises."""
-        self.failed_syncs += 1
-        log.warning("weights v%d did not reach the servers (%s)%s", version, error,
-                    "; syncing again" if attempt == 1 else "")
-        if attempt == 2:
-            raise WeightSyncFailed(f"weights v{version} could not reach the vLLM servers twice in a row: {error} "
-                                   "(the servers answer with their previous weights; see the trainer's and servers' "
-                                   "logs)")
+            done, synced, error = processes.gather_shares([outcome()] if primary else [], 1)[0]
+            if done:
+                return synced
+            self.failed_syncs += 1
+            log.warning("weights v%d did not reach the servers (%s)%s", version, error,
+                        "; syncing again" if attempt == 1 else "")
+        raise WeightSyncFailed(f"weights v{version} could not reach the vLLM servers twice in a row: {error} "
+                               "(the servers answer with their previous weights; see the trainer's and servers' "
+                               "logs)")
 
     # True when a push to shared servers returns once the weights are exported, and the servers'
     # reload lands behind the trainer (rollout.vllm.sync_wait=export: background_sync.py).
@@ -183,19 +184,12 @@ class Engine(abc.ABC):
         if processes.count() == 1:
             await asyncio.to_thread(self.update_weights, params, version)
             return
-        primary = processes.is_primary()
-        for attempt in (1, 2):
-            if primary:
-                await asyncio.to_thread(self.update_weights, params, version)
-                error = self.export_error()
-            else:
-                await asyncio.to_thread(self.take_part_in_sync, params)
-                error = None
-            error = processes.gather_shares([error] if primary else [], 1)[0]  # also the barrier
-            if error is None:
-                break
-            self._failed_attempt(version, error, attempt)
-        if not primary:
+        def exported() -> tuple[bool, dict[str, str], str | None]:  # the landing goes on behind
+            error = self.export_error()
+            return error is None, {}, error
+
+        await self._push_in_step(params, version, exported)
+        if not processes.is_primary():
             self.expect_landing(params, version)
 
     def export_error(self) -> str | None:
