@@ -30,7 +30,7 @@ from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines import background_sync
+from rstar2_jax.rollout.engines import background_sync, vllm_engine
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
 from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError
@@ -240,10 +240,12 @@ def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weig
 def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one_at_a_time(
         vllm_server, tiny_model, tokenizer, monkeypatch):
     """sync_wait=export: update_weights returns once the export is written, while the server's
-    reload is held back; the learner's arrays are deleted right then (as the next update donates
-    them) and the sync still lands: the server then serves those weights and the engine's
-    version moves only when it does. A second sync started meanwhile waits for the first to land
-    before it exports (one sync at a time), then lands in turn."""
+    reload is held back and before the probe's reference (the learner's log-probs of the probe
+    tokens) has a value: it is dispatched, and only the probe behind the sync reads it. The
+    learner's arrays are deleted right then (as the next update donates them) and the sync still
+    lands: the server then serves those weights and the engine's version moves only when it
+    does. A second sync started meanwhile waits for the first to land before it exports (one sync
+    at a time), then lands in turn."""
     ids = tokenizer.encode("<|im_start|>user\nWhat is 3*9?<|im_end|>\n<|im_start|>assistant\n27")
     engine = VLLMEngine(vllm_server.url, tiny_model, sync_wait="export")
     assert engine.lands_in_background
@@ -257,12 +259,32 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
         reload_part(bucket_dir)
 
     monkeypatch.setattr(engine, "_reload_part", held_reload)
+    reads: list[str] = []  # the threads that read a probe reference's value
+    probe_jit = vllm_engine._probe_jit
+
+    class Pending:  # a result still being computed, as JAX's asynchronous dispatch hands it back
+        is_fully_addressable = True
+
+        def __init__(self, array):
+            self.array = array
+
+        def __getitem__(self, index):
+            return Pending(self.array[index])
+
+        def __array__(self, dtype=None, copy=None):  # reading its value waits for it: until release
+            reads.append(threading.current_thread().name)
+            if reads[-1].startswith("vllm-probe"):  # (elsewhere: recorded, not held, to fail at once)
+                release.wait(60)
+            return np.asarray(self.array, dtype)
+
+    monkeypatch.setattr(vllm_engine, "_probe_jit", lambda *args: Pending(probe_jit(*args)))
     graphdef, state = nnx.split(perturbed(tiny_model, seed=31))
     first = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # arrays of its own (perturbed shares the vectors)
     second = perturbed(tiny_model, seed=32)
     expected = [jax_logprobs(m, ids)[1:] for m in (first, second)]
     engine.update_weights(first, 41)
     assert engine.version == 0 and reloads == [] and served_version(vllm_server.url) != "41"  # still landing
+    assert reads == []  # nor did the sync wait for the probe's reference
     for leaf in jax.tree.leaves(nnx.state(first)):
         leaf.delete()  # the next update donates them: the landing must not read them again
     started = threading.Thread(target=engine.update_weights, args=(second, 42))
@@ -275,6 +297,8 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
     asyncio.run(engine.weights_at_least(42))
     assert engine.version == 42 and served_version(vllm_server.url) == "42" and engine.last_sync.ok
     assert [r.version for r in background_sync.settle([engine])] == [42]
+    assert engine.probe_verdict() < 1e-3  # v42's probe, on its reference
+    assert reads and all(name.startswith("vllm-probe") for name in reads)  # only the probes read them
     np.testing.assert_allclose(engine.prompt_logprobs(ids), expected[1], atol=1e-3)
     asyncio.run(engine.close())
 

@@ -5,8 +5,9 @@ server's fetch and reload, the swap. The reload is the long part (BENCHMARKS.md,
 sync to 2 CPU servers"), and the trainer needs none of it: once the export is written, the
 learner's arrays are free for the next update. So with `sync_wait=export` the sync
 (vllm_engine.push_to_servers) runs on a thread of its own and the trainer waits only until the
-export is whole and the probe's reference computed (`on_exported`); the servers' fetches, the
-reload, the swap and the engines' new version land behind it, beside the next update.
+export is whole and the probe's reference dispatched (`on_exported`; the forward that computes it
+finishes beside the next update, vllm_engine.probe_logprobs); the servers' fetches, the reload,
+the swap and the engines' new version land behind it, beside the next update.
 
 What stays true:
 - The staleness bound: an engine's `version` moves only when its server has the weights, and

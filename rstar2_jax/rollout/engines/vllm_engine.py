@@ -456,11 +456,12 @@ class VLLMEngine(Engine):
         pending, self._probe = self._probe, None
         return None if pending is None else pending.result()
 
-    def check_sync(self, model: Decoder, ours: np.ndarray | None = None) -> float:
+    def check_sync(self, model: Decoder, ours: np.ndarray | jax.Array | None = None) -> float:
         """Largest |log-prob difference| between the server and `model` on the probe tokens
-        (`ours`: the model's log-probs of them, probe_logprobs, when the caller has them)."""
+        (`ours`: the model's log-probs of them, probe_logprobs, when the caller has them; waited
+        for here, on the probe's thread)."""
         served = np.asarray(self.prompt_logprobs(self._probe_tokens))
-        ours = probe_logprobs(model, self._probe_tokens) if ours is None else ours
+        ours = np.asarray(probe_logprobs(model, self._probe_tokens) if ours is None else ours)
         err = float(np.max(np.abs(served - ours)))
         if not np.isfinite(err) or err > self.probe_tolerance:
             tied = " The model ties its embeddings: vLLM's reload_weights keeps the old output layer " \
@@ -488,16 +489,20 @@ class VLLMEngine(Engine):
         release(self._sync_root)
 
 
-def probe_logprobs(model: Decoder, tokens: Sequence[int]) -> np.ndarray:
+def probe_logprobs(model: Decoder, tokens: Sequence[int]) -> jax.Array:
     """The model's log-probs of `tokens` (each after the ones before it): the sync probe's reference.
-    Compiled once per architecture: op by op it cost 0.2 s of CPU per sync for a 0.3B model,
-    against the reloads it runs beside."""
+    Dispatched, not waited for (JAX's asynchronous dispatch; `np.asarray` of it waits): a sync
+    hands the learner's arrays back as soon as its export is whole, and the forward that reads
+    them (0.35 s of the trainer's 1.28 s sync on the CPU benchmark, BENCHMARKS.md) finishes
+    beside what follows. An update that donates those arrays meanwhile waits for it: a pending
+    read holds a donated buffer. Compiled once per architecture: op by op it cost 0.2 s of CPU
+    per sync for a 0.3B model."""
     graphdef, params = nnx.split(model)
     out = _probe_jit(graphdef, params, jnp.asarray([list(tokens)], jnp.int32))
     if not out.is_fully_addressable:  # parameters split over processes: every process runs this
         from rstar2_jax.sharding import gathered
         out = gathered(out).addressable_data(0)
-    return np.asarray(out)[0, 1:]
+    return out[0, 1:]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -544,11 +549,11 @@ class _Abandoned(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class WrittenExport:
-    """A sync's export once every bucket is written (and the probe's reference computed): all a
+    """A sync's export once every bucket is written (and the probe's reference dispatched): all a
     second attempt of the same sync needs, without the learner's arrays (background_sync.py)."""
     plan: ExportPlan
     slot: str
-    reference: np.ndarray
+    reference: jax.Array  # probe_logprobs: maybe still being computed
     model: Decoder  # its arrays may be donated by then: only its config is read (the probe's message)
 
 
@@ -574,7 +579,7 @@ class SyncReport:
         return self.error is None
 
 
-def start_probes(engines: Sequence[VLLMEngine], model: Decoder, reference: np.ndarray, report: SyncReport):
+def start_probes(engines: Sequence[VLLMEngine], model: Decoder, reference: jax.Array, report: SyncReport):
     """Every server's log-prob probe after a sync landed, on the probe pool: waited for with
     probe="wait", else collected later (VLLMEngine.probe_verdict); report.probe_s fills in as they end.
     One probe per server: engines on the same server share its verdict (two prompt_logprobs
@@ -619,8 +624,9 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
     servers go on answering, and the caller retries with the next sync. The previous sync's
     deferred probe is collected first: a failed one raises WeightSyncError before any export.
 
-    `on_exported` is called once the export is whole and the probe's reference computed: the
-    learner's arrays are no longer read, and the rest may finish behind the caller
+    `on_exported` is called once the export is whole and the probe's reference dispatched: the
+    learner's arrays may be donated (the reference's pending read holds them until it is done),
+    and the rest may finish behind the caller
     (background_sync.py; a sync that fails before calls it never). `again`: a second attempt that
     reloads that written export (report.written) instead of writing one (params unused)."""
     for e in engines:
@@ -629,7 +635,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
         return adapter_sync.push_adapters(engines, params, version)
     lead = engines[0]
     staged = lead.swap == "staged"
-    reference: np.ndarray | None  # the probe's reference: the learner's log-probs of the probe
+    reference: jax.Array | None  # the probe's reference: the learner's log-probs of the probe (dispatched)
     if again is None:  # an export to write: into the slot not holding the last whole one
         model = lead.as_model(params)
         plan, arrays, reference = lead.export_plan(model), param_arrays(model), None
@@ -688,7 +694,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
         take_part(plan, arrays, start=written)  # writing stopped early: the other processes' gathers go on
         written = len(plan.buckets)
         # while the servers reload; after every gather, the order of collectives of take_part_in_sync
-        if reference is None:
+        if reference is None:  # dispatched: it finishes beside what follows (probe_logprobs)
             reference = probe_logprobs(model, lead._probe_tokens)
         if export_whole:
             report.written = WrittenExport(plan, slot, reference, model)
@@ -709,7 +715,7 @@ def push_to_servers(engines: Sequence[VLLMEngine], params: Any, version: int, *,
     except Exception as err:  # noqa: BLE001 - any failure: every server back on its last weights
         report.error = f"{type(err).__name__}: {err}"
         take_part(plan, arrays, start=written)  # the other trainer processes gather every tensor: so must this one
-        if reference is None:  # ... and then compute the probe's reference
+        if reference is None:  # ... and then the probe's reference (its collectives, in that order)
             try:
                 probe_logprobs(model, lead._probe_tokens)
             except Exception as probe_err:  # noqa: BLE001 - the roll-back below must still run
