@@ -263,10 +263,11 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
     probe_jit = vllm_engine._probe_jit
 
     class Pending:  # a result still being computed, as JAX's asynchronous dispatch hands it back
-        is_fully_addressable = True
-
         def __init__(self, array):
             self.array = array
+
+        def __getattr__(self, name):  # its sharding, its devices: the array's
+            return getattr(self.array, name)
 
         def __getitem__(self, index):
             return Pending(self.array[index])

@@ -493,15 +493,22 @@ def probe_logprobs(model: Decoder, tokens: Sequence[int]) -> jax.Array:
     """The model's log-probs of `tokens` (each after the ones before it): the sync probe's reference.
     Dispatched, not waited for (JAX's asynchronous dispatch; `np.asarray` of it waits): a sync
     hands the learner's arrays back as soon as its export is whole, and the forward that reads
-    them (0.35 s of the trainer's 1.28 s sync on the CPU benchmark, BENCHMARKS.md) finishes
-    beside what follows. An update that donates those arrays meanwhile waits for it: a pending
-    read holds a donated buffer. Compiled once per architecture: op by op it cost 0.2 s of CPU
-    per sync for a 0.3B model."""
+    them finishes beside what follows (on the 2-core CPU benchmark it held the trainer's sync
+    0.37-0.39 s, now 0.02-0.07 s: BENCHMARKS.md, "vLLM weight sync to 2 CPU servers (files)"). An
+    update that donates those arrays meanwhile waits for it: a pending read holds a donated
+    buffer. Waited for on several CPU devices (below). Compiled once per architecture: op by op
+    it cost 0.2 s of CPU per sync for a 0.3B model."""
     graphdef, params = nnx.split(model)
     out = _probe_jit(graphdef, params, jnp.asarray([list(tokens)], jnp.int32))
+    devices = out.sharding.device_set
     if not out.is_fully_addressable:  # parameters split over processes: every process runs this
         from rstar2_jax.sharding import gathered
         out = gathered(out).addressable_data(0)
+    if len(devices) > 1 and next(iter(devices)).platform == "cpu":
+        # Over several devices these programs gather the split weights: a GPU runs each device's
+        # programs in the order issued (one stream), nothing says the CPU runtime does, and two
+        # programs' collectives taken in different orders by their peers would wait on each other.
+        out.block_until_ready()
     return out[0, 1:]
 
 
