@@ -6,7 +6,8 @@ dozens of subprocesses (training runs, CLIs); a persistent cache halves a short 
 subprocess (13.7 s -> 7.2 s measured). It lives in a directory created when the run starts and
 removed when it ends, so a clean clone always starts cold and nothing left by an earlier run can
 make a test pass. The controller creates it before pytest-xdist starts its workers, which (and
-every subprocess they start) inherit it through the environment.
+every subprocess they start) inherit it through the environment; so do XLA's fast-compile flags
+(tests/xla_flags.py: the suite mostly compiles).
 
 Between test modules a worker releases its compiled programs once their code's memory maps hold a
 quarter of the kernel's limit (tests/compiled_programs.py: kept, they pile up over the run until
@@ -24,6 +25,8 @@ settings.load_profile("repo")
 
 
 import pytest  # noqa: E402
+
+from tests.xla_flags import xla_flags  # noqa: E402
 
 _CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the tiny model's programs compile fast but are many
@@ -45,6 +48,8 @@ def pytest_configure(config):
     config._rstar2_jit_cache = cache
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
     os.environ.update(_CACHE_ENV)
+    # compile quickly, run a little slower: the suite mostly compiles (tests/xla_flags.py)
+    os.environ["XLA_FLAGS"] = xla_flags(*os.environ.get("XLA_FLAGS", "").split())
 
 
 # Tests that share a module-scoped fixture (a vLLM server, an ablation grid) run on one xdist

@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+from tests.xla_flags import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_on_8_fake_devices(module: str, timeout: int = 900) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,7 +28,7 @@ def run_as_processes(module: str, n: int = 2, devices_per_process: int = 2, time
 
     from rstar2_jax.rollout.engines.vllm_server import free_port
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices_per_process}"),
                JAX_PLATFORMS="cpu")
     port = free_port()
     outs = [tempfile.TemporaryFile("w+") for _ in range(n)]

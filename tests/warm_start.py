@@ -15,6 +15,8 @@ import sys
 
 from filelock import FileLock
 
+from tests.xla_flags import compute_bound_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # big enough for the SFT'd policy to solve some problems (so runs have positives, negatives and
@@ -45,7 +47,7 @@ def seed0_warm_start(shared) -> tuple[str, str]:
     with FileLock(str(shared / "ablation_warm_start.lock")):
         done = root / "built.json"
         if not done.exists():
-            proc = subprocess.run([sys.executable, "-c", _BUILD, str(root), *SMALL], cwd=ROOT,
+            proc = subprocess.run([sys.executable, "-c", _BUILD, str(root), *SMALL], cwd=ROOT, env=compute_bound_env(),
                                   capture_output=True, text=True, timeout=1800)
             assert proc.returncode == 0, proc.stderr[-3000:]
             model = proc.stdout.strip().splitlines()[-1]

@@ -15,13 +15,15 @@ import nbformat
 from nbclient import NotebookClient
 
 from tests.warm_start import ROOT, SMALL
+from tests.xla_flags import compute_bound_env
 
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 
 
 def ablate(workdir, *extra, config="experiments/roc_ablation.py"):
     return subprocess.run([sys.executable, "-m", "rstar2_jax.ablate", f"--config={config}", f"--workdir={workdir}",
-                           *SMALL, *extra], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                           *SMALL, *extra], cwd=ROOT, env=compute_bound_env(), capture_output=True, text=True,
+                          timeout=1800)
 
 
 def with_warm_start(workdir, warm_start) -> None:

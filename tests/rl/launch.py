@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 from rstar2_jax.rollout.engines.vllm_server import free_port
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,7 +23,7 @@ def launch(args: list[str], log_prefix, n: int = 2, timeout: float = 600, kill_w
     `kill` gets SIGKILL as soon as kill_when() holds (polled every 50 ms)."""
     port = free_port()
     args = args + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}", f"--num_processes={n}"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # one CPU device per process
     logs = [(open(f"{log_prefix}.p{i}.out", "w+"), open(f"{log_prefix}.p{i}.err", "w+")) for i in range(n)]
     procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=out, stderr=err)
              for i, (out, err) in enumerate(logs)]

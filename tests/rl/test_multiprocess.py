@@ -30,6 +30,7 @@ from rstar2_jax.checkpoints import RunCheckpoints, run_info
 from rstar2_jax.traces import read_traces
 from tests.rl.launch import launch
 from tests.rl.test_training import COMPARED, rl_lines
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,7 +72,7 @@ def train_args(config, workdir, steps: int) -> list[str]:
 
 
 def one_process_two_devices(config, workdir, steps: int):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
     done = subprocess.run(train_args(config, workdir, steps), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
