@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # the ablation, a module's fixture) stay on one worker (tests/conftest.py assigns the groups).
 TEST_WORKERS ?= 2
 
-.PHONY: demo clean-demo test test-quick lint venv venv-dev venv-vllm redis clean tensorboard notebook
+.PHONY: demo clean-demo test test-deps test-quick lint venv venv-dev venv-vllm redis clean tensorboard notebook
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -82,8 +82,14 @@ notebook: $(VENV)/.viewers
 # --dist loadgroup, xdist hangs after restarting a crashed worker (both workers idle, the
 # controller waiting; seen 2026-11-29), which would run CI into its time limit. The one such abort
 # found so far, a worker out of memory maps, is prevented by tests/compiled_programs.py.
-test: lint $(VENV)/.dev $(VLLM_VENV)/.installed redis
+test: test-deps lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0 --durations=25 $(PYTEST_ARGS)
+
+# What the suite needs, built side by side: a pip install keeps one core busy (unpacking, compiling
+# bytecode), so on two cores the two environments take about as long as the longer one (BENCHMARKS.md,
+# "Test suite: installs"). Each target's own recipe is unchanged: `make venv-dev` alone still works.
+test-deps:
+	@$(MAKE) --no-print-directory -j3 $(VENV)/.dev $(VLLM_VENV)/.installed redis
 
 # The linter, with the rules in pyproject.toml ([tool.ruff]): make test runs it first.
 lint: $(VENV)/.dev

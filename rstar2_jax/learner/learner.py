@@ -118,7 +118,7 @@ class Learner:
 
     def _put(self, x: np.ndarray):
         if self.mesh is None:
-            return jnp.asarray(x)
+            return jax.device_put(x)  # a transfer: jnp.asarray would compile a program per new shape
         axes = ("batch",) + (None,) * (x.ndim - 1)
         return jax.device_put(x, sharding_lib.named_sharding(self.mesh, axes, x.shape))
 

@@ -86,7 +86,7 @@ class SFTTrainer:
                                  f"({self.token_budget}): raise it to at least the longest trace")
             plan = plan_packing(batch.lengths, self.token_budget, max_segments=self.segments_per_row)
             tokens, mask, layout = plan.pack(tokens), plan.pack(mask), plan.layout()
-        self.state, metrics = self._step(self.state, jnp.asarray(tokens), jnp.asarray(mask), self.frozen, layout)
+        self.state, metrics = self._step(self.state, jax.device_put(tokens), jax.device_put(mask), self.frozen, layout)
         return {k: float(v) for k, v in metrics.items()}
 
     def model(self) -> nnx.Module:

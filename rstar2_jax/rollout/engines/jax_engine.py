@@ -316,10 +316,12 @@ class JaxEngine(Engine):
             req.version_start = self.version
             # any Python int is a valid seed; the device sees its low 32 bits
             req.seed = (s.seed if s.seed is not None else int(self._seeds.integers(2 ** 32))) % 2 ** 32
-        sampling_args = (jnp.uint32(req.seed), jnp.int32(len(req.generated)), jnp.float32(s.temperature),
-                         jnp.int32(s.top_k), jnp.float32(s.top_p))
+        # NumPy scalars and arrays: jit transfers them as they are (jnp.asarray would compile a
+        # program per new shape and dtype)
+        sampling_args = (np.uint32(req.seed), np.int32(len(req.generated)), np.float32(s.temperature),
+                         np.int32(s.top_k), np.float32(s.top_p))
         fn, head = self.kv.prefill(self, slot, len(context), reuse)
-        args = head + (jnp.asarray(tokens), jnp.int32(reuse), jnp.int32(n)) + sampling_args
+        args = head + (tokens, np.int32(reuse), np.int32(n)) + sampling_args
 
         version = self.version  # the weights in `args`, whatever a sync does while they run
         # reused KV was computed by the same weights (_reusable), so the row's oldest KV is this prefill's
@@ -369,7 +371,7 @@ class JaxEngine(Engine):
                 top_p[slot] = req.sampling.top_p
         arrays = (tokens, positions, seeds, counters, temperature, top_k, top_p)
         table = self.kv.decode_table([i if r is not None else None for i, r in enumerate(self._active)])
-        return ((table,) + tuple(jnp.asarray(a) for a in arrays),
+        return ((table,) + arrays,
                 [int(p) for p in positions if p < self.max_len])
 
     async def _step(self, loop):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable, Protocol
 
-import jax.numpy as jnp
 import numpy as np
 
 from rstar2_jax.models.decoder import init_cache, init_paged_cache
@@ -81,7 +80,7 @@ class SlotRows:
     def prefill(self, engine, slot, context_len, reuse):
         """(kernel, its leading arguments): a fresh row, or new tokens after the row's KV."""
         fn = engine.kernels.extend if reuse else engine.kernels.prefill
-        return fn, (engine._state, engine._cache, jnp.int32(slot))
+        return fn, (engine._state, engine._cache, np.int32(slot))
 
     def before_decode(self, engine) -> None:
         pass  # every row is max_len long already
@@ -98,7 +97,7 @@ class SlotRows:
 
     def idle_prefill(self, engine):
         """A prefill kernel and its leading arguments whose writes land in slot 0 (precompile)."""
-        return engine.kernels.prefill, (engine._state, engine._cache, jnp.int32(0))
+        return engine.kernels.prefill, (engine._state, engine._cache, np.int32(0))
 
 
 class PagedKV:
@@ -154,7 +153,7 @@ class PagedKV:
     def prefill(self, engine, slot, context_len, reuse):
         """The row grows to the context; the kernel writes through the row's page table."""
         self.pool.grow(("row", slot), pages_for(context_len, self.page_size) - len(self.pool.held(("row", slot))))
-        table = jnp.asarray(self.table([slot]))
+        table = self.table([slot])  # NumPy: the kernel takes it as it is
         return engine.kernels.fill_pages, (engine._state, engine._cache, table)
 
     def before_decode(self, engine) -> None:
@@ -187,7 +186,7 @@ class PagedKV:
         return table
 
     def decode_table(self, active_slots):
-        return jnp.asarray(self.table(active_slots))
+        return self.table(active_slots)
 
     def keep(self, slot, session, tokens) -> int | None:
         """The finished turn's pages (those its tokens fill) go to the resident; the rest are freed."""
@@ -200,4 +199,4 @@ class PagedKV:
 
     def idle_prefill(self, engine):
         """A paged fill through an all-"no page" table: every write dropped (precompile)."""
-        return engine.kernels.fill_pages, (engine._state, engine._cache, jnp.asarray(self.table([None])))
+        return engine.kernels.fill_pages, (engine._state, engine._cache, self.table([None]))
