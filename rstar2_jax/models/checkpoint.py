@@ -128,7 +128,7 @@ def load_pretrained(model_dir: str | os.PathLike, dtype=jnp.float32, *, param_dt
                 target = flat_shardings[path].get_value()
                 loaded[path] = jax.make_array_from_callback(host.shape, target, lambda idx, a=host: a[idx])
             else:  # contiguous bytes to the device; the layout change happens there
-                loaded[path] = weight_map.from_hf_on_device(spec, jnp.asarray(handle.get_tensor(spec.hf)),
+                loaded[path] = weight_map.from_hf_on_device(spec, jax.device_put(handle.get_tensor(spec.hf)),
                                                             our_shape, jnp.dtype(param_dtype))
     state = nnx.from_flat_state([(tuple(int(p) if p.isdigit() else p for p in path.split(".")),
                                  params[path].replace(loaded[path])) for path in params])

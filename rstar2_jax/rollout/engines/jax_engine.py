@@ -56,7 +56,6 @@ import time
 from typing import Any, Hashable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -197,10 +196,10 @@ class JaxEngine(Engine):
         if self._loop_task is not None:
             raise RuntimeError("precompile before the engine starts serving")
         for n in prompt_lengths:
-            tokens = jnp.zeros((1, self._prefill_bucket(int(n))), jnp.int32)
-            sampling = (jnp.uint32(0), jnp.int32(0), jnp.float32(1), jnp.int32(0), jnp.float32(1))
+            tokens = np.zeros((1, self._prefill_bucket(int(n))), np.int32)  # as _admit passes them: NumPy
+            sampling = (np.uint32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
             fn, head = self.kv.idle_prefill(self)
-            self._cache, *_ = fn(*head, tokens, jnp.int32(0), jnp.int32(1), *sampling)
+            self._cache, *_ = fn(*head, tokens, np.int32(0), np.int32(1), *sampling)
         inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
         lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
