@@ -20,6 +20,8 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training run directory:
 _PROMPT = flags.DEFINE_string("prompt", "Solve the system of equations: 2x + 3y = 7, x - y = 1", "the problem")
 _FORMAT = flags.DEFINE_string("format", None, "prompt format the model was trained in: rstar2, compact or "
                                "tiny (the CPU demo's); default: the run's with --checkpoint, else rstar2")
+_ANSWER_FORMAT = flags.DEFINE_string("answer_format", None, "where the final answer is read (answer_boxed, boxed, dapo, "
+                                     "gsm8k, choice_letter); default: the run's with --checkpoint, else answer_boxed")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling temperature; 0 = greedy", lower_bound=0.0)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 2048, "token budget after the prompt, all turns", lower_bound=1)
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 10, "assistant turns", lower_bound=1)
@@ -33,10 +35,10 @@ def _print_turn(turn):
         print(f"--- tool: {tool.status} in {tool.latency_s * 1000:.0f} ms ---\n{tool.output}")
 
 
-async def _chat(model, model_dir: str, format_name: str):
+async def _chat(model, model_dir: str, format_name: str, answer_format: str):
     import sandbox
     from rstar2_jax.models.tokenizer import Tokenizer
-    from rstar2_jax.rewards import extract_answer
+    from rstar2_jax.rewards import ANSWER_FORMATS
     from rstar2_jax.rollout import AgentConfig, make_format, run_agent
     from rstar2_jax.rollout.engines import RolloutConfig, make_engine
     from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings
@@ -52,7 +54,8 @@ async def _chat(model, model_dir: str, format_name: str):
             make_engine(engine_cfg, model, tokenizer, seed=_SEED.value) as engine:
         traj = await run_agent(engine, sb, tokenizer, _PROMPT.value, cfg, on_turn=_print_turn)
     print(f"\n=== {traj.finish_reason}: {len(traj.turns)} turns, {traj.num_response_tokens} tokens, "
-          f"{len(traj.tool_statuses)} tool calls; answer: {extract_answer(traj.response_text)!r}")
+          f"{len(traj.tool_statuses)} tool calls; answer ({answer_format}): "
+          f"{ANSWER_FORMATS[answer_format].extract(traj.graded_text)!r}")
 
 
 def main(argv):
@@ -69,8 +72,12 @@ def main(argv):
     format_name = _FORMAT.value or run.get("format", "rstar2")
     if format_name not in FORMATS:
         raise app.UsageError(f"--format: {FORMATS.problem(format_name)}")
+    from rstar2_jax.rewards import ANSWER_FORMATS, DEFAULT_ANSWER_FORMAT
+    answer_format = _ANSWER_FORMAT.value or run.get("answer_format", DEFAULT_ANSWER_FORMAT)
+    if answer_format not in ANSWER_FORMATS:
+        raise app.UsageError(f"--answer_format: {ANSWER_FORMATS.problem(answer_format)}")
     model = load_model_dir(model_dir) if model_dir else load_run_policy(_CHECKPOINT.value)  # a HF dir or an adapter
-    asyncio.run(_chat(model, base_dir_of(model_dir) if model_dir else run["model_dir"], format_name))
+    asyncio.run(_chat(model, base_dir_of(model_dir) if model_dir else run["model_dir"], format_name, answer_format))
 
 
 if __name__ == "__main__":

@@ -289,3 +289,12 @@ def oom_kills(version, dir_fds):
     if version == "v1":
         return parse_counter(_read(dir_fds["memory"], "memory.oom_control"), "oom_kill")
     return parse_counter(_read(dir_fds[""], "memory.events"), "oom_kill")
+
+
+def shmem_bytes(version, dir_fds):
+    """Shared memory charged to this cgroup: tmpfs files (a call's /tmp and /dev/shm), SysV
+    segments and memfds. Unlike page cache the kernel cannot reclaim it (no swap), so a call's
+    leftover counts against the next call's limit until its tmpfs is unmounted (zygote_supervise)."""
+    if version == "v1":
+        return parse_counter(_read(dir_fds["memory"], "memory.stat"), "shmem")
+    return parse_counter(_read(dir_fds[""], "memory.stat"), "shmem")

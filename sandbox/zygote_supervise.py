@@ -76,7 +76,7 @@ def _supervise(job, zygote, slot, job_fd, body_fds, out, err, setup, fds):
         os.close(fd)
         fds.remove(fd)
     sinks = {out[0]: Sink(out[0], limits["stdout_bytes"]), err[0]: Sink(err[0], limits["stderr_bytes"])}
-    mount_ns = None
+    mount_ns = wait_status = None
     try:
         pidfd = os.pidfd_open(pid)
         fds.append(pidfd)
@@ -134,7 +134,37 @@ def _supervise(job, zygote, slot, job_fd, body_fds, out, err, setup, fds):
             sink.close()
         raise
     finally:
+        if wait_status is not None and runtime.cgroup_fds:
+            hand_on_clean(runtime, mount_ns)
+        else:
+            release_mount_namespace(mount_ns)
+
+
+# A call that leaves more shared memory than this charged to its slot (files in its /tmp or
+# /dev/shm, SysV segments) has it released before the slot takes the next call.
+LEFTOVER_SHMEM_BYTES = 1 << 20
+RELEASE_WAIT_S = 2.0
+
+
+def hand_on_clean(runtime, mount_ns):
+    """The slot handed to the next call only once the finished call's shared memory is uncharged.
+
+    The call's /tmp and /dev/shm live as long as its mount namespace, which the closer frees in
+    batches (zygote_closer: up to CLOSER_BATCH calls later), and its SysV segments until the
+    kernel's worker frees its IPC namespace. Both are charged to the slot's cgroup, so a call that
+    filled its tmpfs left the next one in the slot less memory than its limit (issue 69: 780 MB
+    calls ended `memory` after 480 MB tmpfs fills). Such a call's namespace is dropped here, at
+    once, and the worker waits (RELEASE_WAIT_S at most) for the kernel to uncharge its memory. A
+    call that left nothing (nearly all) costs one read of memory.stat and keeps the closer's path."""
+    version, fds = runtime.cgroup_version, runtime.cgroup_fds
+    if cgroups.shmem_bytes(version, fds) < LEFTOVER_SHMEM_BYTES:
         release_mount_namespace(mount_ns)
+        return
+    if mount_ns is not None:
+        os.close(mount_ns)  # the last reference: its tmpfs mounts go now, in this process
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while cgroups.shmem_bytes(version, fds) >= LEFTOVER_SHMEM_BYTES and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def result_header(wait_status, reason, job, duration, *, setup_done, oom_kills, cpu_s, over_cap):

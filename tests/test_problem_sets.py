@@ -10,6 +10,10 @@ Each fixture is written in the exact schema of its source, field names as there:
   fork): data_source "rstar_open-r1/DAPO-Math-17k-Processed", agent_name, prompt [{role: user}],
   reward_model{style: rule, ground_truth}, extra_info{split, index, answer, question,
   need_tools_kwargs, interaction_kwargs}; the map keeps open-r1's solution and source_prompt;
+- verl's GSM8K and MATH preprocessing (verl examples/data_preprocess/gsm8k.py, math_dataset.py):
+  the question with verl's instruction in the user turn, the final answer in
+  reward_model.ground_truth, and (GSM8K) the worked solution and bare question in extra_info;
+- openai/gsm8k as published: question, answer "<worked solution>\n#### N";
 - a Hugging Face `datasets` folder written by datasets' own save_to_disk.
 """
 
@@ -59,6 +63,32 @@ def rstar2_agent_rows():
     return rows
 
 
+GSM8K = [("Tom has 3 apples and buys 4 more. How many apples does he have?",
+          "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7", "7"),
+         ("A school buys 40 boxes of 30 pens. How many pens is that?",
+          "40 boxes hold 40 * 30 = <<40*30=1200>>1,200 pens.\nThat is all of them.\n#### 1,200", "1200")]
+VERL_GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+VERL_MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+def verl_gsm8k_rows():
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": q + " " + VERL_GSM8K_INSTRUCTION}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": gold},
+             "extra_info": {"split": "train", "index": i, "answer": worked, "question": q}}
+            for i, (q, worked, gold) in enumerate(GSM8K)]
+
+
+def gsm8k_rows():
+    return [{"question": q, "answer": worked} for q, worked, _ in GSM8K]
+
+
+def verl_math_rows():
+    return [{"data_source": "DigitalLearningGmbH/MATH-lighteval",
+             "prompt": [{"role": "user", "content": q + " " + VERL_MATH_INSTRUCTION}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": a}, "extra_info": {"split": "train", "index": i}}
+            for q, a, i in PROBLEMS]
+
+
 def write_parquet(path, rows):
     pq.write_table(pa.Table.from_pylist(rows), path)
     return str(path)
@@ -70,9 +100,10 @@ def write_jsonl(path, rows):
 
 
 @pytest.mark.parametrize("layout,rows,question_of", [
-    ("verl", verl_rows, lambda q: DAPO_TEMPLATE.format(q)),  # the user turn, as verl trains on it
+    ("dapo_math_17k", verl_rows, lambda q: DAPO_TEMPLATE.format(q)),  # the user turn, as verl trains on it
     ("open_r1", open_r1_rows, lambda q: q),
     ("rstar2_agent", rstar2_agent_rows, lambda q: q),
+    ("verl_math", verl_math_rows, lambda q: q + " " + VERL_MATH_INSTRUCTION),
 ])
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_each_public_layout_loads_from_parquet_and_jsonl(tmp_path, layout, rows, question_of, fmt):
@@ -82,6 +113,59 @@ def test_each_public_layout_loads_from_parquet_and_jsonl(tmp_path, layout, rows,
     assert [(p.question, p.answer) for p in problems] == [(question_of(q), a) for q, a, _ in PROBLEMS]
     ids = [p.id for p in problems]
     assert ids == ([i for _, _, i in PROBLEMS] if layout != "rstar2_agent" else ["0", "1"])
+
+
+@pytest.mark.parametrize("layout,rows,question_of,evidence", [
+    ("verl_gsm8k", verl_gsm8k_rows, lambda q: q + " " + VERL_GSM8K_INSTRUCTION, "data_source 'openai/gsm8k'"),
+    ("gsm8k", gsm8k_rows, lambda q: q, "ending in '#### N'"),
+])
+def test_gsm8k_layouts_give_the_final_answer_as_gold_never_the_worked_solution(tmp_path, layout, rows, question_of,
+                                                                               evidence, caplog):
+    """Issue 69: verl's GSM8K rows carry extra_info.question/answer and were read as the rStar2-Agent
+    layout, with the whole worked solution as gold (every response scored 0); raw openai/gsm8k too."""
+    path = write_parquet(tmp_path / "gsm8k.parquet", rows())
+    with caplog.at_level("WARNING"):
+        problems = load_problems(path)
+    assert layout_of(path) == layout
+    assert [(p.question, p.answer) for p in problems] == [(question_of(q), gold) for q, _, gold in GSM8K]
+    decided = [r.getMessage() for r in caplog.records if "read as layout" in r.getMessage()]
+    assert decided and f"read as layout {layout} (" in decided[0] and evidence in decided[0]
+
+
+def test_verl_gsm8k_is_told_by_its_worked_solution_without_a_data_source(tmp_path):
+    rows = [{k: v for k, v in row.items() if k != "data_source"} for row in verl_gsm8k_rows()]
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    assert layout_of(path) == "verl_gsm8k" and [p.answer for p in load_problems(path)] == ["7", "1200"]
+
+
+def test_verl_gsm8k_kept_instructions_are_verl_s_own_and_warn_under_another_format(tmp_path):
+    path = write_parquet(tmp_path / "gsm8k.parquet", verl_gsm8k_rows())
+    cfg = DataConfig.from_mapping({"task": "problems", "answer_format": "answer_boxed",
+                                   "problems": {"train_path": path, "eval_path": path, "instructions": "keep"}})
+    [warning] = {w for w in cfg.warnings() if "verl_gsm8k" in w}
+    assert "--config.data.answer_format=gsm8k" in warning
+    assert make_task(cfg, 0).train_problems[0].question.endswith(VERL_GSM8K_INSTRUCTION)
+
+
+def test_a_gold_that_is_a_worked_solution_is_refused_naming_file_row_and_key(tmp_path):
+    path = write_parquet(tmp_path / "gsm8k.parquet", verl_gsm8k_rows())
+    with pytest.raises(DataError, match=r"gsm8k.parquet:1: the gold \(field 'extra_info.answer'\) looks like a worked "
+                                        r"solution.*'####'.*data.problems.answer_key"):
+        load_problems(path, columns=Columns("extra_info.question", "extra_info.answer"))
+    rows = [{"problem": "Add 2 and 3.", "answer": "5"},
+            {"problem": "Add 1 and 1.", "answer": "First, 1 + 1.\nThat makes\n\\boxed{2}"}]
+    with pytest.raises(DataError, match=r"plain.jsonl:2: the gold .* worked solution.*boxed"):
+        load_problems(write_jsonl(tmp_path / "plain.jsonl", rows))
+
+
+def test_a_row_whose_two_golds_disagree_is_ambiguous_and_names_the_keys(tmp_path):
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "reward_model": {"ground_truth": "4"},
+           "extra_info": {"question": "What is 2 + 2?", "answer": "5", "index": 0}}
+    path = write_jsonl(tmp_path / "odd.jsonl", [row])
+    with pytest.raises(DataError, match=r"odd.jsonl:1: ambiguous layout: two golds .*'4'.*'5'.*"
+                                        r"data.problems.answer_key=reward_model.ground_truth"):
+        load_problems(path)
+    assert [p.answer for p in load_problems(path, columns=Columns("prompt", "reward_model.ground_truth"))] == ["4"]
 
 
 def test_a_parquet_file_named_jsonl_is_read_as_parquet(tmp_path):

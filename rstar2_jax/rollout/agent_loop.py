@@ -26,7 +26,7 @@ from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
 from rstar2_jax.rewards.penalties import INFRA_TOOL_STATUSES
 from rstar2_jax.rollout.journal import RolloutJournal
-from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
+from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn, model_text
 from rstar2_jax.timeline import span
 
 if TYPE_CHECKING:  # the engines import this module's neighbours; the type alone is needed here
@@ -86,6 +86,8 @@ async def run_agent(engine: Engine, sandbox: SandboxClient, tokenizer, problem: 
     journal: where the trajectory is saved at every turn boundary, and resumed from (journal.py)."""
     saved = journal.load() if journal is not None else None
     if saved is not None and saved.finished:
+        if not saved.trajectory.graded_text:  # saved before the graded text was kept
+            saved.trajectory.graded_text = model_text(tokenizer, saved.trajectory)
         return saved.trajectory
     resume = saved.trajectory if saved is not None else None
     if cfg.tool_state == "session":
@@ -168,6 +170,7 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed,
         if journal is not None:
             journal.save(traj, finished=False)
     traj.response_text = tokenizer.decode(traj.token_ids[traj.prompt_len:])
+    traj.graded_text = model_text(tokenizer, traj)
     if journal is not None:
         journal.save(traj, finished=True)
     return traj

@@ -88,6 +88,7 @@ class RolloutJournal:
                 continue
             if d.get("finished"):
                 traj.finish_reason, traj.response_text = d["finish_reason"], d["response_text"]
+                traj.graded_text = d.get("graded_text", "")  # older journals: run_agent derives it
                 finished, used = True, offset
                 break
             if self.max_version is not None and max(d["versions"], default=-1) > self.max_version:
@@ -120,7 +121,8 @@ class RolloutJournal:
                           "turns": [dataclasses.asdict(t) for t in traj.turns[self._turns:]],
                           "generation_s": traj.generation_s, "tool_s": traj.tool_s})
         if finished:
-            lines.append({"finished": True, "finish_reason": traj.finish_reason, "response_text": traj.response_text})
+            lines.append({"finished": True, "finish_reason": traj.finish_reason, "response_text": traj.response_text,
+                          "graded_text": traj.graded_text})
         with open(self.path, "w" if self._tokens == 0 else "a") as f:
             f.write("".join(json.dumps(line) + "\n" for line in lines))
         self._tokens, self._turns = len(traj.token_ids), len(traj.turns)

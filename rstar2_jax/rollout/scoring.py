@@ -37,7 +37,8 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
                            grader: Callable[[str, str], Grade] = Grader(), progress=None,
                            journal: StepJournal | None = None, indices: Sequence[int] | None = None) -> list[Scored]:
     """All rollouts concurrently, graded by `grader(response, gold)` (a Grade: reward and the answer
-    in the expected format); `progress` (e.g. a tqdm bar) is updated as each one finishes. With
+    in the expected format) on the text the model wrote (Trajectory.graded_text); `progress` (e.g.
+    a tqdm bar) is updated as each one finishes. With
     `journal`, rollout i is saved turn by turn (and resumed) under its index `indices[i]` in the
     step (default i): rollout/journal.py."""
     indices = range(len(questions)) if indices is None else indices
@@ -51,7 +52,7 @@ async def rollout_problems(engine, sandbox, tokenizer, questions: Sequence[str],
 
     trajs = await asyncio.gather(*(one(q, s, i) for q, s, i in zip(questions, seeds, indices)))
     with span("reward"):
-        return [Scored.graded(t, grader(t.response_text, g)) for t, g in zip(trajs, golds)]
+        return [Scored.graded(t, grader(t.graded_text, g)) for t, g in zip(trajs, golds)]
 
 
 async def scored_rollout(engine, sandbox, tokenizer, question: str, gold: str, cfg: AgentConfig, seed: int, *,
@@ -60,7 +61,7 @@ async def scored_rollout(engine, sandbox, tokenizer, question: str, gold: str, c
     rollout's result on its own: rl/carry.py)."""
     t = await run_agent(engine, sandbox, tokenizer, question, cfg, seed=seed, journal=journal)
     with span("reward"):
-        return Scored.graded(t, grader(t.response_text, gold))
+        return Scored.graded(t, grader(t.graded_text, gold))
 
 
 @dataclasses.dataclass(frozen=True)

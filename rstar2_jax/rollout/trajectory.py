@@ -42,6 +42,9 @@ class Trajectory:
     turns: list[Turn] = dataclasses.field(default_factory=list)
     finish_reason: str = ""   # eos | length | max_turns
     response_text: str = ""   # decoded text after the prompt (model and tool tokens), for reading
+    # The model's own words: each run of its tokens decoded without special tokens (EOS, pad, the
+    # chat template's turn markers), runs joined by newlines. What the grader reads (model_text).
+    graded_text: str = ""
     generation_s: float = 0.0
     tool_s: float = 0.0
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # problem id, sample index, ...
@@ -71,3 +74,22 @@ class Trajectory:
     @property
     def assistant_text(self) -> str:
         return "".join(t.text for t in self.turns)
+
+    def model_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each run of model tokens (loss mask 1), in order."""
+        spans, start = [], None
+        for i, m in enumerate(self.loss_mask + [0]):
+            if m == 1 and start is None:
+                start = i
+            elif m != 1 and start is not None:
+                spans.append((start, i))
+                start = None
+        return spans
+
+
+def model_text(tokenizer, traj: Trajectory) -> str:
+    """The text the model wrote, as the grader reads it: each run of its own tokens decoded with
+    special tokens skipped (verl's reward decodes so), runs joined by newlines. The EOS that ends
+    the last turn, a pad, or a chat-template marker never reaches an answer ("Answer: 1/2<|im_end|>"
+    would not parse); tool outputs, which the model did not write, are not graded either."""
+    return "\n".join(tokenizer.decode(traj.token_ids[a:b], skip_special_tokens=True) for a, b in traj.model_spans())

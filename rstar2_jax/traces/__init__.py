@@ -11,8 +11,8 @@ from rstar2_jax.traces.entropy import (FORKING, REFLECTION, frequent_strings, hi
                                        token_roles)
 from rstar2_jax.traces.run import Run, filter_traces, load_run, step_stats, with_trajectory_columns
 from rstar2_jax.traces.schema import SCHEMA, TraceWriter, read_traces, trajectory_record
-from rstar2_jax.traces.view import render_trajectory
+from rstar2_jax.traces.view import answer_context, render_trajectory
 
-__all__ = ["FORKING", "REFLECTION", "Run", "SCHEMA", "TraceWriter", "filter_traces", "frequent_strings",
+__all__ = ["FORKING", "REFLECTION", "Run", "SCHEMA", "TraceWriter", "answer_context", "filter_traces", "frequent_strings",
            "high_entropy_tokens", "load_run", "read_traces", "render_trajectory", "role_shares", "step_stats",
            "token_roles", "trajectory_record", "with_trajectory_columns"]

@@ -75,11 +75,12 @@ def with_trajectory_columns(df: pd.DataFrame) -> pd.DataFrame:
 
 def step_stats(df: pd.DataFrame, by: tuple[str, ...] = ("outcome", "roc")) -> pd.DataFrame:
     """Per step (and per value of each `by` column): rollouts and the METRICS of rollout/scoring.py
-    that a trace row holds (accuracy, mean_response_tokens, mean_tool_calls, tool_error_ratio_all:
-    failed / all calls, pooled), plus tool calls per turn.
+    that a trace row holds (accuracy, format_failure_rate: no answer in the graded format,
+    mean_response_tokens, mean_tool_calls, tool_error_ratio_all: failed / all calls, pooled), plus
+    tool calls per turn.
     `df` must have the columns of `with_trajectory_columns`."""
-    g = df.groupby(["step", *by], sort=True)
-    out = g.agg(rollouts=("reward", "size"), accuracy=("reward", "mean"),
+    g = df.assign(format_failure=df["extracted_answer"].isna()).groupby(["step", *by], sort=True)
+    out = g.agg(rollouts=("reward", "size"), accuracy=("reward", "mean"), format_failure_rate=("format_failure", "mean"),
                 mean_response_tokens=("num_response_tokens", "mean"), mean_tool_calls=("num_tool_calls", "mean"),
                 tool_calls_per_turn=("tool_calls_per_turn", "mean"), calls=("num_tool_calls", "sum"),
                 errors=("num_tool_errors", "sum"))

@@ -16,7 +16,8 @@ Schema (one row per trajectory):
 | engine | string | engine that generated it (e.g. "jax", "vllm:http://host:8000") |
 | problem | string | problem text |
 | gold | string | gold answer |
-| response_text | string | everything after the prompt: model turns and tool responses |
+| response_text | string | everything after the prompt: model turns and tool responses, special tokens included |
+| graded_text | string | what the grader read: the model's own tokens decoded without special tokens (EOS, pad, turn markers), one line break between its runs (null: traces written before it was kept) |
 | extracted_answer | string | the answer in the run's answer format (data.answer_format; default the \\boxed{} of the last <answer> block), or null: none in that format (a format failure, reward 0) |
 | turns | list<struct> | per assistant turn: text, num_tokens, finish_reason, version_start, version_end, tools (list of code, stdin, status, output, latency_s, retries: runs again after the sandbox failed to serve it) |
 | token_ids | list<int32> | prompt + response tokens, exactly as trained on |
@@ -60,7 +61,8 @@ _TURN = pa.struct([("text", pa.string()), ("num_tokens", pa.int32()), ("finish_r
 SCHEMA = pa.schema([
     ("run", pa.string()), ("step", pa.int64()), ("problem_id", pa.string()), ("sample_index", pa.int32()),
     ("policy_version", pa.int64()), ("engine", pa.string()), ("problem", pa.string()), ("gold", pa.string()),
-    ("response_text", pa.string()), ("extracted_answer", pa.string()), ("turns", pa.list_(_TURN)),
+    ("response_text", pa.string()), ("graded_text", pa.string()), ("extracted_answer", pa.string()),
+    ("turns", pa.list_(_TURN)),
     ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
     ("versions", pa.list_(pa.int32())), ("kv_versions", pa.list_(pa.int32())),
     ("entropy", pa.list_(pa.float32())), ("prompt_len", pa.int32()), ("num_response_tokens", pa.int32()),
@@ -79,7 +81,7 @@ def trajectory_record(traj: Trajectory, *, run: str, step: int, problem_id: str,
     return {
         "run": run, "step": step, "problem_id": str(problem_id), "sample_index": sample_index,
         "policy_version": traj.min_version, "engine": engine, "problem": problem, "gold": str(gold),
-        "response_text": traj.response_text, "extracted_answer": extracted_answer,
+        "response_text": traj.response_text, "graded_text": traj.graded_text, "extracted_answer": extracted_answer,
         "turns": [{**{k: v for k, v in dataclasses.asdict(t).items() if k != "tools"},
                    "tools": [dataclasses.asdict(tool) for tool in t.tools]} for t in traj.turns],
         "token_ids": traj.token_ids, "loss_mask": traj.loss_mask, "logprobs": traj.logprobs,

@@ -26,11 +26,41 @@ def extracted(row: Any) -> str:
     return "none in the graded answer format (format failure)" if answer is None or answer != answer else str(answer)
 
 
+ANSWER_CONTEXT_CHARS = 80
+
+
+def answer_context(row: Any, width: int = ANSWER_CONTEXT_CHARS) -> tuple[str, str, str] | None:
+    """Where the grader read the answer: (text before, the answer, text after) around its last
+    occurrence in the graded text (the model's own words, special tokens left out), `width`
+    characters each side; None where there is no answer or no graded text (older traces)."""
+    answer, text = row["extracted_answer"], row.get("graded_text") if hasattr(row, "get") else None
+    if answer is None or answer != answer or not isinstance(text, str):
+        return None
+    at = text.rfind(str(answer))
+    if at < 0:
+        return None
+    end = at + len(str(answer))
+    return text[max(0, at - width):at], text[at:end], text[end:end + width]
+
+
+def _read_at_line(row: Any, html: bool) -> str | None:
+    around = answer_context(row)
+    if around is None:
+        return None
+    before, answer, after = around
+    if not html:
+        return f"answer read at: ...{before}[[{answer}]]{after}..."
+    esc = html_lib.escape
+    return (f"<div><i>answer read at</i>: <span style='white-space:pre-wrap'>...{esc(before)}"
+            f"<mark>{esc(answer)}</mark>{esc(after)}...</span></div>")
+
+
 def render_trajectory(row: Any, html: bool = True) -> str:
     """`row`: one trace row (a pandas Series or a dict). HTML for notebooks, or plain text."""
     turns = list(row["turns"])
     if not html:
         out = [_header(row), f"problem: {row['problem']}", f"gold: {row['gold']}  extracted: {extracted(row)}"]
+        out += [line for line in [_read_at_line(row, html=False)] if line]
         for i, turn in enumerate(turns):
             out.append(f"--- turn {i} ({turn['num_tokens']} tokens, {turn['finish_reason']}) ---")
             out.append(turn["text"])
@@ -45,6 +75,7 @@ def render_trajectory(row: Any, html: bool = True) -> str:
     out = [f"<div style='font-family:monospace'><b>{esc(_header(row))}</b>",
            f"<div><i>problem</i>: {esc(str(row['problem']))}</div>",
            f"<div><i>gold</i>: {esc(str(row['gold']))} &nbsp; <i>extracted</i>: {esc(extracted(row))}</div>"]
+    out += [line for line in [_read_at_line(row, html=True)] if line]
     for i, turn in enumerate(turns):
         out.append(f"<div style='margin-top:6px'><b>turn {i}</b> "
                    f"({turn['num_tokens']} tokens, {esc(turn['finish_reason'])})</div>")

@@ -14,4 +14,4 @@ def test_chat_prints_turns_and_a_summary(tiny_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in proc.stdout
     assert "--- assistant (" in proc.stdout
-    assert "\n=== " in proc.stdout and "turns" in proc.stdout and "answer:" in proc.stdout
+    assert "\n=== " in proc.stdout and "turns" in proc.stdout and "answer (answer_boxed):" in proc.stdout

@@ -66,6 +66,31 @@ def test_sysv_shared_memory_counts_and_does_not_outlive_the_call(sb):
     assert r.status == "memory"
 
 
+# Each fill leaves 2 x 120 MB in its own /tmp and /dev/shm and a 30 MB SysV segment behind; each
+# allocation needs 260 MB of a 320 MB limit: it fits only if the slot's previous fill is released.
+_FILL = (LIBC + "libc.shmat.restype = ctypes.c_void_p\nfor d in ('/tmp', '/dev/shm'):\n    for i in range(8):\n"
+         "        with open(f'{d}/fill{i}', 'wb') as f:\n            f.write(b'x' * (15 << 20))\n"
+         "shm = libc.shmget(0, 30 << 20, 0o1600)\naddr = libc.shmat(shm, None, 0)\nctypes.memset(addr, 1, 30 << 20)\n"
+         "print('filled')")
+_ALLOCATE = "block = bytearray(260 << 20)\nfor i in range(0, len(block), 4096):\n    block[i] = 1\nprint('allocated')"
+
+
+def test_a_slot_starts_clean_after_a_call_filled_its_tmpfs():
+    """Issue 69: a call's tmpfs (and SysV) memory stayed charged to its slot until the closer freed
+    its mount namespace, so the next call in the slot failed `memory` within its own limit. Fill
+    then allocate, on every slot, in a loop, under strict isolation: every call is ok."""
+    box = SyncSandbox(workers=2, default_timeout=20.0,
+                      limits=sandbox.Limits(memory_bytes=320 << 20, tmpfs_bytes=160 << 20))
+    try:
+        for _ in range(3):
+            fills = box.run_many([{"code": _FILL, "timeout": 20.0}] * 2)
+            allocations = box.run_many([{"code": _ALLOCATE, "timeout": 20.0}] * 2)
+            assert [r.status for r in fills + allocations] == ["ok"] * 4, [(r.status, r.stderr[-300:])
+                                                                           for r in fills + allocations]
+    finally:
+        box.close()
+
+
 def test_cpu_is_a_budget_of_the_call(sb):
     # Two children spin for 1.5 s: with the call's CPU quota (1 CPU) they share one core.
     code = ("import os, time\nstart = time.time()\nfor _ in range(2):\n    if os.fork() == 0:\n"
