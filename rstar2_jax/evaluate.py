@@ -32,7 +32,7 @@ import sys
 from absl import app, flags, logging
 
 from rstar2_jax import cli
-from rstar2_jax.data.templates import INSTRUCTIONS
+from rstar2_jax.data.templates import INSTRUCTIONS, Fixes, kept_template_warnings, recognise
 
 _MODEL = flags.DEFINE_string("model", None,
                              "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
@@ -269,6 +269,26 @@ def benchmark_answer_formats(specs: list[str], names: list[str], default: str) -
     return formats
 
 
+# What evaluate's warnings tell the user to set: its flags, not train's config keys.
+EVALUATE_FIXES = Fixes(answer_format="--answer_format={}", strip="--instructions=strip", prompt_format="--format={}",
+                       keeping="--instructions=keep", grading="--answer_format {}")
+
+
+def instruction_warnings(stored, instructions: str, answer_formats: dict[str, str], prompt_format: str,
+                         prompt_asks: str) -> list[str]:
+    """What train warns of, for each benchmark as stored: with --instructions=keep, a recognised
+    template that asks for another answer format than the benchmark is graded in, or than the
+    prompt format asks for itself (two conflicting instructions)."""
+    if instructions != "keep":
+        return []
+    out = []
+    for bench, problems in stored:
+        names = {name for name, _ in map(recognise, (p.question for p in problems)) if name is not None}
+        out += kept_template_warnings(names, bench.path, answer_formats[bench.name], prompt_format, prompt_asks,
+                                      EVALUATE_FIXES)
+    return out
+
+
 def check_protocol(protocol: dict) -> None:
     """--out keeps one protocol's results: a resumed evaluation must be the same one."""
     path = os.path.join(_OUT.value, "protocol.json")
@@ -316,17 +336,21 @@ def main(argv):
     for bench in benchmarks:
         if not os.path.exists(bench.path):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
+    answer_formats = benchmark_answer_formats(_ANSWER_FORMAT.value, [b.name for b in benchmarks],
+                                              run.get("answer_format", DEFAULT_ANSWER_FORMAT))
     # every file read and checked (a malformed line: DataError with file and line) before any rollout
+    stored = [(bench, load_problems(bench.path, limit=_LIMIT.value or None)) for bench in benchmarks]
+    for warning in instruction_warnings(stored, _INSTRUCTIONS.value, answer_formats, format_name,
+                                        fmt.answer_format):
+        print(f"warning: {warning}", file=sys.stderr)
     loaded = [(bench, [dataclasses.replace(p, question=apply_instructions(p.question, _INSTRUCTIONS.value))
-                       for p in load_problems(bench.path, limit=_LIMIT.value or None)]) for bench in benchmarks]
+                       for p in problems]) for bench, problems in stored]
     model_dir = base_dir_of(model_path) if model_path else run["model_dir"]  # an adapter's: its base's
     tokenizer = Tokenizer.from_pretrained(model_dir)
     positions = ModelConfig.from_json_file(os.path.join(model_dir, "config.json")).max_position_embeddings
     budgets = {bench.name: token_budget(max(len(tokenizer.encode(fmt.prompt(q))) for q in questions_of(bench, problems)),
                                         max_tokens, positions, bench.name)
                for bench, problems in loaded}
-    answer_formats = benchmark_answer_formats(_ANSWER_FORMAT.value, [b.name for b in benchmarks],
-                                              run.get("answer_format", DEFAULT_ANSWER_FORMAT))
     protocol = {"answer_formats": answer_formats, "instructions": _INSTRUCTIONS.value,
                 "samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": max_tokens,
                 "max_turns": max_turns, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,

@@ -130,6 +130,17 @@ def _bind_read_only(source, target, *, devices=False):
     mount(None, target, None, flags)
 
 
+def _make_mount_point(root, path, below="/"):
+    """The directory `root + path` for a bind mount, its ancestors under `below` made
+    traverse-only (0711): a call reaches the interpreter through them but cannot list them, so a
+    venv inside a checkout shows nothing of the checkout, not even its own name in it (issue 69)."""
+    os.makedirs(root + path, 0o755, exist_ok=True)
+    parent = os.path.dirname(path)
+    while parent.startswith(below) and parent != below.rstrip("/") and parent not in ("/", ""):
+        os.chmod(root + parent, 0o711)
+        parent = os.path.dirname(parent)
+
+
 def _mirror(host_path, root):
     """Recreate `host_path` inside `root`: a symlink stays a symlink, a directory is bound read-only."""
     inside = root + host_path
@@ -172,7 +183,7 @@ def build_minimal_root(root, interpreter_dirs):
     for path in interpreter_dirs:
         if path != "/usr" and not path.startswith("/usr/"):  # /usr is bound whole above
             # a directory, even where a link leads to it: the link's target may be nowhere in the root
-            os.makedirs(root + path, 0o755, exist_ok=True)
+            _make_mount_point(root, path)
             _bind_read_only(os.path.realpath(path), root + path)
     os.makedirs(root + "/etc", 0o755, exist_ok=True)
     for path in ETC_FILES:
@@ -218,7 +229,7 @@ def mount_call_filesystems(uid, tmpfs_bytes, rebind=()):
     mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for d, fd in zip(rebind, keep):
-        os.makedirs(d, 0o755, exist_ok=True)
+        _make_mount_point("", d, below=next(m for m in CALL_MOUNT_POINTS if d.startswith(m + "/")) + "/")
         _bind_read_only(f"/proc/self/fd/{fd}", d)
         os.close(fd)
 

@@ -17,6 +17,9 @@ from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\nRemember to put "
+                 "your answer on its own line after \"Answer:\".")
 
 
 def _scored(reward, statuses=(), n_tokens=10, answer="1"):
@@ -64,7 +67,7 @@ def test_pass_at_1_is_averaged_over_samples_with_an_interval():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", [[], ["--page_size=16", "--kv_pages=20"]], ids=["slot_rows", "paged"])
+@pytest.mark.parametrize("kv", [[], ["--page_size=16", "--kv_pages=40"]], ids=["slot_rows", "paged"])
 def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
     """The paged variant scores a verl Parquet set as its second benchmark (issue 39), by path."""
     model = tiny.build_tiny_model(tmp_path / "m")
@@ -75,14 +78,17 @@ def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
         import pyarrow.parquet as pq
         second = str(tmp_path / "dapo.parquet")
         pq.write_table(pa.Table.from_pylist([
-            {"data_source": "math_dapo", "prompt": [{"content": f"What is {i}+{i}?", "role": "user"}],
+            {"data_source": "math_dapo", "prompt": [{"content": DAPO_TEMPLATE.format(f"What is {i}+{i}?"), "role": "user"}],
              "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
              "extra_info": {"index": f"p{i}"}} for i in range(3)]), second)
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.evaluate", f"--model={model}", f"--benchmarks=aime24,{second}",
                            f"--data_dir={benchmark_dir}", "--limit=2", "--samples=2", "--max_tokens=40", "--max_turns=2",
-                           "--format=tiny", f"--out={out}", "--slots=4", *kv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+                           "--format=tiny", f"--out={out}", "--slots=4", *kv, *(["--instructions=keep"] if kv else [])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if kv:  # DAPO's own instruction kept, graded as answer_boxed: evaluate warns as train does (issue 69)
+        [warning] = [line for line in proc.stderr.splitlines() if line.startswith("warning: --instructions=keep")]
+        assert "dapo_math_17k" in warning and "--answer_format=dapo" in warning and "--instructions=strip" in warning
     results = json.loads((out / "results.json").read_text())
     assert results["protocol"]["samples"] == 2
     for name in ("aime24", "dapo" if kv else "gpqa_diamond"):
@@ -90,6 +96,22 @@ def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
         assert r["problems"] == 2 and 0 <= r["pass@1"] <= 1
         assert os.listdir(out / "traces" / name)
     assert "| aime24 (2 x 2) |" in (out / "results.md").read_text()
+
+
+def test_evaluate_warns_of_a_kept_template_against_the_grading_and_the_prompt_format(tmp_path):
+    from rstar2_jax.eval_report import resolve_benchmark
+    from rstar2_jax.evaluate import instruction_warnings
+    rows = [{"problem": DAPO_TEMPLATE.format("What is 1+1?"), "answer": "2"}]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = resolve_benchmark(str(path), None)
+    stored = [(bench, load_problems(path))]
+    graded_dapo = {bench.name: "dapo"}
+    [conflict] = instruction_warnings(stored, "keep", graded_dapo, "rstar2", "answer_boxed")
+    assert "two conflicting answer instructions" in conflict and "--format=tiny" in conflict
+    assert instruction_warnings(stored, "keep", graded_dapo, "tiny", "") == []
+    assert instruction_warnings(stored, "strip", {bench.name: "answer_boxed"}, "rstar2", "answer_boxed") == []
+    assert len(instruction_warnings(stored, "keep", {bench.name: "answer_boxed"}, "rstar2", "answer_boxed")) == 2
 
 
 def test_every_metric_has_one_definition_in_the_readme():

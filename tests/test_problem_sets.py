@@ -139,11 +139,12 @@ def test_verl_gsm8k_is_told_by_its_worked_solution_without_a_data_source(tmp_pat
 
 
 def test_verl_gsm8k_kept_instructions_are_verl_s_own_and_warn_under_another_format(tmp_path):
+    from rstar2_jax.data.tasks import kept_template_conflicts
     path = write_parquet(tmp_path / "gsm8k.parquet", verl_gsm8k_rows())
     cfg = DataConfig.from_mapping({"task": "problems", "answer_format": "answer_boxed",
                                    "problems": {"train_path": path, "eval_path": path, "instructions": "keep"}})
-    [warning] = {w for w in cfg.warnings() if "verl_gsm8k" in w}
-    assert "--config.data.answer_format=gsm8k" in warning
+    [warning] = kept_template_conflicts(cfg)
+    assert "verl_gsm8k" in warning and "--config.data.answer_format=gsm8k" in warning
     assert make_task(cfg, 0).train_problems[0].question.endswith(VERL_GSM8K_INSTRUCTION)
 
 

@@ -112,6 +112,26 @@ def test_a_kept_template_graded_in_another_format_is_a_warning_naming_the_fix(tm
     assert warnings() == []  # strip (the default): our format instructs, ours is graded
 
 
+def test_a_kept_template_inside_a_prompt_format_that_instructs_too_is_two_conflicting_instructions(tmp_path):
+    """Issue 69: DAPO's instruction kept under the rstar2 or compact format (both ask for
+    <answer>\\boxed{}</answer>) gave the model two answer instructions, with no warning."""
+    from rstar2_jax.rl.config import RunConfig, base_config
+
+    path = write_parquet(tmp_path / "train.parquet", verl_rows())
+
+    def warnings(fmt):
+        c = base_config()
+        c.data.task, c.data.problems.train_path, c.data.problems.eval_path = "problems", path, path
+        c.data.problems.instructions, c.data.answer_format, c.format, c.sft.steps = "keep", "dapo", fmt, 0
+        return [w for w in RunConfig.from_config(c).warnings() if "template" in w]
+
+    for fmt in ("rstar2", "compact"):
+        [conflict] = warnings(fmt)
+        assert "two conflicting answer instructions" in conflict and f"prompt format {fmt!r}" in conflict
+        assert "instructions=strip" in conflict and "--config.format=tiny" in conflict
+    assert warnings("tiny") == []  # its prompt gives no answer instruction: the set's instructs alone
+
+
 def test_an_unknown_answer_format_is_a_config_error_listing_the_known_ones():
     from rstar2_jax.rl.config import RunConfig, base_config
 

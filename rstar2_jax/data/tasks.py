@@ -29,7 +29,7 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import MISSING, Columns, describe_fields, first_row, first_row_layout, load_problems
 from rstar2_jax.data.problems import field as field_of
-from rstar2_jax.data.templates import INSTRUCTIONS, TEMPLATES, TemplateCount, apply_instructions, recognise
+from rstar2_jax.data.templates import INSTRUCTIONS, TemplateCount, apply_instructions, kept_template_warnings, recognise
 from rstar2_jax.part_sections import NoSettings, PartChoice, part_section
 from rstar2_jax.registry import Registry
 from rstar2_jax.rewards.answer_formats import ANSWER_FORMATS, DEFAULT_ANSWER_FORMAT
@@ -164,9 +164,10 @@ def problem_sets_task(data_cfg, seed: int) -> Task:
     return Task(data_cfg.task, load("train_path", data_cfg.train_problems), load("eval_path", data_cfg.eval_problems))
 
 
-def kept_template_conflicts(data_cfg) -> list[str]:
+def kept_template_conflicts(data_cfg, prompt_format: str = "", prompt_asks: str = "") -> list[str]:
     """Warnings: a set keeps a recognised template (instructions=keep) that asks for another answer
-    format than the run grades (told from its first rows; nothing read if the files cannot load)."""
+    format than the run grades, or than the prompt format `prompt_format` asks for itself
+    (`prompt_asks`; told from the sets' first rows; nothing read if the files cannot load)."""
     if data_cfg.task != "problems" or data_cfg.problems.instructions != "keep":
         return []
     out = []
@@ -176,16 +177,9 @@ def kept_template_conflicts(data_cfg) -> list[str]:
             problems = load_problems(path, TEMPLATE_SAMPLE_ROWS, columns_of(data_cfg.problems))
         except (DataError, OSError):
             continue  # the check names what is wrong with the file
-        names = sorted({name for name, _ in map(recognise, (p.question for p in problems)) if name is not None})
-        for name in names:
-            asks = TEMPLATES[name].answer_format
-            if asks != data_cfg.answer_format:
-                out.append(f"data.problems.instructions=keep keeps {name}'s template in {path} (it asks for "
-                           f"{ANSWER_FORMATS[asks].asks}: answer format {asks!r}) while data.answer_format="
-                           f"{data_cfg.answer_format!r} grades {ANSWER_FORMATS[data_cfg.answer_format].asks}: a "
-                           f"response that follows the set scores 0. Set --config.data.answer_format={asks} or "
-                           "--config.data.problems.instructions=strip")
-    return out
+        names = {name for name, _ in map(recognise, (p.question for p in problems)) if name is not None}
+        out += kept_template_warnings(names, path, data_cfg.answer_format, prompt_format, prompt_asks)
+    return list(dict.fromkeys(out))  # the same file as both sets: once
 
 
 class _DataBase(PartChoice):
@@ -200,9 +194,6 @@ class _DataBase(PartChoice):
         if mapping.get("task") == "problems" and isinstance(problems, dict) and "instructions" not in problems:
             mapping["problems"] = {**problems, "instructions": "keep"}  # before templates were read: as stored
         return mapping
-
-    def warnings(self) -> list[str]:
-        return super().warnings() + kept_template_conflicts(self)
 
 
 DataConfig = part_section(

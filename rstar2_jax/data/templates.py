@@ -25,6 +25,7 @@ import dataclasses
 from typing import Iterable
 
 from rstar2_jax.registry import Registry
+from rstar2_jax.rewards.answer_formats import ANSWER_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,41 @@ class TemplateCount:
     def describe(self) -> str:
         found = ", ".join(f"{n} rows in {name}'s template" for name, n in sorted(self.templates.items()))
         return f"{found or 'no known template'}; {self.unrecognised} rows with none recognised (left as they are)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixes:
+    """How a command line sets what a warning suggests ({} is the value), train's or evaluate's."""
+    answer_format: str = "--config.data.answer_format={}"
+    strip: str = "--config.data.problems.instructions=strip"
+    prompt_format: str = "--config.format={}"
+    keeping: str = "data.problems.instructions=keep"     # how the warning names the settings in force
+    grading: str = "data.answer_format={!r}"
+
+
+def kept_template_warnings(names: Iterable[str], where: str, graded: str, prompt_format: str,
+                           prompt_asks: str, fixes: Fixes = Fixes()) -> list[str]:
+    """Warnings for a set that keeps the recognised templates `names` (instructions=keep): a
+    template that asks for another answer format than the one graded (`graded`: a response that
+    follows the set scores 0), and one that asks for another than the prompt format's own
+    instructions (`prompt_asks`, '' for a format that gives none: the model reads two conflicting
+    answer instructions)."""
+    out = []
+    for name in sorted(set(names)):
+        asks = TEMPLATES[name].answer_format
+        if asks != graded:
+            out.append(f"{fixes.keeping} keeps {name}'s template in {where} (it asks for "
+                       f"{ANSWER_FORMATS[asks].asks}: answer format {asks!r}) while {fixes.grading.format(graded)} "
+                       f"grades {ANSWER_FORMATS[graded].asks}: a response that follows the set scores 0. Set "
+                       f"{fixes.answer_format.format(asks)} or {fixes.strip}")
+        if prompt_asks and prompt_asks != asks:
+            out.append(f"{fixes.keeping} keeps {name}'s template in {where} (it asks for "
+                       f"{ANSWER_FORMATS[asks].asks}) inside the prompt format {prompt_format!r}, whose own "
+                       f"instructions ask for {ANSWER_FORMATS[prompt_asks].asks}: the model reads two conflicting "
+                       f"answer instructions. Set {fixes.strip} (only the prompt format instructs; grade "
+                       f"{prompt_asks!r}) or a prompt format without answer instructions "
+                       f"({fixes.prompt_format.format('tiny')})")
+    return out
 
 
 def apply_instructions(text: str, instructions: str) -> str:

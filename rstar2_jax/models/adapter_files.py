@@ -34,14 +34,14 @@ def _peft_name(path: str) -> str:
     return f"{_PREFIX}{layer}.{TARGETS[target][1]}.lora_{matrix.upper()}.weight"
 
 
-def adapter_tensors(params) -> dict[str, np.ndarray]:
-    """PEFT name -> float32 array of every adapter matrix in `params` (an nnx.State of a model's
-    Params, or of its LoRAParams alone), in PEFT's layout."""
+def adapter_tensors(params, dtype=np.float32) -> dict[str, np.ndarray]:
+    """PEFT name -> array (in `dtype`) of every adapter matrix in `params` (an nnx.State of a
+    model's Params, or of its LoRAParams alone), in PEFT's layout."""
     out = {}
     for path, var in nnx.to_flat_state(params):
         if not isinstance(var, LoRAParam):
             continue
-        name, x = ".".join(map(str, path)), np.asarray(var.get_value(), np.float32)
+        name, x = ".".join(map(str, path)), np.asarray(var.get_value()).astype(dtype)
         if name.endswith(".a"):  # [in..., r] -> [r, in]
             out[_peft_name(name)] = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T)
         else:                    # [r, out...] -> [out, r]
@@ -49,11 +49,12 @@ def adapter_tensors(params) -> dict[str, np.ndarray]:
     return out
 
 
-def write_adapter(params, cfg: LoRAConfig, out_dir: str, base_model: str = "") -> str:
-    """The adapters of `params` as a PEFT adapter directory; returns `out_dir`. Written to a
-    temporary name and renamed, so a reader never sees half a file."""
+def write_adapter(params, cfg: LoRAConfig, out_dir: str, base_model: str = "", dtype=np.float32) -> str:
+    """The adapters of `params` as a PEFT adapter directory, tensors in `dtype` (float32, as
+    trained; a sync writes the servers' dtype: rollout/engines/adapter_sync.py); returns
+    `out_dir`. Written to a temporary name and renamed, so a reader never sees half a file."""
     os.makedirs(out_dir, exist_ok=True)
-    tensors = adapter_tensors(params)
+    tensors = adapter_tensors(params, dtype)
     if not tensors:
         raise ValueError("these parameters hold no LoRA adapters (model.lora.rank is 0?)")
     tmp = os.path.join(out_dir, f".{WEIGHTS_FILE}.tmp")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.config_types import Section, changed_fields, setting
 
 
 class LoRAParam(nnx.Param):
@@ -62,6 +62,11 @@ class LoRAConfig(Section):
                              "0: none)", min=0.0)
 
     def rules(self):
+        if not self.enabled:  # LoRA off: its settings would be kept and never read, as an unselected part's
+            for name in changed_fields(self):
+                if name != "rank":
+                    yield name, (f"is set but LoRA is off (model.lora.rank=0): set model.lora.rank > 0, or leave "
+                                 f"model.lora.{name} at its default")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown:
             yield "targets", f"{unknown} are not projections of the decoder; choose from {list(TARGETS)}"

@@ -26,7 +26,7 @@ from rstar2_jax.algo.advantages import AdvantageConfig
 from rstar2_jax.algo.reward_shaping import OverlongConfig
 from rstar2_jax.checkpoints import CheckpointConfig
 from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
-from rstar2_jax.data.tasks import TASKS, DataConfig
+from rstar2_jax.data.tasks import TASKS, DataConfig, kept_template_conflicts
 from rstar2_jax.learner.settings import LearnerSettings
 from rstar2_jax.part_sections import unread_settings
 from rstar2_jax.learner.sft import SFTConfig
@@ -36,7 +36,7 @@ from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
 from rstar2_jax.trackers import LoggingConfig
 from rstar2_jax.rl.grpo_roc import RoCConfig
 from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_kind
-from rstar2_jax.rollout.prompt import FORMATS
+from rstar2_jax.rollout.prompt import FORMATS, make_format
 from rstar2_jax.rollout.sandboxes import SandboxConfig
 from rstar2_jax.sharding import MeshConfig
 
@@ -193,6 +193,7 @@ class RunConfig(Section):
     def warnings(self) -> list[str]:
         """Settings that run but are probably not meant (printed by train, never an error)."""
         out = unread_settings(self)
+        out += kept_template_conflicts(self.data, self.format, make_format(self.format).answer_format)
         corrections = self.rl.correction.names
         if self.rl.max_staleness > 0 and not corrections:
             out.append(f"rl.max_staleness={self.rl.max_staleness} without rl.correction.names: nothing corrects for "

@@ -85,6 +85,8 @@ class PromptFormat:
     tool_response_end: str = "\n</tool_response>"
     max_tool_output_chars: int = 2048
     truncate_side: str = "middle"                    # left (keep the start) | right (keep the end) | middle
+    answer_format: str = "answer_boxed"              # the answer format its own instructions ask for ('':
+                                                     # none; a set's kept template then instructs alone)
 
     def __post_init__(self):
         if self.truncate_side not in ("left", "right", "middle"):
@@ -137,7 +139,7 @@ TINY_TOOL_NAME = "python"
 
 def tiny_format() -> PromptFormat:
     """The CPU demo's compact protocol: short system prompt, tool named "python"."""
-    return compact_format(system="Use python.", tool_name=TINY_TOOL_NAME, max_tool_output_chars=120)
+    return compact_format(system="Use python.", tool_name=TINY_TOOL_NAME, max_tool_output_chars=120, answer_format="")
 
 
 # Named prompt formats: a model is trained in one and must be driven in the same one.

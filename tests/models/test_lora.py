@@ -133,6 +133,10 @@ def test_sft_trains_the_adapters_and_hands_back_the_whole_model(tiny_dir, tokeni
 def test_bad_lora_settings_are_config_errors_naming_the_fix(tiny_dir, tmp_path):
     _, problems = PolicyModelConfig.parse({"lora": {"rank": 4, "targets": ["q_proj", "qkv"]}}, "model")
     assert any("model.lora.targets" in str(p) and "qkv" in str(p) for p in problems)
+    # settings of LoRA while it is off are refused like any unselected part's (issue 69), all at once
+    _, problems = PolicyModelConfig.parse({"lora": {"dropout": 0.1, "targets": ["q_proj"]}}, "model")
+    assert sorted(str(p).split(":")[0] for p in problems) == ["model.lora.dropout", "model.lora.targets"]
+    assert all("LoRA is off (model.lora.rank=0)" in str(p) for p in problems)
     too_wide = PolicyModelConfig(lora=lora.LoRAConfig(rank=65, targets=("k_proj",)))  # k_proj: 128 -> 64
     with pytest.raises(ConfigValueError, match=r"model.lora.rank: rank 65 is above k_proj's width 64"):
         load_policy(too_wide, tiny_dir, seed=0)

@@ -9,6 +9,7 @@ import os
 import urllib.request
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -110,7 +111,17 @@ def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_di
     assert {adapter_sync.adapter_name(v) for v in (3, 4, 5)} <= names
     assert not names & {adapter_sync.adapter_name(v) for v in (1, 2)}
     assert sorted(os.listdir(engine.sync_root)) == ["adapter_v3", "adapter_v4", "adapter_v5"]
+    float32_bytes = engine.last_sync.bytes
     asyncio.run(engine.close())
+
+    # adapters in the servers' dtype (rollout.vllm.export_dtype): the server takes bfloat16 files
+    # and serves them; the sync moves about half the bytes (the config file is the rest)
+    half = VLLMEngine(lora_server.url, learner.model(), restart_timeout=60, export_dtype=jnp.bfloat16,
+                      probe_tolerance=5e-2)
+    half.update_weights(learner.model_state(), 6)
+    assert half.last_sync.ok and half.probe_verdict() <= 5e-2
+    assert half.last_sync.bytes < 0.6 * float32_bytes
+    asyncio.run(half.close())
 
 
 def test_adapters_reach_a_server_through_its_fetcher_beside_a_files_engine(lora_server, tiny_dir, tmp_path):

@@ -219,6 +219,18 @@ def test_host_files_repo_and_data_are_invisible(sb, tmp_path):
                                     "stderr", "shm"}
 
 
+def test_the_path_down_to_the_interpreter_cannot_be_listed(sb):
+    """Issue 69: the directories the root creates on the way to a venv inside a checkout (here
+    ROOT/.venv, or a clone whose .venv links to another's) could be listed, showing the checkout's
+    path and the venv's name. They are traverse-only now: the interpreter is reached, not listed."""
+    ancestors = sorted({os.path.dirname(d) for d in zygote.interpreter_dirs()} - {"/", "/usr"})
+    assert ancestors  # this project's venv lives in the checkout: there is a path to hide
+    code = ("import os\nfor p in %r:\n    try:\n        os.listdir(p); print('listed')\n"
+            "    except PermissionError:\n        print('refused')\nimport numpy; print('reached')") % ancestors
+    r = sb.run(code)
+    assert r.stdout.splitlines() == ["refused"] * len(ancestors) + ["reached"], (ancestors, r.stdout, r.stderr)
+
+
 def test_the_interpreter_is_read_only(sb):
     import numpy
     target = os.path.join(os.path.dirname(numpy.__file__), "rstar2_planted.py")
