@@ -82,16 +82,17 @@ class OwnerLedger:
         w.stats.reused_tokens += reused
         w.busy.append((start, end))
 
-    def charge_decode(self, owners: Iterable, start: float, end: float, busy_slots: int):
-        """One decode step that served the requests whose owners are `owners` (one entry per
-        request: an owner with two requests in the batch appears twice)."""
+    def charge_decode(self, owners: Iterable, start: float, end: float, busy_slots: int, steps: int = 1):
+        """`steps` decode steps (one, or a chunk's) that served the requests whose owners are
+        `owners` (one entry per request and step: an owner with two requests in the batch appears
+        twice a step); `busy_slots`: the slot-steps of all of them."""
         held: dict = defaultdict(int)
         for o in owners:
             held[o] += 1
         for o, n in held.items():
             w = self._work[o]
             w.stats.decode_s += end - start
-            w.stats.decode_steps += 1
+            w.stats.decode_steps += steps
             w.stats.busy_slot_steps += busy_slots
             w.stats.own_slot_steps += n
             w.busy.append((start, end))

@@ -64,6 +64,7 @@ from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
+from rstar2_jax.rollout.engines.decode_chunks import ChunkedDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -106,9 +107,12 @@ class _Resident:
 class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
-                 page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None):
+                 page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None,
+                 decode_steps: int = 1):
         """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
         `kv_pages` of them (None: slots x max_len / N, the rows' memory).
+        decode_steps: decode steps per dispatch; above 1 the engine decodes in chunks, the next
+        dispatched before the last is read (decode_chunks.py); 1: one step and one read per token.
         mesh: devices the weights and KV are split over (`engine_mesh`: this process's devices on
         the tensor axis, heads and MLP width split as vLLM's tensor parallelism); None: one device."""
         if slots < 1:
@@ -146,6 +150,7 @@ class JaxEngine(Engine):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
         self.kernels = engine_kernels(self._graphdef, self.cfg)
+        self._chunks = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else None
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -204,7 +209,11 @@ class JaxEngine(Engine):
         lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
         for kv_len in lengths:
-            self._cache, _, _ = self.kernels.decode(self._state, self._cache, *inputs, kv_len=kv_len)
+            if self._chunks is None:
+                self._cache, _, _ = self.kernels.decode(self._state, self._cache, *inputs, kv_len=kv_len)
+            else:  # every slot idle: the device loop runs no step, but the program is compiled
+                args, _, _ = ChunkedDecode(self.slots, self._chunks.steps)._inputs(self)
+                self._cache, *_ = self.kernels.decode_chunk(*args, steps=self._chunks.steps, kv_len=kv_len)
         jax.block_until_ready(self._cache)
 
     async def close(self):
@@ -253,13 +262,20 @@ class JaxEngine(Engine):
             while True:
                 await self._admit_waiting(loop)
                 if not any(self._active):
+                    if self._chunks is not None and self._chunks.in_flight is not None:
+                        await self._chunks.drain(self, loop)  # its requests may all have finished
+                        continue
                     self._arrived.clear()
                     await self._arrived.wait()
                     continue
-                self.kv.before_decode(self)  # paged: each row's next page (may evict or preempt)
+                # paged: the pages each row's next writes land in (may evict or preempt)
+                self.kv.before_decode(self, 1 if self._chunks is None else self._chunks.lookahead)
                 if not any(self._active):  # cannot happen (one sequence fits the pool), but never step on nothing
                     continue
-                await self._step(loop)
+                if self._chunks is None:
+                    await self._step(loop)
+                else:
+                    await self._chunks.step(self, loop)
         except Exception as e:  # fail every waiting request loudly rather than hang it
             for req in [*self._active, *self._waiting]:
                 if req is not None and not req.future.done():
@@ -337,13 +353,13 @@ class JaxEngine(Engine):
         self.stats.prefill_tokens += n
         self.stats.reused_tokens += reuse
         self.ledger.charge_prefill(req.owner, start, end, n, reuse)
-        self._active[slot] = req
+        self._set_slot(slot, req)
         self._append(slot, token, logp, version)
 
     def _preempt(self, slot: int):
         """Free the slot and its pages; the request waits at the head of the queue."""
         req = self._active[slot]
-        self._active[slot] = None
+        self._set_slot(slot, None)
         self.kv.free_row(slot)
         self._waiting.appendleft(req)
         self.stats.preemptions += 1
@@ -396,6 +412,22 @@ class JaxEngine(Engine):
             if req is not None:
                 self._append(slot, int(sampled[slot]), float(logps[slot]), version)
 
+    def _set_slot(self, slot: int, req: _Request | None) -> None:
+        """The one place a slot changes hands: the chunk loop's carry is then stale for it."""
+        self._active[slot] = req
+        if self._chunks is not None:
+            self._chunks.changed(slot)
+
+    def remaining(self, req: _Request) -> int:
+        """Tokens `req` may still sample before its budget or the KV room ends it ("length")."""
+        return min(req.sampling.max_tokens - len(req.generated), self.max_len - len(req.context()))
+
+    def device_stop_ids(self, req: _Request) -> tuple[int, ...]:
+        """The token ids that end `req` inside the decode loop: EOS and its one-token stops (a
+        stop string that is several tokens is matched by the host, between chunks)."""
+        single = (self._single_token_id(stop) for stop in req.stops)
+        return tuple(sorted(self.eos_ids)) + tuple(t for t in single if t is not None)
+
     def take_owned(self, owner: Hashable):
         return self.ledger.take(owner)
 
@@ -425,7 +457,7 @@ class JaxEngine(Engine):
             elif len(req.generated) >= req.sampling.max_tokens or len(req.prompt) + len(req.generated) >= self.max_len:
                 finish = "length"
         if finish is not None:
-            self._active[slot] = None
+            self._set_slot(slot, None)
             self._keep_or_free(slot, req)
             if not req.future.done():
                 req.future.set_result(Completion(req.generated, req.logprobs, finish, req.version_start,

@@ -8,6 +8,7 @@ never copied per step."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,17 @@ from rstar2_jax.models.decoder import KVCache, init_cache
 from rstar2_jax.rollout.sampling import sample
 
 
+class DecodeCarry(NamedTuple):
+    """Every slot's decode state between chunks, kept on the device (decode_chunks.py)."""
+    tokens: jax.Array      # int32 [S]: the slot's last sampled token, fed by its next step
+    positions: jax.Array   # int32 [S]: where that token's KV is written (the idle position: dropped)
+    counters: jax.Array    # int32 [S]: the index of the slot's next sample (its key)
+    remaining: jax.Array   # int32 [S]: samples left before the budget or the KV room ends it
+    active: jax.Array      # bool [S]
+
+
 class EngineKernels:
-    """The four jitted steps over one model's graph (the weights are an argument: a weight swap
+    """The five jitted steps over one model's graph (the weights are an argument: a weight swap
     recompiles nothing)."""
 
     def __init__(self, graphdef, cfg: ModelConfig):
@@ -76,10 +86,46 @@ class EngineKernels:
                 cache = cache._replace(page_table=None)
             return cache, token, logp
 
+        def decode_chunk(state, cache, page_table, carry: DecodeCarry, fresh: DecodeCarry, take_fresh, seeds,
+                         temperature, top_k, top_p, stop_ids, idle_position, steps, kv_len):
+            """Up to `steps` decode steps in one device loop. The carry is the last chunk's, with the
+            slots the host changed (`take_fresh`) taken from `fresh`. A slot ends inside the loop on
+            a token of its `stop_ids` row (EOS, single-token stops) or when its `remaining` runs
+            out; the loop ends after `steps` or when no slot is live. Returns the cache, the carry,
+            the sampled tokens and log-probs [steps, S], which of them are real (the slot was live)
+            and the steps run."""
+            model = nnx.merge(graphdef, state)
+            if page_table is not None:
+                cache = cache._replace(page_table=page_table)
+            carry = jax.tree.map(lambda f, c: jnp.where(take_fresh, f, c), fresh, carry)
+            slots = carry.tokens.shape[0]
+            out = (jnp.zeros((steps, slots), jnp.int32), jnp.zeros((steps, slots), jnp.float32),
+                   jnp.zeros((steps, slots), bool))
+
+            def step(loop):
+                i, cache, c, (tokens, logps, real) = loop
+                logits, cache = model(c.tokens[:, None], c.positions[:, None], cache=cache, kv_len=kv_len)
+                token, logp = sample(logits[:, 0], row_keys(seeds, c.counters), temperature, top_k, top_p)
+                live = c.active
+                remaining = c.remaining - live
+                ends = live & (jnp.any(token[:, None] == stop_ids, axis=1) | (remaining <= 0))
+                going = live & ~ends
+                c = DecodeCarry(jnp.where(live, token, c.tokens), jnp.where(going, c.positions + 1, idle_position),
+                                c.counters + live, remaining, going)
+                out = (tokens.at[i].set(token), logps.at[i].set(logp), real.at[i].set(live))
+                return i + 1, cache, c, out
+
+            n, cache, carry, out = jax.lax.while_loop(lambda loop: (loop[0] < steps) & jnp.any(loop[2].active), step,
+                                                      (jnp.int32(0), cache, carry, out))
+            if page_table is not None:
+                cache = cache._replace(page_table=None)
+            return cache, carry, *out, n
+
         self.prefill = jax.jit(prefill, donate_argnums=(1,))
         self.extend = jax.jit(extend, donate_argnums=(1,))
         self.fill_pages = jax.jit(fill_pages, donate_argnums=(1,))
         self.decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
+        self.decode_chunk = jax.jit(decode_chunk, donate_argnums=(1,), static_argnames=("steps", "kv_len"))
 
 
 @functools.lru_cache(maxsize=16)

@@ -27,6 +27,9 @@ class JaxEngineSettings(Section):
                             min=0)
     kv_memory_gb: float = setting(0.0, "paged: the KV pool's size in GiB, all the engine's devices together "
                                   "(0 = kv_pages); the pool holds as many pages as fit", min=0.0)
+    decode_steps: int = setting(1, "decode steps per dispatch: above 1 a device loop decodes chunks of this many "
+                                "tokens, the next dispatched before the last is read (same tokens; "
+                                "rollout/engines/decode_chunks.py)", min=1)
 
 
 def engine_mesh(decode_attention: str, devices=None):
@@ -64,7 +67,7 @@ def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     return JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
                      page_size=j.page_size or None,
                      kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
-                     mesh=engine_mesh(model.decode_attention))
+                     mesh=engine_mesh(model.decode_attention), decode_steps=j.decode_steps)
 
 
 def _check_jax(cfg: RolloutConfig):

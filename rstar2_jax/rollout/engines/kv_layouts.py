@@ -31,7 +31,7 @@ class KVLayout(Protocol):
     def drop_resident(self, session: Hashable) -> None: ...
     def take_resident(self, session: Hashable, slot: int) -> None: ...
     def prefill(self, engine: JaxEngine, slot: int, context_len: int, reuse: int): ...
-    def before_decode(self, engine: JaxEngine) -> None: ...
+    def before_decode(self, engine: JaxEngine, lookahead: int = 1) -> None: ...
     def decode_table(self, active_slots: list[int | None]): ...
     def keep(self, slot: int, session: Hashable, tokens: list[int]) -> int | None: ...
     def free_row(self, slot: int) -> None: ...
@@ -82,7 +82,7 @@ class SlotRows:
         fn = engine.kernels.extend if reuse else engine.kernels.prefill
         return fn, (engine._state, engine._cache, np.int32(slot))
 
-    def before_decode(self, engine) -> None:
+    def before_decode(self, engine, lookahead: int = 1) -> None:
         pass  # every row is max_len long already
 
     def decode_table(self, active_slots):
@@ -156,15 +156,16 @@ class PagedKV:
         table = self.table([slot])  # NumPy: the kernel takes it as it is
         return engine.kernels.fill_pages, (engine._state, engine._cache, table)
 
-    def before_decode(self, engine) -> None:
-        """Give every row the page its next write lands in, oldest admission first. When none is
-        free, evict a resident, else preempt the most recently admitted request."""
+    def before_decode(self, engine, lookahead: int = 1) -> None:
+        """Give every row the pages its next `lookahead` writes land in (at most its remaining
+        budget; more than one for chunked decode), oldest admission first. When none is free, evict
+        a resident, else preempt the most recently admitted request."""
         active = engine._active
         for slot in sorted((i for i, r in enumerate(active) if r is not None), key=lambda i: active[i].admitted):
             req = active[slot]
             if req is None:  # preempted while an older row grew
                 continue
-            position = len(req.context()) - 1
+            position = len(req.context()) - 1 + max(1, min(lookahead, engine.remaining(req))) - 1
             while len(self.pool.held(("row", slot))) <= position // self.page_size:
                 if self.pool.free:
                     self.pool.grow(("row", slot), 1)

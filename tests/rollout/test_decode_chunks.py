@@ -1,0 +1,130 @@
+"""Chunked decode (decode_steps > 1, rollout/engines/decode_chunks.py) against one step per
+dispatch: the same tokens, log-probs and per-token versions on both KV layouts, with stop strings
+of one and of several tokens, prefix reuse, preemption and a weight swap mid-request (issue 70)."""
+
+import asyncio
+import signal
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstar2_jax import models
+from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.sampling import SamplingParams
+from tests.rollout.test_jax_engine import _pool_is_whole, _serve, _turns
+
+
+@pytest.fixture(autouse=True)
+def fail_rather_than_hang():
+    """A chunk loop that loses track of a slot (say, a new request's state never reaching the
+    device) leaves its request waiting forever: fail the test instead (each takes < 60 s here)."""
+    def expired(*_):
+        raise TimeoutError("the engine stopped serving its requests")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(240)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _same(want, got, atol=1e-5):
+    for w, g in zip(want, got, strict=True):
+        assert (g.token_ids, g.finish_reason, g.stop_string) == (w.token_ids, w.finish_reason, w.stop_string)
+        assert g.token_versions == w.token_versions and g.token_kv_versions == w.token_kv_versions
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=atol)
+
+
+def _requests(tokenizer, n=10):
+    prompts = [tokenizer.encode(f"problem {i}: {'y' * (3 * i)}") for i in range(n)]
+    sampling = [SamplingParams(max_tokens=20 + 2 * i, temperature=0.9 if i % 3 else 0.0, seed=i) for i in range(n)]
+    return prompts, sampling
+
+
+@pytest.mark.parametrize("kv", [{}, {"page_size": 16}], ids=["slot_rows", "paged"])
+def test_chunks_give_the_tokens_of_one_step_per_dispatch(tiny_model, tokenizer, kv):
+    prompts, sampling = _requests(tokenizer)
+    # a one-token stop (the device ends the slot) and a several-token one (the host matches it)
+    stops = ["</tool_call>", "yy", "\n"]
+
+    async def go(steps):
+        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=128, decode_steps=steps, **kv) as eng:
+            outs = await asyncio.gather(*(eng.generate(p, s, stop=stops) for p, s in zip(prompts, sampling)))
+            assert not kv or _pool_is_whole(eng)
+            return outs, eng.stats
+
+    (want, one), (got, chunked) = asyncio.run(go(1)), asyncio.run(go(8))
+    _same(want, got)
+    assert {o.finish_reason for o in want} >= {"length"}
+    assert chunked.decode_steps >= one.decode_steps and chunked.busy_slot_steps >= one.busy_slot_steps
+
+
+def test_a_stop_string_of_several_tokens_is_matched_between_chunks(tiny_model, tokenizer):
+    """The device cannot match "ab" spelled as two tokens: the host does, between chunks, cuts the
+    completion where the string first appears and drops what the device sampled after it."""
+    greedy = SamplingParams(max_tokens=120, temperature=0.0)
+    prompt = tokenizer.encode("x")
+
+    async def go(steps, stop=()):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256, decode_steps=steps) as eng:
+            return await eng.generate(prompt, greedy, stop=stop)
+
+    free = asyncio.run(go(1))
+    texts = [tokenizer.decode(free.token_ids[i:i + 2]) for i in range(2, len(free.token_ids) - 1)]
+    double = next(t for t in texts if len(t) == 2 and t.isascii() and t.isprintable()
+                  and len(tokenizer.encode(t)) == 2)
+    want, got = asyncio.run(go(1, (double,))), asyncio.run(go(16, (double,)))
+    assert got.finish_reason == "stop" and got.stop_string == double
+    _same([want], [got])
+
+
+def test_prefix_reuse_over_chunks_gives_the_turns_of_a_plain_engine(tiny_model, tokenizer):
+    async def go(steps, **kw):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=64, decode_steps=steps, **kw) as eng:
+            return await _turns(eng, tokenizer, range(4)), eng.stats
+
+    (plain, _), (reused, stats) = asyncio.run(go(1)), asyncio.run(go(8, reuse_kv=True, page_size=8))
+    assert stats.reused_tokens > 0
+    for a, b in zip(plain, reused):
+        assert [t.token_ids for t in a] == [t.token_ids for t in b]
+
+
+def test_preempted_requests_over_chunks_sample_the_same_tokens(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(f"q{i}") for i in range(6)]
+    sampling = [SamplingParams(max_tokens=60, temperature=0.9, seed=i) for i in range(6)]
+
+    async def go(steps, **kw):
+        async with JaxEngine(tiny_model, tokenizer, slots=6, max_len=128, eos_ids=(), decode_steps=steps, **kw) as eng:
+            outs, _ = await _serve(eng, prompts, sampling)
+            assert not kw or _pool_is_whole(eng)
+            return outs, eng.stats
+
+    want, _ = asyncio.run(go(1))
+    got, stats = asyncio.run(go(8, page_size=8, kv_pages=24))
+    assert stats.preemptions > 0
+    _same(want, got)
+
+
+def test_a_weight_swap_lands_at_a_chunk_boundary_with_per_token_versions(tiny_model, tokenizer):
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(7))
+    prompt = tokenizer.encode("a long answer")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    async def go(swap_after):
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), decode_steps=4) as eng:
+            request = asyncio.ensure_future(eng.generate(prompt, greedy))
+            if swap_after is not None:
+                while eng.steps < swap_after:
+                    await asyncio.sleep(0)
+                eng.update_weights(nnx.state(other), version=1)
+            return await request
+
+    straight, swapped = asyncio.run(go(None)), asyncio.run(go(8))
+    versions = list(swapped.token_versions)
+    first_new = versions.index(1)
+    # the prefill's token, then whole chunks of four on the old weights
+    assert versions == [0] * first_new + [1] * (len(versions) - first_new) and first_new >= 8
+    assert (first_new - 1) % 4 == 0
+    assert swapped.token_ids[:first_new] == straight.token_ids[:first_new]
+    assert swapped.token_ids[first_new:] != straight.token_ids[first_new:]
