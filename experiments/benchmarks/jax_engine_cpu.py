@@ -35,7 +35,8 @@ async def _measure(model, tokenizer, slots, requests, max_tokens, prompt_len, de
         outs = await asyncio.gather(*(eng.generate(p, sampling) for p in prompts))
         seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"slots": slots, "decode_steps": decode_steps, "requests": requests, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"slots": slots, "decode_steps": decode_steps, "requests": requests, "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def main(argv=None):
