@@ -90,10 +90,32 @@ def ratios(args):
                          f"{padded_positions(lengths) / real:.2f}", f"{packed_positions(lengths, b) / real:.3f}"])
     table = common.markdown_table(["batch", "rollouts (per step)", "mean tokens", "longest",
                                    "padded / real (mean, range)", "packed / real (mean, range)"], rows)
+    table += "\n\n" + budgets_and_devices()
     print(table)
     common.record(args.record, "Packed rows: computed positions per real token", common.command_line(
         "experiments.benchmarks.packing", sys.argv[1:]), "; ".join(sources) + "; the scheduler simulation's "
         "workload (log-normal turns, 8,192-token budget, 300-token prompts)", table)
+
+
+def budgets_and_devices(widths=(1, 2, 4, 8), budgets=(0, 8704, 32768)) -> str:
+    """Packed positions per real token by budget (0: the longest rollout) and by the devices a
+    micro-batch splits over, on a small update like the demo's (48 rollouts of ~210 tokens: the
+    simulation's mix shrunk 16x) and on the simulation's 512 rollouts (issue 70: <= 1.05 at any
+    budget and device count)."""
+    from rstar2_jax.learner import LearnerSettings
+    from rstar2_jax.learner.packing import plan_packing
+    rows = []
+    for label, lengths in (("demo-like, 48 rollouts", simulation_lengths(48, scale=0.063)),
+                           ("simulation, 512 rollouts", simulation_lengths(512))):
+        for budget in budgets:
+            b = budget or int(lengths.max())
+            if b < lengths.max():
+                continue
+            ratios = [plan_packing(lengths, b, w, LearnerSettings().segments_per_row).computed_tokens / lengths.sum()
+                      for w in widths]
+            rows.append([label, f"{b}" + (" (the longest)" if not budget else ""), *(f"{r:.3f}" for r in ratios)])
+    return common.markdown_table(["batch", "budget", *(f"packed / real, {w} device{'s' * (w > 1)}" for w in widths)],
+                                 rows)
 
 
 def against_padded(header: list[str], out: dict[str, tuple[float, float]], padded: str) -> str:
@@ -153,7 +175,7 @@ def cpu_update(args):
         f"(longest {max_len}), padded: 4 micro-batches; packed: XLA attention (a [budget, budget] score matrix "
         "per row, masked by segment); old-log-prob + entropy pass "
         f"and one SGD step; {args.steps} batches twice, the median of the second pass (the first compiles "
-        "each shape: a packed update's last micro-batch takes one of 8 widths)", table)
+        "each shape: a packed micro-batch's length takes one of 32 values per octave)", table)
 
 
 def sft(args):

@@ -41,7 +41,7 @@ class LearnerSettings(Section):
     # at width 480, 6.9 s at 512 on this CPU). The defaults suit the demo (64-row updates, compute
     # dominates); short runs of small updates (an ablation grid's cells) compile less with 128 and
     # 16 (BENCHMARKS.md, "Padded updates: shapes and recompiles"). Packed rows (rl.token_budget)
-    # compile one shape whatever the rows.
+    # compile one shape per micro-batch length, on a grid of 32 lengths per octave (packing.py).
     pad_width_multiple: int = setting(32, "padded rows: each update's rows padded to a multiple of this many tokens "
                                       "(capped at rollout.max_len): coarser, fewer shapes to compile, more padding",
                                       min=1)

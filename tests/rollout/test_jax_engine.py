@@ -188,20 +188,23 @@ def test_kv_bucket_rounds_up_to_cover_the_longest_live_row(tiny_model, tokenizer
 
 
 @pytest.mark.slow
-def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model, tokenizer):
+@pytest.mark.parametrize("decode_steps", [1, 16])
+def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model, tokenizer, decode_steps):
     prompt = tokenizer.encode("precompile me")
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
 
     async def go(warm):
-        eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32)
+        eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32, decode_steps=decode_steps)
+        kernel = eng.kernels.decode if decode_steps == 1 else eng.kernels.decode_chunk  # the one it decodes with
         if warm:  # the kernels are the process's (shared_jit.py): count what this engine adds to them
-            before = eng.kernels.decode._cache_size()
+            before = kernel._cache_size()
             eng.precompile([len(prompt)])
-            compiled = eng.kernels.decode._cache_size()
+            compiled = kernel._cache_size()
         async with eng:
             out = await eng.generate(prompt, greedy)
-        if warm:  # buckets 32, 64, 96 (no other test decodes at 2 x 96), then no new compile
-            assert compiled - before == 3 and eng.kernels.decode._cache_size() == compiled
+        if warm:  # buckets 32, 64, 96 (no other test decodes at 2 x 96), then no new compile; a chunk
+            # is entered twice per bucket (a NumPy carry, then a device one: two dispatch-cache entries)
+            assert compiled - before == 3 * (1 if decode_steps == 1 else 2) and kernel._cache_size() == compiled
         return out.token_ids
 
     assert _run(go(True)) == _run(go(False))
@@ -260,15 +263,19 @@ def test_kv_reuse_never_uses_kv_of_older_weights_and_evicts_least_recently_used(
     assert [[c.token_ids for c in o] for o in outs] == [[c.token_ids for c in o] for o in ref]
 
 
-def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per_token(tiny_model, tokenizer):
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per_token(tiny_model, tokenizer,
+                                                                                     decode_steps):
     """Partial rollouts: a request in flight when the weights change continues with the new ones
-    from the next decode step on, and each token records the version that sampled it."""
+    from the next decode step on (decoding in chunks: the next chunk), and each token records the
+    version that sampled it."""
     other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(7))
     prompt = tokenizer.encode("a long answer")
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
 
     async def go(swap_after):
-        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=()) as eng:
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(),
+                             decode_steps=decode_steps) as eng:
             request = asyncio.ensure_future(eng.generate(prompt, greedy))
             if swap_after is not None:
                 while eng.steps < swap_after:
@@ -281,6 +288,7 @@ def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per
     versions = list(swapped.token_versions)
     first_new = versions.index(1)
     assert versions == [0] * first_new + [1] * (len(versions) - first_new) and first_new >= 10
+    assert (first_new - 1) % decode_steps == 0  # the prefill's token, then whole chunks on the old weights
     assert (swapped.version_start, swapped.version_end) == (0, 1)
     # the KV computed before the swap is kept: every token, old weights or new, read version 0's KV
     assert list(swapped.token_kv_versions) == [0] * len(versions) and set(straight.token_kv_versions) == {0}
@@ -420,7 +428,8 @@ def test_a_sync_mid_request_reaches_paged_rows_too(tiny_model, tokenizer):
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
 
     async def go(page_size):
-        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), page_size=page_size) as eng:
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), page_size=page_size,
+                             decode_steps=4) as eng:  # chunks short enough for the swap to land mid-request
             request = asyncio.ensure_future(eng.generate(prompt, greedy))
             while eng.steps < 10:
                 await asyncio.sleep(0)

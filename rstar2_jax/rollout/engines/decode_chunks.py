@@ -35,6 +35,10 @@ from rstar2_jax.rollout.engines.jax_kernels import DecodeCarry
 if TYPE_CHECKING:
     from rstar2_jax.rollout.engines.jax_engine import JaxEngine, _Request
 
+# Tokens per dispatch unless told otherwise: on the tiny CPU model (BENCHMARKS.md, "JaxEngine on
+# the CPU") 16 gives 3.3x the tokens/s of one step at 1 slot and 1.45x at 16; 64 adds little, and a
+# slot that ends mid-chunk idles until the chunk ends, so longer chunks cost agentic turns more.
+DEFAULT_DECODE_STEPS = 16
 MIN_STOP_COLUMNS = 4  # stop-id table width, rounded up to a power of two (a few compiled shapes)
 
 
@@ -70,10 +74,11 @@ class ChunkedDecode:
 
     async def step(self, engine: JaxEngine, loop) -> None:
         """Dispatch the next chunk, then read and apply the one before it."""
+        kv_needed = self._kv_needed(engine)  # before the chunk in flight is let go: it counts
         previous, self.in_flight = self.in_flight, None
         if any(engine._active):
             args, owners, version = self._inputs(engine)
-            kv_len = engine._kv_len(self._kv_needed(engine))
+            kv_len = engine._kv_len(kv_needed)
 
             def dispatch():  # returns once the chunk is queued: nothing here waits for the device
                 start = time.monotonic()
@@ -93,6 +98,8 @@ class ChunkedDecode:
             await self._apply(engine, loop, chunk)
 
     def _kv_needed(self, engine: JaxEngine) -> int:
+        """The cache prefix the next chunk may read: the longest context the host knows, the chunk
+        in flight's tokens (not read yet) and the next chunk's."""
         busy = [len(r.context()) for r in engine._active if r is not None]
         return min(engine.max_len, max(busy, default=1) + self.lookahead)
 

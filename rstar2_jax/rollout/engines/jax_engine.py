@@ -64,7 +64,7 @@ from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
-from rstar2_jax.rollout.engines.decode_chunks import ChunkedDecode
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, ChunkedDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -108,7 +108,7 @@ class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
                  page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None,
-                 decode_steps: int = 1):
+                 decode_steps: int = DEFAULT_DECODE_STEPS):
         """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
         `kv_pages` of them (None: slots x max_len / N, the rows' memory).
         decode_steps: decode steps per dispatch; above 1 the engine decodes in chunks, the next
@@ -213,7 +213,11 @@ class JaxEngine(Engine):
                 self._cache, _, _ = self.kernels.decode(self._state, self._cache, *inputs, kv_len=kv_len)
             else:  # every slot idle: the device loop runs no step, but the program is compiled
                 args, _, _ = ChunkedDecode(self.slots, self._chunks.steps)._inputs(self)
-                self._cache, *_ = self.kernels.decode_chunk(*args, steps=self._chunks.steps, kv_len=kv_len)
+                self._cache, carry, *_ = self.kernels.decode_chunk(*args, steps=self._chunks.steps, kv_len=kv_len)
+                # and called as the chunks after the first are: the carry a device array (jit's
+                # dispatch cache keys NumPy and device arguments apart; nothing compiles again)
+                self._cache, *_ = self.kernels.decode_chunk(*args[:1], self._cache, args[2], carry, *args[4:],
+                                                            steps=self._chunks.steps, kv_len=kv_len)
         jax.block_until_ready(self._cache)
 
     async def close(self):

@@ -10,6 +10,7 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS
 from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 
@@ -27,9 +28,9 @@ class JaxEngineSettings(Section):
                             min=0)
     kv_memory_gb: float = setting(0.0, "paged: the KV pool's size in GiB, all the engine's devices together "
                                   "(0 = kv_pages); the pool holds as many pages as fit", min=0.0)
-    decode_steps: int = setting(1, "decode steps per dispatch: above 1 a device loop decodes chunks of this many "
-                                "tokens, the next dispatched before the last is read (same tokens; "
-                                "rollout/engines/decode_chunks.py)", min=1)
+    decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
+                                "chunks of this many tokens, the next dispatched before the last is read (same "
+                                "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
 
 
 def engine_mesh(decode_attention: str, devices=None):
