@@ -47,7 +47,7 @@ async def _generate(engine, prompts, new):
         return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
 
 
-def run_variant(model, attention, bucket, splits, slots, prompt, new):
+def run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps=1):
     model.set_attention(decode=attention)
     for layer in model.layers:  # None (the kernel's default) must be settable back
         layer.attn.decode_splits = splits
@@ -55,7 +55,7 @@ def run_variant(model, attention, bucket, splits, slots, prompt, new):
     paged = bucket.startswith("paged")
     engine = JaxEngine(model, _NoTokenizer(), slots=slots, max_len=max_len, eos_ids=(),
                        kv_bucket=None if bucket == "full" or paged else int(bucket),
-                       page_size=int(bucket[len("paged"):]) if paged else None)
+                       page_size=int(bucket[len("paged"):]) if paged else None, decode_steps=decode_steps)
     engine.precompile([prompt])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.cfg.vocab_size, prompt).tolist() for _ in range(slots)]
@@ -76,6 +76,8 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--variants", default="xla:full,pallas:full")
+    p.add_argument("--decode_steps", default="1,16", help="decode steps per dispatch to run each variant at "
+                   "(1: one host round trip per token; issue 70's chunks)")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     common.enable_compile_cache()
@@ -85,26 +87,27 @@ def main(argv=None):
           f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rows = []
-    for variant in args.variants.split(","):
+    for variant, k in [(v, int(k)) for v in args.variants.split(",") for k in args.decode_steps.split(",")]:
         attention, bucket, *splits = variant.split(":")
         splits = int(splits[0]) if splits else None
         try:
-            stats, bytes_total = run_variant(model, attention, bucket, splits, args.slots, args.prompt, args.new)
+            stats, bytes_total = run_variant(model, attention, bucket, splits, args.slots, args.prompt, args.new, k)
         except Exception as e:
             msg = str(e).splitlines()[0][:120]
-            print(f"{variant}: FAILED {type(e).__name__}: {msg}", flush=True)
-            rows.append([attention, bucket, splits or "default", "failed", msg, "", "", "", ""])
+            print(f"{variant} x{k}: FAILED {type(e).__name__}: {msg}", flush=True)
+            rows.append([attention, bucket, splits or "default", k, "failed", msg, "", "", "", ""])
             continue
         decode_tokens = args.slots * (args.new - 1)
         floor_s = bytes_total / bw
         step_ms = stats.decode_s / stats.decode_steps * 1e3
-        rows.append([attention, bucket, splits or "default", f"{decode_tokens / stats.decode_s:.0f}", f"{step_ms:.2f}",
+        rows.append([attention, bucket, splits or "default", k, f"{decode_tokens / stats.decode_s:.0f}", f"{step_ms:.2f}",
                      f"{floor_s / stats.decode_steps * 1e3:.2f}", f"{floor_s / stats.decode_s:.1%}",
                      f"{args.slots * args.prompt / stats.prefill_s:.0f}", f"{stats.slot_utilization:.0%}"])
-        print(f"{variant}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
+        print(f"{variant} x{k}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
               f"(floor {floor_s / stats.decode_steps * 1e3:.2f} ms) = {floor_s / stats.decode_s:.1%} of roofline; "
               f"prefill {args.slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
-    table = common.markdown_table(["decode attention", "kv bucket", "pallas splits", "decode tok/s", "step ms",
+    table = common.markdown_table(["decode attention", "kv bucket", "pallas splits", "steps per dispatch",
+                                   "decode tok/s", "step ms",
                                    "roofline step ms",
                                    "of roofline", "prefill tok/s", "slot utilization"], rows)
     common.record(args.record, f"JaxEngine decode: {args.model}, {args.slots} sequences",

@@ -62,6 +62,7 @@ class ChunkedDecode:
         self.carry: DecodeCarry | None = None
         self.dirty: set[int] = set(range(slots))
         self.in_flight: _Chunk | None = None
+        self.last_read = 0.0  # when the last chunk's tokens were read (monotonic)
 
     @property
     def lookahead(self) -> int:
@@ -140,12 +141,16 @@ class ChunkedDecode:
             return tokens, logps, real, int(steps), time.monotonic()
 
         tokens, logps, real, steps, end = await loop.run_in_executor(engine._executor, read)
-        engine.stats.decode_s += end - chunk.dispatched
+        # the device ran this chunk after the one before it: its time starts where that one's read
+        # ended (chunks overlap from dispatch to read; counted from dispatch, decode_s would double)
+        start = max(chunk.dispatched, self.last_read)
+        self.last_read = end
+        engine.stats.decode_s += end - start
         engine.stats.decode_steps += steps
         engine.stats.busy_slot_steps += int(real.sum())
         served = [req.owner for slot, req in enumerate(chunk.owners) if req is not None
                   for _ in range(int(real[:, slot].sum()))]
-        engine.ledger.charge_decode(served, chunk.dispatched, end, int(real.sum()), steps=steps)
+        engine.ledger.charge_decode(served, start, end, int(real.sum()), steps=steps)
         for slot, req in enumerate(chunk.owners):
             for i in range(steps):
                 if req is None or engine._active[slot] is not req or not real[i, slot]:
