@@ -89,10 +89,14 @@ def _model_line(cfg: RunConfig) -> str:
 
 def _mesh_line(cfg: RunConfig) -> str:
     axes = cfg.mesh.axes()
-    devices = jax.devices()
+    try:
+        devices, engine = engine_kind(cfg.rollout).devices(cfg.rollout, jax.devices())
+    except ValueError as e:  # the engine's own devices leave the learner none on this host
+        return f"{axes}: {e}"
+    own = f"; the engine on {len(engine)} device(s) of its own" if engine != devices else ""
     try:
         mesh = sharding.make_mesh(**axes, devices=devices)
-        return " x ".join(f"{k} {v}" for k, v in mesh.shape.items()) + f" over this host's {len(devices)} device(s)"
+        return " x ".join(f"{k} {v}" for k, v in mesh.shape.items()) + f" over this host's {len(devices)} device(s)" + own
     except ValueError as e:
         return (f"{axes} cannot be built on this host's {len(devices)} {devices[0].platform} device(s) ({e}); "
                 "it is built at launch over all processes' devices")

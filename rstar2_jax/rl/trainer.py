@@ -51,7 +51,7 @@ from rstar2_jax.rl.run_state import DataState, RunState
 from rstar2_jax.rl.step_metrics import MetricsLog, format_breakdown, format_results, step_metrics
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import journal, make_format
-from rstar2_jax.rollout.engines import engine_kind, engine_mesh, make_engine
+from rstar2_jax.rollout.engines import engine_kind, make_engine
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import stable_seed, summarize
 from rstar2_jax.timeline import Timeline
@@ -85,7 +85,10 @@ class RLRun:
                           cfg.stages, cfg.rollout.max_len)
         # The mesh exists before the weights: each tensor streams from its safetensors file straight
         # onto its shards (one host tensor at a time), and the learner then owns those arrays.
-        self.mesh = sharding.make_mesh(**cfg.mesh.axes()) if jax.device_count() > 1 else None
+        # the learner's devices: all of them, or the rest when the engine has its own (rollout.jax.devices)
+        self.learner_devices, _ = engine_kind(cfg.rollout).devices(cfg.rollout, jax.devices())
+        self.mesh = (sharding.make_mesh(**cfg.mesh.axes(), devices=self.learner_devices)
+                     if len(self.learner_devices) > 1 else None)
         self.model = load_policy(cfg.model, self.model_dir, seed=cfg.seed, mesh=self.mesh)
         self.checkpoints = RunCheckpoints(os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
                                           base=base_identity(self.model_dir) if cfg.model.lora.enabled else None)
@@ -254,12 +257,14 @@ class RLRun:
         engine's dtype, split over its devices (`engine_mesh`). The learner's update donates its
         buffers, so anything the engine keeps across an update is a copy."""
         params = self.learner.model_state()
-        how = engine_kind(self.cfg.rollout).weights(self.cfg.rollout, self.cfg.model.dtype)
-        if how.shares(learner_devices=jax.device_count(), on_policy=self.cfg.rl.max_staleness == 0):
+        kind = engine_kind(self.cfg.rollout)
+        how = kind.weights(self.cfg.rollout, self.cfg.model.dtype)
+        if how.shares(learner_devices=len(self.learner_devices), on_policy=self.cfg.rl.max_staleness == 0):
             return params
-        mesh = engine_mesh(self.cfg.model.decode_attention) if how.split else None
+        # on the engine's own devices this copy is the device-to-device reshard of the weights
+        mesh = kind.mesh(self.cfg.rollout, self.cfg.model.decode_attention) if how.split else None
         frozen = self.learner.frozen  # LoRA: the base, never donated, read as it is (one copy); adapters copied
-        if frozen is not None and mesh is None and jax.device_count() == 1 and how.dtype in (None, self.cfg.model.dtype):
+        if frozen is not None and mesh is None and len(self.learner_devices) == 1 and how.dtype in (None, self.cfg.model.dtype):
             return lora.whole(processes.local_copy(self.learner.state.params, DTYPES[how.dtype] if how.dtype else None),
                               frozen)
         return processes.local_copy(params, DTYPES[how.dtype] if how.dtype else None,

@@ -48,10 +48,49 @@ def main():
                         q_proj_shard_fraction=q.addressable_shards[0].data.size / q.size, q_proj_dtype=str(q.dtype),
                         kv_shard_fraction=keys.addressable_shards[0].data.size / keys.size)
 
+    async def own_devices():
+        """The learner's weights on devices 0-3 (fsdp), the engine on 4-7 (tensor): a sync is a
+        device-to-device reshard (processes.local_copy onto the engine's shardings, as the trainer's
+        engine_weights makes it); timed against the same copy onto all eight (the engine sharing them)."""
+        import time
+
+        from rstar2_jax import sharding
+        from rstar2_jax.processes import local_copy
+        learner_devices, engine_devices = jax.devices()[:4], jax.devices()[4:]
+        learner_mesh = sharding.make_mesh(data=1, fsdp=4, tensor=1, devices=learner_devices)
+        state = nnx.state(fp32, nnx.Param)
+        params = jax.device_put(state, sharding.param_shardings(state, learner_mesh))
+        mesh = engine_mesh("xla", engine_devices, own=True)
+        times = {}
+        for name, target in (("own", mesh), ("shared", engine_mesh("xla", jax.devices()))):
+            copies = []
+            for _ in range(4):
+                start = time.perf_counter()
+                copy = local_copy(params, None, sharding.param_shardings(params, target))
+                jax.block_until_ready(copy)
+                copies.append(time.perf_counter() - start)
+            times[name] = sorted(copies)[1]
+        engine_model = models.load_pretrained(model_dir)  # other weights until the sync lands
+        nnx.update(engine_model, jax.tree.map(lambda x: x * 0.5, nnx.state(engine_model, nnx.Param)))
+        async with JaxEngine(engine_model, tokenizer, slots=cfg.slots, max_len=max_len, mesh=mesh) as engine:
+            start = time.perf_counter()
+            engine.update_weights(local_copy(params, None, sharding.param_shardings(params, mesh)), version=1)
+            jax.block_until_ready(engine._state)
+            sync_s = time.perf_counter() - start
+            outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
+                                          for p in prompts))
+            engine_on = {d.id for leaf in jax.tree.leaves(engine._state) for d in leaf.devices()}
+            engine_on |= {d.id for d in engine._cache.keys[0].devices()}
+        learner_on = {d.id for leaf in jax.tree.leaves(params) for d in leaf.devices()}
+        return dict(tokens=[o.token_ids for o in outs], versions=sorted({v for o in outs for v in o.token_versions}),
+                    engine_on=sorted(engine_on), learner_on=sorted(learner_on), sync_s=sync_s,
+                    copy_own_s=times["own"], copy_shared_s=times["shared"])
+
+    own = asyncio.run(own_devices())
     split = asyncio.run(greedy(fp32, jax.devices()))
     single = asyncio.run(greedy(fp32, jax.devices()[:1]))
     split_bf16 = asyncio.run(greedy(bf16, jax.devices()))
-    print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, mesh_of_8=dict(engine_mesh("xla").shape),
+    print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, own=own, mesh_of_8=dict(engine_mesh("xla").shape),
                           pallas_mesh=engine_mesh("pallas") is None)))
 
 

@@ -2,6 +2,8 @@
 same tokens as on one device, each device holding an eighth of the weights and the KV, in the
 dtype it is given, with a KV pool sized by a memory budget."""
 
+import dataclasses
+
 import pytest
 
 from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings, kv_pool_pages
@@ -31,6 +33,34 @@ def test_the_kv_pool_holds_what_its_memory_budget_holds(result):
     # a budget of 6 float32 pages holds 6 float32 pages, or 12 bf16 ones
     assert result["split"]["pages"] == result["single"]["pages"] == 6
     assert result["split_bf16"]["pages"] == 12
+
+@pytest.mark.slow
+def test_an_engine_on_devices_of_its_own_gets_the_learners_weights_device_to_device(result):
+    """rollout.jax.devices=4 of 8 (issue 70): the learner's fsdp-sharded weights on devices 0-3
+    resharded onto the engine's tensor mesh on 4-7; the engine then samples what one device with
+    those weights samples, and nothing of it lives on the learner's devices."""
+    own = result["own"]
+    assert own["learner_on"] == [0, 1, 2, 3] and own["engine_on"] == [4, 5, 6, 7]
+    assert own["tokens"] == result["single"]["tokens"] and own["versions"] == [1]
+    print(f"sync to own devices {own['copy_own_s'] * 1e3:.1f} ms, to shared ones {own['copy_shared_s'] * 1e3:.1f} ms")
+
+
+def test_the_engines_own_devices_leave_the_learner_some_or_are_refused_naming_both():
+    from types import SimpleNamespace
+
+    from rstar2_jax.rollout.engines import RolloutConfig
+    from rstar2_jax.rollout.engines.jax_kind import split_devices
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # two processes of 4
+    def own(n):
+        return dataclasses.replace(RolloutConfig(), jax=dataclasses.replace(RolloutConfig().jax, devices=n))
+
+    assert split_devices(own(0), devices) == (devices, devices)  # 0: shared
+    learner, engine = split_devices(own(1), devices)
+    assert [d.id for d in engine] == [3, 7] and [d.id for d in learner] == [0, 1, 2, 4, 5, 6]
+    with pytest.raises(ValueError, match=r"rollout.jax.devices=4 asks for 4 of process 0's 4 devices, which leaves "
+                                         r"the learner 0: set it to at most 3"):
+        split_devices(own(4), devices)
+
 
 def test_kv_budget_sizes_the_pool_and_refuses_less_than_one_sequence():
     cfg = tiny_config()  # 2 layers x 2 KV heads x 32 dims: 1 KiB per position in float32

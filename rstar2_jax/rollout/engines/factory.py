@@ -30,6 +30,7 @@ class EngineWeights:
     streams_learner_arrays: bool = False  # a served engine's sync reads the learner's own arrays (no copy)
     dtype: str | None = None              # else a local copy in this dtype (None: the parameters' own)
     split: bool = False                   # ... split over the process's devices (engine_mesh), when several
+    own_devices: bool = False             # on devices of its own (never the learner's arrays)
 
     def shares(self, *, learner_devices: int, on_policy: bool) -> bool:
         """Whether the engine may use the learner's own arrays: it streams them, or a copy would
@@ -38,7 +39,7 @@ class EngineWeights:
         buffers)."""
         if self.streams_learner_arrays:
             return True
-        return self.dtype in (None, "float32") and learner_devices == 1 and on_policy
+        return not self.own_devices and self.dtype in (None, "float32") and learner_devices == 1 and on_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,10 @@ class EngineKind:
     adapter_refusal: Callable[[RolloutConfig, int], str | None] = lambda rollout, rank: None
     # (rollout): whether a sync returns before the engines have the weights (background_sync.py)
     lands_in_background: Callable[[RolloutConfig], bool] = lambda rollout: False
+    # (rollout, the job's devices) -> (the learner's, the engine's): shared unless it has its own
+    devices: Callable[[RolloutConfig, list], tuple[list, list]] = lambda rollout, devices: (list(devices), list(devices))
+    # (rollout, model.decode_attention) -> the mesh this process's engine copy is placed on (None: no copy is split)
+    mesh: Callable[[RolloutConfig, str], object] = lambda rollout, decode_attention: None
 
 
 ENGINES: Registry[EngineKind] = Registry("engine")

@@ -28,21 +28,46 @@ class JaxEngineSettings(Section):
                             min=0)
     kv_memory_gb: float = setting(0.0, "paged: the KV pool's size in GiB, all the engine's devices together "
                                   "(0 = kv_pages); the pool holds as many pages as fit", min=0.0)
+    devices: int = setting(0, "devices of its own: the last N of each process's devices hold the engine (weights and "
+                           "KV split over them), the learner the rest, and after each update the weights move "
+                           "device to device (a reshard); 0: the engine shares the learner's devices", min=0)
     decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
                                 "chunks of this many tokens, the next dispatched before the last is read (same "
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
 
 
-def engine_mesh(decode_attention: str, devices=None):
+def engine_mesh(decode_attention: str, devices=None, own: bool = False):
     """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
-    split over them, as vLLM's tensor parallelism). None (one device) when there is one, or with
-    the Pallas decode kernel, which runs on a single device."""
+    split over them, as vLLM's tensor parallelism). None (the default device) when there is one,
+    or with the Pallas decode kernel, which runs on a single device; with devices of its own
+    (`own`), a mesh of the first of them instead, so that the engine lives there."""
     import jax
     devices = jax.local_devices() if devices is None else list(devices)
-    if len(devices) == 1 or decode_attention == "pallas":
-        return None
     from rstar2_jax.sharding import make_mesh
+    if len(devices) == 1 or decode_attention == "pallas":
+        return make_mesh(data=1, fsdp=1, tensor=1, devices=devices[:1]) if own else None
     return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
+
+
+def split_devices(rollout: RolloutConfig, devices: list) -> tuple[list, list]:
+    """(the learner's devices, the engine's) out of `devices` (the job's, over every process):
+    with `rollout.jax.devices=N`, the last N of each process's go to the engine; else both share
+    them all. Refused when a process has fewer than N + 1 (the learner would have none)."""
+    n = rollout.jax.devices
+    if not n:
+        return list(devices), list(devices)
+    by_process: dict[int, list] = {}
+    for d in devices:
+        by_process.setdefault(d.process_index, []).append(d)
+    engine = []
+    for process, own in sorted(by_process.items()):
+        if n >= len(own):
+            raise ValueError(f"rollout.jax.devices={n} asks for {n} of process {process}'s {len(own)} devices, which "
+                             f"leaves the learner {len(own) - n}: set it to at most {len(own) - 1} (0: the engine "
+                             "shares the learner's devices)")
+        engine += sorted(own, key=lambda d: d.id)[-n:]
+    taken = {d.id for d in engine}
+    return [d for d in devices if d.id not in taken], engine
 
 
 def kv_pool_pages(jax_cfg: JaxEngineSettings, max_len: int, model_cfg, dtype_bytes: int) -> int | None:
@@ -68,7 +93,15 @@ def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     return JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
                      page_size=j.page_size or None,
                      kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
-                     mesh=engine_mesh(model.decode_attention), decode_steps=j.decode_steps)
+                     mesh=_mesh(cfg, model.decode_attention), decode_steps=j.decode_steps)
+
+
+def _mesh(cfg: RolloutConfig, decode_attention: str):
+    """The engine's mesh: this process's share of its devices (split_devices)."""
+    import jax
+    _, engine = split_devices(cfg, jax.devices())
+    local = [d for d in engine if d.process_index == jax.process_index()]
+    return engine_mesh(decode_attention, local, own=bool(cfg.jax.devices))
 
 
 def _check_jax(cfg: RolloutConfig):
@@ -87,8 +120,9 @@ def _check_jax(cfg: RolloutConfig):
 
 
 def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
-    # the engine samples with the compute dtype's weights, as the learner computes with them
-    return EngineWeights(dtype=compute_dtype, split=True)
+    # the engine samples with the compute dtype's weights, as the learner computes with them; on
+    # devices of its own it never shares the learner's arrays (they are on other devices)
+    return EngineWeights(dtype=compute_dtype, split=True, own_devices=bool(cfg.jax.devices))
 
 
 def _engine_devices(decode_attention: str, devices_per_process: int) -> int:
@@ -129,4 +163,5 @@ def _describe(r: RolloutConfig) -> str:
 ENGINES.register("jax", EngineKind(
     build=_build_jax, settings=JaxEngineSettings, check=_check_jax, embedded=True,
     samples_like_learner=lambda r, compute_dtype: compute_dtype == "float32",
-    weights=_weights, plan=_plan, describe=_describe, host_refusal=lambda r, platform: None))
+    weights=_weights, plan=_plan, describe=_describe, host_refusal=lambda r, platform: None,
+    devices=split_devices, mesh=_mesh))
