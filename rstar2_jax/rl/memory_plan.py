@@ -88,37 +88,56 @@ class MemoryPlan:
     capacity: float | None          # bytes per device; None: unknown (CPU), nothing is checked
     mesh: dict[str, int]
     engine_devices: int
+    # the names of the lines on the engine's own devices (rollout.jax.devices); empty: every line
+    # is on every device (the engine shares the learner's)
+    engine_apart: tuple[str, ...] = ()
+
+    def side(self, engine: bool) -> tuple[Line, ...]:
+        """The lines one device holds: a learner's (engine=False) or, apart, an engine's."""
+        if not self.engine_apart:
+            return self.lines
+        return tuple(line for line in self.lines
+                     if (line.name in self.engine_apart) == engine or line.name == "allowance")
 
     @property
     def total(self) -> float:
-        return sum(line.bytes for line in self.lines)
+        """The fullest device's bytes."""
+        return max(sum(line.bytes for line in self.side(engine)) for engine in (False, True))
 
     def line(self, name: str) -> Line:
         return next(line for line in self.lines if line.name == name)
 
     def overflow(self) -> Line | None:
-        """The first line at which the running total passes the device's memory (None: it fits)."""
+        """The first line at which a device's running total passes its memory (None: it fits)."""
         if self.capacity is None:
             return None
-        running = 0.0
-        for line in self.lines:
-            running += line.bytes
-            if running > self.capacity:
-                return line
+        for engine in (False, True):
+            running = 0.0
+            for line in self.side(engine):
+                running += line.bytes
+                if running > self.capacity:
+                    return line
         return None
 
     def table(self) -> str:
         mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
-        out = [f"memory per device (GiB; learner mesh {mesh}, engine over {self.engine_devices} device(s)):"]
-        for line in self.lines:
-            out.append(f"  {line.name:<16}{line.bytes / GiB:>9.2f}   {line.how}")
-        out.append(f"  {'total':<16}{self.total / GiB:>9.2f}")
+        where = " of its own" if self.engine_apart else ""
+        out = [f"memory per device (GiB; learner mesh {mesh}, engine over {self.engine_devices} device(s){where}):"]
+        sides = [("", self.lines)] if not self.engine_apart else [
+            ("on each learner device:", self.side(False)), ("on each engine device:", self.side(True))]
+        for title, lines in sides:
+            if title:
+                out.append(f" {title}")
+            for line in lines:
+                out.append(f"  {line.name:<16}{line.bytes / GiB:>9.2f}   {line.how}")
+            total = sum(line.bytes for line in lines)
+            out.append(f"  {'total':<16}{total / GiB:>9.2f}")
+            if self.capacity is not None:
+                out.append(f"  {'device':<16}{self.capacity / GiB:>9.2f}")
+                out.append(f"  {'headroom':<16}{(self.capacity - total) / GiB:>9.2f}")
         if self.capacity is None:
             out.append("  device memory unknown (this platform reports none): not checked; "
                        "set mesh.device_memory_gb to check")
-        else:
-            out.append(f"  {'device':<16}{self.capacity / GiB:>9.2f}")
-            out.append(f"  {'headroom':<16}{(self.capacity - self.total) / GiB:>9.2f}")
         return "\n".join(out)
 
     def refusal(self) -> str | None:
@@ -126,7 +145,8 @@ class MemoryPlan:
         line = self.overflow()
         if line is None:
             return None
-        running = sum(x.bytes for x in self.lines[:self.lines.index(line) + 1])
+        lines = self.side(bool(self.engine_apart) and line.name in self.engine_apart)
+        running = sum(x.bytes for x in lines[:lines.index(line) + 1])
         return (f"memory plan: the run does not fit a {self.capacity / GiB:.1f} GiB device: at {line.name!r} "
                 f"({line.bytes / GiB:.2f} GiB) the total reaches {running / GiB:.2f} GiB (all lines: "
                 f"{self.total / GiB:.2f} GiB). Try {REMEDIES.get(line.name, 'a larger mesh')}; "
@@ -199,6 +219,12 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
                 capacity: float | None) -> MemoryPlan:
     """The plan for `cfg` on `devices` devices in all, `devices_per_process` per trainer process,
     each of `capacity` bytes (None: unknown)."""
+    kind = engine_kind(cfg.rollout)
+    own = kind.devices_of_its_own(cfg.rollout)
+    if own and own >= devices_per_process:
+        raise MemoryPlanError(f"rollout.jax.devices={own} leaves the learner {devices_per_process - own} of each "
+                              f"process's {devices_per_process} devices: set it to at most {devices_per_process - 1}")
+    devices -= own * max(devices // devices_per_process, 1)  # the learner's share
     mesh = mesh_sizes(cfg, devices)
     params = shard_bytes(arch, mesh, 4)
     n_params = f"{_param_count(arch) / 1e9:.2f}B parameters"
@@ -212,14 +238,15 @@ def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_
             lines.append(Line("reference weights", params, "float32, frozen: the KL term's reference (rl.kl.coef > 0)"))
     lines.append(Line("activations", *activation_bytes(arch, cfg, mesh)))
 
-    engine_lines, engine_devices = engine_kind(cfg.rollout).plan(EnginePlanInputs(
+    engine_lines, engine_devices = kind.plan(EnginePlanInputs(
         arch, cfg.rollout, cfg.model.dtype, cfg.model.decode_attention, devices=devices,
         devices_per_process=devices_per_process, learner_mesh=mesh, on_policy=cfg.rl.max_staleness == 0))
     lines += engine_lines
     if capacity is not None:
         lines.append(Line("allowance", ALLOWANCE_FRACTION * capacity,
                           f"{ALLOWANCE_FRACTION:.0%} of the device: XLA workspace, programs, fragmentation"))
-    return MemoryPlan(tuple(lines), capacity, mesh, engine_devices)
+    return MemoryPlan(tuple(lines), capacity, mesh, engine_devices,
+                      tuple(line.name for line in engine_lines) if own else ())
 
 
 def _lora_state_lines(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> list[Line]:

@@ -81,6 +81,32 @@ def test_qwen3_0p6b_and_1p7b_on_one_gpu_hand_computed(tmp_path):
     assert "at 'activations'" in large.refusal() and "rl.micro_batches" in large.refusal()
 
 
+def test_an_engine_on_devices_of_its_own_gets_its_own_lines_and_the_learner_the_rest(tmp_path):
+    """rollout.jax.devices=4 of a host's 8 (issue 70): the learner's lines are those of a 4-device
+    learner, the engine's those of an engine on 4 devices, and each device holds one side's, so the
+    fullest side is what must fit; asking for every device is refused naming both numbers."""
+    shared = _cfg(qwen3_0p6b_math, tmp_path)
+    own = _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4)
+    split = memory_plan(shape("qwen3_1p7b"), own, devices=8, devices_per_process=8, capacity=None)
+    learner4 = memory_plan(shape("qwen3_1p7b"), shared, devices=4, devices_per_process=4, capacity=None)
+    for name in ("parameters", "gradients", "optimizer", "activations", "engine weights", "KV pool"):
+        assert split.line(name).bytes == learner4.line(name).bytes, name
+    learner_side = sum(line.bytes for line in split.side(engine=False))
+    engine_side = sum(line.bytes for line in split.side(engine=True))
+    assert learner_side + engine_side == sum(line.bytes for line in split.lines)
+    assert {line.name for line in split.side(engine=True)} == {"engine weights", "KV pool"}
+    assert split.total == max(learner_side, engine_side) == engine_side  # a 16 GiB KV pool on one device
+    assert "on each engine device:" in split.table()
+    # a device between the two sides: the engine's side does not fit, the learner's does
+    between = memory_plan(shape("qwen3_1p7b"), own, devices=8, devices_per_process=8,
+                          capacity=(engine_side + learner_side) / 2)
+    assert between.overflow().name == "KV pool" and "at 'KV pool'" in between.refusal()
+    assert sum(line.bytes for line in between.side(engine=False)) < between.capacity
+    with pytest.raises(ValueError, match="rollout.jax.devices=8 leaves the learner 0 of each process's 8 devices"):
+        memory_plan(shape("qwen3_1p7b"), _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=8), devices=8,
+                    devices_per_process=8, capacity=None)
+
+
 def test_unknown_device_memory_is_said_not_checked(tmp_path):
     plan = memory_plan(shape("qwen3_0p6b"), _cfg(qwen3_0p6b_math, tmp_path), devices=1, devices_per_process=1,
                        capacity=None)

@@ -81,6 +81,8 @@ class EngineKind:
     devices: Callable[[RolloutConfig, list], tuple[list, list]] = lambda rollout, devices: (list(devices), list(devices))
     # (rollout, model.decode_attention) -> the mesh this process's engine copy is placed on (None: no copy is split)
     mesh: Callable[[RolloutConfig, str], object] = lambda rollout, decode_attention: None
+    # (rollout) -> the devices of each process that are the engine's alone (0: it shares the learner's)
+    devices_of_its_own: Callable[[RolloutConfig], int] = lambda rollout: 0
 
 
 ENGINES: Registry[EngineKind] = Registry("engine")

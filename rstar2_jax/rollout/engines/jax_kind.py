@@ -125,15 +125,15 @@ def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
     return EngineWeights(dtype=compute_dtype, split=True, own_devices=bool(cfg.jax.devices))
 
 
-def _engine_devices(decode_attention: str, devices_per_process: int) -> int:
-    return 1 if decode_attention == "pallas" else devices_per_process  # as engine_mesh
+def _engine_devices(decode_attention: str, devices_per_process: int, own: int = 0) -> int:
+    return 1 if decode_attention == "pallas" else own or devices_per_process  # as engine_mesh
 
 
 def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
     import jax.numpy as jnp
 
     b = jnp.dtype(DTYPES[x.compute_dtype]).itemsize
-    engine_devices = _engine_devices(x.decode_attention, x.devices_per_process)
+    engine_devices = _engine_devices(x.decode_attention, x.devices_per_process, x.rollout.jax.devices)
     mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
     shares = _weights(x.rollout, x.compute_dtype).shares(learner_devices=x.devices, on_policy=x.on_policy)
     weights = PlanLine("engine weights", 0.0 if shares else shard_bytes(x.arch, mesh, b),
@@ -164,4 +164,4 @@ ENGINES.register("jax", EngineKind(
     build=_build_jax, settings=JaxEngineSettings, check=_check_jax, embedded=True,
     samples_like_learner=lambda r, compute_dtype: compute_dtype == "float32",
     weights=_weights, plan=_plan, describe=_describe, host_refusal=lambda r, platform: None,
-    devices=split_devices, mesh=_mesh))
+    devices=split_devices, mesh=_mesh, devices_of_its_own=lambda r: r.jax.devices))
