@@ -71,6 +71,7 @@ REMEDIES = {
                    "rl.segments_per_row), model.remat=full, model.attention=cudnn, or a larger mesh.fsdp",
     "engine weights": "model.decode_attention=xla (splits the engine over the process's devices), or "
                       "rollout.engine=vllm (rollouts on other GPUs)",
+    "landing weights": "rollout.jax.swap=next_chunk (one copy of the engine's weights)",
     "KV pool": "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer rollout.jax.slots, or "
                "rollout.engine=vllm",
     "weight sync": "rollout.vllm.export_dtype=bfloat16 (half the bytes), or one trainer process per host (the "

@@ -102,6 +102,11 @@ def test_an_engine_on_devices_of_its_own_gets_its_own_lines_and_the_learner_the_
                           capacity=(engine_side + learner_side) / 2)
     assert between.overflow().name == "KV pool" and "at 'KV pool'" in between.refusal()
     assert sum(line.bytes for line in between.side(engine=False)) < between.capacity
+    landed = memory_plan(shape("qwen3_1p7b"), _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4,
+                                                   rollout__jax__swap="landed"), devices=8, devices_per_process=8,
+                         capacity=None)  # the in-flight swap's second buffer, on the engine's side
+    assert landed.line("landing weights").bytes == landed.line("engine weights").bytes > 0
+    assert "landing weights" in {line.name for line in landed.side(engine=True)}
     with pytest.raises(ValueError, match="rollout.jax.devices=8 leaves the learner 0 of each process's 8 devices"):
         memory_plan(shape("qwen3_1p7b"), _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=8), devices=8,
                     devices_per_process=8, capacity=None)

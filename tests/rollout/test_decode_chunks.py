@@ -9,6 +9,9 @@ import signal
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from rstar2_jax import models
 from rstar2_jax.rollout.engines import JaxEngine
 from rstar2_jax.rollout.sampling import SamplingParams
 from tests.rollout.test_jax_engine import _pool_is_whole, _serve, _turns
@@ -103,3 +106,38 @@ def test_preempted_requests_over_chunks_sample_the_same_tokens(tiny_model, token
     got, stats = asyncio.run(go(8, page_size=8, kv_pages=24))
     assert stats.preemptions > 0
     _same(want, got)
+
+
+def test_with_swap_landed_decoding_goes_on_with_the_old_weights_until_the_copy_lands(tiny_model, tokenizer):
+    """rollout.jax.swap=landed (issue 70's in-flight update): weights given mid-request wait in a
+    second buffer while the engine keeps decoding with the old ones, and take over at the first
+    chunk boundary after their copy is on the device (here: declared landed at step 20); tokens
+    record the version that sampled them, the request keeps its KV, and `weights_at_least` waits
+    for the take-over. On an idle engine they take over at once."""
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(7))
+    prompt = tokenizer.encode("a long answer")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), decode_steps=4,
+                             swap="landed") as eng:
+            eng._landed = lambda state: eng.steps >= 20  # the copy "lands" once 20 steps have run
+            request = asyncio.ensure_future(eng.generate(prompt, greedy))
+            while eng.steps < 8:
+                await asyncio.sleep(0)
+            eng.update_weights(nnx.state(other), version=1)
+            pending_at = (eng.version, eng.steps)
+            await eng.weights_at_least(1)
+            out = await request
+            eng.update_weights(nnx.state(tiny_model), version=2)  # idle: at once
+            return out, pending_at, eng.version
+
+    out, (version_then, steps_then), idle_version = asyncio.run(go())
+    assert version_then == 0 and steps_then < 20
+    versions = list(out.token_versions)
+    first_new = versions.index(1)
+    assert versions == [0] * first_new + [1] * (len(versions) - first_new)
+    assert first_new > 20 and (first_new - 1) % 4 == 0  # after the copy landed, at a chunk boundary
+    assert set(out.token_kv_versions) == {0} and idle_version == 2
+    with pytest.raises(ValueError, match="swap must be one of next_chunk, landed"):
+        JaxEngine(tiny_model, tokenizer, swap="sometime")

@@ -104,15 +104,22 @@ class _Resident:
     slot: int | None = None        # slot rows: the row that holds it (paged: its pages, owner ("resident", session))
 
 
+SWAPS = ("next_chunk", "landed")  # when new weights take over (JaxEngine's `swap`)
+
+
 class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
                  page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None,
-                 decode_steps: int = DEFAULT_DECODE_STEPS):
+                 decode_steps: int = DEFAULT_DECODE_STEPS, swap: str = "next_chunk"):
         """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
         `kv_pages` of them (None: slots x max_len / N, the rows' memory).
         decode_steps: decode steps per dispatch; above 1 the engine decodes in chunks, the next
         dispatched before the last is read (decode_chunks.py); 1: one step and one read per token.
+        swap: when new weights take over while requests decode: "next_chunk" (the next dispatch,
+        which waits on the device for the copy: the same step every run) or "landed" (the first
+        dispatch after every array of the copy is ready: decoding never waits for a copy, and the
+        old weights stay alive until then, a second buffer; which step it lands at is timing's).
         mesh: devices the weights and KV are split over (`engine_mesh`: this process's devices on
         the tensor axis, heads and MLP width split as vLLM's tensor parallelism); None: one device."""
         if slots < 1:
@@ -151,6 +158,11 @@ class JaxEngine(Engine):
         self._stop_ids: dict[str, int] = {}
         self.kernels = engine_kernels(self._graphdef, self.cfg)
         self._chunks = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else None
+        if swap not in SWAPS:
+            raise ValueError(f"swap must be one of {', '.join(SWAPS)}, got {swap!r}")
+        self.swap = swap
+        self._pending: tuple[Any, int] | None = None  # weights waiting to land (swap="landed"), their version
+        self._swapped: asyncio.Event | None = None     # set whenever a version takes over
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -177,8 +189,43 @@ class JaxEngine(Engine):
         new_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if old_shapes != new_shapes:
             raise ValueError("update_weights: the new parameters do not match the engine's model")
-        self._state = self._placed(state)
-        self.version = self.version + 1 if version is None else version
+        version = self.version + 1 if version is None else version
+        state = self._placed(state)
+        if self.swap == "landed" and self._decoding():
+            self._pending = (state, version)  # taken over at a chunk boundary once landed (_take_landed)
+        else:
+            self._take_over(state, version)
+
+    def _decoding(self) -> bool:
+        return any(self._active) or (self._chunks is not None and self._chunks.in_flight is not None)
+
+    def _take_over(self, state, version: int) -> None:
+        self._state, self.version, self._pending = state, version, None
+        if self._swapped is not None:
+            self._swapped.set()
+
+    @staticmethod
+    def _landed(state) -> bool:
+        """Whether every array of a weight copy is on the device (its copy done)."""
+        return all(x.is_ready() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+
+    def _take_landed(self) -> None:
+        """swap="landed": the pending weights take over at this boundary if their copy is done,
+        or if nothing is decoding (no pause to spare)."""
+        if self._pending is not None and (self._landed(self._pending[0]) or not self._decoding()):
+            self._take_over(*self._pending)
+
+    async def weights_at_least(self, version: int) -> None:
+        """Until weights of `version` or newer have taken over (swap="landed": once their copy
+        lands, or the engine runs dry)."""
+        while self.version < version:
+            if self._pending is None:  # nothing on its way: as the base Engine, its weights are the latest
+                return
+            self._swapped = self._swapped or asyncio.Event()
+            self._swapped.clear()
+            self._ensure_running()
+            self._arrived.set()  # an idle loop wakes and takes them over
+            await self._swapped.wait()
 
     def _placed(self, state):
         """Parameters on the engine's mesh by the model's logical axes (kept where they already are)."""
@@ -264,11 +311,13 @@ class JaxEngine(Engine):
         loop = asyncio.get_running_loop()
         try:
             while True:
+                self._take_landed()
                 await self._admit_waiting(loop)
                 if not any(self._active):
                     if self._chunks is not None and self._chunks.in_flight is not None:
                         await self._chunks.drain(self, loop)  # its requests may all have finished
                         continue
+                    self._take_landed()  # nothing decodes: pending weights take over now
                     self._arrived.clear()
                     await self._arrived.wait()
                     continue

@@ -31,6 +31,10 @@ class JaxEngineSettings(Section):
     devices: int = setting(0, "devices of its own: the last N of each process's devices hold the engine (weights and "
                            "KV split over them), the learner the rest, and after each update the weights move "
                            "device to device (a reshard); 0: the engine shares the learner's devices", min=0)
+    swap: str = setting("next_chunk", "when an update's weights take over mid-request: next_chunk (the next dispatch, "
+                        "which waits for the copy; the same every run) | landed (once the copy is on the device: "
+                        "decoding never waits for it, the old weights kept until then; where it lands is timing's)",
+                        choices=("next_chunk", "landed"))
     decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
                                 "chunks of this many tokens, the next dispatched before the last is read (same "
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
@@ -93,7 +97,7 @@ def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     return JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
                      page_size=j.page_size or None,
                      kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
-                     mesh=_mesh(cfg, model.decode_attention), decode_steps=j.decode_steps)
+                     mesh=_mesh(cfg, model.decode_attention), decode_steps=j.decode_steps, swap=j.swap)
 
 
 def _mesh(cfg: RolloutConfig, decode_attention: str):
@@ -140,7 +144,11 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
                        "shares the learner's (float32, one device, on-policy)" if shares else
                        f"{x.compute_dtype}, split over {engine_devices} device(s)" +
                        (" (the Pallas decode kernel runs on one)" if x.decode_attention == "pallas" else ""))
-    return [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b))], engine_devices
+    lines = [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b))]
+    if x.rollout.jax.swap == "landed" and not shares:  # the next version lands beside the one decoding
+        lines.insert(1, PlanLine("landing weights", weights.bytes, "rollout.jax.swap=landed: the next version's "
+                                 "copy, beside the one decoding until it lands"))
+    return lines, engine_devices
 
 
 def _kv_pool(x: EnginePlanInputs, engine_devices: int, b: int) -> tuple[float, str]:
