@@ -93,3 +93,18 @@ def test_carry_trains_a_step_on_its_quota_of_groups_and_every_carried_group_once
     rollouts = 4 * SMALL.step_rollouts
     assert wait["trained_rollouts"] == rollouts
     assert carry["trained_rollouts"] + 4 * carry["carried_past_end"] == rollouts
+
+
+def test_a_reshard_with_an_in_flight_swap_keeps_prefixes_and_lands_after_the_copy():
+    """sync=reshard (issue 70): the copy at the assumed 50 GB/s while the engines generate, then a
+    50 ms swap that keeps every prefix: a sync during rollouts recomputes none (unlike the reloads,
+    test_a_sync_during_rollouts_costs_prefix_recomputation), and a synchronous step waits for the
+    copy and the swap alone."""
+    reshard = dataclasses.replace(SMALL, affinity=True, sync="reshard")
+    gb = 2 * 14.77
+    assert reshard.pause_after_s == reshard.export_s == pytest.approx(gb / 50.0) and reshard.sync_s == 0.05
+    sync = simulate(reshard, "kv_aware", seed=2, steps=4, max_staleness=0)
+    async_ = simulate(reshard, "kv_aware", seed=2, steps=4, max_staleness=1)
+    assert async_["prefill_tokens"] == sync["prefill_tokens"]
+    assert sync["step_s"] == pytest.approx(sync["rollout_s"] + sync["learner_s"] + reshard.pause_after_s + 0.05,
+                                           rel=1e-9)

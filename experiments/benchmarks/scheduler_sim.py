@@ -105,6 +105,14 @@ class SimConfig:
     bucket_gb: float = 4.0               # the sync's default bucket (rollout.vllm.sync_bucket_mb = 4096)
     streamed_pause_factor: float = 1.11  # measured: servers pause 1.11x the reload alone (2 CPU servers)
     staged_pause_factor: float = 1.03    # measured: 0.99-1.03x staged, files (2 CPU servers, 2026-11-28)
+    # reshard (issue 70: the JaxEngine on devices of its own in one JAX job): the weights move
+    # learner mesh -> engine mesh device to device while the engines generate (rollout.jax.swap=
+    # landed), then take over at a chunk boundary; requests keep their KV and prefixes.
+    # ASSUMED, not measured here: the cross-node bound of one GPU's copy, InfiniBand NDR 400 Gb/s =
+    # 50 GB/s a GPU (datasheet; NVLink 4 within a node: 450 GB/s a direction), every engine GPU
+    # receiving the whole bf16 model (one replica per GPU); the swap one chunk boundary, 50 ms.
+    reshard_gb_s: float = 50.0
+    swap_s: float = 0.05
     group_size: int = 16                 # rollouts per problem (a group: what carry cuts)
     carry_fraction: float = 1.0          # rl.staleness: 1.0 = wait; < 1: carry (a step trains once
                                          # this share of its groups are in; the rest join the next)
@@ -138,6 +146,8 @@ class SimConfig:
         """The learner's share of a sync (files, streamed: it writes the bf16 export)."""
         if self.sync in ("streamed", "staged"):
             return self.sync_gb / self.streamed_export_gb_s
+        if self.sync == "reshard":  # the learner's devices send the copy (counted as blocking them)
+            return self.sync_gb / self.reshard_gb_s
         return self.sync_gb / self.export_gb_s if self.sync == "files" else 0.0
 
     @property
@@ -155,7 +165,12 @@ class SimConfig:
         reload = self.sync_gb / self.reload_gb_s
         return {"files": reload, "streamed": self.streamed_pause_factor * reload,
                 "staged": self.staged_pause_factor * reload, "broadcast": self.broadcast_s,
-                "colocated": self.colocated_sync_s}[self.sync]
+                "colocated": self.colocated_sync_s, "reshard": self.swap_s}[self.sync]
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether a sync keeps the engines' cached prefixes (the in-flight swap keeps every KV)."""
+        return self.sync == "reshard"
 
 
 @dataclasses.dataclass
@@ -372,7 +387,8 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
         is redone), wait sync_s, forget the prefix cache."""
         kick(e)
         e.t = max(e.t, now) + cfg.sync_s
-        e.reset_prefix_cache()
+        if not cfg.keeps_prefixes:
+            e.reset_prefix_cache()
         e.version += 1
         if e.running:
             heapq.heappush(events, (e.t + e.step_time(e.plan()), next(seq), "engine", (e.index, e.version)))
@@ -503,7 +519,7 @@ def main(argv=None):
     p.add_argument("--rollouts", type=int, default=16_384, help="--rebased: rollouts per step")
     p.add_argument("--group_size", type=int, default=32, help="--rebased: rollouts per problem (what carry cuts)")
     p.add_argument("--carry", type=float, default=0.75, help="--rebased: rl.staleness.carry_fraction")
-    p.add_argument("--split_sync", choices=("staged", "streamed"), default="staged",
+    p.add_argument("--split_sync", choices=("staged", "streamed", "reshard"), default="staged",
                    help="--rebased: how the split schedules' engines take a sync (rollout.vllm.swap)")
     p.add_argument("--lora_rank", type=int, default=0, help="--rebased: LoRA adapters of this rank (0: full training)")
     p.add_argument("--record", help="append the result block to this markdown file")
@@ -583,13 +599,17 @@ def run_rebased(args, argv):
     paused = (f"the engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for "
               f"{b.sync_s:.0f} s ({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s)"
               if b.sync == "streamed" else
+              f"a device-to-device reshard at {b.reshard_gb_s} GB/s a GPU (ASSUMED: InfiniBand NDR's datasheet "
+              f"figure; {b.pause_after_s:.2f} s) while the engines generate, then an in-flight swap of "
+              f"{b.swap_s} s that keeps every KV and prefix" if b.sync == "reshard" else
               f"the engines generate through it, then pause for {b.sync_s:.1f} s ({b.staged_pause_factor}x a reload "
               f"at {b.reload_gb_s} GB/s)")
     config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
               f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps (steady: the mean "
               f"time between syncs after the pipeline's first k + 1), {args.seeds} seed(s), "
               f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; {b.sync} sync: the "
-              f"learner exports {b.sync_gb:.2f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.1f} s)"
+              + (f"learner sends {b.sync_gb:.2f} GB" if b.sync == "reshard" else
+                 f"learner exports {b.sync_gb:.2f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.1f} s)")
               + (f" (LoRA rank {b.lora_rank}: the adapters; update {b.lora_update_factor}x full's FLOPs)"
                  if b.lora_rank else "") + ", "
               f"{paused}; colocated: every GPU generates, then "
