@@ -58,11 +58,13 @@ def sft_step(graphdef, tx, state: TrainState, tokens, loss_mask, frozen=None, la
 
 
 class SFTTrainer:
-    def __init__(self, model: nnx.Module, *, lr: float = 1e-3, warmup_steps: int = 20, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, pad_multiple: int = 64, token_budget: int = 0, segments_per_row: int = SEGMENTS_PER_ROW,
+    def __init__(self, model: nnx.Module, *, lr: float = SFTConfig.lr, warmup_steps: int = SFTConfig.warmup_steps,
+                 weight_decay: float = 0.0, grad_clip: float = 1.0, pad_multiple: int = 64,
+                 token_budget: int = SFTConfig.token_budget, segments_per_row: int = SFTConfig.segments_per_row,
                  optimizer: optax.GradientTransformation | None = None):
-        """token_budget: pack each step's traces into rows of this many tokens (0: padded rows),
-        at most segments_per_row traces a row.
+        """lr, warmup_steps, token_budget, segments_per_row: the `sft.*` settings, whose defaults
+        they take (one copy: SFTConfig). token_budget: pack each step's traces into rows of this
+        many tokens (0: padded rows), at most segments_per_row traces a row.
         optimizer: in place of AdamW (tests step with plain SGD, as the Learner's do)."""
         self.graphdef, params, self.frozen = lora.split_trained(model)  # with adapters: only they train
         params = jax.tree.map(jnp.copy, params)  # the step donates its state: never the caller's arrays

@@ -24,7 +24,7 @@ from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, Loss
 from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
 from rstar2_jax.models.decoder import PackedSegments
 from rstar2_jax.models.lora import dropout_key, merged
-from rstar2_jax.models.logprobs import token_logprobs
+from rstar2_jax.models.logprobs import LOGPROB_CHUNK, token_logprobs
 
 
 @flax.struct.dataclass
@@ -42,7 +42,7 @@ class UpdateConfig:
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     kl: KLConfig = KLConfig()
     temperature: float = 1.0
-    logprob_chunk: int = 512
+    logprob_chunk: int = LOGPROB_CHUNK
     micro_batches: int = 1
     # Off-policy corrections between the sampler's log-probs and the learner's recomputed ones
     # (none: the paper's setting; the batch then needs no sampler_logprobs).

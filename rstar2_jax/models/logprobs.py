@@ -13,6 +13,11 @@ import jax
 import jax.numpy as jnp
 
 
+# Positions whose logits one pass holds at a time (float32 [rows, chunk, vocab]): the learner's
+# default (UpdateConfig.logprob_chunk) and what the memory plan counts.
+LOGPROB_CHUNK = 512
+
+
 @jax.custom_vjp
 def _lm_head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
     """h [B, C, E] @ kernel [E, V] -> float32 logits, accumulated in float32 from h's dtype."""
@@ -40,7 +45,7 @@ _lm_head_logits.defvjp(_lm_head_fwd, _lm_head_bwd)
 
 
 def token_logprobs_from_hidden(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                               chunk_size: int = 512, temperature: float = 1.0, with_entropy: bool = False):
+                               chunk_size: int = LOGPROB_CHUNK, temperature: float = 1.0, with_entropy: bool = False):
     """log softmax(hidden @ lm_head / temperature)[targets], float32 [B, T].
 
     hidden [B, T, E] (any dtype), lm_head [E, V], targets int [B, T]. with_entropy: also return
@@ -74,7 +79,7 @@ def token_logprobs_from_hidden(hidden: jax.Array, lm_head: jax.Array, targets: j
 
 
 def token_logprobs(model, tokens: jax.Array, positions=None, segment_ids=None, *,
-                   chunk_size: int = 512, temperature: float = 1.0, with_entropy: bool = False):
+                   chunk_size: int = LOGPROB_CHUNK, temperature: float = 1.0, with_entropy: bool = False):
     """out[b, t] = log p(tokens[b, t] | tokens[b, :t]) for t >= 1; out[:, 0] = 0.
 
     Aligned with `tokens`, so a loss mask over token positions applies to it directly. With

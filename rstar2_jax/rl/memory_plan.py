@@ -52,6 +52,7 @@ import numpy as np
 
 from rstar2_jax.learner.packing import segment_bound
 from rstar2_jax.models.config import ModelConfig
+from rstar2_jax.models.logprobs import LOGPROB_CHUNK
 from rstar2_jax.models.shard_sizes import shard_bytes, shard_shape, split_dim
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rl.config import RunConfig
@@ -60,7 +61,6 @@ from rstar2_jax.rollout.engines.factory import PlanLine as Line  # one line type
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05
-LOGPROB_CHUNK = 512  # UpdateConfig.logprob_chunk
 
 # What to change when a line does not fit.
 REMEDIES = {

@@ -11,13 +11,13 @@ says what it receives and returns) and its module's import below; its settings a
 from __future__ import annotations
 
 from rstar2_jax.algo.corrections import decoupled, importance, masks  # noqa: F401  (each registers)
-from rstar2_jax.algo.corrections.base import (CORRECTIONS, SAFETY_BOUND, Correction, CorrectionInputs, CorrectionSpec,
+from rstar2_jax.algo.corrections.base import (CORRECTIONS, Correction, CorrectionInputs, CorrectionSpec,
                                               apply_correction, combined_correction, compose, correction_metrics,
                                               effective_sample_size, mismatch_metrics, register_correction)
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.part_sections import PartChoice, part_section
 
-__all__ = ["CORRECTIONS", "SAFETY_BOUND", "Correction", "CorrectionConfig", "CorrectionInputs", "CorrectionSpec",
+__all__ = ["CORRECTIONS", "Correction", "CorrectionConfig", "CorrectionInputs", "CorrectionSpec",
            "apply_correction", "combined_correction", "compose", "correction_metrics", "effective_sample_size",
            "mismatch_metrics", "register_correction"]
 

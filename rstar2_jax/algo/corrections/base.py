@@ -39,9 +39,6 @@ from rstar2_jax.config_types import Section
 from rstar2_jax.registry import Registry
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
-# log-ratios are clamped to +-20 before exp (verl rollout_corr_helper.py's name for it)
-SAFETY_BOUND = LOG_RATIO_BOUND
-
 
 @flax.struct.dataclass
 class CorrectionInputs:
@@ -153,7 +150,7 @@ def mismatch_metrics(inputs: CorrectionInputs) -> dict[str, float]:
     m = np.asarray(inputs.mask, bool)
     if not m.any():
         return {}
-    log_r = np.clip(np.asarray(inputs.token_log_ratio(), np.float64), -SAFETY_BOUND, SAFETY_BOUND)
+    log_r = np.clip(np.asarray(inputs.token_log_ratio(), np.float64), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     k1 = np.where(m, -log_r, 0.0)
     k3 = np.where(m, np.exp(log_r) - 1.0 - log_r, 0.0)
     rows = m.any(axis=-1)

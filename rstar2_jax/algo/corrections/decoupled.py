@@ -24,7 +24,8 @@ import math
 
 import jax.numpy as jnp
 
-from rstar2_jax.algo.corrections.base import SAFETY_BOUND, Correction, CorrectionInputs, register_correction
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
+from rstar2_jax.algo.corrections.base import Correction, CorrectionInputs, register_correction
 from rstar2_jax.config_types import Section, setting
 
 
@@ -43,4 +44,4 @@ class DecoupledSettings(Section):
 def decoupled_ppo(x: CorrectionInputs, s: DecoupledSettings) -> Correction:
     log_w = x.token_log_ratio()
     keep = jnp.ones(log_w.shape, bool) if s.cap is None else log_w <= math.log(s.cap)
-    return Correction(jnp.exp(jnp.clip(log_w, -SAFETY_BOUND, SAFETY_BOUND)), keep, jnp.zeros_like(keep))
+    return Correction(jnp.exp(jnp.clip(log_w, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)), keep, jnp.zeros_like(keep))

@@ -27,7 +27,8 @@ import math
 
 import jax.numpy as jnp
 
-from rstar2_jax.algo.corrections.base import SAFETY_BOUND, Correction, CorrectionInputs, register_correction
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
+from rstar2_jax.algo.corrections.base import Correction, CorrectionInputs, register_correction
 from rstar2_jax.config_types import Section, setting
 
 
@@ -38,7 +39,7 @@ class CapSettings(Section):
 
 
 def _exp(log_x):
-    return jnp.exp(jnp.clip(log_x, -SAFETY_BOUND, SAFETY_BOUND))
+    return jnp.exp(jnp.clip(log_x, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 @register_correction("token_tis", settings=CapSettings, level="token")

@@ -19,7 +19,8 @@ import math
 
 import jax.numpy as jnp
 
-from rstar2_jax.algo.corrections.base import SAFETY_BOUND, Correction, CorrectionInputs, register_correction
+from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
+from rstar2_jax.algo.corrections.base import Correction, CorrectionInputs, register_correction
 from rstar2_jax.config_types import Section, setting
 
 
@@ -54,4 +55,4 @@ def geo_mask(x: CorrectionInputs, s: GeoBandSettings) -> Correction:
 def icepop(x: CorrectionInputs, s: BandSettings) -> Correction:
     log_r = x.token_log_ratio()
     keep = _inside(log_r, s)
-    return Correction(jnp.exp(jnp.clip(log_r, -SAFETY_BOUND, SAFETY_BOUND)), keep, jnp.zeros_like(keep))
+    return Correction(jnp.exp(jnp.clip(log_r, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)), keep, jnp.zeros_like(keep))
