@@ -154,12 +154,12 @@ def plan_packing(lengths: np.ndarray, budget: int, width: int = 1, max_segments:
     one micro-batch). A rollout longer than the budget is an error (the config check keeps
     rollout.max_len within it).
 
-    Longest first, each rollout goes to the least-filled row with room for it (the LPT rule: no
-    row ends more than the longest rollout above the mean, when the segment bound does not bind);
-    where some rollout finds no room, `width` more rows are opened and the placement redone. Near
-    a full budget first fit does better (rows filled to the brim), so both are placed and the one
-    computing fewer positions is kept. The rows are then ordered fullest first, so each
-    micro-batch holds rows of like fill and is cut to its fullest.
+    Three placements, the one computing fewest positions kept: balanced (longest first, each
+    rollout to the least-filled row with room for it, the LPT rule: no row ends more than the
+    longest rollout above the mean, when the segment bound does not bind; where some rollout finds
+    no room, ~3% more rows and the placement redone), first fit (rows filled to the brim: better
+    near a full budget), and micro-batch by micro-batch (`_filled`). The rows are then ordered
+    fullest first, so each micro-batch holds rows of like fill and is cut to its fullest.
 
     Why bound the rollouts of a row: cuDNN's packed attention sizes its backward pass's float32
     accumulator by rows x (segment bound) x heads x budget x head_dim, whatever the rows hold

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 # the CPU") 16 gives 3.3x the tokens/s of one step at 1 slot and 1.45x at 16; 64 adds little, and a
 # slot that ends mid-chunk idles until the chunk ends, so longer chunks cost agentic turns more.
 DEFAULT_DECODE_STEPS = 16
+# When new weights take over while requests decode (JaxEngine's `swap`, rollout.jax.swap): at the
+# next chunk's dispatch, or at the first chunk boundary after their copy has landed.
+SWAPS = ("next_chunk", "landed")
 MIN_STOP_COLUMNS = 4  # stop-id table width, rounded up to a power of two (a few compiled shapes)
 
 
@@ -56,8 +59,6 @@ class ChunkedDecode:
     since, and the one chunk in flight."""
 
     def __init__(self, slots: int, steps: int):
-        if steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {steps}")
         self.steps = steps
         self.carry: DecodeCarry | None = None
         self.dirty: set[int] = set(range(slots))
@@ -91,6 +92,16 @@ class ChunkedDecode:
             self.in_flight = _Chunk(tuple(outputs), owners, version, start)
         if previous is not None:
             await self._apply(engine, loop, previous)
+
+    def precompile(self, engine: JaxEngine, kv_len: int | None) -> None:
+        """Compile the chunk for `kv_len` before serving (every slot idle: the loop runs no step),
+        entered as the run enters it: first from the host's state, then from a device carry (jit's
+        dispatch cache keys NumPy and device arguments apart; nothing compiles twice)."""
+        args, _, _ = self._inputs(engine)  # no carry yet: the host's state for every slot
+        engine._cache, carry, *_ = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len)
+        state, _, table, _, *rest = args
+        engine._cache, *_ = engine.kernels.decode_chunk(state, engine._cache, table, carry, *rest, steps=self.steps,
+                                                        kv_len=kv_len)
 
     async def drain(self, engine: JaxEngine, loop) -> None:
         """Read and apply the chunk in flight (the engine has nothing else to dispatch)."""

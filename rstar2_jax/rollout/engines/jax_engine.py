@@ -64,7 +64,7 @@ from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
-from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, ChunkedDecode
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, SWAPS, ChunkedDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -102,9 +102,6 @@ class _Resident:
     version: int                   # weights that computed it
     last_used: int                 # admission counter, for least-recently-used eviction
     slot: int | None = None        # slot rows: the row that holds it (paged: its pages, owner ("resident", session))
-
-
-SWAPS = ("next_chunk", "landed")  # when new weights take over (JaxEngine's `swap`)
 
 
 class JaxEngine(Engine):
@@ -157,6 +154,8 @@ class JaxEngine(Engine):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
         self.kernels = engine_kernels(self._graphdef, self.cfg)
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self._chunks = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else None
         if swap not in SWAPS:
             raise ValueError(f"swap must be one of {', '.join(SWAPS)}, got {swap!r}")
@@ -258,13 +257,8 @@ class JaxEngine(Engine):
         for kv_len in lengths:
             if self._chunks is None:
                 self._cache, _, _ = self.kernels.decode(self._state, self._cache, *inputs, kv_len=kv_len)
-            else:  # every slot idle: the device loop runs no step, but the program is compiled
-                args, _, _ = ChunkedDecode(self.slots, self._chunks.steps)._inputs(self)
-                self._cache, carry, *_ = self.kernels.decode_chunk(*args, steps=self._chunks.steps, kv_len=kv_len)
-                # and called as the chunks after the first are: the carry a device array (jit's
-                # dispatch cache keys NumPy and device arguments apart; nothing compiles again)
-                self._cache, *_ = self.kernels.decode_chunk(*args[:1], self._cache, args[2], carry, *args[4:],
-                                                            steps=self._chunks.steps, kv_len=kv_len)
+            else:
+                self._chunks.precompile(self, kv_len)
         jax.block_until_ready(self._cache)
 
     async def close(self):
@@ -317,7 +311,6 @@ class JaxEngine(Engine):
                     if self._chunks is not None and self._chunks.in_flight is not None:
                         await self._chunks.drain(self, loop)  # its requests may all have finished
                         continue
-                    self._take_landed()  # nothing decodes: pending weights take over now
                     self._arrived.clear()
                     await self._arrived.wait()
                     continue

@@ -10,7 +10,7 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
-from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, SWAPS
 from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 
@@ -34,7 +34,7 @@ class JaxEngineSettings(Section):
     swap: str = setting("next_chunk", "when an update's weights take over mid-request: next_chunk (the next dispatch, "
                         "which waits for the copy; the same every run) | landed (once the copy is on the device: "
                         "decoding never waits for it, the old weights kept until then; where it lands is timing's)",
-                        choices=("next_chunk", "landed"))
+                        choices=SWAPS)
     decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
                                 "chunks of this many tokens, the next dispatched before the last is read (same "
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
