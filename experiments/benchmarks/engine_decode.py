@@ -1,7 +1,7 @@
 """JaxEngine decode throughput against the HBM roofline.
 
-    python -m experiments.benchmarks.engine_decode --model qwen3_0p6b --slots 128 --prompt 256 \
-        --new 1024 --variants xla:full,pallas:full,xla:256 [--record BENCHMARKS.md]
+    python -m experiments.benchmarks.engine_decode --model qwen3_0p6b --slots 128,256 --prompt 256 \
+        --new 1024 --variants xla:full,pallas:full,xla:256 [--profile DIR] [--record BENCHMARKS.md]
 
 A variant is decode-attention:kv-bucket[:splits] ("full": every step reads the whole cache; a
 number: the live prefix rounded up to that bucket; "pagedN": paged KV in pages of N positions, as
@@ -12,6 +12,12 @@ tokens each sample exactly `new` tokens (EOS off, temperature 1.0, no top-k/top-
 busy. Roofline: the least bytes a step must move (every weight once + each row's live keys and
 values, rstar2_jax.models.flops.decode_step_bytes) over the copy bandwidth measured in the same
 run; the fraction is that floor over the measured decode time. Prefill is timed apart.
+
+--profile DIR: after the table, a jax.profiler trace of one more short run of the last variant
+(its programs already compiled), summarized as the device's busy time against the wall time of
+the decode (what the host and the launches leave idle) and the top device ops; and the sampling
+pass (fp32 log-softmax and Gumbel draw over the whole vocabulary) timed alone at the same batch.
+XLA flags (command buffers) are set by the caller's XLA_FLAGS: one process per setting.
 """
 
 from __future__ import annotations
@@ -19,16 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.benchmarks import common
+from experiments.benchmarks import common, profile_summary
 from rstar2_jax.models import Decoder, flops
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.sampling import SamplingParams, sample
 
 
 class _NoTokenizer:
@@ -69,52 +77,90 @@ def run_variant(model, attention, bucket, splits, slots, prompt, new, decode_ste
     return stats, bytes_total
 
 
+def sampling_pass_ms(vocab: int, slots: int, repeats: int = 20) -> float:
+    """The decode step's sampling alone: fp32 log-softmax and a per-row Gumbel draw over [slots, vocab]."""
+    logits = jax.random.normal(jax.random.key(0), (slots, vocab), jnp.bfloat16)
+    keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(1), c))(jnp.arange(slots))
+    ones, zeros = jnp.ones(slots, jnp.float32), jnp.zeros(slots, jnp.int32)
+    fn = jax.jit(lambda x: sample(x, keys, ones, zeros, ones))
+    return common.median_seconds(lambda: jax.block_until_ready(fn(logits)), repeats=repeats) * 1e3
+
+
+def profile(model, attention, bucket, splits, slots, prompt, new, decode_steps, trace_dir) -> str:
+    """One more run of an already compiled variant under jax.profiler: the device's busy time
+    from its first decode op on, against that span (what the host and the launches leave idle)."""
+    jax.profiler.start_trace(trace_dir)
+    stats, _ = run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps)
+    jax.profiler.stop_trace()
+    busy, span = profile_summary.busy_ms(trace_dir, from_op="decode")
+    return (f"profiled run ({slots} slots, {new} new tokens, {decode_steps} steps per dispatch): decode "
+            f"{stats.decode_s * 1e3:.0f} ms over {stats.decode_steps} steps; from the first decode op on, the device "
+            f"was busy {busy:.0f} of {span:.0f} ms ({busy / max(span, 1e-9):.0%})\n"
+            + profile_summary.summarize(trace_dir, 20))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3_0p6b")
-    p.add_argument("--slots", type=int, default=128)
+    p.add_argument("--slots", default="128", help="concurrent requests, one table row each (128,256)")
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--variants", default="xla:full,pallas:full")
     p.add_argument("--decode_steps", default="1,16", help="decode steps per dispatch to run each variant at "
                    "(1: one host round trip per token; issue 70's chunks)")
+    p.add_argument("--profile", help="trace one more short run of the last variant into this directory")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     common.enable_compile_cache()
     cfg = common.shape(args.model)
     bw = common.copy_bandwidth()
+    xla_flags = os.environ.get("XLA_FLAGS", "") or "(none)"
     print(f"{args.model}: {flops.param_count(cfg) / 1e9:.2f}B params; {common.device_line()}; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; XLA_FLAGS {xla_flags}", flush=True)
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rows = []
-    for variant, k in [(v, int(k)) for v in args.variants.split(",") for k in args.decode_steps.split(",")]:
+    runs = [(int(n), v, int(k)) for n in args.slots.split(",") for v in args.variants.split(",")
+            for k in args.decode_steps.split(",")]
+    for slots, variant, k in runs:
         attention, bucket, *splits = variant.split(":")
         splits = int(splits[0]) if splits else None
         try:
-            stats, bytes_total = run_variant(model, attention, bucket, splits, args.slots, args.prompt, args.new, k)
+            stats, bytes_total = run_variant(model, attention, bucket, splits, slots, args.prompt, args.new, k)
         except Exception as e:
             msg = str(e).splitlines()[0][:120]
-            print(f"{variant} x{k}: FAILED {type(e).__name__}: {msg}", flush=True)
-            rows.append([attention, bucket, splits or "default", k, "failed", msg, "", "", "", ""])
+            print(f"{slots} x {variant} x{k}: FAILED {type(e).__name__}: {msg}", flush=True)
+            rows.append([slots, attention, bucket, splits or "default", k, "failed", msg, "", "", "", ""])
             continue
-        decode_tokens = args.slots * (args.new - 1)
+        decode_tokens = slots * (args.new - 1)
         floor_s = bytes_total / bw
         step_ms = stats.decode_s / stats.decode_steps * 1e3
-        rows.append([attention, bucket, splits or "default", k, f"{decode_tokens / stats.decode_s:.0f}", f"{step_ms:.2f}",
-                     f"{floor_s / stats.decode_steps * 1e3:.2f}", f"{floor_s / stats.decode_s:.1%}",
-                     f"{args.slots * args.prompt / stats.prefill_s:.0f}", f"{stats.slot_utilization:.0%}"])
-        print(f"{variant} x{k}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
+        rows.append([slots, attention, bucket, splits or "default", k, f"{decode_tokens / stats.decode_s:.0f}",
+                     f"{step_ms:.2f}", f"{floor_s / stats.decode_steps * 1e3:.2f}", f"{floor_s / stats.decode_s:.1%}",
+                     f"{slots * args.prompt / stats.prefill_s:.0f}", f"{stats.slot_utilization:.0%}"])
+        print(f"{slots} x {variant} x{k}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
               f"(floor {floor_s / stats.decode_steps * 1e3:.2f} ms) = {floor_s / stats.decode_s:.1%} of roofline; "
-              f"prefill {args.slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
-    table = common.markdown_table(["decode attention", "kv bucket", "pallas splits", "steps per dispatch",
-                                   "decode tok/s", "step ms",
-                                   "roofline step ms",
+              f"prefill {slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
+    table = common.markdown_table(["slots", "decode attention", "kv bucket", "pallas splits", "steps per dispatch",
+                                   "decode tok/s", "step ms", "roofline step ms",
                                    "of roofline", "prefill tok/s", "slot utilization"], rows)
+    notes = ""
+    if args.profile:
+        slots, variant, k = runs[-1]
+        attention, bucket, *splits = variant.split(":")
+        new = min(args.new, 256)
+        try:  # the table above is the run's result: a profiler that fails (no CUPTI) loses nothing
+            notes = profile(model, attention, bucket, int(splits[0]) if splits else None, slots, args.prompt,
+                            new, k, args.profile)
+        except Exception as e:
+            notes = f"profile failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        notes += (f"\nsampling pass alone (fp32 log-softmax + Gumbel over {cfg.vocab_size:,} tokens, {slots} rows): "
+                  f"{sampling_pass_ms(cfg.vocab_size, slots):.3f} ms")
+        print(notes, flush=True)
     common.record(args.record, f"JaxEngine decode: {args.model}, {args.slots} sequences",
                   "python -m experiments.benchmarks.engine_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} random bf16 weights and KV cache, {args.slots} concurrent requests, {args.prompt}-token "
                   f"prompts, {args.new} new tokens each (EOS off, temperature 1.0), continuous batching; measured copy "
-                  f"bandwidth {bw / 1e12:.2f} TB/s (read + write)", table)
+                  f"bandwidth {bw / 1e12:.2f} TB/s (read + write); XLA_FLAGS {xla_flags}", table, notes)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import json
 import os
 
 
-def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
+def _device_events(trace_dir: str) -> list[dict]:
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
     if not files:
         raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
@@ -26,11 +26,34 @@ def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
     device_pids = {e["pid"] for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"
                    and any(k in str(e.get("args", {}).get("name", "")) for k in ("/device:GPU", "/device:TPU"))}
+    # no accelerator (a CPU run): the host's ops
+    return [e for e in events if e.get("ph") == "X" and (e.get("pid") in device_pids or not device_pids)]
+
+
+def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
     totals: collections.Counter = collections.Counter()
-    for e in events:  # no accelerator (a CPU run): the host's ops
-        if e.get("ph") == "X" and (e.get("pid") in device_pids or not device_pids):
-            totals[e["name"]] += float(e.get("dur", 0.0))
+    for e in _device_events(trace_dir):
+        totals[e["name"]] += float(e.get("dur", 0.0))
     return totals, sum(totals.values())
+
+
+def busy_ms(trace_dir: str, from_op: str = "") -> tuple[float, float]:
+    """(busy, span) in ms: the time the device was doing anything (the union of its events'
+    intervals: streams and nested module/op events overlap, so a plain sum would over-count) and
+    the span it is measured over, from the first event whose name holds `from_op` (say "decode",
+    to leave out a prefill before it) to the last event's end."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+                   for e in _device_events(trace_dir))
+    first = next((i for i, (_, _, name) in enumerate(spans) if from_op in name), len(spans))
+    spans = spans[first:]
+    if not spans:
+        return 0.0, 0.0
+    busy, end = 0.0, float("-inf")
+    for start, stop, _ in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e3, (end - spans[0][0]) / 1e3
 
 
 def summarize(trace_dir: str, top: int = 25) -> str:
