@@ -37,23 +37,26 @@ def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
     return totals, sum(totals.values())
 
 
-def busy_ms(trace_dir: str, from_op: str = "") -> tuple[float, float]:
-    """(busy, span) in ms: the time the device was doing anything (the union of its events'
+def busy_ms(trace_dir: str, from_op: str = "") -> tuple[float, float, bool]:
+    """(busy, span, found) in ms: the time the device was doing anything (the union of its events'
     intervals: streams and nested module/op events overlap, so a plain sum would over-count) and
     the span it is measured over, from the first event whose name holds `from_op` (say "decode",
-    to leave out a prefill before it) to the last event's end."""
+    to leave out a prefill before it) to the last event's end. found is False when no event's
+    name holds it (a GPU trace names kernels, not programs, unless it has a modules line): then
+    the span is the whole trace's."""
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
                    for e in _device_events(trace_dir))
-    first = next((i for i, (_, _, name) in enumerate(spans) if from_op in name), len(spans))
-    spans = spans[first:]
+    first = next((i for i, (_, _, name) in enumerate(spans) if from_op in name), None)
+    found = first is not None
+    spans = spans[first or 0:]
     if not spans:
-        return 0.0, 0.0
+        return 0.0, 0.0, found
     busy, end = 0.0, float("-inf")
     for start, stop, _ in spans:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    return busy / 1e3, (end - spans[0][0]) / 1e3
+    return busy / 1e3, (end - spans[0][0]) / 1e3, found
 
 
 def summarize(trace_dir: str, top: int = 25) -> str:

@@ -1,0 +1,47 @@
+"""experiments.benchmarks.profile_summary: the device's busy time is the union of its events'
+intervals (overlapping streams and nested module/op events count once)."""
+
+import gzip
+import json
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments.benchmarks import profile_summary
+
+_DEVICE = 7
+
+
+def _write_trace(tmp_path, events) -> str:
+    trace = {"traceEvents": [{"ph": "M", "name": "process_name", "pid": _DEVICE, "args": {"name": "/device:GPU:0"}},
+                             {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+             + [{"ph": "X", "pid": _DEVICE, "tid": 1, "name": n, "ts": ts, "dur": d} for n, ts, d in events]
+             + [{"ph": "X", "pid": 1, "tid": 1, "name": "host work", "ts": 0, "dur": 10 ** 9}]}
+    run = tmp_path / "plugins" / "profile" / "run"
+    os.makedirs(run, exist_ok=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    return str(tmp_path)
+
+
+def test_busy_time_counts_overlaps_once_and_starts_at_the_named_op(tmp_path):
+    # a prefill (0-100 us), then decode ops on two streams overlapping (200-300, 250-400) and a gap
+    trace = _write_trace(tmp_path, [("prefill_fusion", 0, 100), ("decode_chunk", 200, 100),
+                                    ("gemm", 250, 150), ("gemm", 600, 100)])
+    busy, span, found = profile_summary.busy_ms(trace, from_op="decode")
+    assert found and (busy, span) == (0.3, 0.5)  # 200-400 and 600-700 of 200-700, in ms
+    busy, span, found = profile_summary.busy_ms(trace, from_op="no such op")
+    assert not found and (busy, span) == (0.4, 0.7)  # the whole trace; the host's event never counts
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 200)), min_size=1, max_size=20))
+def test_busy_time_is_the_union_of_the_intervals(tmp_path_factory, spans):
+    trace = _write_trace(tmp_path_factory.mktemp("t"), [("op", ts, d) for ts, d in spans])
+    busy, span, _ = profile_summary.busy_ms(trace)
+    covered = set()
+    for ts, d in spans:
+        covered.update(range(ts, ts + d))
+    assert abs(busy * 1e3 - len(covered)) < 1e-6
+    assert busy <= span + 1e-9
