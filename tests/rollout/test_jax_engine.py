@@ -2,6 +2,7 @@
 
 import asyncio
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from flax import nnx
 
 from rstar2_jax import models
 from rstar2_jax.models.generate import generate
-from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.engines import JaxEngine, PromptTooLong
 from rstar2_jax.rollout.sampling import SamplingParams
 
 
@@ -101,16 +102,24 @@ def test_more_requests_than_slots_all_finish_and_slots_refill(tiny_model, tokeni
     assert steps < total  # batched: fewer decode steps than tokens
 
 
-def test_context_full_and_zero_budget(tiny_model, tokenizer):
+def test_context_full_ends_length_and_a_prompt_too_long_fails_only_its_request(tiny_model, tokenizer):
     async def go():
-        async with JaxEngine(tiny_model, tokenizer, slots=1, max_len=32) as eng:
-            full = await eng.generate([5] * 28, SamplingParams(max_tokens=100, temperature=0.0), stop=())
-            too_long = await eng.generate([5] * 40, SamplingParams(max_tokens=10))
-            return full, too_long
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=32) as eng:
+            full, too_long, other = await asyncio.gather(
+                eng.generate([5] * 28, SamplingParams(max_tokens=100, temperature=0.0), stop=()),
+                eng.generate([5] * 40, SamplingParams(max_tokens=10)),
+                eng.generate([7] * 8, SamplingParams(max_tokens=6, temperature=0.0), stop=()),
+                return_exceptions=True)
+            no_room = await eng.generate([5] * 32, SamplingParams(max_tokens=10))
+            after = await eng.generate([7] * 8, SamplingParams(max_tokens=6, temperature=0.0), stop=())
+            return full, too_long, other, no_room, after
 
-    full, too_long = _run(go())
+    full, too_long, other, no_room, after = _run(go())
     assert full.finish_reason in ("length", "eos") and 28 + len(full.token_ids) <= 32
-    assert too_long.finish_reason == "length" and too_long.token_ids == []
+    assert isinstance(too_long, PromptTooLong) and "40 tokens" in str(too_long) and "32" in str(too_long)
+    # the engine goes on: the request beside it and one after it are served as usual
+    assert other.token_ids and after.token_ids == other.token_ids
+    assert no_room.finish_reason == "length" and no_room.token_ids == []
 
 
 def test_update_weights_swaps_params_without_recompiling(tiny_model, tokenizer):
@@ -135,6 +144,54 @@ def test_update_weights_swaps_params_without_recompiling(tiny_model, tokenizer):
     assert after.token_ids == ref[:len(after.token_ids)] and before.token_ids != after.token_ids
     assert sizes == sizes_after  # no new compilation
     assert (after.version_start, after.version_end, version) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("fails_in", ["the learner's copy", "the engine's placement"])
+def test_a_sync_that_fails_mid_copy_leaves_the_last_whole_version(tiny_model, tokenizer, monkeypatch, fails_in):
+    """Issue 70's bad input: a fault injected into the third tensor's device copy, either in the
+    trainer's copy for the engine (processes.local_copy onto the engine's devices) or in the
+    engine's own placement onto its mesh. The sync raises; the engine keeps serving its last whole
+    version (same tokens as before, same version); the next sync lands whole."""
+    from rstar2_jax import processes
+    from rstar2_jax.rollout.engines import engine_mesh
+    from rstar2_jax.sharding import param_shardings
+
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(99))
+    prompt = tokenizer.encode("same prompt")
+    mesh = engine_mesh("xla", own=True)  # a one-device mesh of its own: the engine places what it is given
+    put = jax.device_put
+
+    def faulty(x, *args, **kwargs):
+        faulty.calls += 1
+        if faulty.calls == 3:
+            raise RuntimeError("injected fault: the link went down mid-copy")
+        return put(x, *args, **kwargs)
+
+    def sync(eng, state):
+        if fails_in == "the learner's copy":
+            state = processes.local_copy(state, shardings=param_shardings(state, mesh))
+        eng.update_weights(state)
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=64, mesh=mesh) as eng:
+            greedy = SamplingParams(max_tokens=12, temperature=0.0)
+            before = await eng.generate(prompt, greedy)
+            faulty.calls = 0
+            monkeypatch.setattr(jax, "device_put", faulty)
+            with pytest.raises(RuntimeError, match="injected fault"):
+                sync(eng, nnx.state(other))
+            monkeypatch.setattr(jax, "device_put", put)
+            assert faulty.calls == 3  # it failed mid-copy, after two tensors went over
+            still = await eng.generate(prompt, greedy)
+            version_after_fault = eng.version
+            sync(eng, nnx.state(other))
+            after = await eng.generate(prompt, greedy)
+            return before, still, version_after_fault, after, eng.version
+
+    before, still, version_after_fault, after, version = _run(go())
+    assert (still.token_ids, still.logprobs, version_after_fault) == (before.token_ids, before.logprobs, 0)
+    ref = generate(other, [prompt], max_new_tokens=12, temperature=0.0).token_ids[0]
+    assert after.token_ids == ref[:len(after.token_ids)] and after.token_ids != before.token_ids and version == 1
 
 
 def test_seeded_requests_reproduce_whatever_else_is_batched(tiny_model, tokenizer):

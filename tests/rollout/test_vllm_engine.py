@@ -31,7 +31,7 @@ from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
 from rstar2_jax.rollout.engines import background_sync, vllm_engine
-from rstar2_jax.rollout.engines.base import WeightSyncFailed
+from rstar2_jax.rollout.engines.base import PromptTooLong, WeightSyncFailed
 from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
@@ -117,6 +117,8 @@ def test_generation_matches_the_jax_model(vllm_server, tiny_model, tokenizer):
         engine.update_weights(tiny_model)  # whatever an earlier test synced, serve the fixture's model
         greedy = await engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))
         sampled = await engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.7, seed=11))
+        with pytest.raises(PromptTooLong, match="1025 tokens"):  # the server's max_model_len is 1024
+            await engine.generate([5] * 1025, SamplingParams(max_tokens=4))
         async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=256) as jax_engine:
             reference = await jax_engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))
         await engine.close()

@@ -26,6 +26,16 @@ class WeightSyncFailed(RuntimeError):
     previous weights)."""
 
 
+class PromptTooLong(ValueError):
+    """A request's prompt is longer than the engine's context: that request fails, the engine goes
+    on serving the others. (A prompt that fits but leaves no room to sample ends "length": the
+    agent loop's later turns meet that as a full context, not as an error.)"""
+
+    def __init__(self, prompt_len: int, max_len: int):
+        super().__init__(f"a prompt of {prompt_len} tokens does not fit the engine's context of {max_len} "
+                         f"(rollout.max_len): shorten it or raise max_len")
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
     token_ids: list[int]

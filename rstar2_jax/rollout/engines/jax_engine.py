@@ -63,7 +63,7 @@ from jax.sharding import Mesh
 from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
-from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, ServerLoad
+from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, PromptTooLong, ServerLoad
 from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, SWAPS, ChunkedDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
@@ -172,6 +172,8 @@ class JaxEngine(Engine):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
+        if len(prompt) > self.max_len:
+            raise PromptTooLong(len(prompt), self.max_len)
         future = asyncio.get_running_loop().create_future()
         req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session,
                        owner=current_owner())

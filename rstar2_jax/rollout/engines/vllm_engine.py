@@ -72,7 +72,7 @@ from rstar2_jax.rollout.engines import adapter_sync, background_sync
 from rstar2_jax.rollout.engines.background_sync import WAIT_MODES
 from rstar2_jax.rollout.engines.adapter_sync import adapter_name, load_on_server
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
-from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
+from rstar2_jax.rollout.engines.base import Completion, Engine, PromptTooLong, ServerLoad
 from rstar2_jax.rollout.engines.export_roots import export_root, release, remove_orphaned_exports
 from rstar2_jax.rollout.engines.reach import default_sync_root
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
@@ -175,6 +175,8 @@ class VLLMEngine(Engine):
         if not prompt:
             raise ValueError("prompt_ids is empty")
         max_tokens = sampling.max_tokens
+        if self.max_model_len is not None and len(prompt) > self.max_model_len:
+            raise PromptTooLong(len(prompt), self.max_model_len)
         if self.max_model_len is not None:
             max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         if max_tokens <= 0:
