@@ -32,7 +32,8 @@ def get_config(arg: str = ""):
     c.rl.oversample = 2
     c.rl.lr = 1e-6
     c.rl.warmup_steps = 20
-    c.rl.micro_batches = 128             # 4 rows x 13,312 positions per device at a time (train --plan)
+    c.rl.token_budget = -1               # auto: packed rows, the largest budget the plan fits (train --plan names it)
+    c.rl.micro_batches = 1               # the micro-batches follow from the tokens (padded rows: 128 fit)
     c.rl.roc.mode = "paper"
     c.stages = [
         dict(start_step=0, max_response_tokens=8192, max_turns=10, filter_solved_k=0, filter_mode="offline", reset_optimizer=False),

@@ -14,6 +14,8 @@ from rstar2_jax.algo.corrections import CorrectionConfig
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.learner.packing import SEGMENTS_PER_ROW
 
+AUTO_TOKEN_BUDGET = -1  # rl.token_budget's default: chosen by the memory plan (see the setting)
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerSettings(Section):
@@ -23,9 +25,13 @@ class LearnerSettings(Section):
     weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
     grad_clip: float = setting(1.0, "global-norm gradient clip (0: off)", min=0.0)
     micro_batches: int = setting(1, "micro-batches per optimizer step (gradients accumulated; memory)", min=1)
-    token_budget: int = setting(0, "pack rollouts into rows of this many tokens for every learner pass (verl's "
-                                "ppo_max_token_len_per_gpu): micro-batches follow from the tokens; 0: padded rows "
-                                "split in rl.micro_batches", min=0)
+    # -1 is resolved once by the trainer (rl/memory_plan.resolve_token_budget): packed rows at the
+    # largest budget the memory plan fits on an accelerator, padded rows on the CPU or when
+    # rl.micro_batches > 1 asks for padded micro-batches. A Learner given -1 directly pads.
+    token_budget: int = setting(AUTO_TOKEN_BUDGET, "pack rollouts into rows of this many tokens for every learner pass "
+                                "(verl's ppo_max_token_len_per_gpu): micro-batches follow from the tokens; 0: padded "
+                                "rows split in rl.micro_batches; -1 (auto): packed on an accelerator at the largest "
+                                "budget the memory plan fits (train --plan names it), padded on the CPU", min=-1)
     # cuDNN's packed attention holds a float32 accumulator of rows x (this bound, rounded up to a
     # power of two) x heads x budget x head_dim in its backward pass, whatever the rows hold: on an
     # H200, Qwen3-1.7B rows of 32,768 peaked 8 GiB higher with up to 32 rollouts than with 16 (BENCHMARKS.md,

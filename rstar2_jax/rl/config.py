@@ -90,7 +90,7 @@ class RLConfig(LearnerSettings):
         if self.tis_cap:
             yield "tis_cap", (f"is replaced by rl.correction: set rl.correction.names=(token_tis,) and "
                               f"rl.correction.token_tis.cap={self.tis_cap} (and rl.tis_cap=0)")
-        if self.token_budget and self.micro_batches > 1:
+        if self.token_budget > 0 and self.micro_batches > 1:
             yield "micro_batches", (f"is {self.micro_batches}, but with rl.token_budget ({self.token_budget}) the "
                                     "micro-batches follow from the tokens: set rl.micro_batches=1 (or "
                                     "rl.token_budget=0 for padded rows)")
@@ -151,7 +151,7 @@ class RunConfig(Section):
                                 "with python -m rstar2_jax.sft and set model.path)")
         if self.model.lora.enabled and kind and (why := kind.adapter_refusal(r, self.model.lora.rank)):
             yield "model.lora.rank", why
-        if rl.token_budget and rl.token_budget < r.max_len:
+        if 0 < rl.token_budget < r.max_len:
             yield "rl.token_budget", (f"{rl.token_budget} tokens is below rollout.max_len ({r.max_len}), the longest "
                                       "rollout a stage allows: a packed row must hold it (raise rl.token_budget to "
                                       f">= {r.max_len})")

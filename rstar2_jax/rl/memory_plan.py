@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar2_jax.learner.packing import segment_bound
+from rstar2_jax.learner.settings import AUTO_TOKEN_BUDGET
 from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.logprobs import LOGPROB_CHUNK
 from rstar2_jax.models.shard_sizes import shard_bytes, shard_shape, split_dim
@@ -166,7 +167,7 @@ def mesh_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
 def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -> tuple[float, str]:
     """One micro-batch's activations on one device during the update, and how they were counted."""
     rl = cfg.rl
-    if rl.token_budget:  # packed: one row of rl.token_budget positions per device per micro-batch
+    if rl.token_budget > 0:  # packed: one row of rl.token_budget positions per device per micro-batch
         rows, seq = 1, rl.token_budget
     else:  # one optimizer step takes a mini-batch (rl.mini_batches per epoch), micro-batch by micro-batch
         rows = math.ceil(rl.batch_problems * rl.group_size / rl.mini_batches / rl.micro_batches /
@@ -185,7 +186,7 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
             "dots": 2 * h + q + 2 * kv + 2 * mlp,       # matmul outputs
             "dots_attention": 2 * h + q + 2 * kv + 2 * mlp + q * cudnn,  # and cuDNN attention's output
             "full": h}[cfg.model.remat]                  # the layer's input
-    bound = segment_bound(rl.segments_per_row) if rl.token_budget else 1
+    bound = segment_bound(rl.segments_per_row) if rl.token_budget > 0 else 1
     statistics = 0.0
     if cudnn and cfg.model.remat in ("none", "dots_attention"):
         # cuDNN's softmax statistics, kept for its backward kernel: float32 per head and token, per
@@ -198,14 +199,14 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
         scores = per_layer_scores * (arch.num_layers if cfg.model.remat == "none" else 2)
     logits = rows * min(LOGPROB_CHUNK, seq) * vocab * 4
     segments = 0.0
-    if rl.token_budget and cudnn:
+    if rl.token_budget > 0 and cudnn:
         # cuDNN's packed backward: a float32 accumulator [rows x segment bound, heads, budget, head_dim]
         # for the layer under way, whatever the rows hold. Not in cuDNN's documentation: the fit that
         # put the plan within 4% of four H200 peaks (BENCHMARKS.md, "Packed rows on an H200: MFU...").
         segments = rows * bound * split_dim(arch.num_heads, "q_heads", mesh) * seq * hd * 4
     total = (arch.num_layers * tokens * kept * b + tokens * working * b + scores + logits + segments
              + statistics)
-    packed = "packed " if rl.token_budget else ""
+    packed = "packed " if rl.token_budget > 0 else ""
     extra = f" (score matrices {scores / GiB:.1f} GiB)" if scores else ""
     if segments:
         extra = f" (its packed backward {segments / GiB:.1f} GiB at rl.segments_per_row={rl.segments_per_row})"
@@ -219,13 +220,14 @@ def activation_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) ->
 def memory_plan(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_process: int,
                 capacity: float | None) -> MemoryPlan:
     """The plan for `cfg` on `devices` devices in all, `devices_per_process` per trainer process,
-    each of `capacity` bytes (None: unknown)."""
+    each of `capacity` bytes (None: unknown). rl.token_budget=-1 (auto) counts as padded rows, as
+    the Learner reads it: resolve_token_budget makes it a number first."""
     kind = engine_kind(cfg.rollout)
     own = kind.devices_of_its_own(cfg.rollout)
     if own and own >= devices_per_process:
         raise MemoryPlanError(f"rollout.jax.devices={own} leaves the learner {devices_per_process - own} of each "
                               f"process's {devices_per_process} devices: set it to at most {devices_per_process - 1}")
-    devices -= own * max(devices // devices_per_process, 1)  # the learner's share
+    devices -= kind_devices(cfg, devices, devices_per_process)  # the learner's share
     mesh = mesh_sizes(cfg, devices)
     params = shard_bytes(arch, mesh, 4)
     n_params = f"{_param_count(arch) / 1e9:.2f}B parameters"
@@ -257,7 +259,7 @@ def _lora_state_lines(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int]) -
     from rstar2_jax.models.lora import adapter_parameters
     b = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
     n = adapter_parameters(cfg.model.lora, arch)
-    accumulator = cfg.rl.micro_batches > 1 or cfg.rl.token_budget
+    accumulator = cfg.rl.micro_batches > 1 or cfg.rl.token_budget > 0
     lines = [Line("parameters", shard_bytes(arch, mesh, b) + 4 * n,
                   f"the base frozen in {cfg.model.dtype} ({_param_count(arch) / 1e9:.2f}B), split by the logical-axis "
                   f"rules, + {n / 1e6:.2f}M float32 adapter parameters (rank {cfg.model.lora.rank})"),
@@ -274,7 +276,7 @@ def _gradient_bytes(arch: ModelConfig, cfg: RunConfig, mesh: dict[str, int], par
     with several micro-batches."""
     head = shard_shape(("embed", "vocab"), (arch.hidden_size, arch.vocab_size), mesh)
     first = float(np.prod(head) * 4)
-    if cfg.rl.micro_batches > 1 or cfg.rl.token_budget:  # packed: micro-batches follow from the tokens
+    if cfg.rl.micro_batches > 1 or cfg.rl.token_budget > 0:  # packed: micro-batches follow from the tokens
         return params + first, "float32: the accumulator + the LM head's of the micro-batch under way"
     return first, "float32: the LM head's, formed first (the rest as the backward frees activations)"
 
@@ -307,9 +309,9 @@ def device_capacity(cfg: RunConfig) -> float | None:
     return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 
-def plan_for_launch(cfg: RunConfig, processes: int) -> MemoryPlan:
-    """The plan for the topology the config declares: mesh sizes, and the devices per process
-    (mesh.devices_per_process, else the mesh's devices over `processes`)."""
+def _topology(cfg: RunConfig, processes: int) -> tuple[int, int]:
+    """(devices, devices per process) the config declares: the mesh's sizes, and
+    mesh.devices_per_process, else the mesh's devices over `processes`."""
     import jax
     declared = list(cfg.mesh.axes().values())
     if -1 in declared:
@@ -317,6 +319,56 @@ def plan_for_launch(cfg: RunConfig, processes: int) -> MemoryPlan:
                    else jax.device_count())
     else:
         devices = int(np.prod(declared))
-    per_process = cfg.mesh.devices_per_process or max(devices // processes, 1)
-    return memory_plan(architecture(cfg), cfg, devices=devices, devices_per_process=per_process,
-                       capacity=device_capacity(cfg))
+    return devices, cfg.mesh.devices_per_process or max(devices // processes, 1)
+
+
+def plan_for_launch(cfg: RunConfig, processes: int) -> MemoryPlan:
+    """The plan for the topology the config declares (rl.token_budget resolved first when auto)."""
+    devices, per_process = _topology(cfg, processes)
+    return memory_plan(architecture(cfg), resolve_token_budget(cfg, processes), devices=devices,
+                       devices_per_process=per_process, capacity=device_capacity(cfg))
+
+
+def _with_budget(cfg: RunConfig, budget: int) -> RunConfig:
+    return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, token_budget=budget))
+
+
+def auto_token_budget(arch: ModelConfig, cfg: RunConfig, *, devices: int, devices_per_process: int,
+                      capacity: float) -> int:
+    """The largest packed-row budget the plan fits: rollout.max_len (a row must hold the longest
+    rollout) doubled while the plan still fits, up to a step's kept tokens on one device (a larger
+    row would hold nothing more). When even rollout.max_len does not fit, that: the plan then
+    refuses it, naming the line."""
+    longest, rl = cfg.rollout.max_len, cfg.rl
+    mesh = mesh_sizes(cfg, devices - kind_devices(cfg, devices, devices_per_process))
+    per_device = math.ceil(rl.batch_problems * rl.group_size / (mesh["data"] * mesh["fsdp"])) * longest
+    best, budget = longest, longest
+    while budget <= max(per_device, longest):
+        if memory_plan(arch, _with_budget(cfg, budget), devices=devices, devices_per_process=devices_per_process,
+                       capacity=capacity).refusal():
+            break
+        best, budget = budget, 2 * budget
+    return best
+
+
+def kind_devices(cfg: RunConfig, devices: int, devices_per_process: int) -> int:
+    """The devices the engine keeps for itself over the whole job (rollout.jax.devices per process)."""
+    return engine_kind(cfg.rollout).devices_of_its_own(cfg.rollout) * max(devices // devices_per_process, 1)
+
+
+def resolve_token_budget(cfg: RunConfig, processes: int, accelerator: bool | None = None) -> RunConfig:
+    """cfg with rl.token_budget=-1 (auto) made a number: for an accelerator (the default backend
+    is one, or mesh.device_memory_gb declares the device a plan is made for; `accelerator`
+    overrides both), packed rows at auto_token_budget, unless rl.micro_batches > 1 asks for padded
+    micro-batches; on the CPU, padded rows (0). Other values are kept."""
+    if cfg.rl.token_budget != AUTO_TOKEN_BUDGET:
+        return cfg
+    if accelerator is None:
+        import jax
+        accelerator = jax.default_backend() != "cpu" or bool(cfg.mesh.device_memory_gb)
+    capacity = device_capacity(cfg)
+    if not accelerator or cfg.rl.micro_batches > 1 or capacity is None:
+        return _with_budget(cfg, 0)
+    devices, per_process = _topology(cfg, processes)
+    return _with_budget(cfg, auto_token_budget(architecture(cfg), cfg, devices=devices,
+                                               devices_per_process=per_process, capacity=capacity))

@@ -28,9 +28,7 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
                  (f", SFT warm start {cfg.sft.steps} steps x {cfg.sft.batch_size}" if cfg.sft.steps else ""))
     lines.append(f"per step: {rl.batch_problems} problems x {rl.rollouts_per_problem} rollouts = "
                  f"{rl.batch_problems * rl.rollouts_per_problem}, RoC {rl.roc.mode} keeps {rl.group_size} per problem; " +
-                 (f"packed rows of {rl.token_budget} tokens, at most {rl.segments_per_row} rollouts each; "
-                  if rl.token_budget else
-                  f"{rl.micro_batches} micro-batch(es); ") +
+                 _update_rows(cfg) +
                  (f"async, up to {rl.max_staleness} version(s) stale" if rl.max_staleness else "on-policy"))
     for i, stage in enumerate(cfg.stages):
         end = cfg.stages[i + 1].start_step - 1 if i + 1 < len(cfg.stages) else rl.steps - 1
@@ -53,6 +51,21 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
 
 class SyncPlanError(ValueError):
     """A weight sync the servers cannot be given from here (train refuses it at --plan and launch)."""
+
+
+def _update_rows(cfg: RunConfig) -> str:
+    """How the learner's passes lay out the rollouts (rl.token_budget; auto resolved as the run will)."""
+    from rstar2_jax.learner.settings import AUTO_TOKEN_BUDGET
+    from rstar2_jax.rl.memory_plan import resolve_token_budget
+    rl = resolve_token_budget(cfg, processes=1).rl
+    why = ""
+    if cfg.rl.token_budget == AUTO_TOKEN_BUDGET:
+        why = (" (rl.token_budget auto: the largest the memory plan fits)" if rl.token_budget > 0 else
+               " (rl.token_budget auto: padded, as rl.micro_batches > 1 asks)" if rl.micro_batches > 1 else
+               " (rl.token_budget auto: padded on the CPU)")
+    if rl.token_budget > 0:
+        return f"packed rows of {rl.token_budget} tokens{why}, at most {rl.segments_per_row} rollouts each; "
+    return f"{rl.micro_batches} micro-batch(es) of padded rows{why}; "
 
 
 def sync_refusal(cfg: RunConfig) -> str | None:

@@ -26,6 +26,9 @@ RESUMABLE_CHANGES = frozenset({
     "rl.steps", "checkpoint.every", "checkpoint.keep", "eval.before_and_after",
     "rollout.vllm.urls", "rollout.vllm.sync", "rollout.vllm.sync_dir", "rollout.vllm.fetch_urls", "rollout.vllm.sync_host",
     "rollout.vllm.sync_bucket_mb", "sandbox.backend", "sandbox.local.workers", "sandbox.redis.url", "sandbox.http.url",
+    # how the learner lays out the same rollouts (packed or padded rows, a budget): the same loss to
+    # rounding (tests/learner/test_packing.py), and a run from before auto packing records 0
+    "rl.token_budget",
 })
 MISMATCH_CHOICES = ("stop", "ok")
 

@@ -40,6 +40,7 @@ from rstar2_jax.models.resolve import DTYPES, load_policy
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rl import carry, dynamic_sampling
 from rstar2_jax.rl.config import RunConfig, check_prompt_room, validate
+from rstar2_jax.rl.memory_plan import resolve_token_budget
 from rstar2_jax.rl.data_stream import DataStream, solved_ids
 from rstar2_jax.rl.grpo_roc import KeptRollout, advantages_with_kl, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
@@ -77,6 +78,9 @@ class RLRun:
             self.run_dir.write_run_info({"model_dir": os.path.abspath(self.model_dir), "run_name": cfg.run_name,
                                          "format": cfg.format, "answer_format": cfg.data.answer_format})
         processes.barrier("run directory written")
+        # rl.token_budget=-1 becomes a number here, after the run directory recorded the config as
+        # written (a resumed run compares that), before anything reads it
+        self.cfg = cfg = resolve_token_budget(cfg, jax.process_count())
         if not processes.is_primary():
             self.model_dir = models.resolve(cfg.model, self.workdir, seed=cfg.seed)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)

@@ -4,6 +4,7 @@ weight is loaded. The hand computations follow rl/memory_plan.py's docstring ter
 
 import json
 import os
+import dataclasses
 import subprocess
 import sys
 
@@ -34,8 +35,9 @@ def _cfg(recipe, tmp_path, **overrides) -> RunConfig:
 
 
 def test_qwen3_14b_on_64_gpus_hand_computed(tmp_path):
-    plan = memory_plan(shape("qwen3_14b"), _cfg(rstar2_agent_14b, tmp_path), devices=64, devices_per_process=8,
-                       capacity=76 * GiB)
+    # padded rows in 128 micro-batches (the recipe packs by default: below)
+    plan = memory_plan(shape("qwen3_14b"), _cfg(rstar2_agent_14b, tmp_path, rl__token_budget=0, rl__micro_batches=128),
+                       devices=64, devices_per_process=8, capacity=76 * GiB)
     # 14,768,307,200 parameters; the norms (40 layers x (2 x 5120 + 2 x 128) + 5120 = 424,960) stay whole,
     # every matrix splits 64 ways (FSDP 16 x tensor 4: 40 heads, 8 KV heads, 17,408, 151,936 all divide).
     params = ((14_768_307_200 - 424_960) // 64 + 424_960) * 4
@@ -58,7 +60,7 @@ def test_qwen3_14b_on_64_gpus_hand_computed(tmp_path):
 
 
 def test_qwen3_0p6b_and_1p7b_on_one_gpu_hand_computed(tmp_path):
-    cfg = _cfg(qwen3_0p6b_math, tmp_path)
+    cfg = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=0, rl__micro_batches=32)  # padded rows
     small = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
     assert small.line("parameters").bytes == 596_049_920 * 4
     assert small.line("engine weights").bytes == 596_049_920 * 2  # bf16, whole (Pallas decode: one device)
@@ -85,8 +87,9 @@ def test_an_engine_on_devices_of_its_own_gets_its_own_lines_and_the_learner_the_
     """rollout.jax.devices=4 of a host's 8 (issue 70): the learner's lines are those of a 4-device
     learner, the engine's those of an engine on 4 devices, and each device holds one side's, so the
     fullest side is what must fit; asking for every device is refused naming both numbers."""
-    shared = _cfg(qwen3_0p6b_math, tmp_path)
-    own = _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4)
+    padded = dict(rl__token_budget=0, rl__micro_batches=32)
+    shared = _cfg(qwen3_0p6b_math, tmp_path, **padded)
+    own = _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4, **padded)
     split = memory_plan(shape("qwen3_1p7b"), own, devices=8, devices_per_process=8, capacity=None)
     learner4 = memory_plan(shape("qwen3_1p7b"), shared, devices=4, devices_per_process=4, capacity=None)
     for name in ("parameters", "gradients", "optimizer", "activations", "engine weights", "KV pool"):
@@ -139,14 +142,46 @@ def test_train_plan_prints_the_memory_per_device(tmp_path, qwen3_14b_dir):
     assert proc.returncode == 0, proc.stderr
     assert "learner mesh data 1 x fsdp 16 x tensor 4, engine over 8 device(s)" in proc.stdout
     assert "parameters           0.86" in proc.stdout and "KV pool             20.00" in proc.stdout, proc.stdout
-    # the same job on 40 GiB devices: refused, naming the line that overflows
+    assert "packed rows of" in proc.stdout and "(rl.token_budget auto: the largest the memory plan fits)" in proc.stdout
+    # the same job on 30 GiB devices: refused, naming the line that overflows
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train",
                            f"--config=experiments/rstar2_agent_14b.py:{qwen3_14b_dir},{data}",
                            f"--config.data.problems.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--plan",
-                           "--num_processes=8", "--config.mesh.device_memory_gb=40"],
+                           "--num_processes=8", "--config.mesh.device_memory_gb=30"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "does not fit a 40.0 GiB device: at 'KV pool'" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "does not fit a 30.0 GiB device: at 'KV pool'" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_auto_token_budget_is_the_largest_power_of_two_rows_the_plan_fits(tmp_path):
+    """rl.token_budget=-1 (the default; issue 70 item 4): on an accelerator, packed rows at the
+    largest max_len x 2^k whose plan fits (a step's kept tokens on one device at most); padded on
+    the CPU or when rl.micro_batches > 1 asks for it; a number is kept."""
+    from rstar2_jax.rl.memory_plan import auto_token_budget, resolve_token_budget
+
+    cfg = _cfg(qwen3_0p6b_math, tmp_path)
+    assert cfg.rl.token_budget == -1 and cfg.rl.micro_batches == 1
+    longest = cfg.rollout.max_len
+    budgets = {}
+    for gib in (40, 76, 141):
+        budget = auto_token_budget(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=gib * GiB)
+        ratio = budget // longest
+        assert budget % longest == 0 and ratio & (ratio - 1) == 0
+        fits = memory_plan(shape("qwen3_0p6b"), dataclasses.replace(cfg, rl=dataclasses.replace(
+            cfg.rl, token_budget=budget)), devices=1, devices_per_process=1, capacity=gib * GiB)
+        larger = memory_plan(shape("qwen3_0p6b"), dataclasses.replace(cfg, rl=dataclasses.replace(
+            cfg.rl, token_budget=2 * budget)), devices=1, devices_per_process=1, capacity=gib * GiB)
+        assert fits.refusal() is None and (larger.refusal() or 2 * budget > 32 * 8 * longest), (gib, budget)
+        budgets[gib] = budget
+    assert budgets[40] <= budgets[76] <= budgets[141] and budgets[40] < budgets[141], budgets
+    # what resolves it: the device, rl.micro_batches, an explicit number
+    assert resolve_token_budget(cfg, 1, accelerator=False).rl.token_budget == 0
+    two = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, micro_batches=2))
+    assert resolve_token_budget(two, 1, accelerator=True).rl.token_budget == 0
+    fixed = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, token_budget=16_384))
+    assert resolve_token_budget(fixed, 1, accelerator=True) is fixed
+    declared = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, device_memory_gb=76.0))
+    assert resolve_token_budget(declared, 1).rl.token_budget > 0  # planned for a device from this CPU
 
 
 def test_a_run_that_cannot_fit_is_refused_before_any_weight_is_loaded(tmp_path):
@@ -161,7 +196,7 @@ def test_a_run_that_cannot_fit_is_refused_before_any_weight_is_loaded(tmp_path):
 
 def test_a_kl_reference_and_mini_batches_are_counted(tmp_path):
     """A KL term holds a float32 copy of the weights; mini-batches shrink the rows each step holds."""
-    base = _cfg(qwen3_0p6b_math, tmp_path)
+    base = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=0, rl__micro_batches=32)  # padded rows
     varied = RunConfig.from_mapping({**base.to_dict(), "rl": {**base.rl.to_dict(), "mini_batches": 2,
                                                                "kl": {"coef": 0.01, "estimator": "k3"}}})
     plain = memory_plan(shape("qwen3_0p6b"), base, devices=1, devices_per_process=1, capacity=76 * GiB)
