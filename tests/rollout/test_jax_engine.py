@@ -354,6 +354,36 @@ def test_a_sync_mid_request_reaches_it_between_decode_steps_and_versions_are_per
     assert set(straight.token_versions) == {0} and len(straight.token_ids) == 40
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_with_inflight_kv_recompute_a_swap_prefills_the_context_again_with_the_new_weights(tiny_model, tokenizer,
+                                                                                          decode_steps):
+    """rollout.jax.inflight_kv=recompute (issue 70 item 3): at the swap, a request in flight gives
+    up the KV its old weights computed; the new weights prefill its context again, so what follows
+    is exactly the new model's continuation of the tokens sampled so far, and every later token's
+    KV is the new version's."""
+    other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(7))
+    prompt = tokenizer.encode("a long answer")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    async def go():
+        async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), decode_steps=decode_steps,
+                             inflight_kv="recompute") as eng:
+            request = asyncio.ensure_future(eng.generate(prompt, greedy))
+            while eng.steps < 10:
+                await asyncio.sleep(0)
+            eng.update_weights(nnx.state(other), version=1)
+            return await request, eng.stats.preemptions
+
+    swapped, preemptions = _run(go())
+    versions = list(swapped.token_versions)
+    first_new = versions.index(1)
+    assert versions == [0] * first_new + [1] * (40 - first_new) and first_new >= 10 and preemptions == 1
+    assert list(swapped.token_kv_versions) == [0] * first_new + [1] * (40 - first_new)
+    before = prompt + swapped.token_ids[:first_new]
+    ref = generate(other, [before], max_new_tokens=40 - first_new, temperature=0.0).token_ids[0]
+    assert swapped.token_ids[first_new:] == ref
+
+
 # ----------------------------------------------------------------------------------------------
 # paged KV
 

@@ -42,6 +42,10 @@ DEFAULT_DECODE_STEPS = 16
 # When new weights take over while requests decode (JaxEngine's `swap`, rollout.jax.swap): at the
 # next chunk's dispatch, or at the first chunk boundary after their copy has landed.
 SWAPS = ("next_chunk", "landed")
+# What requests in flight keep when new weights take over: their KV, computed by the old weights
+# (PipelineRL's in-flight update: nothing recomputed), or nothing (each is admitted again and its
+# context prefilled by the new weights, as after a preemption; the tokens sampled so far stay).
+INFLIGHT_KV = ("keep", "recompute")
 MIN_STOP_COLUMNS = 4  # stop-id table width, rounded up to a power of two (a few compiled shapes)
 
 

@@ -64,7 +64,7 @@ from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, PromptTooLong, ServerLoad
-from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, SWAPS, ChunkedDecode
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, INFLIGHT_KV, SWAPS, ChunkedDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.sampling import SamplingParams
@@ -108,7 +108,7 @@ class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
                  page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None,
-                 decode_steps: int = DEFAULT_DECODE_STEPS, swap: str = "next_chunk"):
+                 decode_steps: int = DEFAULT_DECODE_STEPS, swap: str = "next_chunk", inflight_kv: str = "keep"):
         """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
         `kv_pages` of them (None: slots x max_len / N, the rows' memory).
         decode_steps: decode steps per dispatch; above 1 the engine decodes in chunks, the next
@@ -117,6 +117,9 @@ class JaxEngine(Engine):
         which waits on the device for the copy: the same step every run) or "landed" (the first
         dispatch after every array of the copy is ready: decoding never waits for a copy, and the
         old weights stay alive until then, a second buffer; which step it lands at is timing's).
+        inflight_kv: what requests in flight keep when new weights take over: "keep" (their KV, the
+        old weights'; PipelineRL's choice) or "recompute" (their context prefilled again by the
+        new weights, as after a preemption; the tokens sampled so far stay).
         mesh: devices the weights and KV are split over (`engine_mesh`: this process's devices on
         the tensor axis, heads and MLP width split as vLLM's tensor parallelism); None: one device."""
         if slots < 1:
@@ -160,6 +163,10 @@ class JaxEngine(Engine):
         if swap not in SWAPS:
             raise ValueError(f"swap must be one of {', '.join(SWAPS)}, got {swap!r}")
         self.swap = swap
+        if inflight_kv not in INFLIGHT_KV:
+            raise ValueError(f"inflight_kv must be one of {', '.join(INFLIGHT_KV)}, got {inflight_kv!r}")
+        self.inflight_kv = inflight_kv
+        self._recompute = False  # inflight_kv="recompute": a version took over; the loop recomputes at its top
         self._pending: tuple[Any, int] | None = None  # weights waiting to land (swap="landed"), their version
         self._swapped: asyncio.Event | None = None     # set whenever a version takes over
 
@@ -201,6 +208,8 @@ class JaxEngine(Engine):
         return any(self._active) or (self._chunks is not None and self._chunks.in_flight is not None)
 
     def _take_over(self, state, version: int) -> None:
+        if self.inflight_kv == "recompute" and version != self.version and any(self._active):
+            self._recompute = True
         self._state, self.version, self._pending = state, version, None
         if self._swapped is not None:
             self._swapped.set()
@@ -308,6 +317,8 @@ class JaxEngine(Engine):
         try:
             while True:
                 self._take_landed()
+                if self._recompute:
+                    await self._recompute_kv(loop)
                 await self._admit_waiting(loop)
                 if not any(self._active):
                     if self._chunks is not None and self._chunks.in_flight is not None:
@@ -329,6 +340,17 @@ class JaxEngine(Engine):
                 if req is not None and not req.future.done():
                     req.future.set_exception(e)
             raise
+
+    async def _recompute_kv(self, loop):
+        """inflight_kv="recompute": every request in flight gives up its KV (older weights') and
+        waits at the head of the queue, to be prefilled again by the new weights. The chunk in
+        flight was sampled before the swap: its tokens are read first and kept."""
+        self._recompute = False
+        if self._chunks is not None:
+            await self._chunks.drain(self, loop)
+        for slot in reversed(range(self.slots)):  # the queue's head: slot 0's request first
+            if self._active[slot] is not None:
+                self._preempt(slot)
 
     async def _admit_waiting(self, loop):
         """Admit waiting requests, first come first served, while a slot (and room in the KV

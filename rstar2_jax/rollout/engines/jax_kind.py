@@ -10,7 +10,7 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
-from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, SWAPS
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, INFLIGHT_KV, SWAPS
 from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 
@@ -35,6 +35,9 @@ class JaxEngineSettings(Section):
                         "which waits for the copy; the same every run) | landed (once the copy is on the device: "
                         "decoding never waits for it, the old weights kept until then; where it lands is timing's)",
                         choices=SWAPS)
+    inflight_kv: str = setting("keep", "what requests in flight keep when new weights take over: keep (their KV, "
+                               "computed by the old weights: PipelineRL's in-flight update) | recompute (their "
+                               "context prefilled again by the new weights, as after a preemption)", choices=INFLIGHT_KV)
     decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
                                 "chunks of this many tokens, the next dispatched before the last is read (same "
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
@@ -97,7 +100,8 @@ def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     return JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
                      page_size=j.page_size or None,
                      kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
-                     mesh=_mesh(cfg, model.decode_attention), decode_steps=j.decode_steps, swap=j.swap)
+                     mesh=_mesh(cfg, model.decode_attention), decode_steps=j.decode_steps, swap=j.swap,
+                     inflight_kv=j.inflight_kv)
 
 
 def _mesh(cfg: RolloutConfig, decode_attention: str):
