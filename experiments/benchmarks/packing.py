@@ -246,6 +246,7 @@ def _gpu_checks(results: dict):
     from flax import nnx
 
     from rstar2_jax.learner.packing import plan_packing
+    from rstar2_jax.learner import LearnerSettings
     from rstar2_jax.learner.train_step import UpdateConfig, packed_logprobs
     from rstar2_jax.models import Decoder
     from rstar2_jax.models.tiny import tiny_config
@@ -262,13 +263,14 @@ def _gpu_checks(results: dict):
     mb = {k: jnp.asarray(v) for k, v in mb.items()}
     inside = jnp.asarray(plan.layout()["positions"] > 0)
     out = {}
+    update_cfg = UpdateConfig.of(LearnerSettings(), temperature=1.0)
     for impl in ("xla", "cudnn"):
         model = Decoder(small, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
         model.set_attention(full=impl)
         graphdef, params = nnx.split(model, nnx.Param)
-        lp_fn = jax.jit(lambda p, b, g=graphdef: packed_logprobs(g, p, b, UpdateConfig()))
+        lp_fn = jax.jit(lambda p, b, g=graphdef: packed_logprobs(g, p, b, update_cfg))
         loss = jax.jit(jax.grad(lambda p, b, g=graphdef: jnp.sum(jnp.where(inside, packed_logprobs(
-            g, p, b, UpdateConfig()), 0.0))))
+            g, p, b, update_cfg), 0.0))))
         try:
             out[impl] = (np.asarray(lp_fn(params, mb)), loss(params, mb))
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run is the result

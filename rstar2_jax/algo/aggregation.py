@@ -41,6 +41,7 @@ from rstar2_jax.registry import Registry
 class Aggregation:
     row_scale: Callable[[jax.Array], jax.Array]
     count: Callable[[jax.Array, float], jax.Array]
+    needs_constant: bool = False  # its count reads C (rl.loss.constant_tokens): a learner must be given one
 
 
 def _tokens(mask):
@@ -60,7 +61,7 @@ AGGREGATIONS.register("token_mean", Aggregation(_ones, lambda mask, c: jnp.sum(_
 AGGREGATIONS.register("seq_mean_token_mean", Aggregation(lambda mask: 1.0 / jnp.maximum(_tokens(mask), 1.0),
                                                          lambda mask, c: _sequences(mask)))
 AGGREGATIONS.register("seq_mean_token_sum", Aggregation(_ones, lambda mask, c: _sequences(mask)))
-AGGREGATIONS.register("constant", Aggregation(_ones, lambda mask, c: _sequences(mask) * c))
+AGGREGATIONS.register("constant", Aggregation(_ones, lambda mask, c: _sequences(mask) * c, needs_constant=True))
 
 
 def aggregate(name: str, per_token, mask, constant: float = 1.0):

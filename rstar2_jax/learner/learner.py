@@ -47,19 +47,18 @@ from rstar2_jax.shared_jit import shared_jit
 
 class Learner:
     def __init__(self, model: nnx.Module, cfg: LearnerSettings | None = None, *, temperature: float = 1.0,
-                 constant_tokens: float = 1.0, mesh: Mesh | None = None, own_params: bool = False,
+                 constant_tokens: float | None = None, mesh: Mesh | None = None, own_params: bool = False,
                  optimizer: optax.GradientTransformation | None = None):
         """cfg: the run's `rl` section (or a LearnerSettings). temperature: the sampler's (the
         log-probs are those of the tempered distribution it drew from); constant_tokens: C of
-        aggregation=constant (RunConfig.constant_tokens). optimizer: in place of the settings' AdamW
+        aggregation=constant (RunConfig.constant_tokens; None: rl.loss.constant_tokens, refused
+        at 0 under that aggregation: UpdateConfig.of). optimizer: in place of the settings' AdamW
         (a research variant; tests use plain SGD, whose step is the accumulated gradient itself).
         own_params: the learner takes `model`'s parameter arrays as they are (the caller never
         uses them again: the first update donates them). Otherwise it trains on a copy. Either
         way, parameters already on their mesh shardings (`load_pretrained(mesh=)`) are not moved."""
         self.cfg = cfg = LearnerSettings() if cfg is None else cfg
-        self.update_cfg = update = UpdateConfig(loss=cfg.loss, kl=cfg.kl, temperature=temperature,
-                                                micro_batches=cfg.micro_batches, correction=cfg.correction,
-                                                constant_tokens=constant_tokens)
+        self.update_cfg = update = UpdateConfig.of(cfg, temperature=temperature, constant_tokens=constant_tokens)
         self.mesh = mesh
         # A model with LoRA adapters (models/lora.py) trains only them: the base is `frozen`, never
         # donated, never differentiated, held in the dtype it was loaded in.

@@ -37,18 +37,30 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """What the jitted update reads: the run's `rl.loss` and `rl.kl` sections as they are, and the
-    learner-side settings of `rl.*` (rl/trainer.py builds it; tests build it directly)."""
-    loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
-    kl: KLConfig = KLConfig()
-    temperature: float = 1.0
-    logprob_chunk: int = LOGPROB_CHUNK
-    micro_batches: int = 1
+    """What the jitted update reads: the run's `rl.loss`, `rl.kl`, `rl.correction` sections and
+    `rl.micro_batches` as they are (`of`: no second defaults), the sampler's temperature, and C."""
+    loss: PolicyLossConfig
+    kl: KLConfig
     # Off-policy corrections between the sampler's log-probs and the learner's recomputed ones
     # (none: the paper's setting; the batch then needs no sampler_logprobs).
-    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
-    # aggregation=constant: C (rl.loss.constant_tokens, resolved by the trainer when 0).
-    constant_tokens: float = 1.0
+    correction: CorrectionConfig
+    micro_batches: int
+    temperature: float     # the sampler's: log-probs are those of the tempered distribution
+    constant_tokens: float  # aggregation=constant: C (0: no constant aggregation to serve)
+    logprob_chunk: int = LOGPROB_CHUNK
+
+    @classmethod
+    def of(cls, settings, *, temperature: float, constant_tokens: float | None = None) -> UpdateConfig:
+        """From the learner's settings (rl.*, learner/settings.LearnerSettings). constant_tokens:
+        C of aggregation=constant; None takes rl.loss.constant_tokens, and with that 0 (the run's
+        largest response budget, which only the run knows: RunConfig.constant_tokens) a constant
+        aggregation is refused rather than run with an arbitrary C."""
+        c = settings.loss.constant_tokens if constant_tokens is None else constant_tokens
+        if not c and AGGREGATIONS[settings.loss.aggregation_name()].needs_constant:
+            raise ValueError("aggregation=constant needs C: set rl.loss.constant_tokens, or pass the run's "
+                             "largest response budget (RunConfig.constant_tokens) as constant_tokens")
+        return cls(loss=settings.loss, kl=settings.kl, correction=settings.correction,
+                   micro_batches=settings.micro_batches, temperature=temperature, constant_tokens=float(c))
 
     @property
     def needs_sampler_logprobs(self) -> bool:

@@ -205,7 +205,7 @@ def test_dropped_tokens_leave_the_loss_and_its_count_and_micro_batching_stays_ex
     from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
     from rstar2_jax.algo.corrections.importance import CapSettings
     from rstar2_jax.learner.train_step import corrected
-    cfg = UpdateConfig(correction=CorrectionConfig(names=("icepop",)))
+    cfg = UpdateConfig.of(LearnerSettings(correction=CorrectionConfig(names=("icepop",))), temperature=1.0)
     rng = np.random.default_rng(3)
     mask = rng.random((4, 9)) < 0.8
     old = rng.normal(-2, 0.5, (4, 9)).astype(np.float32)
@@ -304,3 +304,19 @@ def test_old_logprob_pass_by_micro_batches_runs_on_a_rematerialised_model(remat)
     model = Decoder(tiny_config(), dtype=jnp.float32, rngs=nnx.Rngs(0), remat=remat)
     got = Learner(model, LearnerSettings(micro_batches=4)).logprobs(batch.tokens)
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_constant_aggregation_without_c_is_refused_not_run_with_an_arbitrary_one():
+    """Issue 71 item 4: C of aggregation=constant has one source, rl.loss.constant_tokens or the run's
+    largest response budget (RunConfig.constant_tokens); a learner given neither refuses (it used
+    to run with C = 1, a second default)."""
+    from rstar2_jax.algo import PolicyLossConfig
+    constant = LearnerSettings(loss=PolicyLossConfig(aggregation="constant"))
+    with pytest.raises(ValueError, match="rl.loss.constant_tokens"):
+        Learner(random_model(small_config("qwen3"), seed=1), constant)
+    given = Learner(random_model(small_config("qwen3"), seed=1), constant, constant_tokens=512)
+    from_settings = Learner(random_model(small_config("qwen3"), seed=1), LearnerSettings(
+        loss=PolicyLossConfig(aggregation="constant", constant_tokens=256)))
+    assert (given.update_cfg.constant_tokens, from_settings.update_cfg.constant_tokens) == (512, 256)
+    plain = Learner(random_model(small_config("qwen3"), seed=1), LearnerSettings(micro_batches=2), temperature=0.7)
+    assert (plain.update_cfg.micro_batches, plain.update_cfg.temperature) == (2, 0.7)  # the settings', as given

@@ -194,7 +194,8 @@ def _case(name):
     from rstar2_jax.algo import KLConfig
     from rstar2_jax.algo.corrections import CorrectionConfig
     from rstar2_jax.algo.corrections.masks import BandSettings
-    return dict(loss=PolicyLossConfig(name="cispo", aggregation="constant"), kl=KLConfig(coef=0.1, estimator="k3"),
+    return dict(loss=PolicyLossConfig(name="cispo", aggregation="constant", constant_tokens=48),
+                kl=KLConfig(coef=0.1, estimator="k3"),
                 correction=CorrectionConfig(names=("geo_mask", "token_tis"),  # a band some sequences leave
                                             geo_mask=BandSettings(low=0.999, high=1.001)))
 
