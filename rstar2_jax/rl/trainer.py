@@ -34,14 +34,14 @@ from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.learner import Learner, make_batch
 from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
-from rstar2_jax.models import lora
 from rstar2_jax.models.adapter_files import base_identity
-from rstar2_jax.models.resolve import DTYPES, load_policy
+from rstar2_jax.models.resolve import load_policy
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rl import carry, dynamic_sampling
 from rstar2_jax.rl.config import RunConfig, check_prompt_room, validate
 from rstar2_jax.rl.memory_plan import resolve_token_budget
 from rstar2_jax.rl.data_stream import DataStream, solved_ids
+from rstar2_jax.rl.engine_weights import engine_weights
 from rstar2_jax.rl.grpo_roc import KeptRollout, advantages_with_kl, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
 from rstar2_jax.rl.prefilter import prefilter_stage
@@ -104,7 +104,6 @@ class RLRun:
         self._evaluated = False  # an evaluation ran in this call of run()
         self.inflight_dir = os.path.join(self.workdir, "inflight")  # in-flight rollouts (rollout/journal.py)
         self.restored_version = 0  # weights version the session started from (the checkpoint's)
-        self.synced_version = 0  # the newest weights sent to the engine (maybe still landing: background_sync.py)
         self.carried: RunningGroups | None = None  # rl.staleness.policy=carry: groups the next step trains
 
     # ------------------------------------------------------------------------------------------
@@ -129,7 +128,7 @@ class RLRun:
         """Greedy and sampled on the eval problems; `known` (another run's): logged as shared, not rerun."""
         probs, out = self.task.eval_problems, dict(known or {})
         if not known:  # the weights evaluated are the last ones sent (sync_wait=export: maybe still landing)
-            await self.producer.engine.weights_at_least(self.synced_version)
+            await self.producer.engine.latest_landed()
         for name, temperature in () if known else (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
             seeds = [stable_seed(self.cfg.seed, label, name, i) for i in range(len(probs))]
             with tqdm(total=len(probs), desc=f"eval {label} ({name})", dynamic_ncols=True, leave=False,
@@ -194,15 +193,15 @@ class RLRun:
             self.save_checkpoint(0)
         # saved in-flight tokens of weights newer than these were lost with the crash (journal.py)
         self.restored_version = self.learner.version
-        weights = self.engine_weights()  # one copy (or gather) for the engine's model and its version
+        # one copy (or gather) for the engine's model and its version
+        weights = engine_weights(self.learner, cfg, len(self.learner_devices))
         try:
             async with make_sandbox(cfg.sandbox) as sb, \
                     make_engine(cfg.rollout, self.model_with(weights), self.tokenizer, seed=cfg.seed) as engine:
                 await engine.sync_weights(weights, self.learner.version)
                 # landed before anything samples (sync_wait=export returns at the export): the
                 # evaluation, the carried groups relaunched at a resume, the first draws
-                await engine.weights_at_least(self.learner.version)
-                self.synced_version = self.learner.version
+                await engine.latest_landed()
                 self.producer = RolloutProducer(cfg, engine, sb, self.tokenizer, self.fmt,
                                                 inflight_dir=self.inflight_dir, restored_version=self.restored_version)
                 yield self.producer
@@ -228,7 +227,7 @@ class RLRun:
         async def draw(step: int):
             # the weights the pipeline promises this step's rollouts: with rollout.vllm.sync_wait=export
             # the last sync may still be landing on the servers (background_sync.py)
-            await self.producer.engine.weights_at_least(self.synced_version)
+            await self.producer.engine.latest_landed()
             return self.roll_out(step, *await self.draw(step))
 
         self.carried = carry.relaunch(self.state.carried, self.producer, self.task.train_problems)  # carried at the checkpoint
@@ -253,26 +252,6 @@ class RLRun:
                                exclusive=self.data.prefilter_begins)
         finally:
             bar.close()
-
-    def engine_weights(self):
-        """The learner's parameters as this process's engine holds them (the engine's kind says
-        how: rollout/engines/factory.EngineWeights): the learner's own arrays where that is safe
-        (a served engine's sync streams them; float32 on one device, on-policy), else a copy in the
-        engine's dtype, split over its devices (`engine_mesh`). The learner's update donates its
-        buffers, so anything the engine keeps across an update is a copy."""
-        params = self.learner.model_state()
-        kind = engine_kind(self.cfg.rollout)
-        how = kind.weights(self.cfg.rollout, self.cfg.model.dtype)
-        if how.shares(learner_devices=len(self.learner_devices), on_policy=self.cfg.rl.max_staleness == 0):
-            return params
-        # on the engine's own devices this copy is the device-to-device reshard of the weights
-        mesh = kind.mesh(self.cfg.rollout, self.cfg.model.decode_attention) if how.split else None
-        frozen = self.learner.frozen  # LoRA: the base, never donated, read as it is (one copy); adapters copied
-        if frozen is not None and mesh is None and len(self.learner_devices) == 1 and how.dtype in (None, self.cfg.model.dtype):
-            return lora.whole(processes.local_copy(self.learner.state.params, DTYPES[how.dtype] if how.dtype else None),
-                              frozen)
-        return processes.local_copy(params, DTYPES[how.dtype] if how.dtype else None,
-                                    sharding.param_shardings(params, mesh) if mesh else None)
 
     def model_with(self, params):
         """The run's model architecture with `params` (an nnx.State of its Params)."""
@@ -369,8 +348,8 @@ class RLRun:
                 records[k.record]["entropy"] = batch.entropy[i, :len(k.trajectory.token_ids)].tolist()
         engine = self.producer.engine
         with timeline.span("sync"):
-            await engine.sync_weights(self.engine_weights(), self.learner.version)
-            self.synced_version = self.learner.version
+            await engine.sync_weights(engine_weights(self.learner, self.cfg, len(self.learner_devices)),
+                                      self.learner.version)
         if engine.weights_on_servers:
             metrics["sync/failures"] = engine.failed_syncs  # this session's so far (each was retried at once)
             # the process that pushed: how long the servers stood (sync_wait=export: in the last sync that landed)

@@ -17,6 +17,7 @@ from flax import nnx
 from rstar2_jax import models
 from rstar2_jax.checkpoints import load_run_policy
 from rstar2_jax.models import lora
+from rstar2_jax.rl.engine_weights import engine_weights
 from rstar2_jax.models.adapter_files import is_adapter_dir, load_model_dir
 from rstar2_jax.rl.trainer import RLRun
 from tests.rl.test_async import moving_advantage, moving_config  # noqa: F401 (a fixture)
@@ -59,9 +60,9 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports(tmp_path):
     # the engine holds the learner's base, not a copy: on-policy float32 (the whole state shared), and
     # an engine in the compute dtype (bf16 runs: the base is loaded in it) copies the adapters only
     base_ids = {id(x) for x in jax.tree.leaves(learner.frozen)}
-    assert base_ids <= {id(x) for x in jax.tree.leaves(straight.engine_weights())}
+    assert base_ids <= {id(x) for x in jax.tree.leaves(engine_weights(learner, straight.cfg, 1))}
     straight.cfg = dataclasses.replace(straight.cfg, model=dataclasses.replace(straight.cfg.model, dtype="bfloat16"))
-    held = straight.engine_weights()
+    held = engine_weights(learner, straight.cfg, 1)
     assert base_ids <= {id(x) for x in jax.tree.leaves(held)}
     adapters = [x for p, x in nnx.to_flat_state(held) if str(p[-2:][0]).endswith(lora.ADAPTER_SUFFIX)]
     assert adapters and {x.get_value().dtype for x in adapters} == {jnp.dtype(jnp.bfloat16)}

@@ -113,6 +113,7 @@ class Engine(abc.ABC):
     directories, device loops)."""
 
     version: int = 0                    # version of the weights it samples with
+    given_version: int = 0              # the newest version given to sync_weights (it may still be landing)
     stats: EngineStats | None = None    # device-time accounting, where the engine can measure it
     failed_syncs: int = 0               # versions whose push to shared servers failed part-way (each made again)
 
@@ -138,6 +139,7 @@ class Engine(abc.ABC):
         made once more, counted in `failed_syncs`; a second failure raises WeightSyncFailed. An
         engine that `lands_in_background` (rollout.vllm.sync_wait=export, one process) returns
         once the weights are exported; `weights_at_least` then waits for them to land."""
+        self.given_version = version
         if not self.weights_on_servers:
             self.update_weights(params, version)
             return
@@ -221,6 +223,11 @@ class Engine(abc.ABC):
         """Until this engine samples with `version` or newer weights (a background sync landed:
         what a step's rollouts wait for). Engines whose syncs land before returning: at once."""
         return None
+
+    async def latest_landed(self) -> None:
+        """Until the newest weights given to sync_weights sample (the trainer's promise to a
+        step's rollouts and to an evaluation: they see the last update, landed)."""
+        await self.weights_at_least(self.given_version)
 
     @abc.abstractmethod
     def update_weights(self, params: Any, version: int | None = None) -> None:
