@@ -31,11 +31,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "shuffling seed")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from tqdm.auto import tqdm
 
     from rstar2_jax import models
     from rstar2_jax.data.chat_sft import load_conversations, tokenize_conversation
-    from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
+    from rstar2_jax.learner.sft import SFTTrainer
     from rstar2_jax.models.tokenizer import Tokenizer
 
     model_dir = cli.model_dir(_MODEL.value)  # a directory, or a hub id through the cache
@@ -49,10 +48,7 @@ def main(argv):
             for row in load_conversations(_DATA.value)]
     model = models.load_pretrained(model_dir)
     trainer = SFTTrainer(model, lr=_LR.value, warmup_steps=_WARMUP.value, token_budget=_BUDGET.value)
-    bar = tqdm(zip(range(_STEPS.value), iterate_batches(data, min(_BATCH.value, len(data)), _SEED.value)),
-               total=_STEPS.value, desc="SFT")
-    for _, batch in bar:
-        bar.set_postfix(loss=f"{trainer.step(batch)['loss']:.4f}")
+    trainer.train(data, _STEPS.value, min(_BATCH.value, len(data)), _SEED.value)
     models.save_pretrained(trainer.model(), _OUT.value, tokenizer_dir=model_dir)
     print(f"saved {_OUT.value}")
 

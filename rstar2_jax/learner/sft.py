@@ -8,6 +8,7 @@ demo's traces are 53% real tokens padded and ~90% packed, and the loss is the sa
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,25 @@ class SFTTrainer:
             tokens, mask, layout = plan.pack(tokens), plan.pack(mask), plan.layout()
         self.state, metrics = self._step(self.state, jax.device_put(tokens), jax.device_put(mask), self.frozen, layout)
         return {k: float(v) for k, v in metrics.items()}
+
+    def train(self, data, steps: int, batch_size: int, seed: int,
+              on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        """`steps` steps on shuffled batches of `data` (iterate_batches), with a progress bar;
+        on_step(i, metrics) after each (the run's metrics log)."""
+        from tqdm.auto import tqdm
+        if self.token_budget:  # refused before the first step, not at the batch that meets it
+            longest = max((len(ids) for ids, _ in data), default=0)
+            if longest > self.token_budget:
+                raise ValueError(f"sft.token_budget={self.token_budget}: the longest of the {len(data)} SFT traces "
+                                 f"has {longest} tokens; set sft.token_budget to at least {longest} (or 0: padded "
+                                 "rows)")
+        bar = tqdm(zip(range(steps), iterate_batches(data, batch_size, seed)), total=steps, desc="SFT",
+                   dynamic_ncols=True)
+        for i, batch in bar:
+            metrics = self.step(batch)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            if on_step is not None:
+                on_step(i, metrics)
 
     def model(self) -> nnx.Module:
         return lora.merged(self.graphdef, self.state.params, self.frozen)

@@ -8,21 +8,25 @@ accounting, and the gather of every process's share. The trainer's paths are one
 
     producer.rollouts(problems, k, agent, seeds)   the pre-filter, dynamic sampling's top-ups:
                                                    every process's share, gathered (a collective)
-    producer.step(step, problems)                  a step's 2G rollouts: this process's share,
-                                                   journaled turn by turn, the engine's work on them
-    producer.launch(step, problems, groups)        the same rollouts started as tasks, for
-                                                   rl.staleness.policy=carry (carry.py cuts them)
+    producer.step_rollouts(step, problems, drawn)  a step's 2G rollouts, this process's share, as
+                                                   the consumer receives them: run (`step`: journaled
+                                                   turn by turn, the engine's work on them), or under
+                                                   rl.staleness.policy=carry started as tasks
+                                                   (`launch`; carry.py cuts them, and relaunches
+                                                   carried groups at a resume)
     producer.everywhere(problems, agent, seeds)    evaluation: every rollout on every process
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Sequence
 
 from rstar2_jax import processes
 from rstar2_jax.rl.carry import RunningGroups
+from rstar2_jax.rl.run_state import DataState
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat
 from rstar2_jax.rollout.engines import Engine
@@ -65,6 +69,12 @@ class RolloutProducer:
         runs its share and every process's are gathered, so every process returns all of them.
         A collective: the consumer's and the pre-filter's, never the producer's."""
         return processes.gather_shares(await self._my_share(problems, k, agent, seeds), len(problems) * k)
+
+    async def step_rollouts(self, step: int, problems, drawn: DataState) -> StepRollouts:
+        """Step `step`'s rollouts of `problems`, drawn from the data stream leaving it at `drawn`:
+        run to the end, or started as tasks when rl.staleness.policy carries (the consumer cuts)."""
+        out = self.launch(step, problems) if self.cfg.rl.staleness.carries else await self.step(step, problems)
+        return dataclasses.replace(out, drawn=drawn)
 
     async def step(self, step: int, problems) -> StepRollouts:
         """This process's share of the step's 2G rollouts of every problem, concurrently, with the

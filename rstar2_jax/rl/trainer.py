@@ -33,7 +33,7 @@ from rstar2_jax import models, processes, sharding
 from rstar2_jax.checkpoints import RunCheckpoints
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.learner import Learner, make_batch
-from rstar2_jax.learner.sft import SFTTrainer, iterate_batches
+from rstar2_jax.learner.sft import SFTTrainer
 from rstar2_jax.models.adapter_files import base_identity
 from rstar2_jax.models.resolve import load_policy
 from rstar2_jax.models.tokenizer import Tokenizer
@@ -110,18 +110,10 @@ class RLRun:
     def sft(self):
         c = self.cfg.sft
         data = self.task.sft_data(self.tokenizer, self.fmt, c.examples, seed=self.cfg.seed + 2)
-        longest = max((len(ids) for ids, _ in data), default=0)
-        if c.token_budget and longest > c.token_budget:  # before the first step, not at the batch that meets it
-            raise ValueError(f"sft.token_budget={c.token_budget}: the longest of the {len(data)} SFT traces has "
-                             f"{longest} tokens; set sft.token_budget to at least {longest} (or 0: padded rows)")
         trainer = SFTTrainer(self.model, lr=c.lr, warmup_steps=c.warmup_steps, pad_multiple=32,
                              token_budget=c.token_budget, segments_per_row=c.segments_per_row)
-        bar = tqdm(zip(range(c.steps), iterate_batches(data, c.batch_size, self.cfg.seed)), total=c.steps,
-                   desc="SFT", dynamic_ncols=True)
-        for i, batch in bar:
-            m = trainer.step(batch)
-            bar.set_postfix(loss=f"{m['loss']:.3f}")
-            self.log.write({"phase": "sft", "step": i, **m})
+        trainer.train(data, c.steps, c.batch_size, self.cfg.seed,
+                      on_step=lambda i, m: self.log.write({"phase": "sft", "step": i, **m}))
         return trainer.params()
 
     async def evaluate(self, step: int, label: str, known: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -228,7 +220,7 @@ class RLRun:
             # the weights the pipeline promises this step's rollouts: with rollout.vllm.sync_wait=export
             # the last sync may still be landing on the servers (background_sync.py)
             await self.producer.engine.latest_landed()
-            return self.roll_out(step, *await self.draw(step))
+            return self.producer.step_rollouts(step, *await self.draw(step))
 
         self.carried = carry.relaunch(self.state.carried, self.producer, self.task.train_problems)  # carried at the checkpoint
 
@@ -270,14 +262,6 @@ class RLRun:
         if self.data is None:
             self.data = self.data_stream()
         return await self.data.draw(step, self.prefilter)
-
-    async def roll_out(self, step: int, problems, drawn: DataState) -> StepRollouts:
-        """This process's share of the step's rollouts (all of them with one process); with
-        rl.staleness.policy=carry, started as tasks that the consumer cuts (carry.cut)."""
-        carries = self.cfg.rl.staleness.carries
-        out = self.producer.launch(step, problems) if carries else await self.producer.step(step, problems)
-        out.drawn = drawn
-        return out
 
     async def consume(self, step: int, out: StepRollouts) -> dict[str, Any]:
         """Every process's rollouts of the step gathered (a collective: called in step order, never

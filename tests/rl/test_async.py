@@ -65,7 +65,7 @@ def test_staleness_zero_without_correction_updates_exactly_as_the_sequential_loo
         async with sequential.session():
             start = params_of(sequential)
             for step in range(cfg.rl.steps):
-                out = await sequential.roll_out(step, *await sequential.draw(step))
+                out = await sequential.producer.step_rollouts(step, *await sequential.draw(step))
                 await sequential.consume(step, out)
             return start
 
