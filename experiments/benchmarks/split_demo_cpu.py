@@ -3,9 +3,10 @@ the same? (issue 70 item 5), on 4 fake CPU devices.
 
     python -m experiments.benchmarks.split_demo_cpu --seeds 0,1,2 [--record BENCHMARKS.md]
 
-Each run is the demo (experiments/tiny_arith.py) shortened (--sft_steps, --steps, greedy
-evaluation on --eval_problems after RL only), asynchronous with k = 1 (rl.max_staleness=1), in
-two placements: colocated (the learner FSDP over the 4 devices, the engine sharing them) and 2 + 2
+One SFT warm start (the demo's, --sft_steps, seed 0, colocated), exported as a model directory;
+then from it, per seed, the demo's RL (experiments/tiny_arith.py, --steps, evaluated before and
+after on --eval_problems), asynchronous with k = 1 (rl.max_staleness=1), in two placements:
+colocated (the learner FSDP over the 4 devices, the engine sharing them) and 2 + 2
 (rollout.jax.devices=2: the learner on 2, the engine on the other 2, each sync a device-to-device
 reshard). Placements alternate seed by seed. Different meshes round differently, so runs of one
 seed part ways after the first update: the comparison is across seeds, the mean and spread of the
@@ -32,10 +33,26 @@ from experiments.benchmarks import common  # noqa: E402
 PLACEMENTS = {"colocated": 0, "2 + 2": 2}
 
 
-def demo_config(seed: int, engine_devices: int, args):
+def warm_start(args, out_dir: str) -> str:
+    """The demo's SFT warm start, once, saved as a model directory both placements start from."""
+    from rstar2_jax.checkpoints import load_run_policy
+    from rstar2_jax.models import save_pretrained
+    from rstar2_jax.rl.trainer import run
+
+    c = tiny_arith.get_config()
+    c.sft.steps, c.rl.steps, c.eval.before_and_after = args.sft_steps, 0, False
+    work = os.path.join(out_dir, "sft_run")
+    run(c, work)
+    info = json.load(open(os.path.join(work, "run.json")))
+    return save_pretrained(load_run_policy(work, 0), os.path.join(out_dir, "warm_start"),
+                           tokenizer_dir=info["model_dir"])
+
+
+def demo_config(seed: int, engine_devices: int, model_dir: str, args):
     c = tiny_arith.get_config()
     c.seed = seed
-    c.sft.steps = args.sft_steps
+    c.model.path = model_dir
+    c.sft.steps = 0
     c.rl.steps = args.steps
     c.rl.max_staleness = 1
     c.rollout.jax.devices = engine_devices
@@ -62,7 +79,7 @@ def one_run(cfg) -> dict[str, float]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--sft_steps", type=int, default=150)
+    p.add_argument("--sft_steps", type=int, default=350, help="the shared warm start's steps (the demo's 350)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--eval_problems", type=int, default=64)
     p.add_argument("--json", help="also write every run's figures here")
@@ -72,9 +89,11 @@ def main(argv=None):
     if jax.device_count() != 4:
         raise SystemExit(f"needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4), got {jax.device_count()}")
     runs: dict[str, list[dict]] = {name: [] for name in PLACEMENTS}
+    model_dir = warm_start(args, tempfile.mkdtemp())
+    print(f"warm start: {model_dir}", flush=True)
     for seed in map(int, args.seeds.split(",")):
         for name, engine_devices in PLACEMENTS.items():
-            r = one_run(demo_config(seed, engine_devices, args))
+            r = one_run(demo_config(seed, engine_devices, model_dir, args))
             runs[name].append(dict(seed=seed, **r))
             print(f"{name} seed {seed}: {r}", flush=True)
             if args.json:
@@ -93,7 +112,8 @@ def main(argv=None):
     common.record(args.record, "CPU demo: the engine on devices of its own against colocated, asynchronous k=1 "
                   "(issue 70)", "python -m experiments.benchmarks.split_demo_cpu " + " ".join(
                       argv if argv is not None else sys.argv[1:]),
-                  f"tiny_arith shortened: SFT {args.sft_steps} steps, {args.steps} RL steps, rl.max_staleness=1, "
+                  f"tiny_arith: one shared SFT warm start of {args.sft_steps} steps, then {args.steps} RL steps, "
+                  f"rl.max_staleness=1, "
                   f"greedy evaluation on {args.eval_problems} problems; 4 fake CPU devices; seeds {args.seeds}", table)
 
 
