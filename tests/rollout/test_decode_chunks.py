@@ -13,6 +13,7 @@ from flax import nnx
 
 from rstar2_jax import models
 from rstar2_jax.rollout.engines import JaxEngine
+from rstar2_jax.rollout.engines import weight_swap
 from rstar2_jax.rollout.sampling import SamplingParams
 from tests.rollout.test_jax_engine import _pool_is_whole, _serve, _turns
 
@@ -108,7 +109,8 @@ def test_preempted_requests_over_chunks_sample_the_same_tokens(tiny_model, token
     _same(want, got)
 
 
-def test_with_swap_landed_decoding_goes_on_with_the_old_weights_until_the_copy_lands(tiny_model, tokenizer):
+def test_with_swap_landed_decoding_goes_on_with_the_old_weights_until_the_copy_lands(tiny_model, tokenizer,
+                                                                                     monkeypatch):
     """rollout.jax.swap=landed (issue 70's in-flight update): weights given mid-request wait in a
     second buffer while the engine keeps decoding with the old ones, and take over at the first
     chunk boundary after their copy is on the device (here: declared landed at step 20); tokens
@@ -121,7 +123,8 @@ def test_with_swap_landed_decoding_goes_on_with_the_old_weights_until_the_copy_l
     async def go():
         async with JaxEngine(tiny_model, tokenizer, slots=2, max_len=128, eos_ids=(), decode_steps=4,
                              swap="landed") as eng:
-            eng._landed = lambda state: eng.steps >= 20  # the copy "lands" once 20 steps have run
+            # the copy "lands" once 20 steps have run
+            monkeypatch.setattr(weight_swap, "landed", lambda state: eng.steps >= 20)
             request = asyncio.ensure_future(eng.generate(prompt, greedy))
             while eng.steps < 8:
                 await asyncio.sleep(0)

@@ -39,13 +39,6 @@ if TYPE_CHECKING:
 # the CPU") 16 gives 3.3x the tokens/s of one step at 1 slot and 1.45x at 16; 64 adds little, and a
 # slot that ends mid-chunk idles until the chunk ends, so longer chunks cost agentic turns more.
 DEFAULT_DECODE_STEPS = 16
-# When new weights take over while requests decode (JaxEngine's `swap`, rollout.jax.swap): at the
-# next chunk's dispatch, or at the first chunk boundary after their copy has landed.
-SWAPS = ("next_chunk", "landed")
-# What requests in flight keep when new weights take over: their KV, computed by the old weights
-# (PipelineRL's in-flight update: nothing recomputed), or nothing (each is admitted again and its
-# context prefilled by the new weights, as after a preemption; the tokens sampled so far stay).
-INFLIGHT_KV = ("keep", "recompute")
 MIN_STOP_COLUMNS = 4  # stop-id table width, rounded up to a power of two (a few compiled shapes)
 
 

@@ -64,9 +64,10 @@ from rstar2_jax import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, PromptTooLong, ServerLoad
-from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, INFLIGHT_KV, SWAPS, ChunkedDecode
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, ChunkedDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
+from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights, choose
 from rstar2_jax.rollout.sampling import SamplingParams
 
 MIN_PREFILL_BUCKET = 16
@@ -142,11 +143,12 @@ class JaxEngine(Engine):
         self.kv: KVLayout = SlotRows(slots, max_len) if page_size is None else PagedKV(slots, max_len, page_size, kv_pages)
         self._residents: dict[Hashable, _Resident] = {}  # by session
         self._admissions = 0
-        self.version = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.mesh = mesh
         self._graphdef, state = nnx.split(model)
-        self._state = self._placed(state)
+        # the weights that sample, and the next version while it lands (weight_swap.py)
+        self.weights = LiveWeights(self._placed(state), choose(SWAP_TIMINGS, "swap", swap),
+                                   choose(INFLIGHT_KVS, "inflight_kv", inflight_kv))
         self._cache = self._placed_cache(self.kv.make_cache(model.cfg, model.dtype))
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)
@@ -160,15 +162,6 @@ class JaxEngine(Engine):
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self._chunks = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else None
-        if swap not in SWAPS:
-            raise ValueError(f"swap must be one of {', '.join(SWAPS)}, got {swap!r}")
-        self.swap = swap
-        if inflight_kv not in INFLIGHT_KV:
-            raise ValueError(f"inflight_kv must be one of {', '.join(INFLIGHT_KV)}, got {inflight_kv!r}")
-        self.inflight_kv = inflight_kv
-        self._recompute = False  # inflight_kv="recompute": a version took over; the loop recomputes at its top
-        self._pending: tuple[Any, int] | None = None  # weights waiting to land (swap="landed"), their version
-        self._swapped: asyncio.Event | None = None     # set whenever a version takes over
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -190,52 +183,35 @@ class JaxEngine(Engine):
         self._arrived.set()
         return await future
 
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    @property
+    def _state(self):
+        return self.weights.state
+
     def update_weights(self, params: Any, version: int | None = None) -> None:
-        """Swap in new parameters (an nnx.State of this model's variables, or a Decoder)."""
+        """Swap in new parameters (an nnx.State of this model's variables, or a Decoder): when
+        they take over is rollout.jax.swap's (weight_swap.py)."""
         state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
         old_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self._state)
         new_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if old_shapes != new_shapes:
             raise ValueError("update_weights: the new parameters do not match the engine's model")
         version = self.version + 1 if version is None else version
-        state = self._placed(state)
-        if self.swap == "landed" and self._decoding():
-            self._pending = (state, version)  # taken over at a chunk boundary once landed (_take_landed)
-        else:
-            self._take_over(state, version)
+        self.weights.give(self._placed(state), version, self._decoding(), any(self._active))
 
     def _decoding(self) -> bool:
         return any(self._active) or (self._chunks is not None and self._chunks.in_flight is not None)
 
-    def _take_over(self, state, version: int) -> None:
-        if self.inflight_kv == "recompute" and version != self.version and any(self._active):
-            self._recompute = True
-        self._state, self.version, self._pending = state, version, None
-        if self._swapped is not None:
-            self._swapped.set()
-
-    @staticmethod
-    def _landed(state) -> bool:
-        """Whether every array of a weight copy is on the device (its copy done)."""
-        return all(x.is_ready() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-
-    def _take_landed(self) -> None:
-        """swap="landed": the pending weights take over at this boundary if their copy is done,
-        or if nothing is decoding (no pause to spare)."""
-        if self._pending is not None and (self._landed(self._pending[0]) or not self._decoding()):
-            self._take_over(*self._pending)
-
     async def weights_at_least(self, version: int) -> None:
         """Until weights of `version` or newer have taken over (swap="landed": once their copy
         lands, or the engine runs dry)."""
-        while self.version < version:
-            if self._pending is None:  # nothing on its way: as the base Engine, its weights are the latest
-                return
-            self._swapped = self._swapped or asyncio.Event()
-            self._swapped.clear()
+        def wake():
             self._ensure_running()
             self._arrived.set()  # an idle loop wakes and takes them over
-            await self._swapped.wait()
+        await self.weights.at_least(version, wake)
 
     def _placed(self, state):
         """Parameters on the engine's mesh by the model's logical axes (kept where they already are)."""
@@ -316,8 +292,8 @@ class JaxEngine(Engine):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                self._take_landed()
-                if self._recompute:
+                self.weights.at_boundary(self._decoding(), any(self._active))
+                if self.weights.needs_recompute:
                     await self._recompute_kv(loop)
                 await self._admit_waiting(loop)
                 if not any(self._active):
@@ -345,7 +321,7 @@ class JaxEngine(Engine):
         """inflight_kv="recompute": every request in flight gives up its KV (older weights') and
         waits at the head of the queue, to be prefilled again by the new weights. The chunk in
         flight was sampled before the swap: its tokens are read first and kept."""
-        self._recompute = False
+        self.weights.needs_recompute = False
         if self._chunks is not None:
             await self._chunks.drain(self, loop)
         for slot in reversed(range(self.slots)):  # the queue's head: slot 0's request first

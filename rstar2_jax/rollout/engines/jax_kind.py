@@ -10,7 +10,8 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
-from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, INFLIGHT_KV, SWAPS
+from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS
+from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KV, SWAP_TIMINGS, SWAPS
 from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
 
@@ -149,7 +150,7 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
                        f"{x.compute_dtype}, split over {engine_devices} device(s)" +
                        (" (the Pallas decode kernel runs on one)" if x.decode_attention == "pallas" else ""))
     lines = [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b))]
-    if x.rollout.jax.swap == "landed" and not shares:  # the next version lands beside the one decoding
+    if SWAP_TIMINGS[x.rollout.jax.swap].waits_for_landing and not shares:  # the next version lands beside the one decoding
         lines.insert(1, PlanLine("landing weights", weights.bytes, "rollout.jax.swap=landed: the next version's "
                                  "copy, beside the one decoding until it lands"))
     return lines, engine_devices
