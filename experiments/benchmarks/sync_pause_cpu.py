@@ -63,13 +63,13 @@ async def _run_placement(model, learner_params, mesh, precopied, args) -> dict:
     engine = JaxEngine(model, _NoTokenizer(), slots=args.slots, max_len=args.prompt + args.max_tokens + 16, eos_ids=(),
                        mesh=mesh, decode_steps=args.decode_steps)
     reads: list[float] = []
-    apply = engine._chunks._apply
+    apply = engine.decoder._apply
 
     async def timed_apply(eng, loop, chunk):  # the chunk's tokens read: the engine's heartbeat
         await apply(eng, loop, chunk)
         reads.append(time.monotonic())
 
-    engine._chunks._apply = timed_apply
+    engine.decoder._apply = timed_apply
     engine.precompile([args.prompt])
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
     stop = asyncio.Event()

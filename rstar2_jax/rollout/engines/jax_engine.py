@@ -65,6 +65,7 @@ from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, PromptTooLong, ServerLoad
 from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, ChunkedDecode
+from rstar2_jax.rollout.engines.decode_step import StepDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights, choose
@@ -161,7 +162,8 @@ class JaxEngine(Engine):
         self.kernels = engine_kernels(self._graphdef, self.cfg)
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
-        self._chunks = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else None
+        # how the loop decodes: K tokens a dispatch in a device loop, or one (the reference)
+        self.decoder: ChunkedDecode | StepDecode = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else StepDecode()
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -203,7 +205,7 @@ class JaxEngine(Engine):
         self.weights.give(self._placed(state), version, self._decoding(), any(self._active))
 
     def _decoding(self) -> bool:
-        return any(self._active) or (self._chunks is not None and self._chunks.in_flight is not None)
+        return any(self._active) or self.decoder.in_flight is not None
 
     async def weights_at_least(self, version: int) -> None:
         """Until weights of `version` or newer have taken over (swap="landed": once their copy
@@ -238,14 +240,10 @@ class JaxEngine(Engine):
             sampling = (np.uint32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
             fn, head = self.kv.idle_prefill(self)
             self._cache, *_ = fn(*head, tokens, np.int32(0), np.int32(1), *sampling)
-        inputs, _ = self._decode_inputs()  # no request yet: every slot idle, every write dropped
         lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
         for kv_len in lengths:
-            if self._chunks is None:
-                self._cache, _, _ = self.kernels.decode(self._state, self._cache, *inputs, kv_len=kv_len)
-            else:
-                self._chunks.precompile(self, kv_len)
+            self.decoder.precompile(self, kv_len)
         jax.block_until_ready(self._cache)
 
     async def close(self):
@@ -297,20 +295,17 @@ class JaxEngine(Engine):
                     await self._recompute_kv(loop)
                 await self._admit_waiting(loop)
                 if not any(self._active):
-                    if self._chunks is not None and self._chunks.in_flight is not None:
-                        await self._chunks.drain(self, loop)  # its requests may all have finished
+                    if self.decoder.in_flight is not None:
+                        await self.decoder.drain(self, loop)  # its requests may all have finished
                         continue
                     self._arrived.clear()
                     await self._arrived.wait()
                     continue
                 # paged: the pages each row's next writes land in (may evict or preempt)
-                self.kv.before_decode(self, 1 if self._chunks is None else self._chunks.lookahead)
+                self.kv.before_decode(self, self.decoder.lookahead)
                 if not any(self._active):  # cannot happen (one sequence fits the pool), but never step on nothing
                     continue
-                if self._chunks is None:
-                    await self._step(loop)
-                else:
-                    await self._chunks.step(self, loop)
+                await self.decoder.step(self, loop)
         except Exception as e:  # fail every waiting request loudly rather than hang it
             for req in [*self._active, *self._waiting]:
                 if req is not None and not req.future.done():
@@ -322,8 +317,7 @@ class JaxEngine(Engine):
         waits at the head of the queue, to be prefilled again by the new weights. The chunk in
         flight was sampled before the swap: its tokens are read first and kept."""
         self.weights.needs_recompute = False
-        if self._chunks is not None:
-            await self._chunks.drain(self, loop)
+        await self.decoder.drain(self, loop)
         for slot in reversed(range(self.slots)):  # the queue's head: slot 0's request first
             if self._active[slot] is not None:
                 self._preempt(slot)
@@ -411,58 +405,10 @@ class JaxEngine(Engine):
         self.stats.preemptions += 1
         self.ledger.charge_preemption(req.owner)
 
-    def _decode_inputs(self):
-        """The decode step's per-slot arrays from the active requests (idle slots: dropped
-        writes), led by the slots' page tables (None with slot rows)."""
-        tokens = np.zeros(self.slots, np.int32)
-        positions = np.full(self.slots, self.max_len, np.int32)  # idle: the write is dropped
-        temperature = np.ones(self.slots, np.float32)
-        top_k = np.zeros(self.slots, np.int32)
-        top_p = np.ones(self.slots, np.float32)
-        seeds = np.zeros(self.slots, np.uint32)
-        counters = np.zeros(self.slots, np.int32)
-        for slot, req in enumerate(self._active):
-            if req is not None:
-                seeds[slot] = req.seed
-                counters[slot] = len(req.generated)
-                tokens[slot] = req.generated[-1]
-                positions[slot] = len(req.prompt) + len(req.generated) - 1
-                temperature[slot] = req.sampling.temperature
-                top_k[slot] = req.sampling.top_k
-                top_p[slot] = req.sampling.top_p
-        arrays = (tokens, positions, seeds, counters, temperature, top_k, top_p)
-        table = self.kv.decode_table([i if r is not None else None for i, r in enumerate(self._active)])
-        return ((table,) + arrays,
-                [int(p) for p in positions if p < self.max_len])
-
-    async def _step(self, loop):
-        inputs, busy = self._decode_inputs()
-        args = (self._state, self._cache) + inputs
-        version = self.version
-        kv_len = self._kv_len(max(busy) + 1)
-
-        owners = [r.owner for r in self._active if r is not None]  # the requests this step serves
-
-        def run():
-            start = time.monotonic()
-            cache, token, logp = self.kernels.decode(*args, kv_len=kv_len)
-            token, logp = np.asarray(token), np.asarray(logp)
-            return cache, token, logp, start, time.monotonic()  # the device work's interval
-
-        self._cache, sampled, logps, start, end = await loop.run_in_executor(self._executor, run)
-        self.stats.decode_s += end - start
-        self.stats.decode_steps += 1
-        self.stats.busy_slot_steps += len(busy)
-        self.ledger.charge_decode(owners, start, end, len(busy))
-        for slot, req in enumerate(self._active):
-            if req is not None:
-                self._append(slot, int(sampled[slot]), float(logps[slot]), version)
-
     def _set_slot(self, slot: int, req: _Request | None) -> None:
         """The one place a slot changes hands: the chunk loop's carry is then stale for it."""
         self._active[slot] = req
-        if self._chunks is not None:
-            self._chunks.changed(slot)
+        self.decoder.changed(slot)
 
     def remaining(self, req: _Request) -> int:
         """Tokens `req` may still sample before its budget or the KV room ends it ("length")."""
