@@ -272,3 +272,13 @@ def test_an_unknown_engine_is_refused_by_name_while_the_checks_that_ask_an_engin
     run_cfg, problems = RunConfig.parse(tree)
     assert [p.path for p in problems] == ["rollout.engine"] and "unknown engine 'sglang'" in str(problems[0])
     assert run_cfg.topology_problems(2) == []
+
+
+def test_engine_replicas_must_divide_the_engines_own_devices():
+    tree = tiny_arith.get_config().to_dict()
+    tree["rollout"]["jax"].update(devices=4, replicas=3)
+    _, problems = RunConfig.parse(tree)
+    [p] = [p for p in problems if p.path.endswith("jax.replicas")]
+    assert "3 does not divide rollout.jax.devices=4" in str(p), p
+    tree["rollout"]["jax"]["replicas"] = 2
+    assert problems_of(tree) == []

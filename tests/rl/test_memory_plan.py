@@ -327,3 +327,16 @@ def test_keeping_cudnn_s_attention_outputs_is_counted(tmp_path):
     assert activations("dots_attention").bytes - activations("dots").bytes == layers * tokens * q_width * 2 + statistics
     assert f"softmax statistics {statistics / GiB:.1f} GiB" in activations("dots_attention").how
     assert activations("dots_attention", "xla").bytes == activations("dots", "xla").bytes
+
+
+def test_engine_replicas_each_hold_a_replicas_share_of_the_engines_devices(tmp_path):
+    """rollout.jax.replicas (issue 70 item 2): each device holds one replica's share, so 2 replicas
+    over 4 devices of its own plan the lines of one engine over 2 devices."""
+    common = dict(rl__token_budget=0, rl__micro_batches=32, model__decode_attention="xla")
+    replicated = _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4, rollout__jax__replicas=2, **common)
+    two = _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=2, **common)
+    four = _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4, **common)
+    plans = [memory_plan(shape("qwen3_1p7b"), c, devices=8, devices_per_process=8, capacity=None)
+             for c in (replicated, two, four)]
+    for name in ("engine weights", "KV pool"):
+        assert plans[0].line(name).bytes == plans[1].line(name).bytes > plans[2].line(name).bytes, name

@@ -86,11 +86,41 @@ def main():
                     engine_on=sorted(engine_on), learner_on=sorted(learner_on), sync_s=sync_s,
                     copy_own_s=times["own"], copy_shared_s=times["shared"])
 
+    async def replicas():
+        """rollout.jax.devices=4, replicas=4 (issue 70 item 2): the kind builds four one-device
+        engines on devices 4-7 behind the kv_aware scheduler with prefix affinity; a sync from the
+        learner's copy (onto the first replica's mesh) reaches each, device to device."""
+        import dataclasses
+
+        from rstar2_jax import sharding
+        from rstar2_jax.processes import local_copy
+        from rstar2_jax.rollout.engines import RolloutConfig, engine_kind
+        base = RolloutConfig()
+        rollout = dataclasses.replace(base, max_len=max_len, jax=dataclasses.replace(
+            base.jax, devices=4, replicas=4, slots=cfg.slots))
+        kind = engine_kind(rollout)
+        engine_model = models.load_pretrained(model_dir)  # other weights until the sync lands
+        nnx.update(engine_model, jax.tree.map(lambda x: x * 0.5, nnx.state(engine_model, nnx.Param)))
+        engine = kind.build(rollout, engine_model, tokenizer, 0)
+        async with engine:
+            state = nnx.state(fp32, nnx.Param)
+            mesh = kind.mesh(rollout, "xla")
+            engine.update_weights(local_copy(state, None, sharding.param_shardings(state, mesh)), version=1)
+            outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0),
+                                                          session=i) for i, p in enumerate(prompts)))
+            again = await engine.generate(prompts[0] + outs[0].token_ids, SamplingParams(max_tokens=4, temperature=0.0),
+                                          session=0)  # the trajectory's next turn: back to its home
+            on = [sorted({d.id for leaf in jax.tree.leaves(e._state) for d in leaf.devices()}) for e in engine.engines]
+            return dict(tokens=[o.token_ids for o in outs], versions=[e.version for e in engine.engines], on=on,
+                        dispatched=list(engine.dispatched), stayed=engine.stayed, next_turn=again.token_ids)
+
     own = asyncio.run(own_devices())
+    replicated = asyncio.run(replicas())
     split = asyncio.run(greedy(fp32, jax.devices()))
     single = asyncio.run(greedy(fp32, jax.devices()[:1]))
     split_bf16 = asyncio.run(greedy(bf16, jax.devices()))
-    print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, own=own, mesh_of_8=dict(engine_mesh("xla").shape),
+    print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, own=own, replicas=replicated,
+                          mesh_of_8=dict(engine_mesh("xla").shape),
                           pallas_mesh=engine_mesh("pallas") is None)))
 
 

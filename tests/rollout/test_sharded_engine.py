@@ -45,6 +45,18 @@ def test_an_engine_on_devices_of_its_own_gets_the_learners_weights_device_to_dev
     print(f"sync to own devices {own['copy_own_s'] * 1e3:.1f} ms, to shared ones {own['copy_shared_s'] * 1e3:.1f} ms")
 
 
+@pytest.mark.slow
+def test_replicas_on_the_engines_devices_give_the_single_device_tokens_and_keep_a_session_home(result):
+    """rollout.jax.replicas=4 over rollout.jax.devices=4 (issue 70 item 2): four one-device
+    engines on devices 4-7 behind the kv_aware scheduler; each took the sync (version 1) on its own
+    device; greedy tokens equal one device's; the turns spread over the replicas and a
+    trajectory's next turn goes back to the replica holding its prefix."""
+    r = result["replicas"]
+    assert r["on"] == [[4], [5], [6], [7]] and r["versions"] == [1, 1, 1, 1]
+    assert r["tokens"] == result["single"]["tokens"]
+    assert sum(r["dispatched"]) == 6 and sum(d > 0 for d in r["dispatched"]) >= 3 and r["stayed"] == 1
+
+
 def test_the_engines_own_devices_leave_the_learner_some_or_are_refused_naming_both():
     from types import SimpleNamespace
 

@@ -39,6 +39,10 @@ class JaxEngineSettings(Section):
     inflight_kv: str = setting("keep", "what requests in flight keep when new weights take over: keep (their KV, "
                                "computed by the old weights: PipelineRL's in-flight update) | recompute (their "
                                "context prefilled again by the new weights, as after a preemption)", choices=INFLIGHT_KV)
+    replicas: int = setting(1, "data-parallel copies of the engine over its devices (rollout.jax.devices, else the "
+                            "process's): each holds the weights on devices / replicas of them (split by heads "
+                            "within) with its own slots and KV; the scheduler's kv_aware policy with prefix "
+                            "affinity picks one per turn, as among vLLM servers", min=1)
     decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
                                 "chunks of this many tokens, the next dispatched before the last is read (same "
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
@@ -94,23 +98,43 @@ def kv_pool_pages(jax_cfg: JaxEngineSettings, max_len: int, model_cfg, dtype_byt
 
 
 def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+    """One JaxEngine on the engine's devices, or (rollout.jax.replicas > 1) one per group of
+    them behind a Scheduler (kv_aware, prefix affinity), each with the kind's settings."""
     import jax.numpy as jnp
 
     from rstar2_jax.rollout.engines.jax_engine import JaxEngine
     j = cfg.jax
-    return JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
-                     page_size=j.page_size or None,
-                     kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
-                     mesh=_mesh(cfg, model.decode_attention), decode_steps=j.decode_steps, swap=j.swap,
-                     inflight_kv=j.inflight_kv)
+    engines = [JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
+                         page_size=j.page_size or None,
+                         kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
+                         mesh=mesh, decode_steps=j.decode_steps, swap=j.swap, inflight_kv=j.inflight_kv)
+               for mesh in replica_meshes(cfg, model.decode_attention)]
+    if len(engines) == 1:
+        return engines[0]
+    from rstar2_jax.rollout.scheduler import Scheduler
+    return Scheduler(engines, policy="kv_aware", affinity=True)
+
+
+def replica_meshes(cfg: RolloutConfig, decode_attention: str) -> list:
+    """Each replica's mesh over this process's share of the engine's devices (split_devices), in
+    rollout.jax.replicas contiguous groups; one replica: the whole share (None: the default device)."""
+    import jax
+    _, engine = split_devices(cfg, jax.devices())
+    local = sorted((d for d in engine if d.process_index == jax.process_index()), key=lambda d: d.id)
+    n = cfg.jax.replicas
+    if n == 1:
+        return [engine_mesh(decode_attention, local, own=bool(cfg.jax.devices))]
+    if len(local) % n:
+        raise ValueError(f"rollout.jax.replicas={n} does not divide the engine's {len(local)} device(s) of this "
+                         f"process: set it to a divisor of {len(local)}")
+    size = len(local) // n
+    return [engine_mesh(decode_attention, local[i * size:(i + 1) * size], own=True) for i in range(n)]
 
 
 def _mesh(cfg: RolloutConfig, decode_attention: str):
-    """The engine's mesh: this process's share of its devices (split_devices)."""
-    import jax
-    _, engine = split_devices(cfg, jax.devices())
-    local = [d for d in engine if d.process_index == jax.process_index()]
-    return engine_mesh(decode_attention, local, own=bool(cfg.jax.devices))
+    """Where the learner's weights are copied for the engine: its (first replica's) mesh; other
+    replicas take them from there, device to device."""
+    return replica_meshes(cfg, decode_attention)[0]
 
 
 def _check_jax(cfg: RolloutConfig):
@@ -123,6 +147,9 @@ def _check_jax(cfg: RolloutConfig):
         yield "jax.kv_memory_gb", "needs rollout.jax.page_size > 0 (it sizes the paged KV pool)"
     if j.kv_memory_gb and j.kv_pages:
         yield "jax.kv_memory_gb", "and rollout.jax.kv_pages both size the pool: set one (the other 0)"
+    if j.devices and j.devices % j.replicas:
+        yield "jax.replicas", (f"{j.replicas} does not divide rollout.jax.devices={j.devices}: each replica takes an "
+                               "equal group of the engine's devices")
     if j.kv_pages and j.page_size and j.kv_pages * j.page_size < cfg.max_len:
         yield "jax.kv_pages", (f"{j.kv_pages} x page_size={j.page_size} cannot hold one max_len={cfg.max_len} "
                                "sequence")
@@ -142,7 +169,9 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
     import jax.numpy as jnp
 
     b = jnp.dtype(DTYPES[x.compute_dtype]).itemsize
-    engine_devices = _engine_devices(x.decode_attention, x.devices_per_process, x.rollout.jax.devices)
+    # each device holds one replica's share: weights and KV split over a replica's devices
+    engine_devices = max(_engine_devices(x.decode_attention, x.devices_per_process, x.rollout.jax.devices)
+                         // x.rollout.jax.replicas, 1)
     mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
     shares = _weights(x.rollout, x.compute_dtype).shares(learner_devices=x.devices, on_policy=x.on_policy)
     weights = PlanLine("engine weights", 0.0 if shares else shard_bytes(x.arch, mesh, b),
@@ -170,7 +199,8 @@ def _kv_pool(x: EnginePlanInputs, engine_devices: int, b: int) -> tuple[float, s
 
 def _describe(r: RolloutConfig) -> str:
     j = r.jax
-    return f"jax, {j.slots} slots x {r.max_len} KV positions" + (f", paged ({j.page_size} per page)" if j.page_size else "")
+    return (f"jax, {j.slots} slots x {r.max_len} KV positions" + (f", paged ({j.page_size} per page)" if j.page_size else "")
+            + (f", {j.replicas} data-parallel replicas" if j.replicas > 1 else ""))
 
 
 ENGINES.register("jax", EngineKind(
