@@ -176,6 +176,7 @@ class Attention(nnx.Module):
         self.cfg, self.dtype = cfg, dtype
         self.full_impl, self.decode_impl = "xla", "xla"  # see Decoder.set_attention
         self.decode_splits: int | None = None
+        self.decode_mesh = None  # Pallas decode under tensor parallelism: the engine's mesh (set_attention)
         self.q_proj = _param(rngs, (e, h, d), ("embed", "q_heads", "head_dim"), param_dtype, "normal")
         self.k_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
         self.v_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal")
@@ -227,8 +228,8 @@ class Attention(nnx.Module):
             pool_k, pool_v = _write_pages(pool_k, pool_v, page_table, positions, k, v)
             new_cache = (pool_k, pool_v, page_table)
             if self.decode_impl == "pallas" and t == 1:
-                out = _pallas_paged_decode_attention(q, pool_k.astype(self.dtype), pool_v.astype(self.dtype),
-                                                     page_table, positions[:, 0] + 1, cfg)
+                out = _by_kv_heads(self.decode_mesh, _pallas_paged_decode_attention, cfg, (2, 0, 0, None, None))(
+                    q, pool_k.astype(self.dtype), pool_v.astype(self.dtype), page_table, positions[:, 0] + 1)
             else:
                 keys = _gather_pages(pool_k, page_table, kv_len).astype(self.dtype)
                 values = _gather_pages(pool_v, page_table, kv_len).astype(self.dtype)
@@ -246,7 +247,8 @@ class Attention(nnx.Module):
             n = cache_k.shape[2] if kv_len is None else min(kv_len, cache_k.shape[2])
             keys, values = cache_k[:, :, :n].astype(self.dtype), cache_v[:, :, :n].astype(self.dtype)
             if self.decode_impl == "pallas" and t == 1:
-                out = _pallas_decode_attention(q, keys, values, positions[:, 0] + 1, cfg, self.decode_splits)
+                out = _by_kv_heads(self.decode_mesh, _pallas_decode_attention, cfg, (2, 1, 1, None), self.decode_splits)(
+                    q, keys, values, positions[:, 0] + 1)
             else:
                 mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]  # [B, T, S]
                 out = _xla_attention(q, keys, values, mask, cfg)
@@ -293,6 +295,29 @@ def _cudnn_packed_attention(q, k, v, segments: PackedSegments, cfg: ModelConfig)
                                       q_offsets=segments.starts, kv_offsets=segments.starts,
                                       scale=cfg.head_dim ** -0.5, mask_type=cudnn.MaskType.CAUSAL, qkv_layout="BTNH")
     return jnp.where(real, out, 0).astype(q.dtype)
+
+
+def _by_kv_heads(mesh, kernel, cfg: ModelConfig, head_axes: tuple, *extra):
+    """`kernel(*args, cfg, *extra)` on each device's heads under tensor parallelism: shard_map over
+    the mesh's tensor axis, each argument split on its heads axis (`head_axes`, None: whole), the
+    output on the query heads'. A group's query heads stay with their KV head when the KV heads
+    divide evenly (GQA). Without a mesh (or one device on the tensor axis): the kernel as is."""
+    tp = 1 if mesh is None else mesh.shape.get("tensor", 1)
+    if tp == 1:
+        return lambda *args: kernel(*args, cfg, *extra)
+    if cfg.num_kv_heads % tp:
+        raise ValueError(f"pallas decode attention under tensor parallelism needs the KV heads ({cfg.num_kv_heads}) "
+                         f"to divide over the tensor axis ({tp})")
+    from jax.sharding import PartitionSpec as P
+
+    def spec(axis, ndim):
+        return P() if axis is None else P(*[("tensor" if i == axis else None) for i in range(ndim)])
+
+    def run(*args):
+        in_specs = tuple(spec(a, x.ndim) for a, x in zip(head_axes, args))
+        return jax.shard_map(lambda *a: kernel(*a, cfg, *extra), mesh=mesh, in_specs=in_specs,
+                             out_specs=spec(2, 4), check_vma=False)(*args)
+    return run
 
 
 def _pallas_decode_attention(q, keys, values, lengths, cfg: ModelConfig, splits: int | None = None):
@@ -431,12 +456,13 @@ class Decoder(nnx.Module):
         return self.layers[0].attn.decode_impl
 
     def set_attention(self, full: str | None = None, decode: str | None = None,
-                      decode_splits: int | None = None) -> "Decoder":
+                      decode_splits: int | None = None, decode_mesh=None) -> "Decoder":
         """Choose the attention implementation of every layer (see the module docstring).
 
         full: "xla" | "cudnn" for forwards without a cache; decode: "xla" | "pallas" for
         single-token steps against the cache; decode_splits: the Pallas kernel's parallel chunks
-        per row and head (None: its default). Set it before nnx.split (engines, learners).
+        per row and head (None: its default); decode_mesh: the engine's mesh, over whose tensor
+        axis the Pallas kernels run by heads (shard_map). Set it before nnx.split (engines, learners).
         """
         if full is not None and full not in FULL_ATTENTION:
             raise ValueError(f"full attention must be one of {FULL_ATTENTION}, got {full!r}")
@@ -446,6 +472,7 @@ class Decoder(nnx.Module):
             layer.attn.full_impl = full or layer.attn.full_impl
             layer.attn.decode_impl = decode or layer.attn.decode_impl
             layer.attn.decode_splits = decode_splits or layer.attn.decode_splits
+            layer.attn.decode_mesh = decode_mesh or layer.attn.decode_mesh
         return self
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,

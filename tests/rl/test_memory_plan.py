@@ -63,7 +63,7 @@ def test_qwen3_0p6b_and_1p7b_on_one_gpu_hand_computed(tmp_path):
     cfg = _cfg(qwen3_0p6b_math, tmp_path, rl__token_budget=0, rl__micro_batches=32)  # padded rows
     small = memory_plan(shape("qwen3_0p6b"), cfg, devices=1, devices_per_process=1, capacity=76 * GiB)
     assert small.line("parameters").bytes == 596_049_920 * 4
-    assert small.line("engine weights").bytes == 596_049_920 * 2  # bf16, whole (Pallas decode: one device)
+    assert small.line("engine weights").bytes == 596_049_920 * 2  # bf16, whole (one device)
     # 16 GiB / (256 x 28 layers x 2 x 8 x 128 x 2 bytes) = 585 whole pages
     assert small.line("KV pool").bytes == 585 * 256 * 114_688
     # 32 x 8 rows / 32 micro-batches = 8 rows x 9,216 = 73,728 tokens, no tensor split

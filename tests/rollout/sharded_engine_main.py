@@ -35,16 +35,17 @@ def main():
     cfg, max_len = JaxEngineSettings(slots=3, page_size=64, kv_memory_gb=budget_gb), 128
     prompts = [tokenizer.encode(f"problem {i}: {'x' * i}") for i in range(5)]
 
-    async def greedy(model, devices):
+    async def greedy(model, devices, decode="xla", paged=True):
         dtype_bytes = jnp.dtype(model.dtype).itemsize
-        async with JaxEngine(model, tokenizer, slots=cfg.slots, max_len=max_len, page_size=cfg.page_size,
-                             kv_pages=kv_pool_pages(cfg, max_len, model.cfg, dtype_bytes), mesh=engine_mesh("xla", devices)) \
-                as engine:
+        model = nnx.merge(*nnx.split(model)).set_attention(decode=decode)  # a clone: the fixture's stays xla
+        async with JaxEngine(model, tokenizer, slots=cfg.slots, max_len=max_len, page_size=cfg.page_size if paged else None,
+                             kv_pages=kv_pool_pages(cfg, max_len, model.cfg, dtype_bytes) if paged else None,
+                             mesh=engine_mesh(decode, devices)) as engine:
             outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
                                           for p in prompts))
             q = nnx.merge(engine._graphdef, engine._state).layers[0].attn.q_proj.get_value()
             keys = engine._cache.keys[0]
-            return dict(tokens=[o.token_ids for o in outs], pages=engine.kv.pool.num_pages,
+            return dict(tokens=[o.token_ids for o in outs], pages=engine.kv.pool.num_pages if paged else 0,
                         q_proj_shard_fraction=q.addressable_shards[0].data.size / q.size, q_proj_dtype=str(q.dtype),
                         kv_shard_fraction=keys.addressable_shards[0].data.size / keys.size)
 
@@ -119,9 +120,12 @@ def main():
     split = asyncio.run(greedy(fp32, jax.devices()))
     single = asyncio.run(greedy(fp32, jax.devices()[:1]))
     split_bf16 = asyncio.run(greedy(bf16, jax.devices()))
+    # the Pallas decode kernels (interpreted on the CPU) by heads over 8 devices against one device
+    pallas = {f"{layout}_{where}": asyncio.run(greedy(fp32, devices, "pallas", paged=layout == "paged"))["tokens"]
+              for layout in ("paged", "rows") for where, devices in (("split", jax.devices()), ("single", jax.devices()[:1]))}
     print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, own=own, replicas=replicated,
                           mesh_of_8=dict(engine_mesh("xla").shape),
-                          pallas_mesh=engine_mesh("pallas") is None)))
+                          pallas=pallas, pallas_mesh=dict(engine_mesh("pallas").shape))))
 
 
 if __name__ == "__main__":

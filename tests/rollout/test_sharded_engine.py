@@ -19,7 +19,16 @@ def result():
 def test_engine_over_8_devices_gives_the_single_device_tokens(result):
     assert result["split"]["tokens"] == result["single"]["tokens"]
     assert result["mesh_of_8"] == {"data": 1, "fsdp": 1, "tensor": 8}
-    assert result["pallas_mesh"]  # the Pallas decode kernel keeps the engine on one device
+    assert result["pallas_mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}  # Pallas decode splits by heads too
+
+
+@pytest.mark.slow
+def test_the_pallas_decode_kernels_under_tensor_parallelism_give_the_single_device_tokens(result):
+    """Issue 70 item 2: the ragged and the paged Pallas kernels run by KV heads under shard_map
+    over 8 devices (interpreted on the CPU), with the tokens of one device, and of XLA's attention."""
+    p = result["pallas"]
+    assert p["rows_split"] == p["rows_single"] and p["paged_split"] == p["paged_single"]
+    assert p["paged_single"] == result["single"]["tokens"]
 
 @pytest.mark.slow
 def test_each_device_holds_an_eighth_of_the_weights_and_kv_in_the_given_dtype(result):

@@ -146,6 +146,8 @@ class JaxEngine(Engine):
         self._admissions = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.mesh = mesh
+        if mesh is not None and model.decode_attention == "pallas":  # the kernels run by heads on the mesh
+            model = nnx.merge(*nnx.split(model)).set_attention(decode_mesh=mesh)  # a new module: the caller's is kept
         self._graphdef, state = nnx.split(model)
         # the weights that sample, and the next version while it lands (weight_swap.py)
         self.weights = LiveWeights(self._placed(state), choose(SWAP_TIMINGS, "swap", swap),

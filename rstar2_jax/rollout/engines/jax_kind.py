@@ -50,14 +50,15 @@ class JaxEngineSettings(Section):
 
 def engine_mesh(decode_attention: str, devices=None, own: bool = False):
     """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
-    split over them, as vLLM's tensor parallelism). None (the default device) when there is one,
-    or with the Pallas decode kernel, which runs on a single device; with devices of its own
-    (`own`), a mesh of the first of them instead, so that the engine lives there."""
+    split over them, as vLLM's tensor parallelism; the Pallas decode kernels run by heads under
+    shard_map, models/decoder._by_kv_heads). None (the default device) when there is one; with
+    devices of its own (`own`), a mesh of that one, so that the engine lives there."""
     import jax
+    del decode_attention  # every decode attention splits by heads
     devices = jax.local_devices() if devices is None else list(devices)
     from rstar2_jax.sharding import make_mesh
-    if len(devices) == 1 or decode_attention == "pallas":
-        return make_mesh(data=1, fsdp=1, tensor=1, devices=devices[:1]) if own else None
+    if len(devices) == 1:
+        return make_mesh(data=1, fsdp=1, tensor=1, devices=devices) if own else None
     return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
 
 
@@ -161,8 +162,8 @@ def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
     return EngineWeights(dtype=compute_dtype, split=True, own_devices=bool(cfg.jax.devices))
 
 
-def _engine_devices(decode_attention: str, devices_per_process: int, own: int = 0) -> int:
-    return 1 if decode_attention == "pallas" else own or devices_per_process  # as engine_mesh
+def _engine_devices(devices_per_process: int, own: int = 0) -> int:
+    return own or devices_per_process  # as engine_mesh
 
 
 def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
@@ -170,14 +171,12 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
 
     b = jnp.dtype(DTYPES[x.compute_dtype]).itemsize
     # each device holds one replica's share: weights and KV split over a replica's devices
-    engine_devices = max(_engine_devices(x.decode_attention, x.devices_per_process, x.rollout.jax.devices)
-                         // x.rollout.jax.replicas, 1)
+    engine_devices = max(_engine_devices(x.devices_per_process, x.rollout.jax.devices) // x.rollout.jax.replicas, 1)
     mesh = {"data": 1, "fsdp": 1, "tensor": engine_devices}
     shares = _weights(x.rollout, x.compute_dtype).shares(learner_devices=x.devices, on_policy=x.on_policy)
     weights = PlanLine("engine weights", 0.0 if shares else shard_bytes(x.arch, mesh, b),
                        "shares the learner's (float32, one device, on-policy)" if shares else
-                       f"{x.compute_dtype}, split over {engine_devices} device(s)" +
-                       (" (the Pallas decode kernel runs on one)" if x.decode_attention == "pallas" else ""))
+                       f"{x.compute_dtype}, split over {engine_devices} device(s)")
     lines = [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b))]
     if SWAP_TIMINGS[x.rollout.jax.swap].waits_for_landing and not shares:  # the next version lands beside the one decoding
         lines.insert(1, PlanLine("landing weights", weights.bytes, "rollout.jax.swap=landed: the next version's "
