@@ -4,11 +4,14 @@
 # what ran. Run from the repository root on the device machine, with the ml_collections wheel
 # carried in .whl (the image has everything else):
 #   carry [".whl"]; command: bash experiments/benchmarks/h200_issue70.sh
-# 1. decode against the roofline, Qwen3-0.6B at 256 and 128 slots, one step per dispatch against
-#    16, and a profile of the last (128 slots, 16 steps);
-# 2. the same at Qwen3-1.7B, 16 steps per dispatch;
-# 3. learner MFU with model.remat=dots_attention (packed rows, Qwen3-1.7B);
-# 4. XLA command buffers: the chunk's while loop captured (+WHILE,+CONDITIONAL), and none at all.
+# 1. decode against the roofline, Qwen3-0.6B at 256 and 128 slots, one step per dispatch against 16;
+# 2. a profile of 127 steps at 128 slots, 16 steps per dispatch (its own process: the 2026-12-04
+#    lease showed the profile does not fit beside step 1 in one limit);
+# 3. decode at Qwen3-1.7B, 16 steps per dispatch;
+# 4. learner MFU with model.remat=dots_attention (packed rows, Qwen3-1.7B; 140 s was too short);
+# 5. paged KV under chunks (pages of 256), not yet measured.
+# The command-buffer settings were measured on 2026-12-04 (within 4% of XLA's defaults) and dropped
+# from the script; BENCHMARKS.md, "JaxEngine decode on an H200", has them.
 # A CPU rehearsal of the script's plumbing: REHEARSE=1 bash experiments/benchmarks/h200_issue70.sh
 # (tiny model, XLA attention, short runs).
 set -u
@@ -32,14 +35,14 @@ step() {  # step NAME SECONDS COMMAND...
   grep -iE "tok/s|roofline|mfu|profiled|busy|sampling pass|failed|error" "$OUT/$name.log" | tail -12
 }
 D=experiments.benchmarks.engine_decode
-step decode_0p6b 200 $PY -m $D --model $S --slots 256,128 --prompt 256 --new $N \
-  --variants $A:full --decode_steps 1,16 --profile /tmp/trace_0p6b
-step decode_1p7b 130 $PY -m $D --model $L --slots 128,256 --prompt 256 --new $((N / 2)) \
+step decode_0p6b 160 $PY -m $D --model $S --slots 256,128 --prompt 256 --new $N \
+  --variants $A:full --decode_steps 1,16
+step profile_0p6b 80 $PY -m $D --model $S --slots 128 --prompt 256 --new 128 \
+  --variants $A:full --decode_steps 16 --profile /tmp/trace_0p6b
+step decode_1p7b 120 $PY -m $D --model $L --slots 128,256 --prompt 256 --new $((N / 2)) \
   --variants $A:full --decode_steps 16
-step mfu_dots_attention 140 $PY -m experiments.benchmarks.packing gpu --skip_checks --model $L $MFU_ARGS \
+step mfu_dots_attention 180 $PY -m experiments.benchmarks.packing gpu --skip_checks --model $L $MFU_ARGS \
   --variants packed:32768:dots_attention
-XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" step cmdbuf_while 55 $PY -m $D \
-  --model $S --slots 128 --prompt 256 --new $N --variants $A:full --decode_steps 16
-XLA_FLAGS="--xla_gpu_enable_command_buffer=" step cmdbuf_off 55 $PY -m $D \
-  --model $S --slots 128 --prompt 256 --new $N --variants $A:full --decode_steps 16
+step paged_0p6b 55 $PY -m $D --model $S --slots 128 --prompt 256 --new $N \
+  --variants $A:paged256 --decode_steps 16
 echo "== done $(date +%T)"
