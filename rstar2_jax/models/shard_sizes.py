@@ -4,6 +4,7 @@ given as numbers. The memory plan and the engines' plan lines count with these."
 
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
@@ -19,15 +20,22 @@ def shard_bytes(arch: ModelConfig, mesh: dict[str, int], dtype_bytes: int) -> fl
 
 def shard_sizes(arch: ModelConfig, mesh: dict[str, int]) -> list[int]:
     """Elements of one device's shard of each parameter, split by the logical-axis rules."""
+    return [int(np.prod(shard_shape(axes, shape, mesh))) for axes, shape in parameter_layout(arch)]
+
+
+@functools.lru_cache(maxsize=32)
+def parameter_layout(arch: ModelConfig) -> tuple[tuple[tuple, tuple[int, ...]], ...]:
+    """(logical axes, shape) of every parameter of `arch`: an abstract model traced once per
+    architecture (about a second; a memory plan asks for it many times)."""
     from flax import nnx
 
     from rstar2_jax.models.checkpoint import abstract_model
 
-    sizes = []
+    out = []
     for _, var in nnx.to_flat_state(nnx.state(abstract_model(arch), nnx.Param)):
-        shape = var.get_value().shape
-        sizes.append(int(np.prod(shard_shape(getattr(var, "axes", None) or (None,) * len(shape), shape, mesh))))
-    return sizes
+        shape = tuple(var.get_value().shape)
+        out.append((tuple(getattr(var, "axes", None) or (None,) * len(shape)), shape))
+    return tuple(out)
 
 
 def shard_shape(axes, shape, mesh: dict[str, int]) -> tuple[int, ...]:

@@ -98,13 +98,15 @@ def test_an_engine_on_devices_of_its_own_gets_its_own_lines_and_the_learner_the_
     engine_side = sum(line.bytes for line in split.side(engine=True))
     assert learner_side + engine_side == sum(line.bytes for line in split.lines)
     assert {line.name for line in split.side(engine=True)} == {"engine weights", "KV pool"}
-    assert split.total == max(learner_side, engine_side) == engine_side  # a 16 GiB KV pool on one device
+    # the 16 GiB KV pool split 4 ways (the Pallas kernels too run by heads): the learner's side is fuller
+    assert split.total == max(learner_side, engine_side) == learner_side
     assert "on each engine device:" in split.table()
-    # a device between the two sides: the engine's side does not fit, the learner's does
+    # a device between the two sides: the learner's side does not fit, the engine's does
     between = memory_plan(shape("qwen3_1p7b"), own, devices=8, devices_per_process=8,
                           capacity=(engine_side + learner_side) / 2)
-    assert between.overflow().name == "KV pool" and "at 'KV pool'" in between.refusal()
-    assert sum(line.bytes for line in between.side(engine=False)) < between.capacity
+    learner_names = {line.name for line in between.side(engine=False)}
+    assert between.overflow().name in learner_names and f"at '{between.overflow().name}'" in between.refusal()
+    assert sum(line.bytes for line in between.side(engine=True)) < between.capacity
     landed = memory_plan(shape("qwen3_1p7b"), _cfg(qwen3_0p6b_math, tmp_path, rollout__jax__devices=4,
                                                    rollout__jax__swap="landed"), devices=8, devices_per_process=8,
                          capacity=None)  # the in-flight swap's second buffer, on the engine's side
