@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments.benchmarks import common  # noqa: E402
+from experiments.benchmarks.engine_decode import _NoTokenizer  # noqa: E402
 from rstar2_jax import processes, sharding  # noqa: E402
 from rstar2_jax.models import Decoder  # noqa: E402
 from rstar2_jax.models.tiny import tiny_config  # noqa: E402
@@ -47,16 +48,6 @@ from rstar2_jax.rollout.engines import JaxEngine, engine_mesh  # noqa: E402
 from rstar2_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 PLACEMENTS = {"colocated": ("shared", False), "own": ("own", False), "own-swap_only": ("own", True)}
-
-
-class _NoTokenizer:
-    """EOS is off and there are no stop strings: the engine never decodes text."""
-
-    def decode(self, ids):
-        return ""
-
-    def encode(self, text):
-        return [0]
 
 
 async def _run_placement(model, learner_params, mesh, precopied, args) -> dict:
