@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on this machine, side by side in one run (alternating):
 
 - the weight sync to vLLM CPU servers started with adapters enabled (ServerOptions.lora_rank):
-  the full model's staged sync (vllm_engine.push_to_servers: every tensor exported, every server
+  the full model's staged sync (vllm_push.push_to_servers: every tensor exported, every server
   reloads it) against the adapters' (adapter_sync.push_adapters: PEFT files written once, every
   server loads them at run time), each ending with the log-prob probe (waited for);
 - the learner's update (one optimizer step on the same batch) and its train state (trained
@@ -27,7 +27,8 @@ from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.models import flops, lora, tiny
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 
 

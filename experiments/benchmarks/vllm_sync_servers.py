@@ -2,7 +2,7 @@
 
 - whole export: every tensor cast and laid out, one safetensors file written (save_pretrained),
   then every server reloads it in parallel (the sync before issue 38);
-- buckets: `vllm_engine.push_to_servers`, the export written bucket by bucket (whole decoder
+- buckets: `vllm_push.push_to_servers`, the export written bucket by bucket (whole decoder
   layers, straight into reused files), in each `--swap` mode: streamed (each server paused
   before its first reload, each bucket reloaded while the next is written, the trainer waiting
   for the log-prob probes: the sync before issue 47) and staged (the servers generate through the
@@ -41,7 +41,10 @@ import numpy as np
 from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, probe_logprobs, push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_modes import Probe, Swap
+from rstar2_jax.rollout.engines.vllm_probe import probe_logprobs
+from rstar2_jax.rollout.engines.vllm_push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.engines import background_sync, weight_export
 
@@ -68,7 +71,7 @@ def whole_export(engines, model, version, work):
         list(pool.map(lambda e: e._reload(target, version), engines))
         for e in engines:
             e.version = version
-        reference = probe_logprobs(model, engines[0]._probe_tokens)  # the same probes as push_to_servers
+        reference = probe_logprobs(model, engines[0].probe_tokens)  # the same probes as push_to_servers
         list(pool.map(lambda e: e.check_sync(model, reference), engines))
     total = time.perf_counter() - start
     shutil.rmtree(target, ignore_errors=True)
@@ -184,8 +187,8 @@ def main(argv=None):
                     whole_export_s.append(export_s)
                 for swap, n in [(swap, n) for swap in swaps for n in thread_counts]:  # alternating, side by side
                     for e in engines:
-                        e.swap = "staged" if swap == "background" else swap
-                        e.probe = "wait" if swap == "streamed" else "deferred"
+                        e.swap = Swap.STAGED if swap == "background" else Swap(swap)
+                        e.probe = Probe.WAIT if swap == "streamed" else Probe.DEFERRED
                     version += 1
                     weight_export.MAX_EXPORT_THREADS = n or kept_threads
                     start = time.perf_counter()

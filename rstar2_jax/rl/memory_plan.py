@@ -57,8 +57,9 @@ from rstar2_jax.models.logprobs import LOGPROB_CHUNK
 from rstar2_jax.models.shard_sizes import shard_bytes, shard_shape, split_dim
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rl.config import RunConfig
-from rstar2_jax.rollout.engines.factory import EnginePlanInputs, engine_kind
-from rstar2_jax.rollout.engines.factory import PlanLine as Line  # one line type: the engines add theirs
+from rstar2_jax.rollout.engines.engine_kind import EnginePlanInputs
+from rstar2_jax.rollout.engines.engine_kind import PlanLine as Line  # one line type: the engines add theirs
+from rstar2_jax.rollout.engines.factory import engine_kind
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05

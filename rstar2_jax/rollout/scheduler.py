@@ -23,7 +23,7 @@ room for it; otherwise it spills to where the policy puts it, which becomes its 
 engine is emptiest, and each move re-prefills the whole trajectory. `prefix_cache_hit_rate()`
 reports what the servers saw (vLLM's prefix-cache counters).
 
-A request whose engine fails (ServerUnavailable after its restart window) is sent to another
+A request whose engine fails (EngineUnavailable: a server down past its restart window) is sent to another
 engine; the failed engine is skipped until it answers again.
 """
 
@@ -37,8 +37,7 @@ import time
 from typing import Hashable, Sequence
 
 from rstar2_jax.rollout.engines.accounting import merge_work
-from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
-from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
+from rstar2_jax.rollout.engines.base import Completion, Engine, EngineUnavailable, ServerLoad
 from rstar2_jax.rollout.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
 from rstar2_jax.rollout.sampling import SamplingParams
 
@@ -68,6 +67,7 @@ class Scheduler(Engine):
         self._turns = itertools.count()
         self._changed: asyncio.Condition | None = None
         self._last_refresh = 0.0
+        self._sync_units: list | None = None
 
     @property
     def version(self) -> int:
@@ -78,28 +78,19 @@ class Scheduler(Engine):
         return all(e.weights_on_servers for e in self.engines)
 
     def update_weights(self, params, version: int | None = None) -> None:
-        """vLLM servers that sync through files share one export and reload in parallel; other
-        engines (NCCL sync, embedded) are updated one by one."""
-        from rstar2_jax.rollout.engines.background_sync import push_in_background
-        from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
-
+        """Each sync unit in turn: an engine, or engines of one class that share a sync (vLLM
+        servers reading one export reload it in parallel: Engine.sync_units)."""
         version = self.version + 1 if version is None else version
-        shared = self._shared()
-        if shared:
-            (push_in_background if shared[0].lands_in_background else push_to_servers)(shared, params, version)
-        for e in self.engines:
-            if e not in shared:
-                e.update_weights(params, version)
+        for unit in self._units():
+            unit.update_weights(params, version)
 
     @property
     def lands_in_background(self) -> bool:
         return any(e.lands_in_background for e in self.engines)
 
     def settle_sync(self) -> list[str | None]:
-        """The engines' background syncs, each once (the shared engines hold one landing: their
-        own settle_sync would count its failures once per server)."""
-        from rstar2_jax.rollout.engines.background_sync import settle
-        return [r.error for r in settle([e for e in self.engines if getattr(e, "landing", None) is not None])]
+        """Each unit's background sync, once (a shared export is one landing)."""
+        return [error for unit in self._units() for error in unit.settle_sync()]
 
     async def weights_at_least(self, version: int) -> None:
         for e in self.engines:
@@ -110,29 +101,18 @@ class Scheduler(Engine):
             e.adopt_weights(params, version, synced)
 
     def export_error(self) -> str | None:
-        shared = self._shared()
-        return shared[0].export_error() if shared else None
+        return next((err for err in (u.export_error() for u in self._units()) if err), None)
 
     def expect_landing(self, params, version: int) -> None:
-        """The shared engines' landing comes from the primary (one verdict for their one export);
-        the others take the weights now, as update_weights gives them theirs."""
-        from rstar2_jax.rollout.engines.background_sync import await_landing
-
-        shared = self._shared()
-        if shared:
-            await_landing(shared, version)
-        for e in self.engines:
-            if e not in shared:
-                e.adopt_weights(params, version)
+        """The units that land behind wait for the primary's verdict; the others take the weights
+        now, as update_weights gives them theirs."""
+        for unit in self._units():
+            (unit.expect_landing if unit.lands_in_background else unit.adopt_weights)(params, version)
 
     def take_part_in_sync(self, params) -> None:
         """update_weights' collectives, in its order, in a process that does not push."""
-        shared = self._shared()
-        if shared:
-            shared[0].take_part_in_sync(params)
-        for e in self.engines:
-            if e not in shared:
-                e.take_part_in_sync(params)
+        for unit in self._units():
+            unit.take_part_in_sync(params)
 
     def synced_dirs(self) -> dict[str, str]:
         return {url: d for e in self.engines for url, d in e.synced_dirs().items()}
@@ -144,11 +124,13 @@ class Scheduler(Engine):
         paused = [p for p in (e.sync_paused_s() for e in self.engines) if p is not None]
         return max(paused) if paused else None
 
-    def _shared(self) -> list:
-        """The vLLM engines that share one export (push_to_servers): those syncing by files or pull."""
-        from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-        shared = [e for e in self.engines if isinstance(e, VLLMEngine) and e.sync in ("files", "pull")]
-        return shared if len(shared) > 1 and len({e.export_dtype for e in shared}) == 1 else []
+    def _units(self) -> list:
+        """The engines as sync units, each class grouping its own (Engine.sync_units)."""
+        if self._sync_units is None:
+            classes = list(dict.fromkeys(type(e) for e in self.engines))
+            self._sync_units = [u for cls in classes for u in cls.sync_units([e for e in self.engines
+                                                                                if type(e) is cls])]
+        return self._sync_units
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
@@ -158,7 +140,7 @@ class Scheduler(Engine):
             index = await self._acquire(need, session)
             try:
                 return await self.engines[index].generate(prompt_ids, sampling, stop, session=session)
-            except ServerUnavailable as e:
+            except EngineUnavailable as e:
                 log.warning("engine %d failed (%s); sending the turn elsewhere", index, e)
                 self.loads[index].healthy = False
                 self.rerouted += 1
@@ -219,7 +201,7 @@ class Scheduler(Engine):
         for i, e in enumerate(self.engines):
             try:
                 load: ServerLoad = await asyncio.to_thread(e.load)
-            except ServerUnavailable:
+            except EngineUnavailable:
                 self.loads[i].healthy = False
                 continue
             self.loads[i].capacity_tokens = load.kv_capacity_tokens

@@ -16,7 +16,7 @@ from rstar2_jax.rollout.engines.base import WeightSyncFailed
 
 
 @dataclasses.dataclass
-class Report:  # the two fields of vllm_engine.SyncReport the gate reads
+class Report:  # the two fields of sync_report.SyncReport the gate reads
     version: int
     error: str | None = None
 

@@ -30,10 +30,11 @@ from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines import background_sync, vllm_engine
+from rstar2_jax.rollout.engines import background_sync, vllm_probe
 from rstar2_jax.rollout.engines.base import PromptTooLong, WeightSyncFailed
 from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine, WeightSyncError
+from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_probe import WeightSyncError
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.sampling import SamplingParams
 from rstar2_jax.rollout.scheduler import Scheduler
@@ -253,16 +254,16 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
     assert engine.lands_in_background
     release = threading.Event()
     reloads: list[str] = []
-    reload_part = engine._reload_part
+    reload_part = engine.reload_part
 
     def held_reload(bucket_dir):
         release.wait(60)
         reloads.append(bucket_dir)
         reload_part(bucket_dir)
 
-    monkeypatch.setattr(engine, "_reload_part", held_reload)
+    monkeypatch.setattr(engine, "reload_part", held_reload)
     reads: list[str] = []  # the threads that read a probe reference's value
-    probe_jit = vllm_engine._probe_jit
+    probe_jit = vllm_probe._probe_jit
 
     class Pending:  # a result still being computed, as JAX's asynchronous dispatch hands it back
         def __init__(self, array):
@@ -280,7 +281,7 @@ def test_a_background_sync_returns_at_the_export_and_lands_behind_the_caller_one
                 release.wait(60)
             return np.asarray(self.array, dtype)
 
-    monkeypatch.setattr(vllm_engine, "_probe_jit", lambda *args: Pending(probe_jit(*args)))
+    monkeypatch.setattr(vllm_probe, "_probe_jit", lambda *args: Pending(probe_jit(*args)))
     graphdef, state = nnx.split(perturbed(tiny_model, seed=31))
     first = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # arrays of its own (perturbed shares the vectors)
     second = perturbed(tiny_model, seed=32)
@@ -315,7 +316,7 @@ def test_a_failed_background_sync_is_made_again_from_its_export_and_a_second_fai
     ids = tokenizer.encode("<|im_start|>user\nWhat is 4*8?<|im_end|>\n<|im_start|>assistant\n32")
     engine = VLLMEngine(vllm_server.url, tiny_model, sync_wait="export")
     failures = {"left": 0}
-    reload_part = engine._reload_part
+    reload_part = engine.reload_part
 
     def failing_reload(bucket_dir):
         if failures["left"] and bucket_dir != engine._synced_dir:  # the new export's reload; roll-backs go through
@@ -323,7 +324,7 @@ def test_a_failed_background_sync_is_made_again_from_its_export_and_a_second_fai
             raise ServerRequestError("reload refused by the test")
         reload_part(bucket_dir)
 
-    monkeypatch.setattr(engine, "_reload_part", failing_reload)
+    monkeypatch.setattr(engine, "reload_part", failing_reload)
     first, second, third = (perturbed(tiny_model, seed=s) for s in (51, 52, 53))
     asyncio.run(engine.sync_weights(first, 1))
     asyncio.run(engine.weights_at_least(1))
@@ -433,8 +434,8 @@ def test_tied_embedding_reload_is_detected(tmp_path):
             engine.update_weights(perturbed(model))
         deferred = VLLMEngine(server.url, model)
         deferred.update_weights(perturbed(model, seed=5), 7)  # returns before the probe's verdict
-        assert deferred.last_sync.ok and deferred._probe is not None
-        deferred._probe.exception(timeout=120)  # the verdict is in ...
+        assert deferred.last_sync.ok and deferred.pending_probe is not None
+        deferred.pending_probe.exception(timeout=120)  # the verdict is in ...
         with pytest.raises(WeightSyncError, match="ties its embeddings"):  # ... and stops the next request
             asyncio.run(deferred.generate([1, 2, 3], SamplingParams(max_tokens=4)))
         deferred.update_weights(perturbed(model, seed=6), 8)
@@ -539,13 +540,13 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypa
     from tests.rl.test_training import small_config
 
     held_s = 1.0
-    reload_part = VLLMEngine._reload_part
+    reload_part = VLLMEngine.reload_part
 
     def held_reload(self, bucket_dir):
         time.sleep(held_s)
         reload_part(self, bucket_dir)
 
-    monkeypatch.setattr(VLLMEngine, "_reload_part", held_reload)
+    monkeypatch.setattr(VLLMEngine, "reload_part", held_reload)
     landed_at_request = []  # whether the engine's last sync had landed when each request went out
     generate = VLLMEngine.generate
 
@@ -581,7 +582,7 @@ def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, ti
     target = perturbed(tiny_model, seed=4)
     with caplog.at_level("WARNING"):
         engine.update_weights(target, 5)
-    assert engine.sync == "files" and "NCCL weight sync unavailable" in caplog.text
+    assert engine.way.name == "files" and "NCCL weight sync unavailable" in caplog.text
     assert engine.check_sync(target) < 1e-3 and engine.version == 5
     asyncio.run(engine.close())
 

@@ -127,7 +127,7 @@ def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_di
 def test_adapters_reach_a_server_through_its_fetcher_beside_a_files_engine(lora_server, tiny_dir, tmp_path):
     """sync=pull: the fetcher beside the server copies the two PEFT files from the trainer's export
     server, the server loads that copy; one sync to two engines (pull and files) lands on both."""
-    from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
+    from rstar2_jax.rollout.engines.vllm_push import push_to_servers
     from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
     learner = lora_learner(tiny_dir)
     update(learner, 11)

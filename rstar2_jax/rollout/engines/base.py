@@ -26,6 +26,11 @@ class WeightSyncFailed(RuntimeError):
     previous weights)."""
 
 
+class EngineUnavailable(ConnectionError):
+    """The engine cannot take requests now (a server down past its restart timeout): a scheduler
+    sends the request to another engine."""
+
+
 class PromptTooLong(ValueError):
     """A request's prompt is longer than the engine's context: that request fails, the engine goes
     on serving the others. (A prompt that fits but leaves no room to sample ends "length": the
@@ -203,6 +208,14 @@ class Engine(abc.ABC):
         await self._push_in_step(params, version, exported)
         if not processes.is_primary():
             self.expect_landing(params, version)
+
+    @classmethod
+    def sync_units(cls, engines: Sequence["Engine"]) -> list:
+        """`engines` (all of this class, behind one scheduler) as the units a sync updates, each
+        with this class's sync methods (update_weights, adopt_weights, expect_landing, settle_sync,
+        export_error, take_part_in_sync, lands_in_background): each engine alone, unless the
+        class's engines share one sync (vLLM servers reading one export: shared_export.py)."""
+        return list(engines)
 
     def export_error(self) -> str | None:
         """The last background sync's export failed before it was whole: why (None: it was whole)."""

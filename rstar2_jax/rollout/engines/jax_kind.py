@@ -4,7 +4,6 @@ devices, with a local copy of the learner's weights in the compute dtype."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
@@ -12,11 +11,9 @@ from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
 from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS
 from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KV, SWAP_TIMINGS, SWAPS
-from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
+from rstar2_jax.rollout.engines.engine_kind import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
+                                                    RolloutSection)
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
-
-if TYPE_CHECKING:
-    from rstar2_jax.rollout.engines.factory import RolloutConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +59,7 @@ def engine_mesh(decode_attention: str, devices=None, own: bool = False):
     return make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
 
 
-def split_devices(rollout: RolloutConfig, devices: list) -> tuple[list, list]:
+def split_devices(rollout: RolloutSection, devices: list) -> tuple[list, list]:
     """(the learner's devices, the engine's) out of `devices` (the job's, over every process):
     with `rollout.jax.devices=N`, the last N of each process's go to the engine; else both share
     them all. Refused when a process has fewer than N + 1 (the learner would have none)."""
@@ -98,7 +95,7 @@ def kv_pool_pages(jax_cfg: JaxEngineSettings, max_len: int, model_cfg, dtype_byt
     return pages
 
 
-def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+def _build_jax(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
     """One JaxEngine on the engine's devices, or (rollout.jax.replicas > 1) one per group of
     them behind a Scheduler (kv_aware, prefix affinity), each with the kind's settings."""
     import jax.numpy as jnp
@@ -116,7 +113,7 @@ def _build_jax(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     return Scheduler(engines, policy="kv_aware", affinity=True)
 
 
-def replica_meshes(cfg: RolloutConfig, decode_attention: str) -> list:
+def replica_meshes(cfg: RolloutSection, decode_attention: str) -> list:
     """Each replica's mesh over this process's share of the engine's devices (split_devices), in
     rollout.jax.replicas contiguous groups; one replica: the whole share (None: the default device)."""
     import jax
@@ -132,13 +129,13 @@ def replica_meshes(cfg: RolloutConfig, decode_attention: str) -> list:
     return [engine_mesh(decode_attention, local[i * size:(i + 1) * size], own=True) for i in range(n)]
 
 
-def _mesh(cfg: RolloutConfig, decode_attention: str):
+def _mesh(cfg: RolloutSection, decode_attention: str):
     """Where the learner's weights are copied for the engine: its (first replica's) mesh; other
     replicas take them from there, device to device."""
     return replica_meshes(cfg, decode_attention)[0]
 
 
-def _check_jax(cfg: RolloutConfig):
+def _check_jax(cfg: RolloutSection):
     j = cfg.jax
     if j.page_size and cfg.max_len % j.page_size:
         yield "jax.page_size", f"{j.page_size} must divide rollout.max_len={cfg.max_len}"
@@ -156,7 +153,7 @@ def _check_jax(cfg: RolloutConfig):
                                "sequence")
 
 
-def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
+def _weights(cfg: RolloutSection, compute_dtype: str) -> EngineWeights:
     # the engine samples with the compute dtype's weights, as the learner computes with them; on
     # devices of its own it never shares the learner's arrays (they are on other devices)
     return EngineWeights(dtype=compute_dtype, split=True, own_devices=bool(cfg.jax.devices))
@@ -196,7 +193,7 @@ def _kv_pool(x: EnginePlanInputs, engine_devices: int, b: int) -> tuple[float, s
     return positions * position / split, f"{what} positions x {position / 2**10:.3g} KiB, split {split} way(s)"
 
 
-def _describe(r: RolloutConfig) -> str:
+def _describe(r: RolloutSection) -> str:
     j = r.jax
     return (f"jax, {j.slots} slots x {r.max_len} KV positions" + (f", paged ({j.page_size} per page)" if j.page_size else "")
             + (f", {j.replicas} data-parallel replicas" if j.replicas > 1 else ""))

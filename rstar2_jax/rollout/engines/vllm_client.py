@@ -17,12 +17,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from rstar2_jax.rollout.engines.base import ServerLoad
+from rstar2_jax.rollout.engines.base import EngineUnavailable, ServerLoad
 from rstar2_jax.rollout.engines.vllm_server import is_ready
 from sandbox.job_secret import bearer_headers, job_secret
 
 
-class ServerUnavailable(ConnectionError):
+class ServerUnavailable(EngineUnavailable):
     """The server did not answer (refused, reset, timed out, or a 5xx)."""
 
 

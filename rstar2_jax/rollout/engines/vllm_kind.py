@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from rstar2_jax.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_sizes
-from rstar2_jax.rollout.engines.background_sync import WAIT_MODES
 from rstar2_jax.rollout.engines.base import Engine
-from rstar2_jax.rollout.engines.factory import ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine
+from rstar2_jax.rollout.engines.engine_kind import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
+                                                    RolloutSection)
 from rstar2_jax.rollout.engines.reach import default_sync_root, unreadable_by_servers
+from rstar2_jax.rollout.engines.vllm_modes import SYNC_WAYS, Probe, Swap, SyncWait, names
 from rstar2_jax.rollout.scheduler_policies import POLICIES
 
-if TYPE_CHECKING:
-    from rstar2_jax.rollout.engines.factory import RolloutConfig
-
-SYNC_MODES = ("files", "pull", "nccl")
-SWAP_MODES = ("staged", "streamed")    # how a server takes a sync's export (vllm_engine.push_to_servers)
-PROBE_MODES = ("deferred", "wait")     # whether the trainer waits for the probe of each sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +32,7 @@ class VLLMSettings(Section):
                                      min=0.0)
     sync: str = setting("files", "how synced weights reach the servers: files (they read the export from "
                         "sync_dir) | pull (the weight fetcher beside each server copies it over HTTP: no shared "
-                        "filesystem) | nccl (GPU broadcast; untested without GPUs)", choices=SYNC_MODES)
+                        "filesystem) | nccl (GPU broadcast; untested without GPUs)", choices=tuple(SYNC_WAYS))
     sync_dir: str = setting("", "where synced weights are written ('' = this host's /dev/shm; with sync=files, "
                             "servers on other hosts need a shared filesystem path)")
     fetch_urls: tuple[str, ...] = setting((), "sync=pull: the weight fetcher beside each server, in urls order "
@@ -52,16 +46,16 @@ class VLLMSettings(Section):
     swap: str = setting("staged", "staged: the servers generate while every bucket is written (and fetched), then "
                         "each stops only for one reload of the whole export | streamed: each bucket reloaded while "
                         "the next is written (shorter syncs where servers have cores of their own, longer pauses)",
-                        choices=SWAP_MODES)
+                        choices=names(Swap))
     sync_wait: str = setting("reload", "what the trainer waits for at each sync: reload (every server holds the new "
                              "weights) | export (only the export: the servers' reload lands beside the next update, "
-                             "and the next step's rollouts wait for it)", choices=WAIT_MODES)
+                             "and the next step's rollouts wait for it)", choices=names(SyncWait))
     probe: str = setting("deferred", "deferred: the log-prob probe after each sync runs beside the next rollouts and "
                          "a mismatch stops the run at the next sync | wait: the trainer waits for it every sync",
-                         choices=PROBE_MODES)
+                         choices=names(Probe))
 
 
-def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
+def _build_vllm(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
     del tokenizer, seed  # the servers tokenize and seed per request
     from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
     from rstar2_jax.rollout.scheduler import Scheduler
@@ -76,27 +70,28 @@ def _build_vllm(cfg: RolloutConfig, model, tokenizer, seed: int) -> Engine:
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.vllm.scheduler)
 
 
-def _check_vllm(cfg: RolloutConfig):
+def _check_vllm(cfg: RolloutSection):
     if not cfg.vllm.urls:
         yield "vllm.urls", ("rollout.engine=vllm needs the server URLs (start one with "
                             "`python -m rstar2_jax.rollout.serve --model DIR`)")
     for i, url in enumerate(cfg.vllm.urls):
         if not url.startswith(("http://", "https://")):
             yield f"vllm.urls[{i}]", f"must be an http(s) URL, got {url!r}"
-    if cfg.vllm.sync == "pull" and len(cfg.vllm.fetch_urls) != len(cfg.vllm.urls):
+    way = SYNC_WAYS[cfg.vllm.sync]
+    if way.needs_fetcher and len(cfg.vllm.fetch_urls) != len(cfg.vllm.urls):
         yield "vllm.fetch_urls", (f"sync=pull needs one weight fetcher URL per server ({len(cfg.vllm.urls)}), got "
                                   f"{len(cfg.vllm.fetch_urls)}")
-    if cfg.vllm.sync == "nccl" and cfg.vllm.sync_wait == "export":
+    if not way.writes_export and SyncWait(cfg.vllm.sync_wait).in_background:
         yield "vllm.sync_wait", ("export needs a sync through files (rollout.vllm.sync=files or pull): an NCCL "
                                  "broadcast is the servers' load itself; set sync_wait=reload")
-    if cfg.vllm.sync != "pull" and cfg.vllm.fetch_urls:
+    if not way.needs_fetcher and cfg.vllm.fetch_urls:
         yield "vllm.fetch_urls", "are only read with rollout.vllm.sync=pull"
     for i, url in enumerate(cfg.vllm.fetch_urls):
         if not url.startswith(("http://", "https://")):
             yield f"vllm.fetch_urls[{i}]", f"must be an http(s) URL, got {url!r}"
     if cfg.vllm.sync_dir and not (os.path.isdir(cfg.vllm.sync_dir) and os.access(cfg.vllm.sync_dir, os.W_OK)):
         yield "vllm.sync_dir", f"{cfg.vllm.sync_dir!r} is not a writable directory (the servers read synced weights there)"
-    elif cfg.vllm.sync == "files":
+    elif way.servers_read_export:
         why = unreadable_by_servers([urlsplit(u).hostname or "" for u in cfg.vllm.urls],
                                     cfg.vllm.sync_dir or default_sync_root())
         if why:
@@ -106,8 +101,8 @@ def _check_vllm(cfg: RolloutConfig):
                                 "servers' hosts mount too")
 
 
-def _weights(cfg: RolloutConfig, compute_dtype: str) -> EngineWeights:
-    if cfg.vllm.sync == "nccl":  # broadcast from one whole local copy on the process's first device
+def _weights(cfg: RolloutSection, compute_dtype: str) -> EngineWeights:
+    if not SYNC_WAYS[cfg.vllm.sync].writes_export:  # broadcast from one whole local copy on the first device
         return EngineWeights()
     # streamed to the servers tensor by tensor from the learner's own arrays (weight_export.py; split
     # over processes, each tensor is gathered by all), which the sync is done with before the next
@@ -125,7 +120,7 @@ def _sync_window(x: EnginePlanInputs) -> tuple[float, str]:
     import jax.numpy as jnp
 
     r = x.rollout
-    if r.vllm.sync == "nccl":
+    if not SYNC_WAYS[r.vllm.sync].writes_export:
         from rstar2_jax.models.flops import param_count
         return float(param_count(x.arch) * 4), "NCCL: a whole float32 copy on each process's first device"
     dtype = jnp.dtype(DTYPES[r.vllm.export_dtype] if r.vllm.export_dtype else jnp.float32)
@@ -138,12 +133,12 @@ def _sync_window(x: EnginePlanInputs) -> tuple[float, str]:
     return float(sum(sizes[-2:]) * dtype.itemsize), f"the export's two largest tensors in {dtype.name}, {how}"
 
 
-def _adapter_refusal(r: RolloutConfig, rank: int) -> str | None:
-    if r.vllm.sync == "nccl":
+def _adapter_refusal(r: RolloutSection, rank: int) -> str | None:
+    if not SYNC_WAYS[r.vllm.sync].carries_adapters:
         return ("LoRA adapters reach vLLM servers by files or pull, not rollout.vllm.sync=nccl (a broadcast of the "
                 "whole model): set rollout.vllm.sync=files or pull (the adapters are megabytes), or "
                 "model.lora.rank=0")
-    if r.vllm.sync_wait == "export":
+    if SyncWait(r.vllm.sync_wait).in_background:
         return ("a LoRA run's sync moves only the adapters (megabytes) and is always waited for: set "
                 "rollout.vllm.sync_wait=reload, or model.lora.rank=0")
     if rank > 512:
@@ -151,8 +146,8 @@ def _adapter_refusal(r: RolloutConfig, rank: int) -> str | None:
     return None
 
 
-def _host_refusal(r: RolloutConfig, platform: str) -> str | None:
-    if r.vllm.sync == "nccl" and platform != "gpu":
+def _host_refusal(r: RolloutSection, platform: str) -> str | None:
+    if SYNC_WAYS[r.vllm.sync].needs_gpu and platform != "gpu":
         return (f"rollout.vllm.sync=nccl broadcasts the weights from the learner's GPUs, but this host's devices are "
                 f"{platform}: use rollout.vllm.sync=files (servers that read this host's /dev/shm or a shared "
                 "rollout.vllm.sync_dir) or rollout.vllm.sync=pull (a weight fetcher beside each server)")
@@ -165,4 +160,4 @@ ENGINES.register("vllm", EngineKind(
     weights=_weights, plan=_plan,
     describe=lambda r: f"vllm, {len(r.vllm.urls)} server(s), scheduler {r.vllm.scheduler}",
     host_refusal=_host_refusal, adapter_refusal=_adapter_refusal,
-    lands_in_background=lambda r: r.vllm.sync_wait == "export"))
+    lands_in_background=lambda r: SyncWait(r.vllm.sync_wait).in_background))

@@ -38,6 +38,10 @@ from sandbox.job_secret import SECRET_ENV, bearer_headers, check_open_service, j
 AUTH_PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
 AUTH_MIDDLEWARE = "rstar2_vllm_auth.RequireSecret"
 
+# LoRA adapter versions a server holds at once (the newest and the ones before it): the sync
+# unloads older ones (adapter_sync.KEEP)
+ADAPTERS_KEPT = 3
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -95,9 +99,8 @@ def server_command(model_dir: str, opts: ServerOptions, python: str | None = Non
             argv += ["--distributed-executor-backend", "uni"]         # (vllm/platforms/cpu.py)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if opts.lora_rank:
-        from rstar2_jax.rollout.engines.adapter_sync import KEEP
-        argv += ["--enable-lora", "--max-lora-rank", str(_served_rank(opts.lora_rank)), "--max-loras", str(KEEP),
-                 "--max-cpu-loras", str(KEEP)]
+        argv += ["--enable-lora", "--max-lora-rank", str(_served_rank(opts.lora_rank)), "--max-loras",
+                 str(ADAPTERS_KEPT), "--max-cpu-loras", str(ADAPTERS_KEPT)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if require_secret:
         argv += ["--middleware", AUTH_MIDDLEWARE]

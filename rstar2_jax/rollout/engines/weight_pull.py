@@ -6,7 +6,7 @@
                                                       -> vLLM reload_weights(that bucket's dir)
                                                     POST /commit {"version"}: the copy is whole
 
-It streams like the files sync (vllm_engine.push_to_servers): as soon as the trainer has written
+It streams like the files sync (vllm_push.push_to_servers): as soon as the trainer has written
 bucket k of an export, every server's fetcher copies that bucket's file and the server reloads
 it, while bucket k+1 is written. The copy of a version builds up in `v<version>.partial` and is
 renamed `v<version>` once every bucket is in (/commit): a whole copy, which a later roll-back or
@@ -31,7 +31,8 @@ import tempfile
 import threading
 import urllib.request
 
-from sandbox.job_secret import OpenServiceError, authorised, bearer_headers, check_open_service, job_secret
+from sandbox.job_secret import (OpenServiceError, authorised, bearer_headers, check_open_service, is_loopback,
+                                job_secret)
 
 CHUNK = 8 << 20
 
@@ -216,6 +217,23 @@ class WeightFetcher:
             version = d[1:-len(".partial")] if d.endswith(".partial") else d[1:]
             if d.startswith("v") and version.isdigit():
                 shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
+
+_FILE_SERVERS: dict[tuple[str, str], "WeightFileServer"] = {}
+
+
+def bind_address(sync_host: str) -> str:
+    """Where the file server listens to be reached at `sync_host`: loopback, or every interface."""
+    return sync_host if is_loopback(sync_host) else "0.0.0.0"
+
+
+def file_server(root: str, host: str) -> "WeightFileServer":
+    """This process's read-only HTTP server of `root` (one per root and address, started on first use)."""
+    if (root, host) not in _FILE_SERVERS:
+        server = _FILE_SERVERS[root, host] = WeightFileServer(root, host=bind_address(host), advertise=host)
+        print(f"weight export served at {server.base_url} for the fetchers "
+              f"({'they show the job secret' if server.secret else 'open: no secret'})", flush=True)
+    return _FILE_SERVERS[root, host]
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
