@@ -79,3 +79,53 @@ def test_no_module_outside_the_engines_compares_an_engine_s_name():
             if compare.search(line.split("#", 1)[0]):
                 found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), leaving out a module's
+    imports of its own packages (their __init__ re-exports it: not a dependency of design)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if within(v, w):  # its own package
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_even_lazy_or_for_annotations_only():
+    """Every import counts (at load, inside functions, under TYPE_CHECKING): a cycle is two modules
+    that cannot be read, tested or replaced one without the other (issue 71)."""
+    cycles = module_cycles(LAZY_GRAPH)
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a": {"a.x"}, "a.w": {"a"}}
+    assert module_cycles(graph) == [["a.x", "a.y", "a.z"]]

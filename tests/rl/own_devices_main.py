@@ -38,7 +38,7 @@ def run(engine_devices: int, workdir: str) -> dict:
     traces = read_traces(f"{workdir}/traces", columns=["step", "token_ids"])
     first = traces[traces["step"] == 0]
     return dict(learner_on=sorted({d.id for x in jax.tree.leaves(rl_run.learner.model_state()) for d in x.devices()}),
-                engine_on=sorted({d.id for x in jax.tree.leaves(engine._state) for d in x.devices()}),
+                engine_on=sorted({d.id for x in jax.tree.leaves(engine.state) for d in x.devices()}),
                 metrics=rl_lines(workdir), step0=sorted(map(list, first["token_ids"])))
 
 

@@ -43,8 +43,8 @@ def main():
                              mesh=engine_mesh(decode, devices)) as engine:
             outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
                                           for p in prompts))
-            q = nnx.merge(engine._graphdef, engine._state).layers[0].attn.q_proj.get_value()
-            keys = engine._cache.keys[0]
+            q = nnx.merge(engine._graphdef, engine.state).layers[0].attn.q_proj.get_value()
+            keys = engine.cache.keys[0]
             return dict(tokens=[o.token_ids for o in outs], pages=engine.kv.pool.num_pages if paged else 0,
                         q_proj_shard_fraction=q.addressable_shards[0].data.size / q.size, q_proj_dtype=str(q.dtype),
                         kv_shard_fraction=keys.addressable_shards[0].data.size / keys.size)
@@ -76,12 +76,12 @@ def main():
         async with JaxEngine(engine_model, tokenizer, slots=cfg.slots, max_len=max_len, mesh=mesh) as engine:
             start = time.perf_counter()
             engine.update_weights(local_copy(params, None, sharding.param_shardings(params, mesh)), version=1)
-            jax.block_until_ready(engine._state)
+            jax.block_until_ready(engine.state)
             sync_s = time.perf_counter() - start
             outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
                                           for p in prompts))
-            engine_on = {d.id for leaf in jax.tree.leaves(engine._state) for d in leaf.devices()}
-            engine_on |= {d.id for d in engine._cache.keys[0].devices()}
+            engine_on = {d.id for leaf in jax.tree.leaves(engine.state) for d in leaf.devices()}
+            engine_on |= {d.id for d in engine.cache.keys[0].devices()}
         learner_on = {d.id for leaf in jax.tree.leaves(params) for d in leaf.devices()}
         return dict(tokens=[o.token_ids for o in outs], versions=sorted({v for o in outs for v in o.token_versions}),
                     engine_on=sorted(engine_on), learner_on=sorted(learner_on), sync_s=sync_s,
@@ -111,7 +111,7 @@ def main():
                                                           session=i) for i, p in enumerate(prompts)))
             again = await engine.generate(prompts[0] + outs[0].token_ids, SamplingParams(max_tokens=4, temperature=0.0),
                                           session=0)  # the trajectory's next turn: back to its home
-            on = [sorted({d.id for leaf in jax.tree.leaves(e._state) for d in leaf.devices()}) for e in engine.engines]
+            on = [sorted({d.id for leaf in jax.tree.leaves(e.state) for d in leaf.devices()}) for e in engine.engines]
             return dict(tokens=[o.token_ids for o in outs], versions=[e.version for e in engine.engines], on=on,
                         dispatched=list(engine.dispatched), stayed=engine.stayed, next_turn=again.token_ids)
 

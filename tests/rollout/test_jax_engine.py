@@ -240,8 +240,8 @@ def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny
 
 def test_kv_bucket_rounds_up_to_cover_the_longest_live_row(tiny_model, tokenizer):
     eng = JaxEngine(tiny_model, tokenizer, slots=1, max_len=100, kv_bucket=32)
-    assert [eng._kv_len(n) for n in (1, 32, 33, 97, 100)] == [32, 32, 64, 100, 100]
-    assert JaxEngine(tiny_model, tokenizer, slots=1, max_len=100)._kv_len(5) is None
+    assert [eng.kv_len(n) for n in (1, 32, 33, 97, 100)] == [32, 32, 64, 100, 100]
+    assert JaxEngine(tiny_model, tokenizer, slots=1, max_len=100).kv_len(5) is None
 
 
 @pytest.mark.slow
@@ -305,7 +305,7 @@ def test_kv_reuse_never_uses_kv_of_older_weights_and_evicts_least_recently_used(
             greedy = SamplingParams(max_tokens=6, temperature=0.0)
             p = tokenizer.encode("abc")
             c = await eng.generate(p, greedy, session="a")
-            eng.update_weights(eng._state)  # same values, new version: the held KV is stale by rule
+            eng.update_weights(eng.state)  # same values, new version: the held KV is stale by rule
             await eng.generate(p + c.token_ids + [5], greedy, session="a")
             after_update = eng.stats.reused_tokens
             # three sessions through two slots: the oldest resident is dropped, results still right
@@ -391,8 +391,8 @@ def _pool_is_whole(eng):
     """Every page is free or held by a running row or a resident: none leaked, none shared."""
     pool = eng.kv.pool
     held = [p for owner in pool.owners() for p in pool.held(owner)]
-    rows = {("row", i) for i, r in enumerate(eng._active) if r is not None}
-    residents = {("resident", s) for s in eng._residents}
+    rows = {("row", i) for i, r in enumerate(eng.active) if r is not None}
+    residents = {("resident", s) for s in eng.residents}
     return (len(held) == len(set(held)) and pool.free + len(held) == pool.num_pages
             and set(pool.owners()) <= rows | residents)
 

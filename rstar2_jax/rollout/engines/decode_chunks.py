@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from rstar2_jax.rollout.engines.jax_kernels import DecodeCarry
+from rstar2_jax.rollout.engines.slot_requests import DecodeHost, Request
 
-if TYPE_CHECKING:
-    from rstar2_jax.rollout.engines.jax_engine import JaxEngine, _Request
 
 # Tokens per dispatch unless told otherwise: on the tiny CPU model (BENCHMARKS.md, "JaxEngine on
 # the CPU") 16 gives 3.3x the tokens/s of one step at 1 slot and 1.45x at 16; 64 adds little, and a
@@ -46,7 +45,7 @@ MIN_STOP_COLUMNS = 4  # stop-id table width, rounded up to a power of two (a few
 class _Chunk:
     """A dispatched chunk: its outputs (device arrays, not yet read) and what it was given."""
     outputs: tuple[Any, ...]         # tokens, log-probs, real [K, S]; steps run
-    owners: list[_Request | None]    # the request each slot served at dispatch
+    owners: list[Request | None]    # the request each slot served at dispatch
     version: int                     # the weights it sampled with
     dispatched: float
 
@@ -71,48 +70,48 @@ class ChunkedDecode:
     def changed(self, slot: int) -> None:
         self.dirty.add(slot)
 
-    async def step(self, engine: JaxEngine, loop) -> None:
+    async def step(self, engine: DecodeHost, loop) -> None:
         """Dispatch the next chunk, then read and apply the one before it."""
         kv_needed = self._kv_needed(engine)  # before the chunk in flight is let go: it counts
         previous, self.in_flight = self.in_flight, None
-        if any(engine._active):
+        if any(engine.active):
             args, owners, version = self._inputs(engine)
-            kv_len = engine._kv_len(kv_needed)
+            kv_len = engine.kv_len(kv_needed)
 
             def dispatch():  # returns once the chunk is queued: nothing here waits for the device
                 start = time.monotonic()
                 cache, carry, *outputs = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len)
                 return cache, carry, outputs, start
 
-            engine._cache, self.carry, outputs, start = await loop.run_in_executor(engine._executor, dispatch)
+            engine.cache, self.carry, outputs, start = await loop.run_in_executor(engine.executor, dispatch)
             self.dirty.clear()
             self.in_flight = _Chunk(tuple(outputs), owners, version, start)
         if previous is not None:
             await self._apply(engine, loop, previous)
 
-    def precompile(self, engine: JaxEngine, kv_len: int | None) -> None:
+    def precompile(self, engine: DecodeHost, kv_len: int | None) -> None:
         """Compile the chunk for `kv_len` before serving (every slot idle: the loop runs no step),
         entered as the run enters it: first from the host's state, then from a device carry (jit's
         dispatch cache keys NumPy and device arguments apart; nothing compiles twice)."""
         args, _, _ = self._inputs(engine)  # no carry yet: the host's state for every slot
-        engine._cache, carry, *_ = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len)
+        engine.cache, carry, *_ = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len)
         state, _, table, _, *rest = args
-        engine._cache, *_ = engine.kernels.decode_chunk(state, engine._cache, table, carry, *rest, steps=self.steps,
+        engine.cache, *_ = engine.kernels.decode_chunk(state, engine.cache, table, carry, *rest, steps=self.steps,
                                                         kv_len=kv_len)
 
-    async def drain(self, engine: JaxEngine, loop) -> None:
+    async def drain(self, engine: DecodeHost, loop) -> None:
         """Read and apply the chunk in flight (the engine has nothing else to dispatch)."""
         if self.in_flight is not None:
             chunk, self.in_flight = self.in_flight, None
             await self._apply(engine, loop, chunk)
 
-    def _kv_needed(self, engine: JaxEngine) -> int:
+    def _kv_needed(self, engine: DecodeHost) -> int:
         """The cache prefix the next chunk may read: the longest context the host knows, the chunk
         in flight's tokens (not read yet) and the next chunk's."""
-        busy = [len(r.context()) for r in engine._active if r is not None]
+        busy = [len(r.context()) for r in engine.active if r is not None]
         return min(engine.max_len, max(busy, default=1) + self.lookahead)
 
-    def _inputs(self, engine: JaxEngine):
+    def _inputs(self, engine: DecodeHost):
         """The chunk's arguments: the host's view of every dirty slot (all of them before the first
         chunk), the carry for the rest, and each slot's sampling constants and stop ids."""
         slots, idle = engine.slots, engine.max_len
@@ -125,10 +124,10 @@ class ChunkedDecode:
         temperature = np.ones(slots, np.float32)
         top_k = np.zeros(slots, np.int32)
         top_p = np.ones(slots, np.float32)
-        stops = [engine.device_stop_ids(r) if r is not None else () for r in engine._active]
+        stops = [engine.device_stop_ids(r) if r is not None else () for r in engine.active]
         width = max(MIN_STOP_COLUMNS, 1 << (max(map(len, stops), default=1) - 1).bit_length())
         stop_ids = np.full((slots, width), -1, np.int32)
-        for slot, req in enumerate(engine._active):
+        for slot, req in enumerate(engine.active):
             stop_ids[slot, :len(stops[slot])] = stops[slot]
             if req is None:
                 continue
@@ -138,17 +137,17 @@ class ChunkedDecode:
             counters[slot], remaining[slot], active[slot] = len(req.generated), engine.remaining(req), True
         fresh = DecodeCarry(tokens, positions, counters, remaining, active)
         take_fresh = np.ones(slots, bool) if self.carry is None else np.isin(np.arange(slots), list(self.dirty))
-        table = engine.kv.decode_table([i if r is not None else None for i, r in enumerate(engine._active)])
-        args = (engine._state, engine._cache, table, self.carry if self.carry is not None else fresh, fresh,
+        table = engine.kv.decode_table([i if r is not None else None for i, r in enumerate(engine.active)])
+        args = (engine.state, engine.cache, table, self.carry if self.carry is not None else fresh, fresh,
                 take_fresh, seeds, temperature, top_k, top_p, stop_ids, np.int32(idle))
-        return args, list(engine._active), engine.version
+        return args, list(engine.active), engine.version
 
-    async def _apply(self, engine: JaxEngine, loop, chunk: _Chunk) -> None:
+    async def _apply(self, engine: DecodeHost, loop, chunk: _Chunk) -> None:
         def read():
             tokens, logps, real, steps = (np.asarray(x) for x in chunk.outputs)
             return tokens, logps, real, int(steps), time.monotonic()
 
-        tokens, logps, real, steps, end = await loop.run_in_executor(engine._executor, read)
+        tokens, logps, real, steps, end = await loop.run_in_executor(engine.executor, read)
         # the device ran this chunk after the one before it: its time starts where that one's read
         # ended (chunks overlap from dispatch to read; counted from dispatch, decode_s would double)
         start = max(chunk.dispatched, self.last_read)
@@ -161,6 +160,6 @@ class ChunkedDecode:
         engine.ledger.charge_decode(served, start, end, int(real.sum()), steps=steps)
         for slot, req in enumerate(chunk.owners):
             for i in range(steps):
-                if req is None or engine._active[slot] is not req or not real[i, slot]:
+                if req is None or engine.active[slot] is not req or not real[i, slot]:
                     break  # finished, preempted or replaced since dispatch: the rest is not its
-                engine._append(slot, int(tokens[i, slot]), float(logps[i, slot]), chunk.version)
+                engine.append(slot, int(tokens[i, slot]), float(logps[i, slot]), chunk.version)

@@ -6,12 +6,10 @@ JaxEngine the same small interface (step, drain, precompile, lookahead, in_fligh
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from rstar2_jax.rollout.engines.jax_engine import JaxEngine
+from rstar2_jax.rollout.engines.slot_requests import DecodeHost
 
 
 class StepDecode:
@@ -23,19 +21,19 @@ class StepDecode:
     def changed(self, slot: int) -> None:
         """Nothing is carried between steps: every step reads the host's state."""
 
-    async def drain(self, engine: JaxEngine, loop) -> None:
+    async def drain(self, engine: DecodeHost, loop) -> None:
         """Nothing is ever in flight."""
 
-    def precompile(self, engine: JaxEngine, kv_len: int | None) -> None:
+    def precompile(self, engine: DecodeHost, kv_len: int | None) -> None:
         inputs, _ = decode_inputs(engine)  # every slot idle: every write dropped
-        engine._cache, _, _ = engine.kernels.decode(engine._state, engine._cache, *inputs, kv_len=kv_len)
+        engine.cache, _, _ = engine.kernels.decode(engine.state, engine.cache, *inputs, kv_len=kv_len)
 
-    async def step(self, engine: JaxEngine, loop) -> None:
+    async def step(self, engine: DecodeHost, loop) -> None:
         inputs, busy = decode_inputs(engine)
-        args = (engine._state, engine._cache) + inputs
+        args = (engine.state, engine.cache) + inputs
         version = engine.version  # the weights in `args`, whatever a sync does while they run
-        kv_len = engine._kv_len(max(busy) + 1)
-        owners = [r.owner for r in engine._active if r is not None]  # the requests this step serves
+        kv_len = engine.kv_len(max(busy) + 1)
+        owners = [r.owner for r in engine.active if r is not None]  # the requests this step serves
 
         def run():
             start = time.monotonic()
@@ -43,17 +41,17 @@ class StepDecode:
             token, logp = np.asarray(token), np.asarray(logp)
             return cache, token, logp, start, time.monotonic()  # the device work's interval
 
-        engine._cache, sampled, logps, start, end = await loop.run_in_executor(engine._executor, run)
+        engine.cache, sampled, logps, start, end = await loop.run_in_executor(engine.executor, run)
         engine.stats.decode_s += end - start
         engine.stats.decode_steps += 1
         engine.stats.busy_slot_steps += len(busy)
         engine.ledger.charge_decode(owners, start, end, len(busy))
-        for slot, req in enumerate(engine._active):
+        for slot, req in enumerate(engine.active):
             if req is not None:
-                engine._append(slot, int(sampled[slot]), float(logps[slot]), version)
+                engine.append(slot, int(sampled[slot]), float(logps[slot]), version)
 
 
-def decode_inputs(engine: JaxEngine):
+def decode_inputs(engine: DecodeHost):
     """The decode step's per-slot arrays from the active requests (idle slots: dropped writes),
     led by the slots' page tables (None with slot rows); and the busy slots' positions."""
     slots = engine.slots
@@ -64,7 +62,7 @@ def decode_inputs(engine: JaxEngine):
     top_p = np.ones(slots, np.float32)
     seeds = np.zeros(slots, np.uint32)
     counters = np.zeros(slots, np.int32)
-    for slot, req in enumerate(engine._active):
+    for slot, req in enumerate(engine.active):
         if req is not None:
             seeds[slot] = req.seed
             counters[slot] = len(req.generated)
@@ -74,5 +72,5 @@ def decode_inputs(engine: JaxEngine):
             top_k[slot] = req.sampling.top_k
             top_p[slot] = req.sampling.top_p
     arrays = (tokens, positions, seeds, counters, temperature, top_k, top_p)
-    table = engine.kv.decode_table([i if r is not None else None for i, r in enumerate(engine._active)])
+    table = engine.kv.decode_table([i if r is not None else None for i, r in enumerate(engine.active)])
     return (table,) + arrays, [int(p) for p in positions if p < engine.max_len]

@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import time
 from typing import Any, Hashable, Sequence
 
@@ -68,42 +67,11 @@ from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS, Chunk
 from rstar2_jax.rollout.engines.decode_step import StepDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
+from rstar2_jax.rollout.engines.slot_requests import Request, Resident
 from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights, choose
 from rstar2_jax.rollout.sampling import SamplingParams
 
 MIN_PREFILL_BUCKET = 16
-
-
-@dataclasses.dataclass
-class _Request:
-    prompt: list[int]
-    sampling: SamplingParams
-    stops: tuple[str, ...]
-    future: asyncio.Future
-    version_start: int = 0
-    seed: int = 0                  # token i is sampled with fold_in(key(seed), i)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)  # weights that sampled each token
-    kv_versions: list[int] = dataclasses.field(default_factory=list)  # oldest weights in the KV each token read
-    kv_version: int = 0            # weights of the latest (re)admission's prefill: the oldest KV in the row
-    session: Hashable | None = None
-    admitted: int = -1             # admission counter at its (latest) admission: preemption takes the newest
-    owner: Hashable | None = None  # whose work it is (accounting.py: the RL step it belongs to)
-
-    def context(self) -> list[int]:
-        """The tokens whose KV the request's row holds before its next sample (all but the
-        last sampled token, which the next decode step feeds), or must prefill on readmission."""
-        return self.prompt + self.generated
-
-
-@dataclasses.dataclass
-class _Resident:
-    """A finished turn's KV, kept for the same trajectory's next turn."""
-    tokens: list[int]              # the tokens whose KV is held, in order
-    version: int                   # weights that computed it
-    last_used: int                 # admission counter, for least-recently-used eviction
-    slot: int | None = None        # slot rows: the row that holds it (paged: its pages, owner ("resident", session))
 
 
 class JaxEngine(Engine):
@@ -142,7 +110,7 @@ class JaxEngine(Engine):
         self.reuse_kv = reuse_kv
         self.page_size = page_size
         self.kv: KVLayout = SlotRows(slots, max_len) if page_size is None else PagedKV(slots, max_len, page_size, kv_pages)
-        self._residents: dict[Hashable, _Resident] = {}  # by session
+        self.residents: dict[Hashable, Resident] = {}  # by session
         self._admissions = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.mesh = mesh
@@ -152,14 +120,14 @@ class JaxEngine(Engine):
         # the weights that sample, and the next version while it lands (weight_swap.py)
         self.weights = LiveWeights(self._placed(state), choose(SWAP_TIMINGS, "swap", swap),
                                    choose(INFLIGHT_KVS, "inflight_kv", inflight_kv))
-        self._cache = self._placed_cache(self.kv.make_cache(model.cfg, model.dtype))
+        self.cache = self._placed_cache(self.kv.make_cache(model.cfg, model.dtype))
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)
-        self._active: list[_Request | None] = [None] * slots
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self.active: list[Request | None] = [None] * slots
+        self._waiting: collections.deque[Request] = collections.deque()
         self._arrived: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
         self.kernels = engine_kernels(self._graphdef, self.cfg)
         if decode_steps < 1:
@@ -179,7 +147,7 @@ class JaxEngine(Engine):
         if len(prompt) > self.max_len:
             raise PromptTooLong(len(prompt), self.max_len)
         future = asyncio.get_running_loop().create_future()
-        req = _Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session,
+        req = Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session,
                        owner=current_owner())
         if len(prompt) >= self.max_len or sampling.max_tokens == 0:
             return Completion([], [], "length", self.version, self.version)
@@ -192,22 +160,22 @@ class JaxEngine(Engine):
         return self.weights.version
 
     @property
-    def _state(self):
+    def state(self):
         return self.weights.state
 
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Swap in new parameters (an nnx.State of this model's variables, or a Decoder): when
         they take over is rollout.jax.swap's (weight_swap.py)."""
         state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
-        old_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self._state)
+        old_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self.state)
         new_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if old_shapes != new_shapes:
             raise ValueError("update_weights: the new parameters do not match the engine's model")
         version = self.version + 1 if version is None else version
-        self.weights.give(self._placed(state), version, self._decoding(), any(self._active))
+        self.weights.give(self._placed(state), version, self._decoding(), any(self.active))
 
     def _decoding(self) -> bool:
-        return any(self._active) or self.decoder.in_flight is not None
+        return any(self.active) or self.decoder.in_flight is not None
 
     async def weights_at_least(self, version: int) -> None:
         """Until weights of `version` or newer have taken over (swap="landed": once their copy
@@ -240,13 +208,13 @@ class JaxEngine(Engine):
         for n in prompt_lengths:
             tokens = np.zeros((1, self._prefill_bucket(int(n))), np.int32)  # as _admit passes them: NumPy
             sampling = (np.uint32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
-            fn, head = self.kv.idle_prefill(self)
-            self._cache, *_ = fn(*head, tokens, np.int32(0), np.int32(1), *sampling)
-        lengths = [None] if self.kv_bucket is None else sorted({self._kv_len(n) for n in range(1, self.max_len + 1,
+            fn, where = self.kv.idle_prefill(self.kernels)
+            self.cache, *_ = fn(self.state, self.cache, where, tokens, np.int32(0), np.int32(1), *sampling)
+        lengths = [None] if self.kv_bucket is None else sorted({self.kv_len(n) for n in range(1, self.max_len + 1,
                                                                                                self.kv_bucket)})
         for kv_len in lengths:
             self.decoder.precompile(self, kv_len)
-        jax.block_until_ready(self._cache)
+        jax.block_until_ready(self.cache)
 
     async def close(self):
         if self._loop_task is not None:
@@ -257,7 +225,7 @@ class JaxEngine(Engine):
                 if asyncio.current_task().cancelling():  # we are being cancelled too: not ours to swallow
                     raise
             self._loop_task = None
-        self._executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
 
     async def __aenter__(self):
         self._ensure_running()
@@ -276,7 +244,7 @@ class JaxEngine(Engine):
 
     @property
     def busy_slots(self) -> int:
-        return sum(r is not None for r in self._active)
+        return sum(r is not None for r in self.active)
 
     # ------------------------------------------------------------------------------------------
     # scheduling loop
@@ -292,11 +260,11 @@ class JaxEngine(Engine):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                self.weights.at_boundary(self._decoding(), any(self._active))
+                self.weights.at_boundary(self._decoding(), any(self.active))
                 if self.weights.needs_recompute:
                     await self._recompute_kv(loop)
                 await self._admit_waiting(loop)
-                if not any(self._active):
+                if not any(self.active):
                     if self.decoder.in_flight is not None:
                         await self.decoder.drain(self, loop)  # its requests may all have finished
                         continue
@@ -305,11 +273,11 @@ class JaxEngine(Engine):
                     continue
                 # paged: the pages each row's next writes land in (may evict or preempt)
                 self.kv.before_decode(self, self.decoder.lookahead)
-                if not any(self._active):  # cannot happen (one sequence fits the pool), but never step on nothing
+                if not any(self.active):  # cannot happen (one sequence fits the pool), but never step on nothing
                     continue
                 await self.decoder.step(self, loop)
         except Exception as e:  # fail every waiting request loudly rather than hang it
-            for req in [*self._active, *self._waiting]:
+            for req in [*self.active, *self._waiting]:
                 if req is not None and not req.future.done():
                     req.future.set_exception(e)
             raise
@@ -321,13 +289,13 @@ class JaxEngine(Engine):
         self.weights.needs_recompute = False
         await self.decoder.drain(self, loop)
         for slot in reversed(range(self.slots)):  # the queue's head: slot 0's request first
-            if self._active[slot] is not None:
-                self._preempt(slot)
+            if self.active[slot] is not None:
+                self.preempt(slot)
 
     async def _admit_waiting(self, loop):
         """Admit waiting requests, first come first served, while a slot (and room in the KV
         layout for the request's prompt) is free."""
-        while self._waiting and None in self._active:
+        while self._waiting and None in self.active:
             req = self._waiting[0]
             if req.future.done():  # cancelled by the caller while queued
                 self._waiting.popleft()
@@ -338,31 +306,31 @@ class JaxEngine(Engine):
             self._waiting.popleft()
             await self._admit(loop, self._choose_slot(resident), req, resident)
 
-    def _reusable(self, req: _Request) -> _Resident | None:
+    def _reusable(self, req: Request) -> Resident | None:
         """The resident whose KV is a prefix of `req`'s prompt, if there is one to reuse."""
-        r = self._residents.get(req.session) if self.reuse_kv and req.session is not None else None
+        r = self.residents.get(req.session) if self.reuse_kv and req.session is not None else None
         if (r is None or req.generated or r.version != self.version or len(r.tokens) >= len(req.prompt)
                 or req.prompt[:len(r.tokens)] != r.tokens):
             return None
         return r
 
-    def _choose_slot(self, resident: _Resident | None) -> int:
+    def _choose_slot(self, resident: Resident | None) -> int:
         """A free slot, as the KV layout chooses it (slot rows: the one holding the reused KV)."""
-        return self.kv.choose_slot(self, [i for i, a in enumerate(self._active) if a is None], resident)
+        return self.kv.choose_slot(self, [i for i, a in enumerate(self.active) if a is None], resident)
 
-    def _drop_resident(self, session: Hashable) -> None:
-        del self._residents[session]
+    def drop_resident(self, session: Hashable) -> None:
+        del self.residents[session]
         self.kv.drop_resident(session)
 
-    async def _admit(self, loop, slot: int, req: _Request, resident: _Resident | None):
+    async def _admit(self, loop, slot: int, req: Request, resident: Resident | None):
         context = req.context()
         reuse = len(resident.tokens) if resident is not None else 0
-        if req.session is not None and req.session in self._residents:
+        if req.session is not None and req.session in self.residents:
             if resident is not None:  # its KV is reused: it becomes this request's row
                 self.kv.take_resident(req.session, slot)
-                del self._residents[req.session]
+                del self.residents[req.session]
             else:  # superseded by this turn
-                self._drop_resident(req.session)
+                self.drop_resident(req.session)
         self._admissions += 1
         req.admitted = self._admissions
         n = len(context) - reuse  # tokens to prefill
@@ -377,8 +345,8 @@ class JaxEngine(Engine):
         # program per new shape and dtype)
         sampling_args = (np.uint32(req.seed), np.int32(len(req.generated)), np.float32(s.temperature),
                          np.int32(s.top_k), np.float32(s.top_p))
-        fn, head = self.kv.prefill(self, slot, len(context), reuse)
-        args = head + (tokens, np.int32(reuse), np.int32(n)) + sampling_args
+        fn, where = self.kv.prefill(self.kernels, slot, len(context), reuse)
+        args = (self.state, self.cache, where, tokens, np.int32(reuse), np.int32(n)) + sampling_args
 
         version = self.version  # the weights in `args`, whatever a sync does while they run
         # reused KV was computed by the same weights (_reusable), so the row's oldest KV is this prefill's
@@ -390,33 +358,33 @@ class JaxEngine(Engine):
             token, logp = int(token), float(logp)
             return cache, token, logp, start, time.monotonic()  # the device work's interval
 
-        self._cache, token, logp, start, end = await loop.run_in_executor(self._executor, run)
+        self.cache, token, logp, start, end = await loop.run_in_executor(self.executor, run)
         self.stats.prefill_s += end - start
         self.stats.prefill_tokens += n
         self.stats.reused_tokens += reuse
         self.ledger.charge_prefill(req.owner, start, end, n, reuse)
         self._set_slot(slot, req)
-        self._append(slot, token, logp, version)
+        self.append(slot, token, logp, version)
 
-    def _preempt(self, slot: int):
+    def preempt(self, slot: int):
         """Free the slot and its pages; the request waits at the head of the queue."""
-        req = self._active[slot]
+        req = self.active[slot]
         self._set_slot(slot, None)
         self.kv.free_row(slot)
         self._waiting.appendleft(req)
         self.stats.preemptions += 1
         self.ledger.charge_preemption(req.owner)
 
-    def _set_slot(self, slot: int, req: _Request | None) -> None:
+    def _set_slot(self, slot: int, req: Request | None) -> None:
         """The one place a slot changes hands: the chunk loop's carry is then stale for it."""
-        self._active[slot] = req
+        self.active[slot] = req
         self.decoder.changed(slot)
 
-    def remaining(self, req: _Request) -> int:
+    def remaining(self, req: Request) -> int:
         """Tokens `req` may still sample before its budget or the KV room ends it ("length")."""
         return min(req.sampling.max_tokens - len(req.generated), self.max_len - len(req.context()))
 
-    def device_stop_ids(self, req: _Request) -> tuple[int, ...]:
+    def device_stop_ids(self, req: Request) -> tuple[int, ...]:
         """The token ids that end `req` inside the decode loop: EOS and its one-token stops (a
         stop string that is several tokens is matched by the host, between chunks)."""
         single = (self._single_token_id(stop) for stop in req.stops)
@@ -429,14 +397,14 @@ class JaxEngine(Engine):
         """Prompts are padded to a power of two (a few compiled prefill shapes)."""
         return min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (prompt_len - 1).bit_length()))
 
-    def _kv_len(self, needed: int) -> int | None:
+    def kv_len(self, needed: int) -> int | None:
         """The cache prefix a step reads: `needed` slots rounded up to a bucket (None: all)."""
         if self.kv_bucket is None:
             return None
         return min(self.max_len, -(-needed // self.kv_bucket) * self.kv_bucket)
 
-    def _append(self, slot: int, token: int, logp: float, version: int):
-        req = self._active[slot]
+    def append(self, slot: int, token: int, logp: float, version: int):
+        req = self.active[slot]
         req.generated.append(token)
         req.logprobs.append(logp)
         req.versions.append(version)
@@ -458,20 +426,20 @@ class JaxEngine(Engine):
                                                  self.version, stop_string, tuple(req.versions),
                                                  tuple(req.kv_versions)))
 
-    def _keep_or_free(self, slot: int, req: _Request):
+    def _keep_or_free(self, slot: int, req: Request):
         """A finished request's KV: kept as its trajectory's resident (reuse_kv), else freed."""
         # the last sampled token was never fed through the model: its KV is not there
         tokens = req.context()[:-1]
         if self.reuse_kv and req.session is not None:
-            if req.session in self._residents:  # two requests of one session at once: keep the later
-                self._drop_resident(req.session)
+            if req.session in self.residents:  # two requests of one session at once: keep the later
+                self.drop_resident(req.session)
             # the KV stays where the layout keeps it: the slot's row, or the row's pages
-            self._residents[req.session] = _Resident(tokens, req.version_start, self._admissions,
+            self.residents[req.session] = Resident(tokens, req.version_start, self._admissions,
                                                      self.kv.keep(slot, req.session, tokens))
         else:
             self.kv.free_row(slot)
 
-    def _matched_stop(self, req: _Request) -> str | None:
+    def _matched_stop(self, req: Request) -> str | None:
         for stop in req.stops:
             if req.generated[-1] == self._single_token_id(stop):
                 return stop

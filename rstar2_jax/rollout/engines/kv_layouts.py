@@ -9,15 +9,13 @@ ends, is preempted or becomes a resident. One object, chosen once, instead of a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Protocol
+from typing import Hashable, Protocol
 
 import numpy as np
 
 from rstar2_jax.models.decoder import init_cache, init_paged_cache
 from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
-
-if TYPE_CHECKING:  # the engine calls these with itself; the layouts never build one
-    from rstar2_jax.rollout.engines.jax_engine import JaxEngine, _Request, _Resident
+from rstar2_jax.rollout.engines.slot_requests import Request, Resident, SlotOwner
 
 
 class KVLayout(Protocol):
@@ -26,16 +24,16 @@ class KVLayout(Protocol):
 
     def make_cache(self, cfg, dtype): ...
     def load(self, busy: int) -> tuple[float, int]: ...
-    def make_room(self, engine: JaxEngine, req: _Request, resident: _Resident | None) -> bool: ...
-    def choose_slot(self, engine: JaxEngine, free: list[int], resident: _Resident | None) -> int: ...
+    def make_room(self, engine: SlotOwner, req: Request, resident: Resident | None) -> bool: ...
+    def choose_slot(self, engine: SlotOwner, free: list[int], resident: Resident | None) -> int: ...
     def drop_resident(self, session: Hashable) -> None: ...
     def take_resident(self, session: Hashable, slot: int) -> None: ...
-    def prefill(self, engine: JaxEngine, slot: int, context_len: int, reuse: int): ...
-    def before_decode(self, engine: JaxEngine, lookahead: int = 1) -> None: ...
+    def prefill(self, kernels, slot: int, context_len: int, reuse: int): ...
+    def before_decode(self, engine: SlotOwner, lookahead: int = 1) -> None: ...
     def decode_table(self, active_slots: list[int | None]): ...
     def keep(self, slot: int, session: Hashable, tokens: list[int]) -> int | None: ...
     def free_row(self, slot: int) -> None: ...
-    def idle_prefill(self, engine: JaxEngine): ...
+    def idle_prefill(self, kernels): ...
 
 
 class SlotRows:
@@ -63,12 +61,12 @@ class SlotRows:
         least recently (it is dropped)."""
         if resident is not None and resident.slot in free:
             return resident.slot
-        held = {r.slot: session for session, r in engine._residents.items()}
+        held = {r.slot: session for session, r in engine.residents.items()}
         empty = [i for i in free if i not in held]
         if empty:
             return empty[0]
-        oldest = min(free, key=lambda i: engine._residents[held[i]].last_used)
-        engine._drop_resident(held[oldest])
+        oldest = min(free, key=lambda i: engine.residents[held[i]].last_used)
+        engine.drop_resident(held[oldest])
         return oldest
 
     def drop_resident(self, session) -> None:
@@ -77,10 +75,10 @@ class SlotRows:
     def take_resident(self, session, slot) -> None:
         pass  # its KV is in `slot`'s row already (choose_slot gave the request that slot)
 
-    def prefill(self, engine, slot, context_len, reuse):
-        """(kernel, its leading arguments): a fresh row, or new tokens after the row's KV."""
-        fn = engine.kernels.extend if reuse else engine.kernels.prefill
-        return fn, (engine._state, engine._cache, np.int32(slot))
+    def prefill(self, kernels, slot, context_len, reuse):
+        """(kernel, where it writes: after the weights and the cache): a fresh row, or new tokens
+        after the row's KV."""
+        return (kernels.extend if reuse else kernels.prefill), np.int32(slot)
 
     def before_decode(self, engine, lookahead: int = 1) -> None:
         pass  # every row is max_len long already
@@ -95,9 +93,9 @@ class SlotRows:
     def free_row(self, slot) -> None:
         pass
 
-    def idle_prefill(self, engine):
-        """A prefill kernel and its leading arguments whose writes land in slot 0 (precompile)."""
-        return engine.kernels.prefill, (engine._state, engine._cache, np.int32(0))
+    def idle_prefill(self, kernels):
+        """A prefill kernel and where it writes: slot 0 (precompile)."""
+        return kernels.prefill, np.int32(0)
 
 
 class PagedKV:
@@ -132,13 +130,13 @@ class PagedKV:
         least recently used first; False (nothing evicted) if it cannot fit yet."""
         held = len(self.pool.held(("resident", req.session))) if resident is not None else 0
         needed = pages_for(len(req.context()), self.page_size) - held
-        evictable = sorted((r.last_used, s) for s, r in engine._residents.items() if r is not resident)
+        evictable = sorted((r.last_used, s) for s, r in engine.residents.items() if r is not resident)
         if needed > self.pool.free + sum(len(self.pool.held(("resident", s))) for _, s in evictable):
             return False
         for _, session in evictable:
             if self.pool.free >= needed:
                 break
-            engine._drop_resident(session)
+            engine.drop_resident(session)
         return True
 
     def choose_slot(self, engine, free, resident) -> int:
@@ -150,17 +148,16 @@ class PagedKV:
     def take_resident(self, session, slot) -> None:
         self.pool.transfer(("resident", session), ("row", slot))  # its pages become the row's
 
-    def prefill(self, engine, slot, context_len, reuse):
+    def prefill(self, kernels, slot, context_len, reuse):
         """The row grows to the context; the kernel writes through the row's page table."""
         self.pool.grow(("row", slot), pages_for(context_len, self.page_size) - len(self.pool.held(("row", slot))))
-        table = self.table([slot])  # NumPy: the kernel takes it as it is
-        return engine.kernels.fill_pages, (engine._state, engine._cache, table)
+        return kernels.fill_pages, self.table([slot])  # NumPy: the kernel takes it as it is
 
     def before_decode(self, engine, lookahead: int = 1) -> None:
         """Give every row the pages its next `lookahead` writes land in (at most its remaining
         budget; more than one for chunked decode), oldest admission first. When none is free, evict
         a resident, else preempt the most recently admitted request."""
-        active = engine._active
+        active = engine.active
         for slot in sorted((i for i, r in enumerate(active) if r is not None), key=lambda i: active[i].admitted):
             req = active[slot]
             if req is None:  # preempted while an older row grew
@@ -169,11 +166,11 @@ class PagedKV:
             while len(self.pool.held(("row", slot))) <= position // self.page_size:
                 if self.pool.free:
                     self.pool.grow(("row", slot), 1)
-                elif engine._residents:
-                    engine._drop_resident(min(engine._residents, key=lambda s: engine._residents[s].last_used))
+                elif engine.residents:
+                    engine.drop_resident(min(engine.residents, key=lambda s: engine.residents[s].last_used))
                 else:
                     victim = max((i for i, r in enumerate(active) if r is not None), key=lambda i: active[i].admitted)
-                    engine._preempt(victim)
+                    engine.preempt(victim)
                     if victim == slot:
                         break
 
@@ -198,6 +195,6 @@ class PagedKV:
     def free_row(self, slot) -> None:
         self.pool.release(("row", slot))
 
-    def idle_prefill(self, engine):
+    def idle_prefill(self, kernels):
         """A paged fill through an all-"no page" table: every write dropped (precompile)."""
-        return engine.kernels.fill_pages, (engine._state, engine._cache, self.table([None]))
+        return kernels.fill_pages, self.table([None])

@@ -9,32 +9,13 @@ and `logprobs.token_logprobs` come back; text is never re-tokenized. The server 
 what the learner recomputes. (With top-k/top-p vLLM renormalizes over the kept tokens, unlike
 JaxEngine; RL sampling uses neither.)
 
-Weight sync (`update_weights`, `push_to_servers`): the learner's parameters are written as
-HF-named safetensors bucket by bucket (weight_export.py: under /dev/shm where it exists, in one
-of two directories used in turn). With `swap="staged"` (the default) the servers generate on
-while every bucket is written (and, for sync=pull, copied by their fetchers), then each is
-paused (in-flight requests kept, with their KV), reloads the whole export in one
-`reload_weights` call (/collective_rpc), has its prefix cache reset (cached KV was computed by
-the old weights) and its weight version bumped, and resumes: it stops only for its reload. That
-is as close to an in-flight swap as vLLM 0.32 allows: a utility call such as collective_rpc runs
-in the EngineCore's busy loop between two engine steps (`EngineCore._process_input_queue`,
-vllm/v1/engine/core.py), so no decode step runs during a reload whether paused or not, and the
-pause (`pause_generation(mode="keep")`) only keeps steps from running between the reload and the
-version's bump, so that no token is stamped with the old version but sampled by the new weights.
-`swap="streamed"` reloads each bucket while the next is written (pausing from the first reload):
-a shorter sync where each server has cores of its own, a longer pause. A sync that fails
-part-way puts the previous export back and keeps the old version (SyncReport). Then
-a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
-sequence must match the JAX model's within `probe_tolerance`. This catches the tied-embedding
-trap (vLLM's reload updates a tied embedding but keeps the old output layer) and any other
-silently ignored tensor. With `probe="deferred"` (the default) the probes run after the sync
-returns, beside the next step's rollouts, and their verdict is collected at the next sync (or by
-the first request after it arrives): a failed probe raises WeightSyncError then, one step later,
-instead of holding the trainer for the probes every step (`probe="wait"`). Requests in flight
-during a sync continue with the new weights (partial rollouts, for asynchronous RL). The
-server does not say which tokens came before the swap, so a completion's tokens all count as
-`version_start`: the oldest weights that can have sampled them, which keeps the trainer's
-staleness bound safe (JaxEngine records the exact version per token).
+Weight sync (`update_weights`): the learner's weights are exported as HF-named safetensors and
+reloaded by the server while it keeps its requests in flight, then probed (vllm_push.py, whose
+docstring tells the steps; vllm_probe.py; the modes in vllm_modes.py). Requests in flight during
+a sync continue with the new weights (partial rollouts, for asynchronous RL). The server does not
+say which tokens came before the swap, so a completion's tokens all count as `version_start`: the
+oldest weights that can have sampled them, which keeps the trainer's staleness bound safe
+(JaxEngine records the exact version per token).
 
 A dead or restarting server loses nothing: a request that fails on the connection (or with a
 5xx) is sent again once the server answers, after the latest weights are reloaded into it (a

@@ -2,7 +2,29 @@
 bucket by bucket (weight_export.py), reloaded by every server (their `SyncWay` says from where,
 their `Swap` when), rolled back everywhere if any server fails, then probed (vllm_probe.py).
 VLLMEngine.update_weights calls it for one server, SharedExport (shared_export.py) for several,
-background_sync.py behind the trainer."""
+background_sync.py behind the trainer.
+
+The learner's parameters are written as HF-named safetensors bucket by bucket (under /dev/shm
+where it exists, in one of two directories used in turn). With `swap="staged"` (the default) the servers generate on
+while every bucket is written (and, for sync=pull, copied by their fetchers), then each is
+paused (in-flight requests kept, with their KV), reloads the whole export in one
+`reload_weights` call (/collective_rpc), has its prefix cache reset (cached KV was computed by
+the old weights) and its weight version bumped, and resumes: it stops only for its reload. That
+is as close to an in-flight swap as vLLM 0.32 allows: a utility call such as collective_rpc runs
+in the EngineCore's busy loop between two engine steps (`EngineCore._process_input_queue`,
+vllm/v1/engine/core.py), so no decode step runs during a reload whether paused or not, and the
+pause (`pause_generation(mode="keep")`) only keeps steps from running between the reload and the
+version's bump, so that no token is stamped with the old version but sampled by the new weights.
+`swap="streamed"` reloads each bucket while the next is written (pausing from the first reload):
+a shorter sync where each server has cores of its own, a longer pause. A sync that fails
+part-way puts the previous export back and keeps the old version (SyncReport). Then
+a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
+sequence must match the JAX model's within `probe_tolerance`. This catches the tied-embedding
+trap (vLLM's reload updates a tied embedding but keeps the old output layer) and any other
+silently ignored tensor. With `probe="deferred"` (the default) the probes run after the sync
+returns, beside the next step's rollouts, and their verdict is collected at the next sync (or by
+the first request after it arrives): a failed probe raises WeightSyncError then, one step later,
+instead of holding the trainer for the probes every step (`probe="wait"`)."""
 
 from __future__ import annotations
 
