@@ -63,3 +63,11 @@ def test_readme_has_no_layout_of_its_own():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "## Layout" not in readme
     assert len(readme.splitlines()) <= 300, "README.md grew past 300 lines: move detail to docs/"
+
+
+def test_no_engine_module_is_over_500_lines():
+    """Issue 71: the engines area in modules of one job each (vllm_engine.py had grown to 766)."""
+    engines = os.path.join(ROOT, "rstar2_jax", "rollout", "engines")
+    long = {f: n for f in os.listdir(engines) if f.endswith(".py")
+            for n in [sum(1 for _ in open(os.path.join(engines, f)))] if n > 500}
+    assert not long, f"over 500 lines: {long}"
