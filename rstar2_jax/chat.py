@@ -49,6 +49,7 @@ async def _chat(model, model_dir: str, format_name: str, answer_format: str):
                       temperature=_TEMPERATURE.value)
     print(fmt.prompt(_PROMPT.value))
     max_len = len(tokenizer.encode(fmt.prompt(_PROMPT.value))) + _MAX_TOKENS.value + 1
+    # engine by name: a chat is one sequence on the embedded engine, on the model it loaded
     engine_cfg = RolloutConfig(engine="jax", jax=JaxEngineSettings(slots=1), max_len=max_len, temperature=_TEMPERATURE.value)
     async with sandbox.LocalSandbox(workers=2, isolation=_ISOLATION.value) as sb, \
             make_engine(engine_cfg, model, tokenizer, seed=_SEED.value) as engine:

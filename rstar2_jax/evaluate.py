@@ -33,6 +33,7 @@ from absl import app, flags, logging
 
 from rstar2_jax import cli
 from rstar2_jax.data.templates import INSTRUCTIONS, Fixes, kept_template_warnings, recognise
+from rstar2_jax.rollout.engines.factory import DEFAULT_ENGINE, ENGINES
 
 _MODEL = flags.DEFINE_string("model", None,
                              "HF model directory, or a hub id (owner/name[@revision]) through the Hugging Face cache")
@@ -58,15 +59,7 @@ _ANSWER_FORMAT = flags.DEFINE_list("answer_format", [], "where the answer is rea
 _INSTRUCTIONS = flags.DEFINE_enum("instructions", "strip", list(INSTRUCTIONS), "a public set's own instruction "
                                   "template around a problem (data/templates.py): strip it (the prompt format "
                                   "instructs) or keep it (then grade the format it asks for: --answer_format)")
-_ENGINE = flags.DEFINE_string("engine", "jax", "rollout engine: jax (embedded) or vllm (servers at --url)")
-_URL = flags.DEFINE_multi_string("url", [], "vLLM server URL (--engine vllm); repeat for several")
-_SCHEDULER = flags.DEFINE_string("scheduler", "kv_aware", "policy over several vLLM servers: kv_aware, "
-                                  "round_robin or least_requests")
-_SLOTS = flags.DEFINE_integer("slots", 32, "JaxEngine batch slots", lower_bound=1)
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 0, "JaxEngine paged KV: positions per page (0: one max_len row per slot)",
-                                  lower_bound=0)
-_KV_PAGES = flags.DEFINE_integer("kv_pages", 0, "JaxEngine paged KV: pages in the pool (0: slots x max_len / page_size)",
-                                 lower_bound=0)
+_ENGINE = flags.DEFINE_string("engine", DEFAULT_ENGINE, f"rollout engine: {' | '.join(ENGINES)} (rollout.engine)")
 _OUT = flags.DEFINE_string("out", "runs/eval", "output directory")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 
@@ -80,17 +73,33 @@ def load_policy(model_dir: str | None, checkpoint: str | None):
     return load_model_dir(model_dir) if model_dir is not None else load_run_policy(checkpoint)
 
 
+def _define_engine_flags() -> dict[str, str]:
+    """Each engine kind's flags (EngineKind.cli_flags), typed, defaulted and described by its
+    settings' fields: a new engine's flags come with its kind. Returns {field under rollout.: flag}."""
+    define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float, str: flags.DEFINE_string}
+    out = {}
+    for name, kind in ENGINES.items():
+        fields = {f.name: f for f in dataclasses.fields(kind.settings)}
+        for flag, field in kind.cli_flags:
+            f = fields[field]
+            doc = f"--engine {name}: {f.metadata['doc']} (rollout.{name}.{field})"
+            if isinstance(f.default, tuple):
+                flags.DEFINE_multi_string(flag, list(f.default), doc + "; repeat for several")
+            else:
+                define[type(f.default)](flag, f.default, doc)
+            out[f"{name}.{field}"] = f"--{flag}"
+    return out
+
+
 # The engine flags, as the RolloutConfig fields they set (errors name the flag). The flags of the
 # engine not chosen are left out (they would be refused as another engine's settings).
-ENGINE_FLAGS = {"engine": "--engine", "vllm.urls": "--url", "vllm.scheduler": "--scheduler", "jax.slots": "--slots",
-                "jax.page_size": "--page_size", "jax.kv_pages": "--kv_pages", "temperature": "--temperature"}
+ENGINE_FLAGS = {"engine": "--engine", "temperature": "--temperature", **_define_engine_flags()}
 
 
 def rollout_config(max_tokens: int):
     """The RolloutConfig the engine flags describe (train builds the same from rollout.*); its
     max_len is set per benchmark."""
     from rstar2_jax.rollout.engines import RolloutConfig
-    from rstar2_jax.rollout.engines.kv_pages import pages_for
 
     engine = flags.FLAGS.engine
     values: dict = {}
@@ -103,9 +112,9 @@ def rollout_config(max_tokens: int):
     # checked at the shortest max_len a benchmark can need (a one-token prompt); each benchmark's
     # own max_len is checked again when its engine is built
     shortest = max_tokens + 2
-    page_size = values.get("jax", {}).get("page_size")
-    if page_size:
-        shortest = pages_for(shortest, page_size) * page_size
+    if engine in ENGINES:  # (an unknown one is refused by the parse below)
+        own, _ = ENGINES[engine].settings.parse(values.get(engine, {}))  # (its problems: reported below)
+        shortest = _whole_granules(shortest, ENGINES[engine].context_granule(own) if own is not None else 1)
     section, problems = RolloutConfig.parse({**values, "max_len": shortest})
     if problems:
         raise app.UsageError("\n".join(f"{ENGINE_FLAGS.get(p.path.split('[')[0], p.path)}: {p.message}"
@@ -117,16 +126,18 @@ def engine_factory(model_dir: str | None, checkpoint: str | None, tokenizer, cfg
     """A function max_len -> async context manager of the engine for one benchmark (the embedded
     engine's KV is sized to the benchmark's longest prompt + its token budget)."""
     from rstar2_jax.rollout.engines import engine_kind, make_engine
-    from rstar2_jax.rollout.engines.kv_pages import pages_for
 
     model = load_policy(model_dir, checkpoint) if engine_kind(cfg).embedded else None  # served: the servers' weights
 
     def engine_for(max_len: int):
-        if cfg.jax.page_size:  # whole pages
-            max_len = pages_for(max_len, cfg.jax.page_size) * cfg.jax.page_size
+        max_len = _whole_granules(max_len, engine_kind(cfg).context_granule(getattr(cfg, cfg.engine)))  # paged: pages
         sized = type(cfg).from_mapping({**cfg.to_dict(), "max_len": max_len})  # ConfigValueError if the pages cannot hold it
         return make_engine(sized, model, tokenizer, seed=_SEED.value)
     return engine_for
+
+
+def _whole_granules(length: int, granule: int) -> int:
+    return -(-length // granule) * granule
 
 
 def run_defaults(checkpoint: str | None, max_tokens: int | None, max_turns: int | None) -> tuple[int, int]:
@@ -354,7 +365,9 @@ def main(argv):
     protocol = {"answer_formats": answer_formats, "instructions": _INSTRUCTIONS.value,
                 "samples": _SAMPLES.value, "temperature": _TEMPERATURE.value, "max_tokens": max_tokens,
                 "max_turns": max_turns, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
-                "urls": _URL.value, "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value}
+                # the chosen engine's own settings (vllm: its server URLs, ...), as its section holds them
+                "engine_settings": getattr(engine_cfg, engine_cfg.engine).to_dict(),
+                "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value}
     check_protocol(protocol)
 
     def write(results):

@@ -7,6 +7,7 @@ read from the document itself, so the document and the code cannot drift apart.
     MODULE never imports: X, Y      not even lazily, from inside a function (transitively)
 """
 
+import ast
 import os
 import re
 
@@ -65,21 +66,68 @@ def test_import_rule(subject, kind, targets):
     assert not broken, f"docs/DESIGN.md: `{subject} {kind}: {', '.join(targets) or 'nothing'}` is broken by {broken}"
 
 
-def test_no_module_outside_the_engines_compares_an_engine_s_name():
-    """Code asks an engine's kind (rollout/engines/factory.EngineKind) what it needs to know; a
-    comparison with a registered name outside rollout/engines/ is a branch a new engine misses."""
+ENGINE_CLASSES = ("JaxEngine", "VLLMEngine", "Scheduler")
+MARKER = "engine by name:"  # on the line or the one above: why this code must name an engine (rare)
+
+
+def engine_named_sites(module: str, source: str, names: set[str]) -> list[tuple[int, str]]:
+    """Where code outside rollout/engines/ names an engine: a string that is an engine's name or one
+    of its settings' keys ("jax", "vllm.urls": a comparison, a dict key, `.get("jax")`), an
+    attribute named after it (`cfg.rollout.jax.page_size`), or `isinstance` of a concrete engine.
+    Docstrings are prose, not code."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            head, _, key = node.value.partition(".")
+            if head in names and (not key or key.isidentifier()):
+                found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.Attribute) and node.attr in names and not _is_module_path(node):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2 and any(c in ast.unparse(node.args[1]) for c in ENGINE_CLASSES):
+            found.append((node.lineno, ast.unparse(node)))
+    lines = source.splitlines()
+    return [(n, what) for n, what in found if not any(MARKER in lines[k] for k in (n - 1, n - 2) if k >= 0)]
+
+
+def _is_module_path(node: ast.Attribute) -> bool:
+    """`jax.numpy`-like chains start at a module name, not at a config: rstar2_jax.x, jax.y."""
+    root = node
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    return isinstance(root, ast.Name) and root.id in ("rstar2_jax", "jax")
+
+
+def test_no_module_outside_the_engines_names_an_engine():
+    """Code asks an engine's kind (rollout/engines/engine_kind.EngineKind) what it needs to know;
+    naming a registered engine outside rollout/engines/ is a branch a new engine misses."""
     from rstar2_jax.rollout.engines import ENGINES
-    names = "|".join(map(re.escape, ENGINES))
-    compare = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
     found = []
     for module, path in MODULES.items():
         if module.startswith("rstar2_jax.rollout.engines") or not module.startswith("rstar2_jax"):
             continue
-        for i, line in enumerate(open(path), 1):
-            if compare.search(line.split("#", 1)[0]):
-                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+        found += [f"{os.path.relpath(path, ROOT)}:{n}: {what}"
+                  for n, what in engine_named_sites(module, open(path).read(), set(ENGINES))]
     assert not found, "\n".join(found)
 
+
+def test_the_engine_name_check_sees_every_form():
+    names = {"jax", "vllm"}
+    source = ('def f(cfg, values, engine):\n'
+              '    """Reads jax: prose, not code."""\n'
+              '    a = cfg.engine == "vllm"\n'
+              '    b = {"vllm.urls": "--url"}\n'
+              '    c = values.get("jax", {})\n'
+              '    d = cfg.rollout.jax.page_size\n'
+              '    e = isinstance(engine, VLLMEngine)\n'
+              '    g = jax.numpy.zeros(1)\n'
+              '    # engine by name: allowed, with its reason\n'
+              '    h = "jax"\n')
+    assert sorted(n for n, _ in engine_named_sites("m", source, names)) == [3, 4, 5, 6, 7]
 
 def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan), leaving out a module's

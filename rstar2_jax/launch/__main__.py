@@ -75,7 +75,7 @@ def _plan_check(job: SlurmJob) -> str | None:
     wired = []
     if job.roles.sandbox_nodes:
         wired += ["--config.sandbox.backend=redis", f"--config.sandbox.redis.url=redis://localhost:{job.ports.redis}/0"]
-    if job.roles.rollout_nodes:
+    if job.roles.rollout_nodes:  # engine by name: the launcher's rollout role is vLLM servers
         wired += ["--config.rollout.engine=vllm", f"--config.rollout.vllm.urls=http://localhost:{job.ports.vllm}",
                   "--config.rollout.vllm.sync=pull", "--config.rollout.vllm.sync_host=localhost",
                   f"--config.rollout.vllm.fetch_urls=http://localhost:{job.ports.fetch}"]

@@ -260,6 +260,7 @@ def batch_script(job: SlurmJob) -> str:
                  "VLLM_URLS=()", "FETCH_URLS=()"]
         for i in roles["rollout"]:
             for k in range(r.servers_per_node):
+                # engine by name: the launcher's rollout role is vLLM servers (the embedded engine needs none)
                 port, fetch = p.vllm + 2 * k, p.fetch + 2 * k
                 serve = [f"{py} -m rstar2_jax.rollout.serve", f"--model={_q(job.model_path)}", "--host=0.0.0.0",
                          f"--port={port}", f"--fetch_port={fetch}", f"--dtype={job.dtype}",

@@ -143,9 +143,8 @@ class RunConfig(Section):
     def rules(self):
         r, rl = self.rollout, self.rl
         kind = self._checked_engine_kind()
-        if self.model.decode_attention == "pallas" and not r.jax.page_size and r.max_len % 128:
-            yield "model.decode_attention", (f"pallas needs rollout.max_len to be a multiple of 128 (or paged KV), "
-                                             f"got {r.max_len}")
+        if kind and (why := kind.attention_refusal(r, self.model.decode_attention)):
+            yield "model.decode_attention", why
         if self.sft.steps and self.data.task in TASKS and not TASKS[self.data.task].has_sft_data:
             yield "sft.steps", (f"must be 0 for data.task={self.data.task!r}: it has no SFT data (fine-tune first "
                                 "with python -m rstar2_jax.sft and set model.path)")

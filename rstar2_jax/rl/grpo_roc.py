@@ -133,7 +133,7 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
                 kept.append(KeptRollout(t, adv_of[j], len(records), b, float(shaped[j])))
             records.append(trajectory_record(
                 t, run=cfg.run_name, step=step, problem_id=problem.id, sample_index=j, problem=problem.question,
-                gold=problem.answer, extracted_answer=s.answer, reward=s.reward,
+                gold=problem.answer, engine=cfg.rollout.engine, extracted_answer=s.answer, reward=s.reward,
                 p_err=float(sel.p_err[j]), p_format=float(sel.p_format[j]), kept=j in adv_of,
                 advantage=float(adv_of.get(j, 0.0))))
     return kept, records

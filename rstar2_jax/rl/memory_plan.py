@@ -64,20 +64,13 @@ from rstar2_jax.rollout.engines.factory import engine_kind
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05
 
-# What to change when a line does not fit.
+# What to change when a learner's line does not fit (an engine's lines carry their own: PlanLine.remedy).
 REMEDIES = {
     "parameters": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "gradients": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "optimizer": "a larger mesh (mesh.fsdp, mesh.tensor)",
     "activations": "more rl.micro_batches (fewer rows at once; packed: a smaller rl.token_budget or "
                    "rl.segments_per_row), model.remat=full, model.attention=cudnn, or a larger mesh.fsdp",
-    "engine weights": "model.decode_attention=xla (splits the engine over the process's devices), or "
-                      "rollout.engine=vllm (rollouts on other GPUs)",
-    "landing weights": "rollout.jax.swap=next_chunk (one copy of the engine's weights)",
-    "KV pool": "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer rollout.jax.slots, or "
-               "rollout.engine=vllm",
-    "weight sync": "rollout.vllm.export_dtype=bfloat16 (half the bytes), or one trainer process per host (the "
-                   "tensors then stay split over its devices)",
 }
 
 
@@ -152,7 +145,7 @@ class MemoryPlan:
         running = sum(x.bytes for x in lines[:lines.index(line) + 1])
         return (f"memory plan: the run does not fit a {self.capacity / GiB:.1f} GiB device: at {line.name!r} "
                 f"({line.bytes / GiB:.2f} GiB) the total reaches {running / GiB:.2f} GiB (all lines: "
-                f"{self.total / GiB:.2f} GiB). Try {REMEDIES.get(line.name, 'a larger mesh')}; "
+                f"{self.total / GiB:.2f} GiB). Try {line.remedy or REMEDIES.get(line.name, 'a larger mesh')}; "
                 "train --plan prints every line")
 
 

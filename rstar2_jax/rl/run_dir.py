@@ -19,16 +19,18 @@ import time
 from typing import Any
 
 from rstar2_jax.rl.config import RunConfig
+from rstar2_jax.rollout.engines.factory import ENGINES  # (the factory: every kind registered)
 
 # Keys a resumed run may change without being told: they extend the run or move where its
 # parts run, not what it learns.
 RESUMABLE_CHANGES = frozenset({
     "rl.steps", "checkpoint.every", "checkpoint.keep", "eval.before_and_after",
-    "rollout.vllm.urls", "rollout.vllm.sync", "rollout.vllm.sync_dir", "rollout.vllm.fetch_urls", "rollout.vllm.sync_host",
-    "rollout.vllm.sync_bucket_mb", "sandbox.backend", "sandbox.local.workers", "sandbox.redis.url", "sandbox.http.url",
+    "sandbox.backend", "sandbox.local.workers", "sandbox.redis.url", "sandbox.http.url",
     # how the learner lays out the same rollouts (packed or padded rows, a budget): the same loss to
     # rounding (tests/learner/test_packing.py), and a run from before auto packing records 0
     "rl.token_budget",
+    # each engine's own (EngineKind.resumable): where it runs
+    *(f"rollout.{name}.{key}" for name, kind in ENGINES.items() for key in kind.resumable),
 })
 MISMATCH_CHOICES = ("stop", "ok")
 

@@ -75,7 +75,7 @@ SCHEMA = pa.schema([
 
 
 def trajectory_record(traj: Trajectory, *, run: str, step: int, problem_id: str, sample_index: int,
-                      problem: str = "", gold: str = "", engine: str = "jax", extracted_answer: str | None = None,
+                      problem: str = "", gold: str = "", engine: str = "", extracted_answer: str | None = None,
                       reward: float = 0.0, p_err: float = 0.0, p_format: float = 0.0, kept: bool = False,
                       advantage: float = 0.0, entropy: list[float] | None = None) -> dict[str, Any]:
     return {

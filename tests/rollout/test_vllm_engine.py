@@ -537,6 +537,7 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypa
     behind: the run would stop on the staleness bound), and the evaluations before and after RL
     wait for the weights they evaluate."""
     from rstar2_jax.rl.trainer import run
+    from rstar2_jax.traces import read_traces
     from tests.rl.test_training import small_config
 
     held_s = 1.0
@@ -573,6 +574,7 @@ def test_short_training_run_with_the_vllm_engine(vllm_server, tmp_path, monkeypa
     assert "before" in results and "after" in results
     assert landed_at_request[0] and landed_at_request[-1]  # both evaluations sample the weights last sent
     assert served_version(vllm_server.url) == str(cfg.rl.steps)  # SFT start = version 0, then one sync per RL step
+    assert set(read_traces(tmp_path / "traces")["engine"]) == {"vllm"}  # the traces name the engine that sampled
 
 
 def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, tiny_model, caplog):

@@ -54,6 +54,7 @@ class PlanLine:
     name: str
     bytes: float
     how: str
+    remedy: str = ""  # what to change when it does not fit (the engine's lines name their own settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,8 @@ class EngineKind:
     plan: Callable[[EnginePlanInputs], tuple[list[PlanLine], int]]   # its memory lines, and the devices it runs on
     describe: Callable[[RolloutSection], str]                         # its one line in train --plan
     host_refusal: Callable[[RolloutSection, str], str | None]         # (rollout, device platform): why it cannot run here
+    # (rollout, model.decode_attention): why it cannot decode with that attention (None: it can)
+    attention_refusal: Callable[[RolloutSection, str], str | None] = lambda rollout, decode_attention: None
     # (rollout, model.lora.rank): why it cannot serve the LoRA adapters a run trains (None: it can)
     adapter_refusal: Callable[[RolloutSection, int], str | None] = lambda rollout, rank: None
     # (rollout): whether a sync returns before the engines have the weights (background_sync.py)
@@ -75,6 +78,12 @@ class EngineKind:
     devices: Callable[[RolloutSection, list], tuple[list, list]] = lambda rollout, devices: (list(devices), list(devices))
     # (rollout, model.decode_attention) -> the mesh this process's engine copy is placed on (None: no copy is split)
     mesh: Callable[[RolloutSection, str], object] = lambda rollout, decode_attention: None
+    # evaluate's flags for its settings: (flag, field of its section); typed and described by the field
+    cli_flags: tuple[tuple[str, str], ...] = ()
+    # its settings (under rollout.<kind>.) a resumed run may change: where the engine runs, not what it samples
+    resumable: tuple[str, ...] = ()
+    # (its own settings section, rollout.<kind>) -> the multiple a sequence's KV length is rounded up to
+    context_granule: Callable[[Section], int] = lambda own: 1
     # (rollout) -> the devices of each process that are the engine's alone (0: it shares the learner's)
     devices_of_its_own: Callable[[RolloutSection], int] = lambda rollout: 0
 

@@ -33,6 +33,9 @@ def engine_kind(cfg: RolloutConfig) -> EngineKind:
 from rstar2_jax.rollout.engines import jax_kind, vllm_kind  # noqa: E402, F401
 
 
+DEFAULT_ENGINE = "jax"  # rollout.engine's default: the embedded engine, nothing to start
+
+
 class _RolloutBase(PartChoice):
     """`rollout.*`: the engine (rollout.engine), the sampling every engine does, and each engine's
     own settings (rollout.<engine>.*; only the chosen engine's are read)."""
@@ -46,7 +49,7 @@ _MOVED = {**{name: f"jax.{name}" for name in ("slots", "reuse_kv", "page_size", 
 
 RolloutConfig = part_section(
     "RolloutConfig", ENGINES, path="rollout", module=__name__, base=_RolloutBase, moved=_MOVED, refuse_unchosen=False,
-    selector=("engine", str, setting("jax", "jax (embedded in the learner process, rollout.jax.*) | vllm (servers, "
+    selector=("engine", str, setting(DEFAULT_ENGINE, "jax (embedded in the learner process, rollout.jax.*) | vllm (servers, "
                                      "rollout.vllm.*)", choices=ENGINES)),
     common=[
         ("max_len", int, setting(640, "KV per sequence: the longest prompt + every stage's max_response_tokens must "

@@ -173,11 +173,16 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
     shares = _weights(x.rollout, x.compute_dtype).shares(learner_devices=x.devices, on_policy=x.on_policy)
     weights = PlanLine("engine weights", 0.0 if shares else shard_bytes(x.arch, mesh, b),
                        "shares the learner's (float32, one device, on-policy)" if shares else
-                       f"{x.compute_dtype}, split over {engine_devices} device(s)")
-    lines = [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b))]
+                       f"{x.compute_dtype}, split over {engine_devices} device(s)",
+                       "model.decode_attention=xla (splits the engine over the process's devices), or "
+                       "rollout.engine=vllm (rollouts on other GPUs)")
+    lines = [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b),
+                               "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer "
+                               "rollout.jax.slots, or rollout.engine=vllm")]
     if SWAP_TIMINGS[x.rollout.jax.swap].waits_for_landing and not shares:  # the next version lands beside the one decoding
         lines.insert(1, PlanLine("landing weights", weights.bytes, "rollout.jax.swap=landed: the next version's "
-                                 "copy, beside the one decoding until it lands"))
+                                 "copy, beside the one decoding until it lands",
+                                 "rollout.jax.swap=next_chunk (one copy of the engine's weights)"))
     return lines, engine_devices
 
 
@@ -193,6 +198,12 @@ def _kv_pool(x: EnginePlanInputs, engine_devices: int, b: int) -> tuple[float, s
     return positions * position / split, f"{what} positions x {position / 2**10:.3g} KiB, split {split} way(s)"
 
 
+def _attention_refusal(r: RolloutSection, decode_attention: str) -> str | None:
+    if decode_attention == "pallas" and not r.jax.page_size and r.max_len % 128:  # the ragged kernel's blocks
+        return f"pallas needs rollout.max_len to be a multiple of 128 (or paged KV), got {r.max_len}"
+    return None
+
+
 def _describe(r: RolloutSection) -> str:
     j = r.jax
     return (f"jax, {j.slots} slots x {r.max_len} KV positions" + (f", paged ({j.page_size} per page)" if j.page_size else "")
@@ -203,4 +214,7 @@ ENGINES.register("jax", EngineKind(
     build=_build_jax, settings=JaxEngineSettings, check=_check_jax, embedded=True,
     samples_like_learner=lambda r, compute_dtype: compute_dtype == "float32",
     weights=_weights, plan=_plan, describe=_describe, host_refusal=lambda r, platform: None,
-    devices=split_devices, mesh=_mesh, devices_of_its_own=lambda r: r.jax.devices))
+    attention_refusal=_attention_refusal,
+    devices=split_devices, mesh=_mesh, devices_of_its_own=lambda r: r.jax.devices,
+    context_granule=lambda own: own.page_size or 1,  # paged KV: whole pages
+    cli_flags=(("slots", "slots"), ("page_size", "page_size"), ("kv_pages", "kv_pages"))))

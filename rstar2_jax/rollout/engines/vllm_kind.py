@@ -112,7 +112,8 @@ def _weights(cfg: RolloutSection, compute_dtype: str) -> EngineWeights:
 
 def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
     return [PlanLine("engine weights", 0.0, "rollouts run on vLLM servers"), PlanLine("KV pool", 0.0, "on the servers"),
-            PlanLine("weight sync", *_sync_window(x))], 1
+            PlanLine("weight sync", *_sync_window(x), "rollout.vllm.export_dtype=bfloat16 (half the bytes), or one "
+                     "trainer process per host (the tensors then stay split over its devices)")], 1
 
 
 def _sync_window(x: EnginePlanInputs) -> tuple[float, str]:
@@ -160,4 +161,7 @@ ENGINES.register("vllm", EngineKind(
     weights=_weights, plan=_plan,
     describe=lambda r: f"vllm, {len(r.vllm.urls)} server(s), scheduler {r.vllm.scheduler}",
     host_refusal=_host_refusal, adapter_refusal=_adapter_refusal,
-    lands_in_background=lambda r: SyncWait(r.vllm.sync_wait).in_background))
+    lands_in_background=lambda r: SyncWait(r.vllm.sync_wait).in_background,
+    # where the servers are and how weights reach them: what a resumed run may move
+    resumable=("urls", "sync", "sync_dir", "fetch_urls", "sync_host", "sync_bucket_mb"),
+    cli_flags=(("url", "urls"), ("scheduler", "scheduler"))))
