@@ -212,7 +212,8 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, proble
 
     from rstar2_jax.eval_report import benchmark_summary
     from rstar2_jax.rewards import Grader
-    from rstar2_jax.rollout.scoring import RolloutOutcome, rollout_problems, stable_seed
+    from rstar2_jax.rollout.scoring import RolloutOutcome, rollout_problems
+    from rstar2_jax.seeding import stable_seed
     from rstar2_jax.traces import trajectory_record
 
     kept = BenchmarkResults(_OUT.value, bench.name)

@@ -177,3 +177,13 @@ def test_no_import_cycle_even_lazy_or_for_annotations_only():
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a": {"a.x"}, "a.w": {"a"}}
     assert module_cycles(graph) == [["a.x", "a.y", "a.z"]]
+
+
+def test_an_rl_run_derives_its_seeds_in_one_module():
+    """Issue 71: the rollouts', top-ups', pre-filter's, evaluations', RoC's and the data order's
+    seeds come from rl/seeds.py, each a named stream; no other module of rl/ derives one."""
+    derive = re.compile(r"\b(stable_seed|default_rng|SeedSequence)\(")
+    found = [f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}"
+             for module, path in MODULES.items() if within(module, "rstar2_jax.rl") and module != "rstar2_jax.rl.seeds"
+             for i, line in enumerate(open(path), 1) if derive.search(line.split("#", 1)[0])]
+    assert not found, "\n".join(found)

@@ -102,12 +102,22 @@ def gather_groups(running: RunningGroups, groups: list[int], n_roll: int) -> lis
     return [everyone[b * n_roll + j] for b in groups for j in range(n_roll)]
 
 
+async def gathered(out, carried_in: RunningGroups | None, engine, *, n_roll: int, staleness: StalenessConfig,
+                   last: bool) -> tuple[Any, RunningGroups | None]:
+    """In the consumer (a collective, every process in step order): the step's rollouts of every
+    process, and the groups carried out of it. The one gather of a step: a step run to its end
+    gathers every rollout; a launched one (rl.staleness.policy=carry) is cut (`cut`)."""
+    if out.running is None:
+        return dataclasses.replace(out, scored=processes.gather_shares(out.scored, len(out.problems) * n_roll)), None
+    return await cut(out, carried_in, engine, n_roll=n_roll, staleness=staleness, last=last)
+
+
 async def cut(out, carried_in: RunningGroups | None, engine, *, n_roll: int, staleness: StalenessConfig,
-              last: bool) -> RunningGroups | None:
+              last: bool) -> tuple[Any, RunningGroups | None]:
     """In the consumer (collectives): the step of `out` (launched: out.running) is cut once
     staleness.wanted of its groups are in (all of them at the run's last step), and the groups
-    carried into it are waited for whole. Fills `out` with what the step trains, every process's
-    results gathered, and the engine's work on them; returns the groups carried out of it."""
+    carried into it are waited for whole. Returns what the step trains (`out` with every
+    process's results gathered, and the engine's work on them) and the groups carried out of it."""
     running = out.running
     # the cut first: what the step trains of its own is decided when enough of it is in, not
     # after waiting on the groups carried into it (by then all of it would be)
@@ -125,11 +135,11 @@ async def cut(out, carried_in: RunningGroups | None, engine, *, n_roll: int, sta
     work = merge_work([work, engine.take_owned(("rollout", running.step))])
     if work is not None:
         out.timeline.extend("engine", work.busy)
-    out.problems, out.scored, out.work = problems, scored, work
-    out.rollout_s = time.monotonic() - out.started
-    out.counts.update(running.journal.resumed_counts(), **{"staleness/carried_in": len(carried_in.groups)
-                                                           if carried_in else 0, "staleness/carried_out": len(left)})
-    return dataclasses.replace(running, groups=left) if left else None
+    counts = {**out.counts, **running.journal.resumed_counts(),
+              "staleness/carried_in": len(carried_in.groups) if carried_in else 0, "staleness/carried_out": len(left)}
+    cut_out = dataclasses.replace(out, problems=problems, scored=scored, work=work,
+                                  rollout_s=time.monotonic() - out.started, counts=counts)
+    return cut_out, (dataclasses.replace(running, groups=left) if left else None)
 
 
 def relaunch(carried: CarriedGroups | None, producer, problems) -> RunningGroups | None:

@@ -23,12 +23,13 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from rstar2_jax.rl.run_state import DataState
+from rstar2_jax.rl.seeds import epoch_rng
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The order of the n training problems in `epoch`: a fresh permutation every epoch, from
     the run seed (as verl's shuffling loader), so a resumed run replays it exactly."""
-    return np.random.default_rng([seed, 0x5EED, epoch]).permutation(n)
+    return epoch_rng(seed, epoch).permutation(n)
 
 
 def next_problems(problems: Sequence, pos: int, count: int, seed: int, skip: set[str]) -> tuple[list, int]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from rstar2_jax.algo import group_is_informative
 from rstar2_jax.config_types import Section, setting
+from rstar2_jax.rl.seeds import topup_seeds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,25 +57,25 @@ def fill_summary(informative: int, wanted: int, drawn: int, rounds: int) -> dict
             "dynamic_sampling/filled": float(np.clip(informative / max(wanted, 1), 0.0, 1.0))}
 
 
-async def fill(out, producer, stream, step: int, cfg) -> dict[str, float]:
+async def fill(out, producer, stream, step: int, cfg) -> tuple[Any, dict[str, float]]:
     """Rounds of extra problems (`stream.draw_topup`), rolled out by the rollout producer with the
-    current weights and gathered, appended to `out` (a step's StepRollouts, gathered) until it
-    holds rl.batch_problems groups with differing rewards or the draw bound is reached; returns
-    the fill metrics. Runs in the consumer (collectives allowed), the same in every process."""
-    from rstar2_jax.rollout.scoring import stable_seed
-
+    current weights and gathered, after those of `out` (a step's StepRollouts, gathered) until
+    they hold rl.batch_problems groups with differing rewards or the draw bound is reached:
+    returns the step's rollouts with them, and the fill metrics. Runs in the consumer
+    (collectives allowed), the same in every process."""
     n_roll = cfg.rl.rollouts_per_problem
     wanted, bound = cfg.rl.batch_problems, cfg.rl.dynamic_sampling.bound(cfg.rl.batch_problems)
     informative, rounds = informative_groups([s.reward for s in out.scored], n_roll), 0
+    problems_in, scored_in = list(out.problems), list(out.scored)
     with out.timeline.span("dynamic_sampling"):
-        while count := next_draw(informative, len(out.problems), wanted, bound):
+        while count := next_draw(informative, len(problems_in), wanted, bound):
             rounds += 1
             problems = stream.draw_topup(step, count)
-            seeds = [stable_seed(cfg.seed, "topup", step, rounds, b, j) for b in range(len(problems))
-                     for j in range(n_roll)]
+            seeds = topup_seeds(cfg.seed, step, rounds, len(problems), n_roll)
             scored = await producer.rollouts(problems, n_roll, producer.agent(step), seeds)
             informative += informative_groups([s.reward for s in scored], n_roll)
-            out.problems += problems
-            out.scored += scored
-    return {**fill_summary(informative, wanted, len(out.problems), rounds),
-            "time/dynamic_sampling_s": out.timeline.union("dynamic_sampling")}
+            problems_in += problems
+            scored_in += scored
+    return (dataclasses.replace(out, problems=problems_in, scored=scored_in),
+            {**fill_summary(informative, wanted, len(problems_in), rounds),
+             "time/dynamic_sampling_s": out.timeline.union("dynamic_sampling")})

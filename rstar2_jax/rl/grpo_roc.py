@@ -29,6 +29,7 @@ from rstar2_jax.part_sections import PartChoice, part_section
 from rstar2_jax.registry import Registry
 from rstar2_jax.rewards import format_penalty, tool_error_ratio
 from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
+from rstar2_jax.rl.seeds import selection_rng
 from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.traces import trajectory_record
 
@@ -116,7 +117,7 @@ def select_step(cfg, step: int, problems: Sequence, scored: Sequence[Scored], *,
     that many trained ones are not trained on (dynamic sampling's surplus). The RoC draws come
     from (seed, step), so a rerun keeps the same."""
     n_roll = cfg.rl.rollouts_per_problem
-    rng = np.random.default_rng([cfg.seed, step])
+    rng = selection_rng(cfg.seed, step)
     budget = cfg.stage(step).max_response_tokens
     kept, records, groups = [], [], 0
     for b, problem in enumerate(problems):

@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, Sequence
 from tqdm.auto import tqdm
 
 from rstar2_jax.data.jsonl import read_appended_jsonl
+from rstar2_jax.rl.seeds import prefilter_seeds
 
 
 def read_results(path: str) -> dict[str, int]:
@@ -75,12 +76,11 @@ async def prefilter_stage(producer, problems, cfg, stage_i: int, step: int, path
     the rollout producer (every process's share, gathered), chunk by chunk, resumable from
     `path`; the ids solved k/k."""
     from rstar2_jax import processes
-    from rstar2_jax.rollout.scoring import stable_seed
 
     agent = producer.agent(step)
 
     async def solve(chunk, k):
-        seeds = [stable_seed(cfg.seed, "prefilter", stage_i, p.id, j) for p in chunk for j in range(k)]
+        seeds = prefilter_seeds(cfg.seed, stage_i, [p.id for p in chunk], k)
         rewards = [s.reward for s in await producer.rollouts(chunk, k, agent, seeds)]
         return [sum(r > 0 for r in rewards[i * k:(i + 1) * k]) for i in range(len(chunk))]
 

@@ -27,13 +27,14 @@ from typing import Sequence
 from rstar2_jax import processes
 from rstar2_jax.rl.carry import RunningGroups
 from rstar2_jax.rl.run_state import DataState
+from rstar2_jax.rl.seeds import rollout_seed
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import AgentConfig, PromptFormat
 from rstar2_jax.rollout.engines import Engine
 from rstar2_jax.rollout.engines.accounting import owned_by
 from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.rewards import Grader
-from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout, stable_seed
+from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout
 from rstar2_jax.timeline import Timeline
 
 
@@ -59,7 +60,7 @@ class RolloutProducer:
 
     def seed(self, step: int, group: int, sample: int) -> int:
         """The sampling seed of rollout `sample` of the step's problem `group` (every process alike)."""
-        return stable_seed(self.cfg.seed, "rollout", step, group, sample)
+        return rollout_seed(self.cfg.seed, step, group, sample)
 
     def journal(self, step: int) -> StepJournal:
         return StepJournal(self.inflight_dir, step, max_version=self.restored_version)

@@ -10,7 +10,7 @@ from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.timeline import Timeline
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepRollouts:
     """The problems, this process's share of their 2G rollouts each (problem-major; every
     process's once the consumer gathered them), timings and the data stream as of the draw."""

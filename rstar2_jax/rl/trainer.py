@@ -49,12 +49,13 @@ from rstar2_jax.rl.rollouts import RolloutProducer
 from rstar2_jax.rl.run_dir import RunDirectory
 from rstar2_jax.rl.carry import RunningGroups
 from rstar2_jax.rl.run_state import DataState, RunState
+from rstar2_jax.rl.seeds import eval_seeds
 from rstar2_jax.rl.step_metrics import MetricsLog, format_breakdown, format_results, step_metrics
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout import journal, make_format
 from rstar2_jax.rollout.engines import engine_kind, make_engine
 from rstar2_jax.rollout.sandboxes import make_sandbox
-from rstar2_jax.rollout.scoring import stable_seed, summarize
+from rstar2_jax.rollout.scoring import summarize
 from rstar2_jax.timeline import Timeline
 from rstar2_jax.traces import TraceWriter
 
@@ -122,7 +123,7 @@ class RLRun:
         if not known:  # the weights evaluated are the last ones sent (sync_wait=export: maybe still landing)
             await self.producer.engine.latest_landed()
         for name, temperature in () if known else (("greedy", 0.0), ("sampled", self.cfg.rollout.temperature)):
-            seeds = [stable_seed(self.cfg.seed, label, name, i) for i in range(len(probs))]
+            seeds = eval_seeds(self.cfg.seed, label, name, len(probs))
             with tqdm(total=len(probs), desc=f"eval {label} ({name})", dynamic_ncols=True, leave=False,
                       disable=not processes.is_primary()) as bar:
                 scored = await self.producer.everywhere(probs, self.producer.agent(step, temperature), seeds, bar)
@@ -269,13 +270,10 @@ class RLRun:
         to the engine) and the step's traces; advances the run state; returns the step's metrics."""
         cfg = self.cfg
         engine = self.producer.engine
-        if out.running is not None:  # rl.staleness.policy=carry: the step is cut here (collectives)
-            self.carried = await carry.cut(out, self.carried, engine, n_roll=self.cfg.rl.rollouts_per_problem,
-                                           staleness=cfg.rl.staleness, last=step + 1 == cfg.rl.steps)
-        else:
-            out.scored = processes.gather_shares(out.scored, len(out.problems) * self.cfg.rl.rollouts_per_problem)
-        sampling = (await dynamic_sampling.fill(out, self.producer, self.data, step, cfg)
-                    if cfg.rl.dynamic_sampling.enabled else {})
+        out, self.carried = await carry.gathered(out, self.carried, engine, n_roll=cfg.rl.rollouts_per_problem,
+                                                 staleness=cfg.rl.staleness, last=step + 1 == cfg.rl.steps)
+        out, sampling = (await dynamic_sampling.fill(out, self.producer, self.data, step, cfg)
+                         if cfg.rl.dynamic_sampling.enabled else (out, {}))
         stage = cfg.stage(step)
         solved_now = (solved_ids(out.problems, [s.reward for s in out.scored], self.cfg.rl.rollouts_per_problem,
                                  stage.filter_solved_k) if stage.filter_solved_k else set())

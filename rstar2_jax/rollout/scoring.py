@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -14,11 +13,6 @@ from rstar2_jax.rewards.penalties import infra_error_count
 from rstar2_jax.rollout import AgentConfig, Trajectory, run_agent
 from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.timeline import span
-
-
-def stable_seed(*parts) -> int:
-    """A 31-bit seed from parts, the same in every process (unlike hash() of strings)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") >> 1
 
 
 @dataclasses.dataclass

@@ -53,9 +53,9 @@ def test_rollout_seeds_are_the_same_in_every_process():
     import subprocess
     import sys
 
-    from rstar2_jax.rollout.scoring import stable_seed
+    from rstar2_jax.seeding import stable_seed
 
-    code = "from rstar2_jax.rollout.scoring import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
+    code = "from rstar2_jax.seeding import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONHASHSEED="12345"), check=True).stdout
