@@ -23,14 +23,25 @@ PAGE = """# Benchmarks
 """
 
 
-def test_a_known_section_is_replaced_in_place(tmp_path):
+def test_a_known_section_is_replaced_in_place_and_the_old_one_moves_to_history(tmp_path):
     page = tmp_path / "BENCHMARKS.md"
     page.write_text(PAGE)
     common.record(str(page), "Old subject", "cmd", "cfg", "| b |\n|---|")
     text = page.read_text()
-    assert text.count("## Old subject\n") == 1 and "| b |" in text
-    assert text.index("| b |") < text.index("# History")
-    assert text.endswith("## Old subject: the first run\n\n| a |\n")  # the history is left alone
+    current, history = text.split("\n# History\n")
+    assert current.count("## Old subject\n") == 1 and "| b |" in current and "| a |" not in current
+    assert 'Earlier figures: History, "Old subject (2026-01-01)"' in current  # one line saying where
+    # the replaced section opens the History (newest first), dated; the older history stays below it
+    assert history.index("## Old subject (2026-01-01)\n\n- Device: x.") < history.index("## Old subject: the first run")
+    assert text.endswith("## Old subject: the first run\n\n| a |\n")
+
+
+def test_a_page_without_history_gets_one_for_the_replaced_section(tmp_path):
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("# Benchmarks\n\n## S\n\nDate: 2026-02-03\n\n| a |\n")
+    common.record(str(page), "S", "cmd", "cfg", "| b |\n|---|")
+    current, history = page.read_text().split("\n# History\n")
+    assert "| b |" in current and "| a |" not in current and "## S (2026-02-03)\n" in history and "| a |" in history
 
 
 def test_a_new_subject_goes_before_the_history(tmp_path):

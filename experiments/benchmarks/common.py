@@ -93,8 +93,9 @@ def command_line(module: str, argv) -> str:
 def record(path: str | None, title: str, command: str, config: str, table: str, notes: str = ""):
     """Write one result block (device, date, config, command, table) into a BENCHMARKS.md: it
     replaces the section of the same title (one section per subject, always the current figures;
-    the section's commentary goes with it and is rewritten for the new figures), or is added before
-    the "History" section of superseded figures (at the end when there is none)."""
+    the section's commentary goes with it and is rewritten for the new figures), and the section
+    it replaces moves to the top of "History", titled with its date, the new one saying where;
+    a new subject is added before "History" (at the end when there is none)."""
     block = (f"## {title}\n\n- Device: {device_line()}. Date: {datetime.date.today().isoformat()}.\n"
              f"- Config: {config}\n- Command: `{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
     print(block)
@@ -102,12 +103,16 @@ def record(path: str | None, title: str, command: str, config: str, table: str, 
         return
     text = open(path).read() if os.path.exists(path) else ""
     heading = f"## {title}\n"
-    if heading in text:
+    if heading in text and text.index(heading) < _history_at(text):
         start = text.index(heading)
         # the section ends at the next section or subsystem heading (## or #)
         ends = [i for i in (text.find("\n## ", start + len(heading)), text.find("\n# ", start + len(heading))) if i >= 0]
-        nxt = min(ends) if ends else -1
-        text = text[:start] + block + (text[nxt:] if nxt >= 0 else "")
+        nxt = min(ends) if ends else len(text)
+        old = text[start:nxt].strip("\n")
+        dated = f"{title} ({_date_of(old)})"
+        block += f"\nEarlier figures: History, \"{dated}\".\n"
+        text = text[:start] + block + text[nxt:]
+        text = _into_history(text, old.replace(heading, f"## {dated}\n", 1))
     elif "\n# History\n" in text:  # a new subject goes before the superseded figures, which stay last
         at = text.index("\n# History\n")
         text = text[:at].rstrip("\n") + "\n\n" + block + text[at:]
@@ -115,6 +120,28 @@ def record(path: str | None, title: str, command: str, config: str, table: str, 
         text = text.rstrip("\n") + "\n\n" + block
     with open(path, "w") as f:
         f.write(text)
+
+
+def _history_at(text: str) -> int:
+    return text.index("\n# History\n") if "\n# History\n" in text else len(text)
+
+
+def _date_of(section: str) -> str:
+    """The date a section's figures were recorded ("Date: YYYY-MM-DD"), else "undated"."""
+    import re
+    found = re.search(r"Date: (\d{4}-\d{2}-\d{2})", section)
+    return found.group(1) if found else "undated"
+
+
+def _into_history(text: str, section: str) -> str:
+    """`section` first under "# History" (created at the end when missing): newest history first."""
+    if "\n# History\n" not in text:
+        text = text.rstrip("\n") + "\n\n# History\n"
+    at = text.index("\n# History\n") + len("\n# History\n")
+    nxt = text.find("\n## ", at - 1)
+    intro_end = nxt + 1 if nxt >= 0 else len(text)  # after History's own lines, before its first section
+    return text[:intro_end].rstrip("\n") + "\n\n" + section + "\n\n" + text[intro_end:].lstrip("\n")
+
 
 def weight_export_rate(model, dtype, bucket_bytes: int, root: str, repeats: int = 3) -> tuple[int, float, int]:
     """The vLLM sync's bucket writer alone (rollout/engines/weight_export.py), with both of its
