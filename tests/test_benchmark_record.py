@@ -58,3 +58,17 @@ def test_without_a_history_a_new_subject_is_appended(tmp_path):
     page.write_text("# Benchmarks\n")
     common.record(str(page), "New subject", "cmd", "cfg", "| c |\n|---|")
     assert page.read_text().rstrip().endswith("| c |\n|---|")
+
+
+def test_the_page_reads_current_first():
+    """Issue 71: BENCHMARKS.md holds at most 1,000 lines before its History, and every section
+    there names the date of its figures near its top (superseded ones are in History)."""
+    import os
+    import re
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")).read()
+    assert "\n# History\n" in text
+    current = text.split("\n# History\n")[0]
+    assert len(current.splitlines()) <= 1000, f"{len(current.splitlines())} lines before History"
+    undated = [part.split("\n")[0] for part in re.split(r"\n(?=## )", current)[1:]
+               if not re.search(r"\d{4}-\d{2}-\d{2}", "\n".join(part.split("\n")[:10]))]
+    assert not undated, undated
