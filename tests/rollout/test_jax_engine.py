@@ -1,6 +1,7 @@
 """JaxEngine: agreement with the model, stops, slot refill, weight updates."""
 
 import asyncio
+import re
 
 import jax
 import jax.numpy as jnp
@@ -579,3 +580,23 @@ def test_work_is_charged_to_the_owner_of_each_request_and_sums_to_the_engine_wid
     if paged:
         assert total.preemptions > 0
     assert again.stats.decode_steps == 0 and again.busy == []  # taken once, then forgotten
+
+
+def test_the_engine_offers_what_its_layouts_and_decode_loops_ask_for(tiny_model, tokenizer):
+    """slot_requests.SlotOwner / DecodeHost: the whole of what kv_layouts.py, decode_step.py and
+    decode_chunks.py may use of the engine (they import those, never the engine), and the engine
+    has each member."""
+    import inspect
+
+    from rstar2_jax.rollout.engines import decode_chunks, decode_step, kv_layouts
+    from rstar2_jax.rollout.engines.slot_requests import DecodeHost, SlotOwner
+
+    members = {name for proto in (SlotOwner, DecodeHost) for klass in proto.__mro__ if klass not in (object,)
+               for name in (*getattr(klass, "__annotations__", {}), *vars(klass)) if not name.startswith("_")}
+    engine = JaxEngine(tiny_model, tokenizer, slots=2, max_len=64)
+    assert not [m for m in members if not hasattr(engine, m)]
+    used = set()
+    for module in (kv_layouts, decode_step, decode_chunks):  # `engine.<name>` in their source
+        used |= set(re.findall(r"\bengine\.(\w+)", inspect.getsource(module)))
+    assert used <= members, f"used but not in the interface: {sorted(used - members)}"
+    asyncio.run(engine.close())
