@@ -41,10 +41,7 @@ def describe_plan(cfg: RunConfig, workdir: str, config_mismatch: str = "stop") -
                      f"{stage.max_turns} turns{extra}")
     engine = engine_kind(r).describe(r)
     sb = cfg.sandbox
-    lines.append(f"engine: {engine}; sandbox: {sb.backend}" +
-                 (f", {sb.local.workers} workers, {sb.local.isolation}" if sb.backend == "local" else
-                  f" at {sb.settings().url}") +
-                 f", {sb.tool_state} tools")
+    lines.append(f"engine: {engine}; sandbox: {sb.backend}{sb.spec().describe(sb.settings())}, {sb.tool_state} tools")
     lines.append(f"checkpoints: every {cfg.checkpoint.every} steps, newest {cfg.checkpoint.keep} kept")
     return "\n".join(lines)
 

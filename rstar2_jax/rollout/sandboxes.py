@@ -25,6 +25,7 @@ class SandboxBackend:
     build: Callable[..., sandbox.SandboxClient]                 # (the whole SandboxConfig) -> an async context manager
     settings: type[Section]                                     # its own section, sandbox.<backend>.*
     check: Callable[..., Iterable[tuple[str, str]]] = lambda cfg: ()   # (field under sandbox., message) of each problem
+    describe: Callable[[Section], str] = lambda own: ""         # (its own settings) -> what --plan adds after its name
 
 
 SANDBOXES: Registry[SandboxBackend] = Registry("sandbox backend")
@@ -60,11 +61,14 @@ def _remote_check(backend: str, schemes: tuple[str, ...]):
 
 
 SANDBOXES.register("local", SandboxBackend(
-    lambda cfg: sandbox.LocalSandbox(workers=cfg.local.workers, isolation=cfg.local.isolation), LocalSandboxSettings))
+    lambda cfg: sandbox.LocalSandbox(workers=cfg.local.workers, isolation=cfg.local.isolation), LocalSandboxSettings,
+    describe=lambda own: f", {own.workers} workers, {own.isolation}"))
 SANDBOXES.register("redis", SandboxBackend(lambda cfg: sandbox.RedisSandbox(cfg.redis.url), RedisSandboxSettings,
-                                           _remote_check("redis", ("redis://", "rediss://", "unix://"))))
+                                           _remote_check("redis", ("redis://", "rediss://", "unix://")),
+                                           describe=lambda own: f" at {own.url}"))
 SANDBOXES.register("http", SandboxBackend(lambda cfg: sandbox.HTTPSandbox(cfg.http.url), HTTPSandboxSettings,
-                                          _remote_check("http", ("http://", "https://"))))
+                                          _remote_check("http", ("http://", "https://")),
+                                          describe=lambda own: f" at {own.url}"))
 
 
 class _SandboxBase(PartChoice):
