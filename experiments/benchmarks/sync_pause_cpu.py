@@ -132,7 +132,7 @@ def main(argv=None):
     state = nnx.state(model, nnx.Param)
     learner_params = jax.device_put(state, sharding.param_shardings(state, learner_mesh))
     megabytes = sum(x.nbytes for x in jax.tree.leaves(learner_params)) / 1e6
-    meshes = {"shared": engine_mesh("xla", devices[:4]), "own": engine_mesh("xla", devices[4:])}
+    meshes = {"shared": engine_mesh(devices[:4]), "own": engine_mesh(devices[4:])}
     rows = []
     for name in args.placements.split(","):
         where, precopied = PLACEMENTS[name]

@@ -129,7 +129,7 @@ def engine_lines():
         graphdef, params = nnx.split(Decoder(arch, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Param)
         params = jax.device_put(params, sharding.param_shardings(params, sharding.make_mesh(**mesh_sizes(cfg, 8))))
         baseline = per_device_bytes()
-        mesh = engine_mesh(cfg.model.decode_attention)
+        mesh = engine_mesh()
         weights = processes.local_copy(params, jnp.bfloat16, sharding.param_shardings(params, mesh))
         engine = make_engine(cfg.rollout, nnx.merge(graphdef, weights), None, seed=0)
         del weights  # the engine holds what it needs

@@ -40,7 +40,7 @@ def main():
         model = nnx.merge(*nnx.split(model)).set_attention(decode=decode)  # a clone: the fixture's stays xla
         async with JaxEngine(model, tokenizer, slots=cfg.slots, max_len=max_len, page_size=cfg.page_size if paged else None,
                              kv_pages=kv_pool_pages(cfg, max_len, model.cfg, dtype_bytes) if paged else None,
-                             mesh=engine_mesh(decode, devices)) as engine:
+                             mesh=engine_mesh(devices)) as engine:
             outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=24, temperature=0.0))
                                           for p in prompts))
             q = nnx.merge(engine._graphdef, engine.state).layers[0].attn.q_proj.get_value()
@@ -61,9 +61,9 @@ def main():
         learner_mesh = sharding.make_mesh(data=1, fsdp=4, tensor=1, devices=learner_devices)
         state = nnx.state(fp32, nnx.Param)
         params = jax.device_put(state, sharding.param_shardings(state, learner_mesh))
-        mesh = engine_mesh("xla", engine_devices, own=True)
+        mesh = engine_mesh(engine_devices, own=True)
         times = {}
-        for name, target in (("own", mesh), ("shared", engine_mesh("xla", jax.devices()))):
+        for name, target in (("own", mesh), ("shared", engine_mesh(jax.devices()))):
             copies = []
             for _ in range(4):
                 start = time.perf_counter()
@@ -124,8 +124,8 @@ def main():
     pallas = {f"{layout}_{where}": asyncio.run(greedy(fp32, devices, "pallas", paged=layout == "paged"))["tokens"]
               for layout in ("paged", "rows") for where, devices in (("split", jax.devices()), ("single", jax.devices()[:1]))}
     print(json.dumps(dict(split=split, single=single, split_bf16=split_bf16, own=own, replicas=replicated,
-                          mesh_of_8=dict(engine_mesh("xla").shape),
-                          pallas=pallas, pallas_mesh=dict(engine_mesh("pallas").shape))))
+                          mesh_of_8=dict(engine_mesh().shape),
+                          pallas=pallas, pallas_mesh=dict(engine_mesh().shape))))
 
 
 if __name__ == "__main__":

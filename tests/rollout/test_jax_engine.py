@@ -159,7 +159,7 @@ def test_a_sync_that_fails_mid_copy_leaves_the_last_whole_version(tiny_model, to
 
     other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(99))
     prompt = tokenizer.encode("same prompt")
-    mesh = engine_mesh("xla", own=True)  # a one-device mesh of its own: the engine places what it is given
+    mesh = engine_mesh(own=True)  # a one-device mesh of its own: the engine places what it is given
     put = jax.device_put
 
     def faulty(x, *args, **kwargs):

@@ -45,13 +45,12 @@ class JaxEngineSettings(Section):
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
 
 
-def engine_mesh(decode_attention: str, devices=None, own: bool = False):
+def engine_mesh(devices=None, own: bool = False):
     """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
     split over them, as vLLM's tensor parallelism; the Pallas decode kernels run by heads under
     shard_map, models/decoder._by_kv_heads). None (the default device) when there is one; with
     devices of its own (`own`), a mesh of that one, so that the engine lives there."""
     import jax
-    del decode_attention  # every decode attention splits by heads
     devices = jax.local_devices() if devices is None else list(devices)
     from rstar2_jax.sharding import make_mesh
     if len(devices) == 1:
@@ -106,14 +105,14 @@ def _build_jax(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
                          page_size=j.page_size or None,
                          kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
                          mesh=mesh, decode_steps=j.decode_steps, swap=j.swap, inflight_kv=j.inflight_kv)
-               for mesh in replica_meshes(cfg, model.decode_attention)]
+               for mesh in replica_meshes(cfg)]
     if len(engines) == 1:
         return engines[0]
     from rstar2_jax.rollout.scheduler import Scheduler
     return Scheduler(engines, policy="kv_aware", affinity=True)
 
 
-def replica_meshes(cfg: RolloutSection, decode_attention: str) -> list:
+def replica_meshes(cfg: RolloutSection) -> list:
     """Each replica's mesh over this process's share of the engine's devices (split_devices), in
     rollout.jax.replicas contiguous groups; one replica: the whole share (None: the default device)."""
     import jax
@@ -121,18 +120,18 @@ def replica_meshes(cfg: RolloutSection, decode_attention: str) -> list:
     local = sorted((d for d in engine if d.process_index == jax.process_index()), key=lambda d: d.id)
     n = cfg.jax.replicas
     if n == 1:
-        return [engine_mesh(decode_attention, local, own=bool(cfg.jax.devices))]
+        return [engine_mesh(local, own=bool(cfg.jax.devices))]
     if len(local) % n:
         raise ValueError(f"rollout.jax.replicas={n} does not divide the engine's {len(local)} device(s) of this "
                          f"process: set it to a divisor of {len(local)}")
     size = len(local) // n
-    return [engine_mesh(decode_attention, local[i * size:(i + 1) * size], own=True) for i in range(n)]
+    return [engine_mesh(local[i * size:(i + 1) * size], own=True) for i in range(n)]
 
 
-def _mesh(cfg: RolloutSection, decode_attention: str):
+def _mesh(cfg: RolloutSection, decode_attention: str):  # (every decode attention splits by heads)
     """Where the learner's weights are copied for the engine: its (first replica's) mesh; other
     replicas take them from there, device to device."""
-    return replica_meshes(cfg, decode_attention)[0]
+    return replica_meshes(cfg)[0]
 
 
 def _check_jax(cfg: RolloutSection):
@@ -174,8 +173,8 @@ def _plan(x: EnginePlanInputs) -> tuple[list[PlanLine], int]:
     weights = PlanLine("engine weights", 0.0 if shares else shard_bytes(x.arch, mesh, b),
                        "shares the learner's (float32, one device, on-policy)" if shares else
                        f"{x.compute_dtype}, split over {engine_devices} device(s)",
-                       "model.decode_attention=xla (splits the engine over the process's devices), or "
-                       "rollout.engine=vllm (rollouts on other GPUs)")
+                       "more devices for the engine (it splits over its devices: rollout.jax.devices, fewer "
+                       "rollout.jax.replicas), or rollout.engine=vllm (rollouts on other GPUs)")
     lines = [weights, PlanLine("KV pool", *_kv_pool(x, engine_devices, b),
                                "a smaller rollout.jax.kv_memory_gb (paged KV: rollout.jax.page_size), fewer "
                                "rollout.jax.slots, or rollout.engine=vllm")]
