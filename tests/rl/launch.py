@@ -16,14 +16,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def launch(args: list[str], log_prefix, n: int = 2, timeout: float = 600, kill_when: Callable[[], bool] | None = None,
-           kill: int = 1) -> list[tuple[int, str, str]]:
+           kill: int = 1, devices_per_process: int = 1) -> list[tuple[int, str, str]]:
     """Run `args` (a `python -m rstar2_jax.train ...` command) as n processes of one job; returns
     (exit status, stdout, stderr) of each. Output goes to files, not pipes: a process blocked on a
-    full pipe nobody reads yet would stall the others in a collective. With `kill_when`, process
+    full pipe nobody reads yet would stall the others in a collective. `devices_per_process`: fake
+    CPU devices each. With `kill_when`, process
     `kill` gets SIGKILL as soon as kill_when() holds (polled every 50 ms)."""
     port = free_port()
     args = args + ["--config.distributed=True", f"--coordinator=127.0.0.1:{port}", f"--num_processes={n}"]
-    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # one CPU device per process
+    many = (f"--xla_force_host_platform_device_count={devices_per_process}",) if devices_per_process > 1 else ()
+    env = {**os.environ, "XLA_FLAGS": xla_flags(*many)}  # one CPU device per process, unless told
     logs = [(open(f"{log_prefix}.p{i}.out", "w+"), open(f"{log_prefix}.p{i}.err", "w+")) for i in range(n)]
     procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=out, stderr=err)
              for i, (out, err) in enumerate(logs)]

@@ -25,3 +25,40 @@ def test_an_asynchronous_run_with_the_engine_on_its_own_devices_keeps_each_side_
         for key in COMPARED:
             if key in a:
                 assert close_to_rounding(b[key], a[key], key), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_over_two_processes_each_engine_has_a_device_of_its_own_and_the_run_matches_shared(tmp_path):
+    """Issue 70, item 2, over several processes (jax.distributed, 2 fake CPU devices each): with
+    rollout.jax.devices=1 the learner's arrays span one device of each process (a mesh across
+    processes) and each process's engine lives on its other device, resharded to after every
+    update; the run's metrics are the shared placement's to rounding."""
+    import json
+    import sys
+
+    from tests.rl.launch import launch
+
+    runs = {}
+    for name, own in (("shared", 0), ("own", 1)):
+        work = tmp_path / name
+        results = launch([sys.executable, "-m", "tests.rl.own_devices_processes_main", str(work), str(own)],
+                         tmp_path / name, n=2, devices_per_process=2)
+        for status, _, err in results:
+            assert status == 0, err[-3000:]
+        runs[name] = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
+    every = sorted(d for p in runs["shared"] for d in p["local"])
+    assert len(every) == 4
+    for p in runs["shared"]:  # the learner over all four, each engine over its process's two
+        assert p["learner_on"] == every and p["engine_on"] == p["local"]
+    own = runs["own"]
+    learner = {d for p in own for d in p["learner_on"]}
+    assert all(p["learner_on"] == sorted(learner) for p in own) and len(learner) == 2
+    for p in own:  # one device of each process for the learner, the other for the engine
+        assert len(p["engine_on"]) == 1 and p["engine_on"][0] in p["local"] and p["engine_on"][0] not in learner
+        assert len(set(p["local"]) & learner) == 1
+    shared, split = runs["shared"][0]["metrics"], own[0]["metrics"]
+    assert [m["step"] for m in split] == [m["step"] for m in shared] == [0, 1]
+    for a, b in zip(shared, split):
+        for key in COMPARED:
+            if key in a:
+                assert close_to_rounding(b[key], a[key], key), (a["step"], key)
