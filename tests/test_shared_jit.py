@@ -10,7 +10,7 @@ from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.sft import SFTTrainer
 from rstar2_jax.rollout.engines.jax_engine import JaxEngine
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 from rstar2_jax.shared_jit import shared_jit
 from tests.models.conftest import random_model, small_config
 

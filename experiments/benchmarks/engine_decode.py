@@ -36,7 +36,7 @@ from flax import nnx
 from experiments.benchmarks import common, profile_summary
 from rstar2_jax.models import Decoder, flops
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.sampling import SamplingParams, sample
+from rstar2_jax.rollout.engines.sampling import SamplingParams, sample
 
 
 class _NoTokenizer:

@@ -24,7 +24,7 @@ import jax
 
 async def _measure(model, tokenizer, slots, requests, max_tokens, prompt_len, decode_steps=1):
     from rstar2_jax.rollout.engines import JaxEngine
-    from rstar2_jax.rollout.sampling import SamplingParams
+    from rstar2_jax.rollout.engines.sampling import SamplingParams
 
     prompts = [[(7 * i + j) % 250 + 1 for j in range(prompt_len)] for i in range(requests)]
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0)

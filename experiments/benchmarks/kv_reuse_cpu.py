@@ -34,7 +34,7 @@ from experiments.benchmarks import common
 
 async def _workload(model, tokenizer, variant: dict, args) -> dict[str, float]:
     from rstar2_jax.rollout.engines import JaxEngine
-    from rstar2_jax.rollout.sampling import SamplingParams
+    from rstar2_jax.rollout.engines.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=args.turn_tokens, temperature=1.0)
 

@@ -29,7 +29,7 @@ from rstar2_jax.algo.corrections import CORRECTIONS, CorrectionConfig, Correctio
 from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.models import Decoder
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 PROMPT = 64
 

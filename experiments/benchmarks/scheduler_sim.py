@@ -4,7 +4,7 @@ keeps them busy without preemptions?
     python -m experiments.benchmarks.scheduler_sim [--engines 64 --rollouts_per_engine 32 --seeds 3] [--record BENCHMARKS.md]
     python -m experiments.benchmarks.scheduler_sim --pipeline [--steps 6] [--record BENCHMARKS.md]
 
-The policies are the scheduler's own functions (rstar2_jax.rollout.scheduler.POLICIES); the
+The policies are the scheduler's own functions (rstar2_jax.rollout.engines.scheduler.POLICIES); the
 engines are modelled, not run. Each engine behaves like a vLLM server: continuous batching,
 requests admitted first-come first-served while their context fits in its KV cache, and when a
 decode step would overflow the cache the most recently admitted request is preempted (its KV
@@ -61,7 +61,7 @@ import time
 import numpy as np
 
 from experiments.benchmarks import common
-from rstar2_jax.rollout.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
+from rstar2_jax.rollout.engines.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ from rstar2_jax import processes, sharding  # noqa: E402
 from rstar2_jax.models import Decoder  # noqa: E402
 from rstar2_jax.models.tiny import tiny_config  # noqa: E402
 from rstar2_jax.rollout.engines import JaxEngine, engine_mesh  # noqa: E402
-from rstar2_jax.rollout.sampling import SamplingParams  # noqa: E402
+from rstar2_jax.rollout.engines.sampling import SamplingParams  # noqa: E402
 
 PLACEMENTS = {"colocated": ("shared", False), "own": ("own", False), "own-swap_only": ("own", True)}
 

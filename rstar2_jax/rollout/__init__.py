@@ -2,7 +2,7 @@
 
 from rstar2_jax.rollout.agent_loop import AgentConfig, run_agent
 from rstar2_jax.rollout.prompt import FORMATS, PromptFormat, compact_format, make_format, tiny_format
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from sandbox.client import SandboxClient, SandboxSession
 
 from rstar2_jax.rollout.prompt import PromptFormat, tool_output_text
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
 from rstar2_jax.rewards.penalties import INFRA_TOOL_STATUSES
 from rstar2_jax.rollout.journal import RolloutJournal

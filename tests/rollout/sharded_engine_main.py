@@ -19,7 +19,7 @@ from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rollout.engines import JaxEngine, engine_mesh
 from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings, kv_pool_pages
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 
 def main():

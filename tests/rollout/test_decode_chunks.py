@@ -14,7 +14,7 @@ from flax import nnx
 from rstar2_jax import models
 from rstar2_jax.rollout.engines import JaxEngine
 from rstar2_jax.rollout.engines import weight_swap
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 from tests.rollout.test_jax_engine import _pool_is_whole, _serve, _turns
 
 

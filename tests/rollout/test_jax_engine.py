@@ -12,7 +12,7 @@ from flax import nnx
 from rstar2_jax import models
 from rstar2_jax.models.generate import generate
 from rstar2_jax.rollout.engines import JaxEngine, PromptTooLong
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 
 def _run(coro):

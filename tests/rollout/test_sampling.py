@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rstar2_jax.rollout.sampling import SamplingParams, sample
+from rstar2_jax.rollout.engines.sampling import SamplingParams, sample
 
 
 def _logits(rows=4, vocab=50, seed=0):

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
 from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
-from rstar2_jax.rollout.sampling import SamplingParams
-from rstar2_jax.rollout.scheduler import Scheduler
-from rstar2_jax.rollout.scheduler_policies import (POLICIES, EngineLoad, pick_kv_aware, pick_least_requests,
+from rstar2_jax.rollout.engines.sampling import SamplingParams
+from rstar2_jax.rollout.engines.scheduler import Scheduler
+from rstar2_jax.rollout.engines.scheduler_policies import (POLICIES, EngineLoad, pick_kv_aware, pick_least_requests,
                                                    pick_round_robin, pick_with_affinity, reservation)
 
 loads_strategy = st.lists(st.builds(EngineLoad, capacity_tokens=st.integers(1, 10_000),

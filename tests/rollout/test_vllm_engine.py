@@ -36,8 +36,8 @@ from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
 from rstar2_jax.rollout.engines.vllm_probe import WeightSyncError
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
-from rstar2_jax.rollout.sampling import SamplingParams
-from rstar2_jax.rollout.scheduler import Scheduler
+from rstar2_jax.rollout.engines.sampling import SamplingParams
+from rstar2_jax.rollout.engines.scheduler import Scheduler
 from rstar2_jax.traces import read_traces
 
 pytestmark = pytest.mark.slow  # real vLLM CPU servers (~60 s to start each)

@@ -20,7 +20,7 @@ from rstar2_jax.rollout.engines import JaxEngine
 from rstar2_jax.rollout.engines import adapter_sync
 from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
 from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 from tests.rollout.test_vllm_engine import VLLM_PYTHON, jax_logprobs, restarted_if_it_died
 
 pytestmark = pytest.mark.slow  # a real vLLM CPU server

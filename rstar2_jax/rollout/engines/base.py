@@ -16,7 +16,7 @@ import logging
 from typing import Any, Callable, Hashable, Sequence
 
 from rstar2_jax import processes
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

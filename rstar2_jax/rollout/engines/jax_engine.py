@@ -69,7 +69,7 @@ from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.engines.slot_requests import Request, Resident
 from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights, choose
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 MIN_PREFILL_BUCKET = 16
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.decoder import KVCache, init_cache
-from rstar2_jax.rollout.sampling import sample
+from rstar2_jax.rollout.engines.sampling import sample
 
 
 class DecodeCarry(NamedTuple):

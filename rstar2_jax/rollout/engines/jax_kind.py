@@ -108,7 +108,7 @@ def _build_jax(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
                for mesh in replica_meshes(cfg)]
     if len(engines) == 1:
         return engines[0]
-    from rstar2_jax.rollout.scheduler import Scheduler
+    from rstar2_jax.rollout.engines.scheduler import Scheduler
     return Scheduler(engines, policy="kv_aware", affinity=True)
 
 

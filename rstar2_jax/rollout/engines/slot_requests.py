@@ -11,7 +11,7 @@ import concurrent.futures
 import dataclasses
 from typing import Any, Hashable, Mapping, Protocol
 
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 
 @dataclasses.dataclass

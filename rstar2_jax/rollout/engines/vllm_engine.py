@@ -60,7 +60,7 @@ from rstar2_jax.rollout.engines.vllm_probe import WeightSyncError, probe_logprob
 from rstar2_jax.rollout.engines.vllm_push import push_to_servers
 from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays, take_part
 from rstar2_jax.rollout.engines.weight_pull import bind_address, file_server
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 from sandbox.job_secret import check_open_service, job_secret
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from rstar2_jax.rollout.engines.engine_kind import (ENGINES, EngineKind, EngineP
                                                     RolloutSection)
 from rstar2_jax.rollout.engines.reach import default_sync_root, unreadable_by_servers
 from rstar2_jax.rollout.engines.vllm_modes import SYNC_WAYS, Probe, Swap, SyncWait, names
-from rstar2_jax.rollout.scheduler_policies import POLICIES
+from rstar2_jax.rollout.engines.scheduler_policies import POLICIES
 
 
 
@@ -58,7 +58,7 @@ class VLLMSettings(Section):
 def _build_vllm(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
     del tokenizer, seed  # the servers tokenize and seed per request
     from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-    from rstar2_jax.rollout.scheduler import Scheduler
+    from rstar2_jax.rollout.engines.scheduler import Scheduler
     v = cfg.vllm
     export_dtype = DTYPES[v.export_dtype] if v.export_dtype else None
     fetchers = cfg.vllm.fetch_urls or (None,) * len(cfg.vllm.urls)

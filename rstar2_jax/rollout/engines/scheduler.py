@@ -38,8 +38,8 @@ from typing import Hashable, Sequence
 
 from rstar2_jax.rollout.engines.accounting import merge_work
 from rstar2_jax.rollout.engines.base import Completion, Engine, EngineUnavailable, ServerLoad
-from rstar2_jax.rollout.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
-from rstar2_jax.rollout.sampling import SamplingParams
+from rstar2_jax.rollout.engines.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
+from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
