@@ -183,3 +183,14 @@ def take_part(params: Any, engine: VLLMEngine):
     model = engine.as_model(params)
     gathered_adapters(model)
     probe_logprobs(model, engine.probe_tokens)
+
+
+def restore(engine: VLLMEngine):
+    """A restarted server holds no adapter: load the current version again, from the server's own
+    copy of its files (the directory it loaded them from)."""
+    served_ids = {m["id"] for m in engine.client.request("GET", "/v1/models", timeout=10.0)["data"]}
+    if engine.synced_dir and adapter_name(engine.version) not in served_ids:
+        log.warning("%s restarted without adapter v%d: loading %s", engine.url, engine.version, engine.synced_dir)
+        load_on_server(engine, engine.synced_dir, engine.version, fetch=False)
+        engine.loaded_adapters = {engine.version: engine.synced_dir}
+        engine.reloads_after_restart += 1

@@ -46,19 +46,19 @@ from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models import lora
 from rstar2_jax.models.lora import LoRAConfig
 from rstar2_jax.rollout.engines import adapter_sync, background_sync
-from rstar2_jax.rollout.engines.adapter_sync import adapter_name, load_on_server
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
 from rstar2_jax.rollout.engines.base import Completion, Engine, PromptTooLong, ServerLoad
 from rstar2_jax.rollout.engines.export_roots import export_root, release, remove_orphaned_exports
 from rstar2_jax.rollout.engines.reach import default_sync_root
 from rstar2_jax.rollout.engines.shared_export import SharedExport
+from rstar2_jax.rollout.engines.sync_payloads import ADAPTERS, WHOLE_WEIGHTS
 from rstar2_jax.rollout.engines.vllm_client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
 from rstar2_jax.rollout.engines.sync_report import SyncReport
 from rstar2_jax.rollout.engines.vllm_modes import FILES, Probe, Swap, SyncWait, SyncWay, sync_way
 from rstar2_jax.rollout.engines.vllm_probe import WeightSyncError, probe_logprobs
 from rstar2_jax.rollout.engines.vllm_push import push_to_servers
-from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays, take_part
+from rstar2_jax.rollout.engines.weight_export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays
 from rstar2_jax.rollout.engines.weight_pull import bind_address, file_server
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 from sandbox.job_secret import check_open_service, job_secret
@@ -90,7 +90,8 @@ class VLLMEngine(Engine):
         self.landing: background_sync.Landing | None = None  # sync_wait=export: the last sync, landing or landed
         self.closing = threading.Event()  # set by close(): a verdict still awaited from process 0 is not
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
-        if self.adapters is not None and not self.way.carries_adapters:
+        self.payload = ADAPTERS if self.adapters is not None else WHOLE_WEIGHTS  # what a sync moves
+        if self.payload.loaded_by_name and not self.way.carries_adapters:
             raise ValueError("LoRA adapters reach vLLM servers by files or pull, not sync='nccl'")
         self.loaded_adapters: dict[int, str] = {}  # adapter versions this server holds -> their directories
         self.loads_adapters = False  # this process loads them (the one that pushes), so it unloads them at close
@@ -169,7 +170,7 @@ class VLLMEngine(Engine):
                 out = await self._call("POST", "/v1/completions", body)
             except (ServerUnavailable, ServerRequestError) as err:
                 # a restarted server answers 404 for the adapter it no longer holds: restore it
-                lost_adapter = isinstance(err, ServerRequestError) and self.adapters is not None \
+                lost_adapter = isinstance(err, ServerRequestError) and self.payload.loaded_by_name \
                     and "does not exist" in str(err)
                 if isinstance(err, ServerRequestError) and not lost_adapter or time.monotonic() > deadline:
                     raise
@@ -185,7 +186,7 @@ class VLLMEngine(Engine):
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # --enable-prompt-tokens-details
             self.ledger.charge_request(owner, start, time.monotonic(), usage.get("prompt_tokens", len(prompt)), cached)
             # an adapter named by the request samples every token of it: the version is exact
-            return _completion(choice, version_start, version_start if self.adapters else self.version)
+            return _completion(choice, version_start, version_start if self.payload.exact_versions else self.version)
 
     def take_owned(self, owner: Hashable):
         return self.ledger.take(owner)
@@ -194,7 +195,12 @@ class VLLMEngine(Engine):
     def served_name(self) -> str:
         """What requests name: the served model, or with LoRA the adapter of the current version
         (before the first adapter sync: the base, which is what zero adapters compute)."""
-        return adapter_name(self.version) if self.adapters and self._synced_dir else self.model_name
+        return self.payload.served_name(self)
+
+    @property
+    def synced_dir(self) -> str | None:
+        """The latest whole weights (or adapter) the server should hold, as it can read them."""
+        return self._synced_dir
 
     @property
     def sync_base(self) -> str:
@@ -251,7 +257,7 @@ class VLLMEngine(Engine):
         while time.monotonic() < deadline:
             if await loop.run_in_executor(self._executor, self.client.alive):
                 try:
-                    await loop.run_in_executor(self._executor, self._restore_weights)
+                    await loop.run_in_executor(self._executor, self.payload.restore, self)
                 except (ServerUnavailable, ServerRequestError) as e:
                     log.warning("restoring weights on %s failed (%s); retrying", self.url, e)
                 else:
@@ -261,15 +267,9 @@ class VLLMEngine(Engine):
         log.error("%s did not come back within %.0f s", self.url, self.restart_timeout)
         self._up.set()  # waiting requests try once more and raise ServerUnavailable
 
-    def _restore_weights(self):
-        if self.adapters is not None:  # a restarted server holds no adapter: load the current one again
-            served_ids = {m["id"] for m in self.client.request("GET", "/v1/models", timeout=10.0)["data"]}
-            if self._synced_dir and adapter_name(self.version) not in served_ids:
-                log.warning("%s restarted without adapter v%d: loading %s", self.url, self.version, self._synced_dir)
-                load_on_server(self, self._synced_dir, self.version, fetch=False)  # the server's own copy
-                self.loaded_adapters = {self.version: self._synced_dir}
-                self.reloads_after_restart += 1
-            return
+    def reload_whole_weights(self):
+        """A restarted server (its weights the model directory it was launched with) gets the
+        latest whole weights again (sync_payloads.WholeWeights.restore)."""
         served = self.client.request("GET", "/weight_info", timeout=10.0).get("weight_version")
         if (self._synced_dir or self._synced_model is not None) and str(served) != str(self.version):
             if self._synced_dir is None:  # synced over NCCL: the restarted server needs files
@@ -289,7 +289,7 @@ class VLLMEngine(Engine):
     @property
     def lands_in_background(self) -> bool:
         """sync_wait=export, for a sync of whole weights through files (adapters and NCCL: waited for)."""
-        return self.sync_wait.in_background and self.adapters is None and self.way.writes_export
+        return self.sync_wait.in_background and self.payload.can_land_in_background and self.way.writes_export
 
     def settle_sync(self) -> list[str | None]:
         return [r.error for r in background_sync.settle([self])]
@@ -385,7 +385,7 @@ class VLLMEngine(Engine):
         engine then exports its own)."""
         if synced and self.url in synced:
             self._synced_model, self._synced_dir = None, synced[self.url]
-            if self.adapters is not None:
+            if self.payload.loaded_by_name:  # an adapter's directory: the version it holds loaded
                 self.loaded_adapters[version] = synced[self.url]
         else:
             self._synced_model, self._synced_dir = self.as_model(params), None
@@ -394,12 +394,7 @@ class VLLMEngine(Engine):
     def take_part_in_sync(self, params: Any) -> None:
         """A trainer process other than the one that pushes, while it pushes `params` split over
         processes: the same collectives (push_to_servers), nothing sent."""
-        if self.adapters is not None:
-            adapter_sync.take_part(params, self)
-            return
-        model = self.as_model(params)
-        take_part(self.export_plan(model), param_arrays(model))
-        probe_logprobs(model, self.probe_tokens)
+        self.payload.take_part(self, params)
 
     def synced_dirs(self) -> dict[str, str]:
         return {self.url: self._synced_dir} if self._synced_dir else {}

@@ -36,7 +36,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from rstar2_jax.rollout.engines import adapter_sync
 from rstar2_jax.rollout.engines.sync_report import SyncReport, WrittenExport, finish
 from rstar2_jax.rollout.engines.vllm_probe import probe_logprobs, start_probes
 from rstar2_jax.rollout.engines.weight_export import Bucket, param_arrays, take_part
@@ -50,6 +49,16 @@ class _Abandoned(Exception):
 
 def push_to_servers(engines: Sequence, params: Any, version: int, *,
                     on_exported: Callable[[], None] | None = None, again: WrittenExport | None = None) -> SyncReport:
+    """One sync to every server of `engines` of what their payload moves (sync_payloads.py: the
+    whole weights, push_weights; a LoRA run's adapters, adapter_sync.push_adapters). The previous
+    sync's deferred probe is collected first: a failed one raises WeightSyncError before any export."""
+    for e in engines:
+        e.probe_verdict()
+    return engines[0].payload.push(engines, params, version, on_exported=on_exported, again=again)
+
+
+def push_weights(engines: Sequence, params: Any, version: int, *,
+                    on_exported: Callable[[], None] | None = None, again: WrittenExport | None = None) -> SyncReport:
     """The learner's weights to every server: one export, bucket by bucket (weight_export.py).
     Staged (the engines' `swap`, the default): every bucket is written (sync=pull: and copied by
     each server's fetcher) while the servers generate; then each server pauses for one reload of
@@ -62,18 +71,13 @@ def push_to_servers(engines: Sequence, params: Any, version: int, *,
     A sync that fails part-way (a server that errs or dies) leaves every server on its last
     whole weights and version: the ones that took new buckets reload the previous export. The
     error is logged and returned (SyncReport.error, and each engine's sync_failures); the
-    servers go on answering, and the caller retries with the next sync. The previous sync's
-    deferred probe is collected first: a failed one raises WeightSyncError before any export.
+    servers go on answering, and the caller retries with the next sync.
 
     `on_exported` is called once the export is whole and the probe's reference dispatched: the
     learner's arrays may be donated (the reference's pending read holds them until it is done),
     and the rest may finish behind the caller
     (background_sync.py; a sync that fails before calls it never). `again`: a second attempt that
     reloads that written export (report.written) instead of writing one (params unused)."""
-    for e in engines:
-        e.probe_verdict()
-    if engines[0].adapters is not None:  # a LoRA run: only the adapters move (adapter_sync.py)
-        return adapter_sync.push_adapters(engines, params, version)
     lead = engines[0]
     staged = not lead.swap.reloads_each_bucket
     reference: jax.Array | None  # the probe's reference: the learner's log-probs of the probe (dispatched)
