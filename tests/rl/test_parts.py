@@ -27,7 +27,7 @@ TOY_PARTS = textwrap.dedent('''
     from rstar2_jax.part_sections import NoSettings
     from rstar2_jax.rl.grpo_roc import ROC_MODES, RoCMode, paper_penalties
     from rstar2_jax.rollout.engines.engine_kind import ENGINES
-    from rstar2_jax.rollout.sandboxes import SANDBOXES, SandboxBackend
+    from rstar2_jax.rollout.sandbox_backends.base import SANDBOXES, SandboxBackend
 
     CALLS = collections.Counter()
 

@@ -1,27 +1,12 @@
-"""Tasks: what an RL run trains and evaluates on, chosen by name with `data.task`.
-
-A task gives the trainer problems (id, question, gold answer) for training and for evaluation,
-and optionally synthetic SFT traces for a warm start. The trainer knows nothing else about it:
-
-    "arith"  the CPU demo's synthetic multi-digit arithmetic (data/arith.py), with SFT traces
-    "problems"  problem sets from files (data.problems.train_path, eval_path): JSONL, Parquet or
-             a datasets folder, in the verl, open-r1, rStar2-Agent or plain layout, or any other
-             through data.problems.question_key / answer_key / id_key (data/problems.py); "jsonl",
-             its older name, is read as "problems" from an older run's config.json
-
-Every task's rollouts are graded in `data.answer_format` (rewards/answer_formats.py); a problem
-set's own instruction template is stripped or kept by `data.problems.instructions` (data/templates.py).
-
-Add a task with `@register_task("name", settings=...)` on a function (data_cfg, seed) -> Task
-above DataConfig's construction (its settings appear as `data.<name>.*`), and give it a `check`
-that names every bad field of `data.*` before anything runs ((field, message) pairs).
-"""
+"""`data.task=problems`: problem sets from files (`data.problems.train_path`, `eval_path`): JSONL,
+Parquet or a datasets folder, in the verl, open-r1, rStar2-Agent or plain layout, or any other
+through `data.problems.question_key` / `answer_key` / `id_key` (data/problems.py). A set's own
+instruction template is stripped or kept by `data.problems.instructions` (data/templates.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Iterable, Protocol, Sequence
 
 from absl import logging
 
@@ -29,65 +14,8 @@ from rstar2_jax.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import MISSING, Columns, describe_fields, first_row, first_row_layout, load_problems
 from rstar2_jax.data.problems import field as field_of
+from rstar2_jax.data.tasks.base import Task, register_task
 from rstar2_jax.data.templates import INSTRUCTIONS, TemplateCount, apply_instructions, kept_template_warnings, recognise
-from rstar2_jax.part_sections import NoSettings, PartChoice, part_section
-from rstar2_jax.registry import Registry
-from rstar2_jax.rewards.answer_formats import ANSWER_FORMATS, DEFAULT_ANSWER_FORMAT
-
-
-class Problem(Protocol):
-    id: str
-    question: str
-    answer: str
-
-
-# (tokenizer, prompt format, number of examples, seed) -> [(token_ids, loss_mask)]
-SFTData = Callable[..., list[tuple[list[int], list[int]]]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    name: str
-    train_problems: Sequence[Problem]
-    eval_problems: Sequence[Problem]
-    sft_data: SFTData | None = None     # synthetic SFT traces; None: warm-start elsewhere (python -m rstar2_jax.sft)
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    build: Callable[..., Task]                            # (data_cfg, seed) -> Task
-    settings: type[Section]                               # its own section, data.<task>.*
-    check: Callable[..., Iterable[tuple[str, str]]]       # data_cfg -> (field under data., message) of each problem
-    has_sft_data: bool
-
-
-TASKS: Registry[TaskSpec] = Registry("task")
-
-
-def register_task(name: str, check: Callable[..., Iterable[tuple[str, str]]] = lambda data_cfg: (),
-                  has_sft_data: bool = False, settings: type[Section] = NoSettings):
-    def wrap(build):
-        TASKS.register(name, TaskSpec(build, settings, check, has_sft_data))
-        return build
-    return wrap
-
-
-def make_task(data_cfg, seed: int) -> Task:
-    return TASKS[data_cfg.task].build(data_cfg, seed)
-
-
-# ----------------------------------------------------------------------------------------------
-def _check_arith(data_cfg):
-    for field in ("train_problems", "eval_problems"):
-        if getattr(data_cfg, field) <= 0:
-            yield field, "must be > 0 for the arith task (it makes that many problems)"
-
-
-@register_task("arith", has_sft_data=True, check=_check_arith)
-def arith_task(data_cfg, seed: int) -> Task:
-    from rstar2_jax.data import arith  # the demo task's code loads only when a run uses it
-    return Task("arith", arith.make_problems(data_cfg.train_problems, seed=seed + 1),
-                arith.make_problems(data_cfg.eval_problems, seed=10_000 + seed), sft_data=arith.sft_dataset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,30 +108,3 @@ def kept_template_conflicts(data_cfg, prompt_format: str = "", prompt_asks: str 
         names = {name for name, _ in map(recognise, (p.question for p in problems)) if name is not None}
         out += kept_template_warnings(names, path, data_cfg.answer_format, prompt_format, prompt_asks)
     return list(dict.fromkeys(out))  # the same file as both sets: once
-
-
-class _DataBase(PartChoice):
-    """`data.*`: the task (data.task), how many problems, and each task's own settings
-    (data.<task>.*; only the chosen task's are read)."""
-
-    @classmethod
-    def upgrade_values(cls, mapping):
-        if mapping.get("task") == "jsonl":  # the problems task's name before other formats were read
-            mapping["task"] = "problems"
-        problems = mapping.get("problems")
-        if mapping.get("task") == "problems" and isinstance(problems, dict) and "instructions" not in problems:
-            mapping["problems"] = {**problems, "instructions": "keep"}  # before templates were read: as stored
-        return mapping
-
-
-DataConfig = part_section(
-    "DataConfig", TASKS, path="data", module=__name__, base=_DataBase, refuse_unchosen=False,
-    moved={key: f"problems.{key}" for key in ("train_path", "eval_path", "question_key", "answer_key", "id_key")},
-    selector=("task", str, setting("arith", "what the run trains and evaluates on (arith: synthetic arithmetic, "
-                                   "problems: problem sets from data.problems.*)", choices=TASKS)),
-    common=[("train_problems", int, setting(4000, "arith: how many; problems: the first N (0 = all)", min=0)),
-            ("eval_problems", int, setting(200, "arith: how many; problems: the first N (0 = all)", min=0)),
-            ("answer_format", str, setting(DEFAULT_ANSWER_FORMAT, "where a response's answer is read and graded "
-                                           "(rewards/answer_formats.py): answer_boxed (the rstar2 and tiny prompt "
-                                           "formats'), boxed, dapo, gsm8k, choice_letter",
-                                           choices=ANSWER_FORMATS))])
