@@ -1,4 +1,4 @@
-"""The algorithms as pure functions: RoC selections (their registry is rl/grpo_roc.py's RoC
+"""The algorithms as pure functions: RoC selections (their registry: rl/roc_modes/, the RoC
 modes), advantages, policy losses (one module each under losses/), loss aggregations, KL
 estimators."""
 

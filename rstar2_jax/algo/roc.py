@@ -21,7 +21,7 @@ rStar2-Agent samples 2G rollouts per problem and keeps G. The paper and the rele
 
 Each is a function here with its settings section (PaperSelection, ReleaseSelection); a run's
 `rl.roc.mode` names a RoC mode, which pairs a selection with the penalties it ranks by and is the
-one registry of the concept (rl/grpo_roc.py: ROC_MODES). `roc_select` checks its inputs and calls
+one registry of the concept (rl/roc_modes/: ROC_MODES). `roc_select` checks its inputs and calls
 a selection; it is pure given `rng` (a numpy Generator).
 """
 

@@ -4,9 +4,9 @@
     cfg.rl.steps = 40                    # experiment files set values (experiments/*.py)
     run_cfg = RunConfig.from_config(cfg) # typed and checked: ConfigValueError lists every problem
 
-Sections and where they live: model (models/resolve.py), data (data/tasks.py), sft
+Sections and where they live: model (models/resolve.py), data (data/tasks/), sft
 (learner/sft.py), rollout (rollout/engines/factory.py), sandbox (rollout/sandboxes.py), rl.roc
-(rl/grpo_roc.py), rl.loss (algo/losses.py), mesh (sharding.py), checkpoint (checkpoints.py),
+(rl/roc_modes/), rl.loss (algo/losses/), mesh (sharding.py), checkpoint (checkpoints.py),
 logging (trackers/__init__.py);
 rl, stages and eval are the trainer's own (here). `python -m rstar2_jax.train --helpconfig`
 prints every field with its documentation.
@@ -34,7 +34,7 @@ from rstar2_jax.models.resolve import PolicyModelConfig
 from rstar2_jax.rl.carry import StalenessConfig
 from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
 from rstar2_jax.trackers import LoggingConfig
-from rstar2_jax.rl.grpo_roc import RoCConfig
+from rstar2_jax.rl.roc_modes import RoCConfig
 from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_kind
 from rstar2_jax.rollout.prompt import FORMATS, make_format
 from rstar2_jax.rollout.sandboxes import SandboxConfig

@@ -1,13 +1,9 @@
 """One GRPO-RoC step's data path: rewards and penalties -> RoC selection -> advantages -> kept
 rollouts and trace records (select_step).
 
-A RoC mode (`rl.roc.mode`, the ROC_MODES registry, the one registry of the concept) is the
-selection (a function of algo/roc.py) with its settings (`rl.roc.<mode>.*`) and the penalties it
-ranks positives by:
-
-    "paper"    the paper's selection; p_err from tool statuses, p_format from the model's own text
-    "release"  the released code's selection and its penalties, read off the response text
-    "off"      uniform selection (plain GRPO); the paper's penalties still go into the traces
+A RoC mode (`rl.roc.mode`: paper, release or off) is a module of rl/roc_modes/: a selection
+with its settings (`rl.roc.<mode>.*`) and the penalties it ranks positives by; `rl.roc.*`
+(RoCConfig) is built there from what registered.
 
 Pure given its inputs (the numpy Generator included), so an RL step is reproducible.
 """
@@ -15,32 +11,16 @@ Pure given its inputs (the numpy Generator included), so an RL step is reproduci
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from rstar2_jax.algo import advantages as compute_advantages
 from rstar2_jax.algo import group_is_informative, roc_select
 from rstar2_jax.algo.reward_shaping import overlong_penalty
-from rstar2_jax.algo.roc import (PaperSelection, ReleaseSelection, Selection, UniformSelection, paper_selection,
-                                 release_selection, uniform_selection)
-from rstar2_jax.config_types import Section, setting
-from rstar2_jax.part_sections import PartChoice, part_section
-from rstar2_jax.registry import Registry
-from rstar2_jax.rewards import format_penalty, tool_error_ratio
-from rstar2_jax.rewards.penalties import release_error_ratio, release_format_penalty
 from rstar2_jax.rl.seeds import selection_rng
 from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.traces import trajectory_record
-
-Penalties = Callable[[Sequence[Scored]], tuple[np.ndarray, np.ndarray]]
-
-
-@dataclasses.dataclass(frozen=True)
-class RoCMode:
-    select: Selection        # algo/roc.py: which of a group are kept
-    penalties: Penalties     # group -> (p_err, p_format) per rollout
-    settings: type[Section]  # the selection's settings, rl.roc.<mode>.*
 
 
 @dataclasses.dataclass
@@ -49,40 +29,6 @@ class GroupSelection:
     advantages: np.ndarray    # one per kept rollout
     p_err: np.ndarray         # per rollout of the group
     p_format: np.ndarray
-
-
-def paper_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
-    """(p_err, p_format) per rollout as the paper defines them: tool statuses, the model's own text."""
-    return (np.array([tool_error_ratio(s.trajectory.tool_statuses) for s in group]),
-            np.array([format_penalty(s.trajectory.assistant_text, len(s.trajectory.turns)) for s in group]))
-
-
-def release_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
-    """(p_err, p_format) per rollout as the released code computes them, from the response text
-    (the blocks of calls the sandbox failed to serve left out: penalties.INFRA_TOOL_STATUSES)."""
-    texts = [s.trajectory.response_text for s in group]
-    return (np.array([release_error_ratio(s.trajectory.response_text, s.trajectory.tool_statuses) for s in group]),
-            np.array([release_format_penalty(t) for t in texts]))
-
-
-ROC_MODES: Registry[RoCMode] = Registry("RoC mode")
-ROC_MODES.register("paper", RoCMode(paper_selection, paper_penalties, PaperSelection))
-ROC_MODES.register("release", RoCMode(release_selection, release_penalties, ReleaseSelection))
-ROC_MODES.register("off", RoCMode(uniform_selection, paper_penalties, UniformSelection))
-
-
-class _RoCBase(PartChoice):
-    """`rl.roc.*`: Resample-on-Correct, how 2G rollouts become the G trained on: the mode and
-    each mode's own settings (rl.roc.<mode>.*; another mode's may not be changed)."""
-
-
-RoCConfig = part_section(
-    "RoCConfig", ROC_MODES, path="rl.roc", module=__name__, base=_RoCBase,
-    moved={"eps": "paper.eps", "min_neg": "release.min_neg", "min_pos": "release.min_pos"},
-    selector=("mode", str, setting("paper", "paper | release | off (plain GRPO); docs/FIDELITY.md compares them",
-                                   choices=ROC_MODES)),
-    common=[("reject_uniform_groups", bool, setting(True, "drop a group whose kept rewards are all equal (zero "
-                                                    "advantage)"))])
 
 
 def select_group(group: Sequence[Scored], keep: int, rng: np.random.Generator, *, roc, advantage,

@@ -154,7 +154,7 @@ def test_uniform_selection_is_uniform():
 
 
 def test_bad_mode_and_shapes():
-    from rstar2_jax.rl.grpo_roc import ROC_MODES
+    from rstar2_jax.rl.roc_modes import ROC_MODES
     with pytest.raises(ValueError, match="unknown RoC mode 'best'; registered: off, paper, release"):
         ROC_MODES["best"]  # noqa: B018  (the one registry of RoC: modes, each with its selection)
     with pytest.raises(ValueError, match="differ in shape"):

@@ -25,7 +25,7 @@ TOY_PARTS = textwrap.dedent('''
     from rstar2_jax.algo.roc import PaperSelection, paper_selection
     from rstar2_jax.data.tasks import TASKS, register_task
     from rstar2_jax.part_sections import NoSettings
-    from rstar2_jax.rl.grpo_roc import ROC_MODES, RoCMode, paper_penalties
+    from rstar2_jax.rl.roc_modes import ROC_MODES, RoCMode, paper_penalties
     from rstar2_jax.rollout.engines.engine_kind import ENGINES
     from rstar2_jax.rollout.sandbox_backends.base import SANDBOXES, SandboxBackend
 
