@@ -93,11 +93,27 @@ class Section:
         """(field, message) for each broken rule that involves several fields (override)."""
         return ()
 
+    # ---- a section whose fields can grow after it was built (part_sections.py) ----------------
+    @classmethod
+    def current_class(cls) -> type[Section]:
+        """This section's class with every field it has now (override: a generated section gains
+        a field for each part registered after it was built)."""
+        return cls
+
+    def current(self) -> Section:
+        """This section as `current_class()`, the new fields at their defaults."""
+        grown = type(self).current_class()
+        if grown is type(self):
+            return self
+        return grown(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
     # ---- building -----------------------------------------------------------------------------
     @classmethod
     def parse(cls, mapping: Mapping[str, Any], path: str = "") -> tuple[Section | None, list[ConfigProblem]]:
         """The typed section of `mapping` and every problem of it (the section is None when a
         field could not be read). Missing keys take their defaults (older run files)."""
+        if cls.current_class() is not cls:
+            return cls.current_class().parse(mapping, path)
         problems: list[ConfigProblem] = []
         if not isinstance(mapping, Mapping):
             selector = cls.choice_selector()  # a part_sections choice: it was a name before
@@ -209,7 +225,8 @@ class Section:
     def defaults(cls) -> ml_collections.ConfigDict:
         """A ConfigDict of every field at its default: what experiment files overlay. Nullable
         fields are typed placeholders, so `--config.x=v` still parses the right type."""
-        return _config_dict(cls, cls())
+        grown = cls.current_class()
+        return _config_dict(grown, grown())
 
 
 def _config_dict(cls, section: Section) -> ml_collections.ConfigDict:
@@ -218,6 +235,7 @@ def _config_dict(cls, section: Section) -> ml_collections.ConfigDict:
     for f in dataclasses.fields(cls):
         value = getattr(section, f.name)
         if isinstance(value, Section):
+            value = value.current()
             setattr(c, f.name, _config_dict(type(value), value))
         elif _is_tuple_of_sections(hints[f.name]):
             setattr(c, f.name, [v.to_dict() for v in value])
@@ -314,7 +332,7 @@ def leaves(cls, prefix: str = "") -> Iterable[tuple[str, dataclasses.Field, Any]
     for f in dataclasses.fields(cls):
         tp, path = hints[f.name], _join(prefix, f.name)
         if isinstance(tp, type) and issubclass(tp, Section):
-            yield from leaves(tp, path)
+            yield from leaves(tp.current_class(), path)
         elif _is_tuple_of_sections(tp):
             yield from leaves(typing.get_args(tp)[0], f"{path}[0]")
         else:

@@ -43,13 +43,31 @@ class PartChoice(Section):
     path: typing.ClassVar[str]          # where the section sits in the run's config, for messages
     refuse_unchosen: typing.ClassVar[bool] = True   # a not-chosen part's changed setting: error, else warning
 
+    @classmethod
+    def current_class(cls) -> type[Section]:
+        """This section with a field for every part registered after it was built too (a part
+        module imported by an experiment file, a test's): its settings are then set, checked,
+        written and resumed like a built-in part's (rl.loss.<late part>.*)."""
+        late = [name for name in cls.registry if not any(f.name == name for f in dataclasses.fields(cls))]
+        if not late:
+            return cls
+        key = tuple(late)
+        grown = _GROWN.get((cls, key))
+        if grown is None:
+            grown = dataclasses.make_dataclass(
+                cls.__name__, _part_fields(cls.registry, late, taken={f.name for f in dataclasses.fields(cls)},
+                                           base=cls, class_name=cls.__name__),
+                bases=(cls,), frozen=True, namespace={"__module__": cls.__module__, "__doc__": cls.__doc__})
+            _GROWN[(cls, key)] = grown
+        return grown
+
     def chosen(self) -> tuple[str, ...]:
         """The chosen parts' names (one, the selector's value; a multi-choice section overrides)."""
         return (getattr(self, self.selector),)
 
     def settings(self, name: str | None = None) -> Section:
-        """The settings section of part `name` (default: the chosen one). A part registered after
-        the section was built (a test's) has no field: it runs with its settings' defaults."""
+        """The settings section of part `name` (default: the chosen one; a part registered after
+        this section was made has no field here: its settings' defaults)."""
         name = name or getattr(self, self.selector)
         own = getattr(self, name, None)
         return own if isinstance(own, Section) else self.registry[name].settings()
@@ -102,6 +120,20 @@ def unread_settings(section: Section) -> list[str]:
     return out
 
 
+_GROWN: dict[tuple[type, tuple[str, ...]], type] = {}   # (section class, late parts) -> its grown class
+
+
+def _part_fields(registry: Registry, names: Iterable[str], *, taken: set[str], base: type, class_name: str):
+    """One field per part of `names`, holding its settings; a part may not shadow a field or method."""
+    out = []
+    for name in names:
+        if name in taken or hasattr(base, name):
+            raise ValueError(f"{registry.what} {name!r} is named like a field or method of {class_name}: rename it")
+        spec = registry[name]
+        out.append((name, spec.settings, setting(spec.settings, f"settings of the {name!r} {registry.what}")))
+    return out
+
+
 def part_section(class_name: str, registry: Registry, *, path: str, selector: tuple[str, type, Any],
                  common: Iterable[tuple[str, type, Any]] = (), base: type[PartChoice] = PartChoice,
                  module: str, moved: dict[str, Any] | None = None, refuse_unchosen: bool = True) -> type[Section]:
@@ -110,11 +142,7 @@ def part_section(class_name: str, registry: Registry, *, path: str, selector: tu
     Build it after every part is registered (the end of the module that imports them). `moved`:
     fields this section had before they moved (Section.moved)."""
     fields = [selector, *common]
-    for name in registry:  # each part's section is a field named after it: it may not shadow another
-        if name in {f[0] for f in fields} or hasattr(base, name):
-            raise ValueError(f"{registry.what} {name!r} is named like a field or method of {class_name}: rename it")
-    fields += [(name, spec.settings, setting(spec.settings, f"settings of the {name!r} {registry.what}"))
-               for name, spec in registry.items()]
+    fields += _part_fields(registry, list(registry), taken={f[0] for f in fields}, base=base, class_name=class_name)
     namespace = {"__module__": module, "__doc__": base.__doc__, "registry": registry, "selector": selector[0],
                  "path": path, "moved": dict(moved or {}), "refuse_unchosen": refuse_unchosen}
     return dataclasses.make_dataclass(class_name, fields, bases=(base,), frozen=True, namespace=namespace)

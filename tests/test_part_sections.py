@@ -143,3 +143,33 @@ def test_a_part_named_like_a_field_or_method_of_its_section_is_refused():
     with pytest.raises(ValueError, match="widget 'spec' is named like a field or method of WidgetConfig"):
         part_section("WidgetConfig", parts, path="widget", module=__name__,
                      selector=("name", str, setting("spec", "the widget", choices=parts)))
+
+
+def test_a_part_registered_after_its_section_was_built_has_settings_set_checked_and_written():
+    """A part module imported after the sections exist (an experiment file's, a user's) still
+    gets its `<path>.<part>.*` section: in the defaults, parsed, refused when not chosen (an
+    algorithm part), and written to config.json and read back (a resumed run keeps it)."""
+    import dataclasses
+
+    from rstar2_jax.config_types import ConfigValueError, setting
+    from rstar2_jax.part_sections import NoSettings, part_section
+    from rstar2_jax.registry import Registry
+
+    parts = Registry("widget")
+    parts.register("plain", type("Spec", (), {"settings": NoSettings})())
+    Chooser = part_section("Chooser", parts, path="widgets", module=__name__,
+                           selector=("name", str, setting("plain", "the widget", choices=parts)))
+
+    @dataclasses.dataclass(frozen=True)
+    class LateSettings(Section):
+        size: int = setting(4, "how big", min=1)
+
+    parts.register("late", type("Spec", (), {"settings": LateSettings})())
+    assert Chooser.defaults().late.size == 4
+    chosen = Chooser.from_mapping({"name": "late", "late": {"size": 7}})
+    assert isinstance(chosen, Chooser) and chosen.settings().size == 7
+    assert Chooser.from_mapping(chosen.to_dict()) == chosen
+    with pytest.raises(ConfigValueError, match="late.size: belongs to widget 'late'"):
+        Chooser.from_mapping({"name": "plain", "late": {"size": 7}})
+    with pytest.raises(ConfigValueError, match=r"late.size: .*>= 1"):
+        Chooser.from_mapping({"name": "late", "late": {"size": 0}})

@@ -1,7 +1,8 @@
 """One RL step with a toy part of every kind, each registered by one import of a module that
 lives outside the repository (tests/rl/test_parts.py writes it): an engine, a sandbox backend, a
-task, an advantage estimator, a RoC mode, a policy loss and an off-policy correction. Prints the
-calls each toy saw, as JSON, on its last line.
+task, an advantage estimator, a RoC mode, a policy loss and an off-policy correction. Two toys have
+settings of their own, set here as a built-in part's are. Prints the calls (and settings) each
+toy saw, as JSON, on its last line.
 
     python -m tests.rl.parts_main MODULE_DIR WORKDIR
 """
@@ -25,6 +26,8 @@ def main(module_dir: str, workdir: str):
     cfg.rl.roc.mode = "toy_roc"
     cfg.rl.loss.name = "toy_loss"
     cfg.rl.correction.names = ("toy_correction",)
+    cfg.rl.loss.toy_loss.scale = 3.0        # a late part's own settings: in the config like any part's
+    cfg.sandbox.toy_sandbox.workers = 2
     cfg.rl.roc.reject_uniform_groups = False  # the step trains whatever the rewards
     cfg.eval.before_and_after = False
     run(cfg, workdir)

@@ -1,7 +1,10 @@
 """Issue 71: a part is its module and one import, for every kind. A module written outside the
 repository registers a toy engine, sandbox backend, task, advantage estimator, RoC mode, policy
 loss and off-policy correction; one import of it, and one RL step runs with all of them chosen by
-name (tests/rl/parts_main.py, in a process of its own: the registries are global)."""
+name (tests/rl/parts_main.py, in a process of its own: the registries are global). The toy loss
+and sandbox have settings of their own, set in the config like a built-in part's
+(rl.loss.toy_loss.scale, sandbox.toy_sandbox.workers), though they registered after the
+sections were built."""
 
 import json
 import os
@@ -19,6 +22,7 @@ TOY_PARTS = textwrap.dedent('''
     import numpy as np
 
     import sandbox
+    from rstar2_jax.config_types import Section, setting
     from rstar2_jax.algo.advantages import register_advantage
     from rstar2_jax.algo.corrections.base import Correction, register_correction
     from rstar2_jax.algo.losses.base import LossTerms, register_loss
@@ -52,12 +56,18 @@ TOY_PARTS = textwrap.dedent('''
             return await super().run(*args, **kwargs)
 
 
+    @dataclasses.dataclass(frozen=True)
+    class ToySandboxSettings(Section):
+        workers: int = setting(1, "worker processes", min=1)
+
+
     def _sandbox(cfg):
         CALLS["sandbox.build"] += 1
-        return _CountingSandbox(workers=1, isolation="strict")
+        CALLS["sandbox.workers"] = cfg.settings("toy_sandbox").workers
+        return _CountingSandbox(workers=cfg.settings("toy_sandbox").workers, isolation="strict")
 
 
-    SANDBOXES.register("toy_sandbox", SandboxBackend(_sandbox, NoSettings))
+    SANDBOXES.register("toy_sandbox", SandboxBackend(_sandbox, ToySandboxSettings))
 
 
     @register_task("toy_task", has_sft_data=True)
@@ -81,10 +91,16 @@ TOY_PARTS = textwrap.dedent('''
     ROC_MODES.register("toy_roc", RoCMode(_select, paper_penalties, PaperSelection))
 
 
-    @register_loss("toy_loss", settings=NoSettings, stats=())
+    @dataclasses.dataclass(frozen=True)
+    class ToyLossSettings(Section):
+        scale: float = setting(1.0, "multiplies the loss", min=0.0)
+
+
+    @register_loss("toy_loss", settings=ToyLossSettings, stats=())
     def toy_loss(inputs, s):
         CALLS["loss (traced)"] += 1
-        return LossTerms(-inputs.token_advantages * inputs.logprobs, {})
+        CALLS["loss.scale"] = s.scale
+        return LossTerms(-s.scale * inputs.token_advantages * inputs.logprobs, {})
 
 
     @register_correction("toy_correction", settings=NoSettings, level="token")
@@ -103,3 +119,4 @@ def test_one_rl_step_runs_with_a_toy_part_of_every_kind_from_one_import(tmp_path
     kinds = ("engine.generate", "sandbox.build", "task.build", "advantage", "roc.select", "loss (traced)",
              "correction (traced)")
     assert all(calls.get(k, 0) > 0 for k in kinds), calls
+    assert (calls["loss.scale"], calls["sandbox.workers"]) == (3.0, 2), calls  # their own settings, as set
