@@ -168,8 +168,11 @@ engine.update_weights(model, 1)
 print(engine.sync_root, flush=True)
 if previous == "exit":  # told to, the process ends without closing the engine
     sys.stdin.readline()
-else:
-    time.sleep(600)
+else:  # short sleeps, as a trainer's main thread runs Python between calls: a SIGTERM the kernel
+    # gives another thread (JAX's, the file server's) only runs its Python handler when the main
+    # thread next runs bytecode, and one sleep(600) would hold it that long
+    while True:
+        time.sleep(0.1)
 """
 
 

@@ -5,7 +5,9 @@ the model, in /dev/shm by default, which is memory. They are freed
 - at close (VLLMEngine.close), or at the interpreter's exit for an engine never closed (atexit);
 - at SIGTERM (scancel, a SLURM time limit, `kill`): Python's default ends the process without
   running any `finally`, so the handler installed here deletes the live exports first, then ends
-  the process as SIGTERM would have (or calls the handler that was there before);
+  the process as SIGTERM would have (or calls the handler that was there before). Python runs it
+  in the main thread when that thread next runs bytecode: a main thread blocked in one long C call
+  (a device wait) delays the exit until it returns;
 - after SIGKILL or a crash, by the next trainer on the host (`remove_orphaned_exports`: the
   directories whose pid is gone).
 """
