@@ -1,6 +1,6 @@
 """experiments/benchmarks/common.record: a benchmark's --record replaces its own section of
-BENCHMARKS.md in place, and a new subject goes before the History section (superseded figures
-stay last)."""
+BENCHMARKS.md in place, a new subject goes last in its subsystem (before the History section,
+superseded figures staying last), and the page's contents follow its headings."""
 
 from experiments.benchmarks import common
 
@@ -58,6 +58,54 @@ def test_without_a_history_a_new_subject_is_appended(tmp_path):
     page.write_text("# Benchmarks\n")
     common.record(str(page), "New subject", "cmd", "cfg", "| c |\n|---|")
     assert page.read_text().rstrip().endswith("| c |\n|---|")
+
+
+GROUPED = """# Benchmarks
+
+Contents:
+- stale
+
+# Sandbox
+
+## S1
+
+- Date: 2026-01-01.
+
+# Learner
+
+## L1
+
+- Date: 2026-01-02.
+
+# History
+
+## S1 (2025-12-01)
+"""
+
+
+def test_a_new_subject_goes_last_in_its_subsystem_and_the_contents_follow(tmp_path):
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text(GROUPED)
+    common.record(str(page), "S2", "cmd", "cfg", "| s |\n|---|", group="Sandbox")
+    common.record(str(page), "M1", "cmd", "cfg", "| m |\n|---|", group="Memory plan")  # a subsystem the page lacks
+    text = page.read_text()
+    order = [text.index(h) for h in ("# Sandbox\n", "## S1\n", "## S2\n", "# Learner\n", "## L1\n",
+                                      "# Memory plan\n", "## M1\n", "# History\n", "## S1 (2025-12-01)")]
+    assert order == sorted(order), order
+    assert "\n\n## S2\n" in text and "| s |\n|---|\n\n# Learner\n" in text  # a blank line either side
+    contents = text.split("Contents:\n")[1].split("\n# ")[0]
+    assert contents.strip().splitlines() == [
+        "- **Sandbox**: S1; S2", "- **Learner**: L1", "- **Memory plan**: M1",
+        "- **History**: superseded figures and the sections' longer notes, newest first"]
+
+
+def test_the_page_s_contents_list_its_sections():
+    """BENCHMARKS.md's Contents are what `common.with_contents` makes of its headings (a section
+    added or moved by hand is listed where it is)."""
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+    text = open(path).read()
+    assert common.with_contents(text) == text
 
 
 def test_the_page_reads_current_first():

@@ -134,7 +134,7 @@ def main(argv=None):
               "sandbox, 2 workers")
     command = common.command_line("experiments.benchmarks.async_demo_cpu", argv)
     common.record(args.record, "CPU demo: synchronous vs asynchronous RL steps", command.strip(), config,
-                  common.markdown_table(header, rows))
+                  common.markdown_table(header, rows), group=common.PIPELINE)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ import jax.numpy as jnp
 from rstar2_jax.models import ModelConfig, shapes
 
 H100_DENSE_BF16 = 989e12  # FLOP/s, datasheet (SXM, dense)
+# BENCHMARKS.md's subsystems (`# ...` headings): a benchmark records its new subjects into its own
+SANDBOX = "Sandbox"
+ENGINES = "Rollout engines"
+WEIGHT_SYNC = "Weight sync"
+LEARNER = "Learner"
+MEMORY_PLAN = "Memory plan"
+PIPELINE = "Scheduling and the RL pipeline"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -90,12 +97,15 @@ def command_line(module: str, argv) -> str:
     return " ".join(["python -m", module, *args])
 
 
-def record(path: str | None, title: str, command: str, config: str, table: str, notes: str = ""):
+def record(path: str | None, title: str, command: str, config: str, table: str, notes: str = "",
+           group: str | None = None):
     """Write one result block (device, date, config, command, table) into a BENCHMARKS.md: it
     replaces the section of the same title (one section per subject, always the current figures;
     the section's commentary goes with it and is rewritten for the new figures), and the section
-    it replaces moves to the top of "History", titled with its date, the new one saying where;
-    a new subject is added before "History" (at the end when there is none)."""
+    it replaces moves to the top of "History", titled with its date, the new one saying where.
+    A new subject goes last in its subsystem, `group` (a `# Group` heading, made before History
+    when the page has none), or before "History" without one (at the end when there is none).
+    The page's "Contents:" list is rewritten from its headings."""
     block = (f"## {title}\n\n- Device: {device_line()}. Date: {datetime.date.today().isoformat()}.\n"
              f"- Config: {config}\n- Command: `{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
     print(block)
@@ -105,21 +115,53 @@ def record(path: str | None, title: str, command: str, config: str, table: str, 
     heading = f"## {title}\n"
     if heading in text and text.index(heading) < _history_at(text):
         start = text.index(heading)
-        # the section ends at the next section or subsystem heading (## or #)
-        ends = [i for i in (text.find("\n## ", start + len(heading)), text.find("\n# ", start + len(heading))) if i >= 0]
-        nxt = min(ends) if ends else len(text)
+        nxt = _section_end(text, start + len(heading))
         old = text[start:nxt].strip("\n")
         dated = f"{title} ({_date_of(old)})"
         block += f"\nEarlier figures: History, \"{dated}\".\n"
         text = text[:start] + block + text[nxt:]
         text = _into_history(text, old.replace(heading, f"## {dated}\n", 1))
-    elif "\n# History\n" in text:  # a new subject goes before the superseded figures, which stay last
-        at = text.index("\n# History\n")
-        text = text[:at].rstrip("\n") + "\n\n" + block + text[at:]
     else:
-        text = text.rstrip("\n") + "\n\n" + block
+        if group and f"\n# {group}\n" not in text:  # a new subsystem, last before History
+            at = _history_at(text)
+            text = text[:at].rstrip("\n") + f"\n\n# {group}\n" + text[at:]
+        at = _group_end(text, group) if group else _history_at(text)
+        text = text[:at].rstrip("\n") + "\n\n" + block + ("\n" + text[at:].lstrip("\n") if at < len(text) else "")
     with open(path, "w") as f:
-        f.write(text)
+        f.write(with_contents(text))
+
+
+def _section_end(text: str, after: int) -> int:
+    """Where the section whose heading ends at `after` ends: the next section or subsystem heading."""
+    ends = [i for i in (text.find("\n## ", after), text.find("\n# ", after)) if i >= 0]
+    return min(ends) if ends else len(text)
+
+
+def _group_end(text: str, group: str) -> int:
+    """Where a new section of `group` (a heading the page has) goes: after its last section."""
+    start = text.index(f"\n# {group}\n") + len(f"\n# {group}\n")
+    nxt = text.find("\n# ", start)
+    return nxt + 1 if nxt >= 0 else len(text)
+
+
+def with_contents(text: str) -> str:
+    """`text` with its "Contents:" list (between "Contents:" and the first subsystem heading)
+    listing each subsystem's sections in page order; a page without that line is left as it is."""
+    import re
+    if "\nContents:\n" not in text:
+        return text
+    current = text[:_history_at(text)]
+    lines = []
+    for part in re.split(r"\n(?=# )", current)[1:]:
+        name = part.split("\n", 1)[0][2:].strip()
+        titles = re.findall(r"^## (.+)$", part, flags=re.M)
+        lines.append(f"- **{name}**: " + "; ".join(titles))
+    if "\n# History\n" in text:
+        lines.append("- **History**: superseded figures and the sections' longer notes, newest first")
+    start = text.index("\nContents:\n") + len("\nContents:\n")
+    end = text.find("\n# ", start)
+    end = end + 1 if end >= 0 else len(text)
+    return text[:start] + "\n".join(lines) + "\n\n" + text[end:]
 
 
 def _history_at(text: str) -> int:

@@ -161,7 +161,7 @@ def main(argv=None):
                   "python -m experiments.benchmarks.engine_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} random bf16 weights and KV cache, {args.slots} concurrent requests, {args.prompt}-token "
                   f"prompts, {args.new} new tokens each (EOS off, temperature 1.0), continuous batching; measured copy "
-                  f"bandwidth {bw / 1e12:.2f} TB/s (read + write); XLA_FLAGS {xla_flags}", table, notes)
+                  f"bandwidth {bw / 1e12:.2f} TB/s (read + write); XLA_FLAGS {xla_flags}", table, notes, group=common.ENGINES)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def main(argv=None):
     common.record(args.record, f"Entropy in the old-log-prob pass: {args.model}",
                   "python -m experiments.benchmarks.entropy_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} shape, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {args.dtype} compute, "
-                  f"{args.rows} x {args.seq} tokens, median of {args.repeats} alternating repeats", table)
+                  f"{args.rows} x {args.seq} tokens, median of {args.repeats} alternating repeats", table, group=common.LEARNER)
 
 
 if __name__ == "__main__":

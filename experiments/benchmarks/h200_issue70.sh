@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Issue 70's device checks in one lease (about 9 minutes on one H200), most important first; each
-# step has its own time limit and writes its log under $OUT as it goes, so a lease cut short keeps
-# what ran. Run from the repository root on the device machine, with the ml_collections wheel
-# carried in .whl (the image has everything else):
+# Issue 70's device checks in one lease (about 11 minutes on one H200; the last step may not fit),
+# most important first; each step has its own time limit and writes its log under $OUT as it goes, so a lease cut short keeps
+# what ran. Run from the repository root on the device machine, with the wheels the image lacks
+# carried in .whl (ml-collections; math-verify and its two for the RL step's grader), made with
+#   pip download --no-deps -d .whl ml-collections==1.1.0 math-verify==0.9.0 \
+#     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 #   carry [".whl"]; command: bash experiments/benchmarks/h200_issue70.sh
 # 1. decode against the roofline, Qwen3-0.6B at 256 and 128 slots, one step per dispatch against 16;
-# 2. a profile of 127 steps at 128 slots, 16 steps per dispatch (its own process: the 2026-12-04
+# 2. a whole colocated RL step on the GPU (experiments/benchmarks/rl_step.py: the demo's recipe on
+#    the Qwen3-0.6B shape, SFT warm start, 3 GRPO-RoC steps, live sandbox calls, packed update),
+#    each phase's time and share against the pipeline model's prediction;
+# 3. a profile of 127 steps at 128 slots, 16 steps per dispatch (its own process: the 2026-12-04
 #    lease showed the profile does not fit beside step 1 in one limit);
-# 3. decode at Qwen3-1.7B, 16 steps per dispatch;
-# 4. learner MFU with model.remat=dots_attention (packed rows, Qwen3-1.7B; 140 s was too short);
-# 5. paged KV under chunks (pages of 256), not yet measured.
+# 4. paged KV under chunks (pages of 256), not yet measured;
+# 5. decode at Qwen3-1.7B, 16 steps per dispatch;
+# 6. learner MFU with model.remat=dots_attention (measured 2026-12-04: 46.6%; last, as a re-check).
 # The command-buffer settings were measured on 2026-12-04 (within 4% of XLA's defaults) and dropped
 # from the script; BENCHMARKS.md, "JaxEngine decode on an H200", has them.
 # A CPU rehearsal of the script's plumbing: REHEARSE=1 bash experiments/benchmarks/h200_issue70.sh
@@ -17,8 +22,10 @@
 set -u
 if [ "${REHEARSE:-}" = 1 ]; then
   S=tiny; L=tiny; A=xla; N=64; MFU_ARGS="--attention xla --rollouts 8 --steps 1"; PY=.venv/bin/python
+  STEP_ARGS="--dtype float32 --sft_steps 40 --steps 2 --slots 32 --token_budget 2048"
 else
   S=qwen3_0p6b; L=qwen3_1p7b; A=pallas; N=1024; MFU_ARGS="--rollouts 64 --steps 2"; PY=python3
+  STEP_ARGS="--sft_lr 5e-4"
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${REHEARSE:-}" != 1 ]; then
@@ -37,12 +44,14 @@ step() {  # step NAME SECONDS COMMAND...
 D=experiments.benchmarks.engine_decode
 step decode_0p6b 160 $PY -m $D --model $S --slots 256,128 --prompt 256 --new $N \
   --variants $A:full --decode_steps 1,16
+step rl_step_0p6b 240 $PY -m experiments.benchmarks.rl_step --shape $S --decode_attention $A $STEP_ARGS \
+  --workdir /tmp/rl_step
 step profile_0p6b 80 $PY -m $D --model $S --slots 128 --prompt 256 --new 128 \
   --variants $A:full --decode_steps 16 --profile /tmp/trace_0p6b
+step paged_0p6b 55 $PY -m $D --model $S --slots 128 --prompt 256 --new $N \
+  --variants $A:paged256 --decode_steps 16
 step decode_1p7b 120 $PY -m $D --model $L --slots 128,256 --prompt 256 --new $((N / 2)) \
   --variants $A:full --decode_steps 16
 step mfu_dots_attention 180 $PY -m experiments.benchmarks.packing gpu --skip_checks --model $L $MFU_ARGS \
   --variants packed:32768:dots_attention
-step paged_0p6b 55 $PY -m $D --model $S --slots 128 --prompt 256 --new $N \
-  --variants $A:paged256 --decode_steps 16
 echo "== done $(date +%T)"

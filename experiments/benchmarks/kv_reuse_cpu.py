@@ -128,7 +128,7 @@ def main(argv=None):
         f"{name} {base / t:.2f}x" for name, t in wall.items() if name != "rows, re-prefill every turn") + "."
     title = "JaxEngine KV reuse between turns, slot rows vs paged KV (CPU)" if args.paged_slots else \
         "JaxEngine KV reuse between turns (CPU)"
-    common.record(args.record, title, command.strip(), config, table, notes=notes)
+    common.record(args.record, title, command.strip(), config, table, notes=notes, group=common.ENGINES)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def main(argv=None):
                   "python -m experiments.benchmarks.learner_mfu " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} random weights ({flops.param_count(cfg) / 1e9:.2f}B), fp32 params + AdamW, bf16 "
                   f"compute, clip-higher GRPO loss, one micro-batch, median of {args.steps} steps; measured bf16 "
-                  f"matmul {mm_rate / 1e12:.0f} TFLOP/s", table)
+                  f"matmul {mm_rate / 1e12:.0f} TFLOP/s", table, group=common.LEARNER)
     if args.profile:
         from experiments.benchmarks.profile_summary import summarize
         print(summarize(args.profile))

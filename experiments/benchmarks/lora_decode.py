@@ -100,7 +100,7 @@ def main(argv=None):
                   f"random model, {params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), float32; "
                   f"adapter rank {args.rank} on all 7 projections ({adapter_mb:.2f} MB of PEFT files); greedy, "
                   f"{args.tokens} tokens per request (ignore_eos), {args.repeats} rounds after a warm-up one, "
-                  "alternating; one server, --enable-lora", table)
+                  "alternating; one server, --enable-lora", table, group=common.WEIGHT_SYNC)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def main(argv=None):
                   f"servers started with --enable-lora (max rank {max(ranks)}); {args.repeats} syncs each after a "
                   "warm-up round, alternating, each with its probe waited for; update: one optimizer step on 8 rows "
                   "of 256 tokens, median of the same repeats after the compiling one; train state: trained "
-                  "parameters and AdamW moments", table)
+                  "parameters and AdamW moments", table, group=common.WEIGHT_SYNC)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def main(argv=None):
                   common.command_line("experiments.benchmarks.memory_plan_gpu", argv),
                   f"bf16 compute, remat full, cuDNN attention, {args.rows} x {args.seq} tokens in one micro-batch; "
                   f"then the sync export of the last model: {gb:.2f} GB bf16 at {rate:.2f} GB/s (512 MiB buckets, "
-                  "/dev/shm, both slots warm)", table)
+                  "/dev/shm, both slots warm)", table, group=common.MEMORY_PLAN)
 
 
 if __name__ == "__main__":

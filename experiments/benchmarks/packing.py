@@ -94,7 +94,7 @@ def ratios(args):
     print(table)
     common.record(args.record, "Packed rows: computed positions per real token", common.command_line(
         "experiments.benchmarks.packing", sys.argv[1:]), "; ".join(sources) + "; the scheduler simulation's "
-        "workload (log-normal turns, 8,192-token budget, 300-token prompts)", table)
+        "workload (log-normal turns, 8,192-token budget, 300-token prompts)", table, group=common.LEARNER)
 
 
 def budgets_and_devices(widths=(1, 2, 4, 8), budgets=(0, 8704, 32768)) -> str:
@@ -175,7 +175,7 @@ def cpu_update(args):
         f"(longest {max_len}), padded: 4 micro-batches; packed: XLA attention (a [budget, budget] score matrix "
         "per row, masked by segment); old-log-prob + entropy pass "
         f"and one SGD step; {args.steps} batches twice, the median of the second pass (the first compiles "
-        "each shape: a packed micro-batch's length takes one of 32 values per octave)", table)
+        "each shape: a packed micro-batch's length takes one of 32 values per octave)", table, group=common.LEARNER)
 
 
 def sft(args):
@@ -226,7 +226,7 @@ def sft(args):
         "experiments.benchmarks.packing", sys.argv[1:]),
         f"experiments/tiny_arith.py's task, format and tiny model (2 layers, 128 wide), {c.sft.batch_size} traces "
         f"per step (longest trace {longest} tokens); {args.steps} steps twice, the second pass timed (the first "
-        "compiles each shape), the variants taking turns step by step", table)
+        "compiles each shape), the variants taking turns step by step", table, group=common.LEARNER)
 
 
 def gpu(args):

@@ -23,7 +23,7 @@ import threading
 import time
 
 import sandbox
-from experiments.benchmarks.common import record
+from experiments.benchmarks.common import SANDBOX, record
 from sandbox.pool import child_pids, running_calls
 
 CALL = "import time\ntime.sleep(0.02)\nprint(sum(range(100)))"
@@ -127,7 +127,7 @@ def main(argv=None):
     record(args.record, "Sandbox: a dying worker (kill loop)",
            " ".join(["python -m experiments.benchmarks.sandbox_worker_death", *(sys.argv[1:] if argv is None else argv)]),
            f"LocalSandbox(workers={args.workers}), every protection on; {args.clients} callers of a 20 ms call; "
-           f"{args.seconds:g} s per phase", table, notes)
+           f"{args.seconds:g} s per phase", table, notes, group=SANDBOX)
 
 
 if __name__ == "__main__":

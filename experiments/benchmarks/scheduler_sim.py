@@ -557,7 +557,7 @@ def run_scenario(args, base: SimConfig, argv):
               f"{base.kv_capacity_tokens:,} KV tokens per engine, {base.budget_tokens}-token budget (module docstring)")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     common.record(args.record, f"Rollout scheduler simulation: {base.kv_capacity_tokens:,} KV tokens per engine",
-                  command.strip(), config, common.markdown_table(header, rows))
+                  command.strip(), config, common.markdown_table(header, rows), group=common.PIPELINE)
 
 
 def run_rebased(args, argv):
@@ -618,7 +618,7 @@ def run_rebased(args, argv):
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     what = f"LoRA rank {b.lora_rank}" if b.lora_rank else "packed learner"
     common.record(args.record, f"RL pipeline simulation on what exists: {b.sync} sync, carry, {what} (issues 47, 49)",
-                  command.strip(), config, common.markdown_table(header, rows))
+                  command.strip(), config, common.markdown_table(header, rows), group=common.PIPELINE)
 
 
 def run_pipeline(args, argv):
@@ -669,7 +669,7 @@ def run_pipeline_with(args, argv, sync: str):
               f"{split.kept_fraction:.0%} of the tokens; {split.kv_capacity_tokens:,} KV tokens per engine")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     common.record(args.record, f"RL pipeline simulation, weight sync by {sync}: synchronous vs asynchronous steps",
-                  command.strip(), config, common.markdown_table(header, rows))
+                  command.strip(), config, common.markdown_table(header, rows), group=common.PIPELINE)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ def main(argv=None):
                       argv if argv is not None else sys.argv[1:]),
                   f"tiny_arith: one shared SFT warm start of {args.sft_steps} steps, then {args.steps} RL steps, "
                   f"rl.max_staleness=1, "
-                  f"greedy evaluation on {args.eval_problems} problems; 4 fake CPU devices; seeds {args.seeds}", table)
+                  f"greedy evaluation on {args.eval_problems} problems; 4 fake CPU devices; seeds {args.seeds}", table,
+                  group=common.PIPELINE)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def main(argv=None):
                   "python -m experiments.benchmarks.sync_pause_cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.hidden}-wide 4-layer Qwen3 shape ({megabytes:.0f} MB float32), learner FSDP over devices 0-3; "
                   f"{args.slots} slots kept busy, {args.decode_steps} steps a dispatch; {args.syncs} syncs "
-                  f"{args.interval} s apart", table)
+                  f"{args.interval} s apart", table, group=common.ENGINES)
 
 
 if __name__ == "__main__":

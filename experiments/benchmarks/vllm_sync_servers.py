@@ -246,7 +246,8 @@ def main(argv=None):
                   f"random model, {params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), "
                   f"{gb:.2f} GB float32 safetensors in /dev/shm, {args.repeats} syncs each way after two warm-up "
                   "syncs, alternating; every sync ends with the log-prob probe"
-                  + (", each server's fetcher copying the export over HTTP" if args.sync == "pull" else ""), table)
+                  + (", each server's fetcher copying the export over HTTP" if args.sync == "pull" else ""), table,
+                  group=common.WEIGHT_SYNC)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def main(argv=None):
     common.record(args.record, f"Weight sync: {args.model} via safetensors in {os.path.dirname(args.dir)}",
                   "python -m experiments.benchmarks.weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} random weights, {flops.param_count(cfg) / 1e9:.2f}B params, {written / 1e9:.2f} GB "
-                  f"of bf16 safetensors written", table)
+                  f"of bf16 safetensors written", table, group=common.WEIGHT_SYNC)
 
 
 if __name__ == "__main__":
