@@ -35,6 +35,14 @@ def test_busy_time_counts_overlaps_once_and_starts_at_the_named_op(tmp_path):
     assert not found and (busy, span) == (0.4, 0.7)  # the whole trace; the host's event never counts
 
 
+def test_a_gpu_decode_is_found_by_the_first_kernel_only_it_runs(tmp_path):
+    """A GPU trace names kernels: the Pallas decode kernel marks where the decode begins."""
+    trace = _write_trace(tmp_path, [("gemm_fusion_dot_1", 0, 100), ("gemm_fusion_dot_1", 200, 50),
+                                    ("mha_forward", 250, 50), ("gemm_fusion_dot_1", 400, 100)])
+    busy, span, found = profile_summary.busy_ms(trace, from_op=("mha_forward", "paged_attention"))
+    assert found == "mha_forward" and (busy, span) == (0.15, 0.25)  # 250-300 and 400-500 of 250-500
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 200)), min_size=1, max_size=20))
 def test_busy_time_is_the_union_of_the_intervals(tmp_path_factory, spans):

@@ -92,8 +92,11 @@ def profile(model, attention, bucket, splits, slots, prompt, new, decode_steps, 
     jax.profiler.start_trace(trace_dir)
     stats, _ = run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps)
     jax.profiler.stop_trace()
-    busy, span, found = profile_summary.busy_ms(trace_dir, from_op="decode")
-    where = "from the first decode op on" if found else "over the whole trace, prefill included (no op named decode)"
+    # the decode's own line: from the first kernel no prefill runs, the Pallas decode attention's (a
+    # GPU trace names kernels, not programs; "decode" alone would match a source file's name)
+    busy, span, first = profile_summary.busy_ms(trace_dir, from_op=("mha_forward", "paged_attention"))
+    where = (f"from the decode's first kernel on ({first[:40]})" if first else
+             "over the whole trace, prefill included (no kernel of the decode's own: not Pallas, or not a GPU)")
     return (f"profiled run ({slots} slots, {new} new tokens, {decode_steps} steps per dispatch): prefill "
             f"{stats.prefill_s * 1e3:.0f} ms, decode {stats.decode_s * 1e3:.0f} ms over {stats.decode_steps} steps; "
             f"{where}, the device was busy {busy:.0f} of {span:.0f} ms ({busy / max(span, 1e-9):.0%})\n"

@@ -37,17 +37,19 @@ def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
     return totals, sum(totals.values())
 
 
-def busy_ms(trace_dir: str, from_op: str = "") -> tuple[float, float, bool]:
-    """(busy, span, found) in ms: the time the device was doing anything (the union of its events'
+def busy_ms(trace_dir: str, from_op: str | tuple[str, ...] = "") -> tuple[float, float, str]:
+    """(busy, span, first) in ms: the time the device was doing anything (the union of its events'
     intervals: streams and nested module/op events overlap, so a plain sum would over-count) and
-    the span it is measured over, from the first event whose name holds `from_op` (say "decode",
-    to leave out a prefill before it) to the last event's end. found is False when no event's
-    name holds it (a GPU trace names kernels, not programs, unless it has a modules line): then
-    the span is the whole trace's."""
+    the span it is measured over, from the first event whose name holds `from_op` (or one of
+    them: say ("mha_forward", "paged_attention"), to leave out a prefill before it) to the last event's
+    end. first is that event's name, "" when none has one: then the span is the whole trace's.
+    A GPU trace names kernels, not programs (unless it has a modules line), so a decode is found
+    by a kernel only it runs: the Pallas decode kernels, `mha_forward` and `paged_attention_*`."""
+    markers = (from_op,) if isinstance(from_op, str) else tuple(from_op)
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
                    for e in _device_events(trace_dir))
-    first = next((i for i, (_, _, name) in enumerate(spans) if from_op in name), None)
-    found = first is not None
+    first = next((i for i, (_, _, name) in enumerate(spans) if any(m in name for m in markers)), None)
+    found = spans[first][2] if first is not None else ""
     spans = spans[first or 0:]
     if not spans:
         return 0.0, 0.0, found
