@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 70's device checks in one lease (limits of 15 minutes in all: two calls, FROM below),
 # most important first; each step has its own time limit and writes its log under $OUT as it
-# goes, so a lease cut short keeps what ran. Run from the repository root on the device machine, with the wheels the image lacks
-# carried in .whl (ml-collections; math-verify and its two for the RL step's grader), made with
+# goes, so a lease cut short keeps what ran. Run from the repository root on the device machine,
+# with the wheels the image lacks carried in .whl (ml-collections; math-verify and its two for the
+# RL step's grader), made with
 #   pip download --no-deps -d .whl ml-collections==1.1.0 math-verify==0.9.0 \
 #     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 #   carry [".whl"]; command: bash experiments/benchmarks/h200_issue70.sh
