@@ -76,7 +76,7 @@ tensorboard: $(VENV)/.viewers
 notebook: $(VENV)/.viewers
 	$(VENV)/bin/jupyter lab notebooks/
 
-# The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 20 minutes
+# The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 30 minutes
 # from a fresh clone on a 2-core machine, installs included (README, "Tests").
 # A worker that dies (a native abort) ends the run at once (--max-worker-restart=0): with
 # --dist loadgroup, xdist hangs after restarting a crashed worker (both workers idle, the
