@@ -13,9 +13,15 @@ import tempfile
 import jax
 
 import rstar2_jax.rl.trainer as trainer
+from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 from rstar2_jax.rl.trainer import RLRun
 from rstar2_jax.traces import read_traces
+from tests.rl.test_async import alternating_signs
 from tests.rl.test_training import rl_lines, small_config
+
+# the random policy solves nothing: advantages of alternating signs make every step's update move
+# the weights, so the engine's reshard after it carries new ones (GRPO's would all be zero)
+ADVANTAGES["test_alternating_signs"] = AdvantageSpec(alternating_signs)
 
 
 def run(engine_devices: int, workdir: str) -> dict:
@@ -29,6 +35,9 @@ def run(engine_devices: int, workdir: str) -> dict:
     try:
         cfg = small_config(steps=2, max_staleness=1)
         cfg.eval.before_and_after = False
+        cfg.sft.steps = 0  # RL from the random model: the placement is what is compared, not a warm start
+        cfg.rl.advantage.name = "test_alternating_signs"
+        cfg.rl.roc.reject_uniform_groups = False
         cfg.rollout.jax.devices = engine_devices
         rl_run = RLRun(cfg, workdir)
         asyncio.run(rl_run.run())
@@ -39,6 +48,7 @@ def run(engine_devices: int, workdir: str) -> dict:
     first = traces[traces["step"] == 0]
     return dict(learner_on=sorted({d.id for x in jax.tree.leaves(rl_run.learner.model_state()) for d in x.devices()}),
                 engine_on=sorted({d.id for x in jax.tree.leaves(engine.state) for d in x.devices()}),
+                engine_version=engine.version,
                 metrics=rl_lines(workdir), step0=sorted(map(list, first["token_ids"])))
 
 

@@ -14,8 +14,14 @@ import sys
 import jax
 
 import rstar2_jax.rl.trainer as trainer
+from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 from rstar2_jax.rl.trainer import RLRun
+from tests.rl.test_async import alternating_signs
 from tests.rl.test_training import rl_lines, small_config
+
+# the random policy solves nothing: advantages of alternating signs make every step's update move
+# the weights, so the engine's reshard after it carries new ones (GRPO's would all be zero)
+ADVANTAGES["test_alternating_signs"] = AdvantageSpec(alternating_signs)
 
 
 def main(workdir: str, engine_devices: int, coordinator: str, num_processes: int, process_id: int):
@@ -30,6 +36,9 @@ def main(workdir: str, engine_devices: int, coordinator: str, num_processes: int
     make_engine, trainer.make_engine = trainer.make_engine, keep
     cfg = small_config(steps=2, max_staleness=1)
     cfg.eval.before_and_after = False
+    cfg.sft.steps = 0  # RL from the random model: the placement is what is compared, not a warm start
+    cfg.rl.advantage.name = "test_alternating_signs"
+    cfg.rl.roc.reject_uniform_groups = False
     cfg.distributed = True
     cfg.rollout.jax.devices = engine_devices
     cfg.sandbox.local.workers = 1
@@ -39,6 +48,7 @@ def main(workdir: str, engine_devices: int, coordinator: str, num_processes: int
     out = dict(process=jax.process_index(),
                learner_on=sorted({d.id for x in jax.tree.leaves(state) for d in x.sharding.device_set}),
                engine_on=sorted({d.id for x in jax.tree.leaves(engines[-1].state) for d in x.devices()}),
+               engine_version=engines[-1].version,
                local=sorted(d.id for d in jax.local_devices()),
                metrics=rl_lines(workdir) if jax.process_index() == 0 else [])
     print(json.dumps(out, default=float), flush=True)

@@ -1,12 +1,22 @@
 """The embedded engine on devices of its own (rollout.jax.devices, issue 70), through the trainer:
-the tiny recipe asynchronous (rl.max_staleness=1) on 8 fake CPU devices, the engine sharing all 8
-against the engine on 4 of its own and the learner on the other 4 (one subprocess,
-tests/rl/own_devices_main.py)."""
+the tiny recipe asynchronous (rl.max_staleness=1, 2 steps, updates that move the weights) from the
+random model on 8 fake CPU devices, the engine sharing all 8 against the engine on 4 of its own and
+the learner on the other 4 (one subprocess, tests/rl/own_devices_main.py); and over two processes."""
 
 import pytest
 
 from tests.fake_devices import run_on_8_fake_devices
 from tests.rl.test_training import COMPARED, close_to_rounding
+
+
+def assert_the_weights_moved_and_reached_the_engine(metrics, engine_version: int):
+    """Every update moved the weights (advantages of alternating signs: the random policy solves
+    nothing, so GRPO's would all be zero and nothing would move), and both updates' weights reached
+    the engine (its version). That the engine then samples what one device with those weights
+    samples is tests/rollout/test_sharded_engine.py's; here a third step would race the second
+    update's landing against its own generation, which two placements time differently."""
+    assert len(metrics) == 2 and all(m["update_norm"] > 0 for m in metrics)
+    assert engine_version == 2
 
 
 @pytest.mark.slow
@@ -21,6 +31,7 @@ def test_an_asynchronous_run_with_the_engine_on_its_own_devices_keeps_each_side_
     # the same metrics at every step
     assert own["step0"] == shared["step0"]
     assert [m["step"] for m in own["metrics"]] == [m["step"] for m in shared["metrics"]] == [0, 1]
+    assert_the_weights_moved_and_reached_the_engine(own["metrics"], own["engine_version"])
     for a, b in zip(shared["metrics"], own["metrics"]):
         for key in COMPARED:
             if key in a:
@@ -58,6 +69,8 @@ def test_over_two_processes_each_engine_has_a_device_of_its_own_and_the_run_matc
         assert len(set(p["local"]) & learner) == 1
     shared, split = runs["shared"][0]["metrics"], own[0]["metrics"]
     assert [m["step"] for m in split] == [m["step"] for m in shared] == [0, 1]
+    assert all(p["engine_version"] == 2 for p in own)
+    assert_the_weights_moved_and_reached_the_engine(split, own[0]["engine_version"])
     for a, b in zip(shared, split):
         for key in COMPARED:
             if key in a:
