@@ -45,9 +45,10 @@ def test_the_prediction_follows_the_hardware_it_is_given():
     workload = dict(rollouts=32, prompt_tokens=60, turn_median=80.0, turn_sigma=0.3, mean_tool_calls=1.0,
                     tool_response_tokens=10.0, tool_mean_s=0.02)
     args = argparse.Namespace(hbm_gb_s=4800.0, peak_tflops=989.0, per_sequence_us=2.5, slots=32)
-    base = rl_step.predicted(workload, args, 6e8, 114688.0, 400, 0.5)
+    stage = {"max_response_tokens": 400, "max_turns": 4}
+    base = rl_step.predicted(workload, args, 6e8, 114688.0, stage, 640, 0.5)
     assert base["rollout_s"] > 0 and base["learner_s"] > 0
     assert base["step_s"] == pytest.approx(base["rollout_s"] + base["learner_s"], rel=1e-6)
     tenth = argparse.Namespace(**{**vars(args), "hbm_gb_s": 480.0, "peak_tflops": 98.9})
-    slower = rl_step.predicted(workload, tenth, 6e8, 114688.0, 400, 0.5)
+    slower = rl_step.predicted(workload, tenth, 6e8, 114688.0, stage, 640, 0.5)
     assert slower["rollout_s"] > base["rollout_s"] and slower["learner_s"] == pytest.approx(10 * base["learner_s"])

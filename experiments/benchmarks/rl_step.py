@@ -70,8 +70,7 @@ def build_model(shape_name: str, model_dir: str) -> str:
     tokenizer's ids are its first ones)."""
     from rstar2_jax.models import shapes, tiny
 
-    fields = {k: v for k, v in shapes.SHAPES[shape_name].items() if k not in ("family", "rope")}
-    fields["max_position_embeddings"] = 4096
+    fields = dict(shapes.SHAPES[shape_name], max_position_embeddings=4096)
     fields["vocab_size"] = max(fields["vocab_size"], tiny.tiny_config().vocab_size)
     return tiny.build_tiny_model(model_dir, seed=0, **fields)
 
@@ -97,15 +96,18 @@ def read_workload(run_dir: str) -> list[dict]:
     return steps
 
 
-def predicted(workload: dict, args, params: float, kv_bytes: float, budget: int, kept_fraction: float) -> dict:
-    """The pipeline model's synchronous colocated step on one device, for this workload."""
+def predicted(workload: dict, args, params: float, kv_bytes: float, stage: dict, max_len: int,
+              kept_fraction: float) -> dict:
+    """The pipeline model's synchronous colocated step on one device, for this workload under the
+    run's stage (response budget, turns) and KV rows of `max_len` positions per slot."""
     hbm = args.hbm_gb_s * 1e9
     peak = args.peak_tflops * 1e12
     cfg = SimConfig(engines=1, rollouts=workload["rollouts"], prompt_tokens=round(workload["prompt_tokens"]),
-                    budget_tokens=budget, mean_tool_calls=workload["mean_tool_calls"], max_turns=4,
+                    budget_tokens=stage["max_response_tokens"], mean_tool_calls=workload["mean_tool_calls"],
+                    max_turns=stage["max_turns"],
                     turn_tokens_median=workload["turn_median"], turn_tokens_sigma=max(workload["turn_sigma"], 1e-3),
                     tool_response_tokens=round(workload["tool_response_tokens"]), tool_mean_s=max(workload["tool_mean_s"], 1e-3),
-                    tool_timeout_share=0.0, kv_capacity_tokens=args.slots * 640,
+                    tool_timeout_share=0.0, kv_capacity_tokens=args.slots * max_len,
                     step_base_s=2 * params / hbm, step_per_seq_s=args.per_sequence_us * 1e-6,
                     step_per_kv_token_s=kv_bytes / hbm, prefill_per_token_s=2 * params / (0.4 * peak),
                     reserve_new_tokens=1024, affinity=True, params=params, learner_devices=1, learner_mfu=0.4,
@@ -149,7 +151,8 @@ def main(argv=None):
     arch = shapes.shape(args.shape)
     params = float(flops.param_count(arch))
     kv_bytes = float(flops.kv_bytes_per_token(arch))
-    budget = cfg.stages[0]["max_response_tokens"]
+    stage = cfg.stages[0]
+    budget = stage["max_response_tokens"]
     header = ["step", "step s", *[f"{name} s (share)" for name, _ in PHASES], "tools s (overlapped)",
               "engine busy", "slots used", "rollouts", "response tokens (mean)", "tool calls (mean)",
               "packed rows", "learner MFU", "predicted step s (rollout + learner)", "measured / predicted"]
@@ -158,7 +161,7 @@ def main(argv=None):
         step_s = m["time/step_s"]
         trained = m.get("tokens", 0.0) * m.get("optimizer_steps", 0.0)
         mfu = 8 * params * trained / max(m["time/learner_s"], 1e-9) / (args.peak_tflops * 1e12)
-        pred = predicted(w, args, params, kv_bytes, budget, 1 / cfg.rl.oversample)
+        pred = predicted(w, args, params, kv_bytes, stage, cfg.rollout.max_len, 1 / cfg.rl.oversample)
         rows.append([m["step"], f"{step_s:.2f}",
                      *[f"{m[key]:.2f} ({m[key] / step_s:.0%})" for _, key in PHASES],
                      f"{m['time/tool_s']:.2f} ({m['time/tool_overlap']:.0%})", f"{m['engine/busy']:.0%}",
@@ -167,8 +170,7 @@ def main(argv=None):
                      f"{mfu:.1%}", f"{pred['step_s']:.2f} ({pred['rollout_s']:.2f} + {pred['learner_s']:.2f})",
                      f"{step_s / pred['step_s']:.2f}x"])
         print(dict(zip(header, rows[-1])), flush=True)
-    table = common.markdown_table(header, rows)
-    print(table)
+    table = common.markdown_table(header, rows)  # common.record prints it
     config = (f"{args.shape} shape ({params / 1e6:,.1f}M parameters, random weights, the demo's byte tokenizer), "
               f"{args.dtype}, decode attention {args.decode_attention}, {args.slots} slots; tiny_arith: SFT "
               f"{args.sft_steps} steps at lr {args.sft_lr}, then {args.steps} RL steps of {args.batch_problems} problems x "

@@ -16,8 +16,8 @@ import rstar2_jax.rl.trainer as trainer
 from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 from rstar2_jax.rl.trainer import RLRun
 from rstar2_jax.traces import read_traces
-from tests.rl.test_async import alternating_signs
-from tests.rl.test_training import rl_lines, small_config
+from tests.rl.test_async import alternating_signs, moving_config
+from tests.rl.test_training import rl_lines
 
 # the random policy solves nothing: advantages of alternating signs make every step's update move
 # the weights, so the engine's reshard after it carries new ones (GRPO's would all be zero)
@@ -33,11 +33,8 @@ def run(engine_devices: int, workdir: str) -> dict:
 
     make_engine, trainer.make_engine = trainer.make_engine, keep
     try:
-        cfg = small_config(steps=2, max_staleness=1)
-        cfg.eval.before_and_after = False
+        cfg = moving_config(steps=2, max_staleness=1)  # the alternating advantages, every group kept
         cfg.sft.steps = 0  # RL from the random model: the placement is what is compared, not a warm start
-        cfg.rl.advantage.name = "test_alternating_signs"
-        cfg.rl.roc.reject_uniform_groups = False
         cfg.rollout.jax.devices = engine_devices
         rl_run = RLRun(cfg, workdir)
         asyncio.run(rl_run.run())
