@@ -282,3 +282,14 @@ def test_engine_replicas_must_divide_the_engines_own_devices():
     assert "3 does not divide rollout.jax.devices=4" in str(p), p
     tree["rollout"]["jax"]["replicas"] = 2
     assert problems_of(tree) == []
+
+
+def test_a_chunk_s_exit_check_must_divide_its_steps():
+    """rollout.jax.exit_check_steps splits a chunk into equal blocks of a known count (issue 70)."""
+    tree = tiny_arith.get_config().to_dict()
+    tree["rollout"]["jax"].update(decode_steps=16, exit_check_steps=5)
+    _, problems = RunConfig.parse(tree)
+    [p] = [p for p in problems if p.path.endswith("jax.exit_check_steps")]
+    assert "5 does not divide rollout.jax.decode_steps=16" in str(p), p
+    tree["rollout"]["jax"]["exit_check_steps"] = 16
+    assert problems_of(tree) == []

@@ -55,7 +55,7 @@ async def _generate(engine, prompts, new):
         return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
 
 
-def run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps=1):
+def run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps=1, exit_check=1):
     model.set_attention(decode=attention)
     for layer in model.layers:  # None (the kernel's default) must be settable back
         layer.attn.decode_splits = splits
@@ -63,7 +63,8 @@ def run_variant(model, attention, bucket, splits, slots, prompt, new, decode_ste
     paged = bucket.startswith("paged")
     engine = JaxEngine(model, _NoTokenizer(), slots=slots, max_len=max_len, eos_ids=(),
                        kv_bucket=None if bucket == "full" or paged else int(bucket),
-                       page_size=int(bucket[len("paged"):]) if paged else None, decode_steps=decode_steps)
+                       page_size=int(bucket[len("paged"):]) if paged else None, decode_steps=decode_steps,
+                       exit_check_steps=exit_check)
     engine.precompile([prompt])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.cfg.vocab_size, prompt).tolist() for _ in range(slots)]
@@ -86,21 +87,33 @@ def sampling_pass_ms(vocab: int, slots: int, repeats: int = 20) -> float:
     return common.median_seconds(lambda: jax.block_until_ready(fn(logits)), repeats=repeats) * 1e3
 
 
-def profile(model, attention, bucket, splits, slots, prompt, new, decode_steps, trace_dir) -> str:
+# Kernels only a decode runs (the Pallas decode attention): where a GPU trace's decode begins
+DECODE_KERNELS = ("mha_forward", "paged_attention")
+
+
+def profile(model, attention, bucket, splits, slots, prompt, new, decode_steps, exit_check, trace_dir) -> str:
     """One more run of an already compiled variant under jax.profiler: the device's busy time
     from its first decode op on, against that span (what the host and the launches leave idle)."""
     jax.profiler.start_trace(trace_dir)
-    stats, _ = run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps)
+    stats, _ = run_variant(model, attention, bucket, splits, slots, prompt, new, decode_steps, exit_check)
     jax.profiler.stop_trace()
     # the decode's own line: from the first kernel no prefill runs, the Pallas decode attention's (a
     # GPU trace names kernels, not programs; "decode" alone would match a source file's name)
-    busy, span, first = profile_summary.busy_ms(trace_dir, from_op=("mha_forward", "paged_attention"))
+    busy, span, first = profile_summary.busy_ms(trace_dir, from_op=DECODE_KERNELS)
     where = (f"from the decode's first kernel on ({first[:40]})" if first else
              "over the whole trace, prefill included (no kernel of the decode's own: not Pallas, or not a GPU)")
     return (f"profiled run ({slots} slots, {new} new tokens, {decode_steps} steps per dispatch): prefill "
             f"{stats.prefill_s * 1e3:.0f} ms, decode {stats.decode_s * 1e3:.0f} ms over {stats.decode_steps} steps; "
             f"{where}, the device was busy {busy:.0f} of {span:.0f} ms ({busy / max(span, 1e-9):.0%})\n"
+            + profile_summary.by_category(trace_dir, stats.decode_steps, DECODE_KERNELS) + "\n"
             + profile_summary.summarize(trace_dir, 20))
+
+
+def exit_checks(spec: str, decode_steps: int) -> list[int]:
+    """The --exit_check values that apply at `decode_steps` ("all" is the chunk's length; a value
+    that does not divide it is left out: the engine refuses it)."""
+    values = [decode_steps if v == "all" else int(v) for v in spec.split(",")]
+    return sorted({v for v in values if decode_steps % v == 0} or {1})
 
 
 def main(argv=None):
@@ -112,6 +125,8 @@ def main(argv=None):
     p.add_argument("--variants", default="xla:full,pallas:full")
     p.add_argument("--decode_steps", default="1,16", help="decode steps per dispatch to run each variant at "
                    "(1: one host round trip per token; issue 70's chunks)")
+    p.add_argument("--exit_check", default="1", help="decode steps between a chunk's checks for a live slot, each "
+                   "run at every --decode_steps it divides ('all': the whole chunk, a loop of a count XLA knows)")
     p.add_argument("--profile", help="trace one more short run of the last variant into this directory")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
@@ -123,38 +138,38 @@ def main(argv=None):
           f"copy bandwidth {bw / 1e12:.2f} TB/s; XLA_FLAGS {xla_flags}", flush=True)
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rows = []
-    runs = [(int(n), v, int(k)) for n in args.slots.split(",") for v in args.variants.split(",")
-            for k in args.decode_steps.split(",")]
-    for slots, variant, k in runs:
+    runs = [(int(n), v, int(k), e) for n in args.slots.split(",") for v in args.variants.split(",")
+            for k in args.decode_steps.split(",") for e in exit_checks(args.exit_check, int(k))]
+    for slots, variant, k, e in runs:
         attention, bucket, *splits = variant.split(":")
         splits = int(splits[0]) if splits else None
         try:
-            stats, bytes_total = run_variant(model, attention, bucket, splits, slots, args.prompt, args.new, k)
-        except Exception as e:
-            msg = str(e).splitlines()[0][:120]
-            print(f"{slots} x {variant} x{k}: FAILED {type(e).__name__}: {msg}", flush=True)
-            rows.append([slots, attention, bucket, splits or "default", k, "failed", msg, "", "", "", ""])
+            stats, bytes_total = run_variant(model, attention, bucket, splits, slots, args.prompt, args.new, k, e)
+        except Exception as err:
+            msg = str(err).splitlines()[0][:120]
+            print(f"{slots} x {variant} x{k}/{e}: FAILED {type(err).__name__}: {msg}", flush=True)
+            rows.append([slots, attention, bucket, splits or "default", k, e, "failed", msg, "", "", "", ""])
             continue
         decode_tokens = slots * (args.new - 1)
         floor_s = bytes_total / bw
         step_ms = stats.decode_s / stats.decode_steps * 1e3
-        rows.append([slots, attention, bucket, splits or "default", k, f"{decode_tokens / stats.decode_s:.0f}",
+        rows.append([slots, attention, bucket, splits or "default", k, e, f"{decode_tokens / stats.decode_s:.0f}",
                      f"{step_ms:.2f}", f"{floor_s / stats.decode_steps * 1e3:.2f}", f"{floor_s / stats.decode_s:.1%}",
                      f"{slots * args.prompt / stats.prefill_s:.0f}", f"{stats.slot_utilization:.0%}"])
-        print(f"{slots} x {variant} x{k}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
+        print(f"{slots} x {variant} x{k}/{e}: decode {decode_tokens / stats.decode_s:.0f} tok/s, step {step_ms:.2f} ms "
               f"(floor {floor_s / stats.decode_steps * 1e3:.2f} ms) = {floor_s / stats.decode_s:.1%} of roofline; "
               f"prefill {slots * args.prompt / stats.prefill_s:.0f} tok/s", flush=True)
     table = common.markdown_table(["slots", "decode attention", "kv bucket", "pallas splits", "steps per dispatch",
-                                   "decode tok/s", "step ms", "roofline step ms",
+                                   "exit check every", "decode tok/s", "step ms", "roofline step ms",
                                    "of roofline", "prefill tok/s", "slot utilization"], rows)
     notes = ""
     if args.profile:
-        slots, variant, k = runs[-1]
+        slots, variant, k, e = runs[-1]
         attention, bucket, *splits = variant.split(":")
         new = min(args.new, 256)
         try:  # the table above is the run's result: a profiler that fails (no CUPTI) loses nothing
             notes = profile(model, attention, bucket, int(splits[0]) if splits else None, slots, args.prompt,
-                            new, k, args.profile)
+                            new, k, e, args.profile)
         except Exception as e:
             notes = f"profile failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         notes += (f"\nsampling pass alone (fp32 log-softmax + Gumbel over {cfg.vocab_size:,} tokens, {slots} rows): "

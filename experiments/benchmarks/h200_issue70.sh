@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 70's device checks in one lease (limits of 15 minutes in all: two calls, FROM below),
+# Issue 70's device checks in one lease (limits of about 16 minutes in all, more than a lease's 15 of device time: the most important first: two calls, FROM below),
 # most important first; each step has its own time limit and writes its log under $OUT as it
 # goes, so a lease cut short keeps what ran. Run from the repository root on the device machine,
 # with the wheels the image lacks carried in .whl (ml-collections; math-verify and its two for the
@@ -7,15 +7,18 @@
 #   pip download --no-deps -d .whl ml-collections==1.1.0 math-verify==0.9.0 \
 #     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 #   carry [".whl"]; command: bash experiments/benchmarks/h200_issue70.sh
-# 1. decode against the roofline, Qwen3-0.6B at 256 and 128 slots, one step per dispatch against 16
-#    and 64 (does a longer chunk reach 70% at 128 slots?);
+# 1. decode against the roofline, Qwen3-0.6B at 128 and 256 slots, chunks of 16 and 64 steps, each
+#    with the check for a live slot every step (today's default) against once a chunk (a loop of a
+#    count XLA knows: no device-to-host wait per step; rollout.jax.exit_check_steps). Does either
+#    reach 70% at 128 slots (65.6% on 2026-12-04)?
 # 2. a whole colocated RL step on the GPU (experiments/benchmarks/rl_step.py: the demo's recipe on
 #    the Qwen3-0.6B shape, SFT warm start, 3 GRPO-RoC steps, live sandbox calls, packed update),
 #    each phase's time and share against the pipeline model's prediction;
-# 3. a profile of 127 steps at 128 slots, 16 steps per dispatch (its own process: the 2026-12-04
-#    lease showed the profile does not fit beside step 1 in one limit);
+# 3. a profile of 127 steps at 128 slots, 16 steps per dispatch, the whole-chunk loop (its own
+#    process: the 2026-12-04 lease showed the profile does not fit beside step 1 in one limit): the
+#    device's busy share from the first decode kernel on, and kernels a step by family;
 # 4. paged KV under chunks (pages of 256), not yet measured;
-# 5. decode at Qwen3-1.7B, 16 steps per dispatch;
+# 5. decode at Qwen3-1.7B, 16 steps per dispatch, both exit checks;
 # 6. learner MFU with model.remat=dots_attention (measured 2026-12-04: 46.6%; last, as a re-check).
 # The command-buffer settings were measured on 2026-12-04 (within 4% of XLA's defaults) and dropped
 # from the script; BENCHMARKS.md, "JaxEngine decode on an H200", has them.
@@ -23,10 +26,10 @@
 # (tiny model, XLA attention, short runs).
 set -u
 if [ "${REHEARSE:-}" = 1 ]; then
-  S=tiny; L=tiny; A=xla; N=64; MFU_ARGS="--attention xla --rollouts 8 --steps 1"; PY=.venv/bin/python
+  S=tiny; L=tiny; A=xla; N=64; P=paged64; MFU_ARGS="--attention xla --rollouts 8 --steps 1"; PY=.venv/bin/python
   STEP_ARGS="--dtype float32 --sft_steps 40 --steps 2 --slots 32 --token_budget 2048"
 else
-  S=qwen3_0p6b; L=qwen3_1p7b; A=pallas; N=1024; MFU_ARGS="--rollouts 64 --steps 2"; PY=python3
+  S=qwen3_0p6b; L=qwen3_1p7b; A=pallas; N=1024; P=paged256; MFU_ARGS="--rollouts 64 --steps 2"; PY=python3
   STEP_ARGS="--sft_lr 5e-4"
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,19 +49,19 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name (limit ${limit}s) $(date +%T)"
   SECONDS=0
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? in ${SECONDS}s" | tee -a "$OUT/$name.log"
-  grep -iE "tok/s|roofline|mfu|profiled|busy|sampling pass|failed|error" "$OUT/$name.log" | tail -12
+  grep -iE "tok/s|roofline|mfu|profiled|busy|kernels a step|sampling pass|failed|error" "$OUT/$name.log" | tail -12
 }
 D=experiments.benchmarks.engine_decode
-step decode_0p6b 220 $PY -m $D --model $S --slots 256,128 --prompt 256 --new $N \
-  --variants $A:full --decode_steps 1,16,64
+step decode_0p6b 260 $PY -m $D --model $S --slots 128,256 --prompt 256 --new $N \
+  --variants $A:full --decode_steps 16,64 --exit_check 1,all
 step rl_step_0p6b 240 $PY -m experiments.benchmarks.rl_step --shape $S --decode_attention $A $STEP_ARGS \
   --workdir /tmp/rl_step
 step profile_0p6b 80 $PY -m $D --model $S --slots 128 --prompt 256 --new 128 \
-  --variants $A:full --decode_steps 16 --profile /tmp/trace_0p6b
+  --variants $A:full --decode_steps 16 --exit_check all --profile /tmp/trace_0p6b
 step paged_0p6b 55 $PY -m $D --model $S --slots 128 --prompt 256 --new $N \
-  --variants $A:paged256 --decode_steps 16
-step decode_1p7b 120 $PY -m $D --model $L --slots 128,256 --prompt 256 --new $((N / 2)) \
-  --variants $A:full --decode_steps 16
+  --variants $A:$P --decode_steps 16
+step decode_1p7b 200 $PY -m $D --model $L --slots 128,256 --prompt 256 --new $((N / 2)) \
+  --variants $A:full --decode_steps 16 --exit_check 1,all
 step mfu_dots_attention 180 $PY -m experiments.benchmarks.packing gpu --skip_checks --model $L $MFU_ARGS \
   --variants packed:32768:dots_attention
 echo "== done $(date +%T)"

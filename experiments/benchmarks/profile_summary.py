@@ -16,11 +16,15 @@ import json
 import os
 
 
-def _device_events(trace_dir: str) -> list[dict]:
+def _trace_file(trace_dir: str) -> str:
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
     if not files:
         raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
-    with gzip.open(files[-1], "rt") as f:
+    return files[-1]
+
+
+def _device_events(trace_dir: str) -> list[dict]:
+    with gzip.open(_trace_file(trace_dir), "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     device_pids = {e["pid"] for e in events
@@ -28,6 +32,19 @@ def _device_events(trace_dir: str) -> list[dict]:
                    and any(k in str(e.get("args", {}).get("name", "")) for k in ("/device:GPU", "/device:TPU"))}
     # no accelerator (a CPU run): the host's ops
     return [e for e in events if e.get("ph") == "X" and (e.get("pid") in device_pids or not device_pids)]
+
+
+def _kernel_events(trace_dir: str) -> list[dict]:
+    """The device's kernels and copies: on a GPU trace its "Stream" lines (the device's process
+    also has lines of XLA modules and ops that span the kernels they launch: counted there, each
+    kernel would count two or three times); where no line is named so, every device event."""
+    events = _device_events(trace_dir)
+    with gzip.open(_trace_file(trace_dir), "rt") as f:
+        trace = json.load(f)
+    meta = trace["traceEvents"] if isinstance(trace, dict) else trace
+    streams = {(e.get("pid"), e.get("tid")) for e in meta if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    return [e for e in events if (e.get("pid"), e.get("tid")) in streams] if streams else events
 
 
 def device_op_times(trace_dir: str) -> tuple[collections.Counter, float]:
@@ -59,6 +76,50 @@ def busy_ms(trace_dir: str, from_op: str | tuple[str, ...] = "") -> tuple[float,
             busy += stop - max(start, end)
             end = stop
     return busy / 1e3, (end - spans[0][0]) / 1e3, found
+
+
+# Kernel families, first match wins (names as XLA's GPU backend and the Pallas kernels spell them):
+# what a decode step spends, family by family, says which lever is left (the KV read is attention's,
+# the weights' read the matmuls', and many short kernels of the rest point at launches).
+CATEGORIES = (
+    ("attention", ("mha_forward", "paged_attention", "flash", "attention")),
+    ("matmul", ("gemm", "cublas", "cutlass", "matmul", "dot", "triton_gemm")),
+    ("kv scatter", ("scatter",)),
+    ("copy", ("memcpy", "memset", "copy", "concatenate", "dynamic_update_slice", "dynamic_slice")),
+    ("reduction", ("reduce", "sort", "argmax", "cub")),
+    ("other fusions", ("",)),
+)
+
+
+def category(name: str) -> str:
+    lower = name.lower()
+    return next(c for c, keys in CATEGORIES if any(k in lower for k in keys))
+
+
+def by_category(trace_dir: str, steps: int, from_op: str | tuple[str, ...] = "") -> str:
+    """Kernels and their device time by family over the decode (from the first event naming
+    `from_op`, as busy_ms), per decode step: how many kernels a step launches and how long they
+    run on average (a step of many kernels of a few microseconds each is bound by their count, not
+    by the bytes they move)."""
+    markers = (from_op,) if isinstance(from_op, str) else tuple(from_op)
+    events = sorted(_kernel_events(trace_dir), key=lambda e: float(e["ts"]))
+    first = next((i for i, e in enumerate(events) if any(m in e["name"] for m in markers)), 0)
+    counts: collections.Counter = collections.Counter()
+    times: collections.Counter = collections.Counter()
+    for e in events[first:]:
+        c = category(e["name"])
+        counts[c] += 1
+        times[c] += float(e.get("dur", 0.0))
+    steps = max(steps, 1)
+    total = sum(times.values())
+    lines = [f"by kernel family over {steps} decode steps: {sum(counts.values()) / steps:.0f} kernels and "
+             f"{total / steps / 1e3:.3f} ms of kernel time a step",
+             "| family | kernels a step | ms a step | mean us a kernel | share |", "|---|---|---|---|---|"]
+    for c, _ in CATEGORIES:
+        if counts[c]:
+            lines.append(f"| {c} | {counts[c] / steps:.1f} | {times[c] / steps / 1e3:.3f} | "
+                         f"{times[c] / counts[c]:.1f} | {times[c] / max(total, 1e-9):.1%} |")
+    return "\n".join(lines)
 
 
 def summarize(trace_dir: str, top: int = 25) -> str:

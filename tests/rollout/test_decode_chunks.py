@@ -4,6 +4,7 @@ of one and of several tokens, prefix reuse and preemption (issue 70). A weight s
 tests/rollout/test_jax_engine.py, at one step and at four per dispatch."""
 
 import asyncio
+import re
 import signal
 
 import numpy as np
@@ -51,8 +52,9 @@ def test_chunks_give_the_tokens_of_one_step_per_dispatch(tiny_model, tokenizer, 
     # a one-token stop (the device ends the slot) and a several-token one (the host matches it)
     stops = ["</tool_call>", "yy", "\n"]
 
-    async def go(steps):
-        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=128, decode_steps=steps, **kv) as eng:
+    async def go(steps, exit_check=1):
+        async with JaxEngine(tiny_model, tokenizer, slots=3, max_len=128, decode_steps=steps,
+                             exit_check_steps=exit_check, **kv) as eng:
             outs = await asyncio.gather(*(eng.generate(p, s, stop=stops) for p, s in zip(prompts, sampling)))
             assert not kv or _pool_is_whole(eng)
             return outs, eng.stats
@@ -61,6 +63,29 @@ def test_chunks_give_the_tokens_of_one_step_per_dispatch(tiny_model, tokenizer, 
     _same(want, got)
     assert {o.finish_reason for o in want} >= {"length"}
     assert chunked.decode_steps >= one.decode_steps and chunked.busy_slot_steps >= one.busy_slot_steps
+    # a chunk run whole (no check for a live slot before its end: the loop XLA knows the count of)
+    # samples the same; it may run steps with no slot live, never a token more
+    whole, whole_stats = asyncio.run(go(8, exit_check=8))
+    _same(want, whole)
+    assert whole_stats.busy_slot_steps == chunked.busy_slot_steps and whole_stats.decode_steps % 8 == 0
+
+
+def test_a_chunk_run_whole_is_a_loop_of_a_known_trip_count(tiny_model, tokenizer):
+    """exit_check_steps=K compiles the chunk's K steps as a loop XLA knows the count of (the GPU
+    runtime queues such a loop without a device-to-host wait per step: WhileThunk); with a check
+    every step the chunk's loop has none. (The sampler's threefry loops have known counts of 5.)"""
+    def trip_counts(check):
+        eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=64, decode_steps=4, exit_check_steps=check)
+        args, _, _ = eng.decoder._inputs(eng)
+        hlo = eng.kernels.decode_chunk.lower(*args, steps=4, kv_len=64, check_every=check).compile().as_text()
+        eng.executor.shutdown()
+        loops = [line for line in hlo.splitlines() if " while(" in line]
+        return [m.group(1) if m else None
+                for m in (re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line) for line in loops)]
+
+    every, whole = trip_counts(1), trip_counts(4)
+    assert every.count(None) == 1 and "4" not in every, every  # the chunk's loop: checked each step
+    assert whole.count(None) == 1 and whole.count("4") == 1, whole  # a check per 4 steps around 4 known
 
 
 def test_a_stop_string_of_several_tokens_is_matched_between_chunks(tiny_model, tokenizer):

@@ -20,6 +20,12 @@ index) and its KV written at its position, whichever chunk it falls in; tokens s
 host-matched stop, or for a request preempted meanwhile (which samples them again after its
 recompute, with the same keys), are dropped. Paged KV gives each row the pages of the positions
 the chunks in flight may write before they are dispatched (`lookahead`).
+
+A chunk ends early once no slot is live, checked every `exit_check_steps` steps (1 by default:
+every step). On a GPU each check is a device-to-host copy and a wait before the next step is
+queued (XLA runs a loop of unknown trip count so); checking every K steps queues the chunk whole,
+at the price of up to K - 1 idle steps when every slot ends in the same chunk. The tokens are the
+same either way.
 """
 
 from __future__ import annotations
@@ -54,8 +60,12 @@ class ChunkedDecode:
     """The engine's chunk loop: what the device carries between chunks, the slots the host changed
     since, and the one chunk in flight."""
 
-    def __init__(self, slots: int, steps: int):
+    def __init__(self, slots: int, steps: int, check_every: int = 1):
+        if check_every < 1 or steps % check_every:
+            raise ValueError(f"exit_check_steps={check_every} must be >= 1 and divide decode_steps={steps} (the "
+                             "chunk checks for a live slot between blocks of that many steps)")
         self.steps = steps
+        self.check_every = check_every  # steps between the loop's checks for a live slot (jax_kernels.py)
         self.carry: DecodeCarry | None = None
         self.dirty: set[int] = set(range(slots))
         self.in_flight: _Chunk | None = None
@@ -80,7 +90,8 @@ class ChunkedDecode:
 
             def dispatch():  # returns once the chunk is queued: nothing here waits for the device
                 start = time.monotonic()
-                cache, carry, *outputs = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len)
+                cache, carry, *outputs = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len,
+                                                                     check_every=self.check_every)
                 return cache, carry, outputs, start
 
             engine.cache, self.carry, outputs, start = await loop.run_in_executor(engine.executor, dispatch)
@@ -94,10 +105,10 @@ class ChunkedDecode:
         entered as the run enters it: first from the host's state, then from a device carry (jit's
         dispatch cache keys NumPy and device arguments apart; nothing compiles twice)."""
         args, _, _ = self._inputs(engine)  # no carry yet: the host's state for every slot
-        engine.cache, carry, *_ = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len)
+        shape = dict(steps=self.steps, kv_len=kv_len, check_every=self.check_every)
+        engine.cache, carry, *_ = engine.kernels.decode_chunk(*args, **shape)
         state, _, table, _, *rest = args
-        engine.cache, *_ = engine.kernels.decode_chunk(state, engine.cache, table, carry, *rest, steps=self.steps,
-                                                        kv_len=kv_len)
+        engine.cache, *_ = engine.kernels.decode_chunk(state, engine.cache, table, carry, *rest, **shape)
 
     async def drain(self, engine: DecodeHost, loop) -> None:
         """Read and apply the chunk in flight (the engine has nothing else to dispatch)."""

@@ -78,11 +78,14 @@ class JaxEngine(Engine):
     def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
                  eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
                  page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None,
-                 decode_steps: int = DEFAULT_DECODE_STEPS, swap: str = "next_chunk", inflight_kv: str = "keep"):
+                 decode_steps: int = DEFAULT_DECODE_STEPS, exit_check_steps: int = 1, swap: str = "next_chunk",
+                 inflight_kv: str = "keep"):
         """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
         `kv_pages` of them (None: slots x max_len / N, the rows' memory).
         decode_steps: decode steps per dispatch; above 1 the engine decodes in chunks, the next
         dispatched before the last is read (decode_chunks.py); 1: one step and one read per token.
+        exit_check_steps: how often a chunk checks whether any slot is still live (it ends early when
+        none is); it divides decode_steps (decode_chunks.py says what a check costs on a GPU).
         swap: when new weights take over while requests decode: "next_chunk" (the next dispatch,
         which waits on the device for the copy: the same step every run) or "landed" (the first
         dispatch after every array of the copy is ready: decoding never waits for a copy, and the
@@ -133,7 +136,8 @@ class JaxEngine(Engine):
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         # how the loop decodes: K tokens a dispatch in a device loop, or one (the reference)
-        self.decoder: ChunkedDecode | StepDecode = ChunkedDecode(slots, decode_steps) if decode_steps > 1 else StepDecode()
+        self.decoder: ChunkedDecode | StepDecode = (ChunkedDecode(slots, decode_steps, exit_check_steps)
+                                                     if decode_steps > 1 else StepDecode())
 
     # ------------------------------------------------------------------------------------------
     # public interface

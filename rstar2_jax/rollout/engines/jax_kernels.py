@@ -87,13 +87,20 @@ class EngineKernels:
             return cache, token, logp
 
         def decode_chunk(state, cache, page_table, carry: DecodeCarry, fresh: DecodeCarry, take_fresh, seeds,
-                         temperature, top_k, top_p, stop_ids, idle_position, steps, kv_len):
+                         temperature, top_k, top_p, stop_ids, idle_position, steps, kv_len, check_every=1):
             """Up to `steps` decode steps in one device loop. The carry is the last chunk's, with the
             slots the host changed (`take_fresh`) taken from `fresh`. A slot ends inside the loop on
             a token of its `stop_ids` row (EOS, single-token stops) or when its `remaining` runs
-            out; the loop ends after `steps` or when no slot is live. Returns the cache, the carry,
-            the sampled tokens and log-probs [steps, S], which of them are real (the slot was live)
-            and the steps run."""
+            out; the loop ends after `steps` or, checked every `check_every` steps (it divides
+            `steps`), when no slot is live. Returns the cache, the carry, the sampled tokens and
+            log-probs [steps, S], which of them are real (the slot was live) and the steps run.
+
+            Why check_every: a loop that may end early on a device value is one whose trip count
+            XLA does not know, and XLA's GPU runtime then copies the predicate to the host and
+            waits for the device before every iteration (WhileThunk); steps between checks run as
+            an inner loop of a known count, queued whole (and a command buffer can capture it).
+            The steps run past the last live slot's end sample nothing real (the carry does not
+            move, their KV writes go to the idle position and are dropped)."""
             model = nnx.merge(graphdef, state)
             if page_table is not None:
                 cache = cache._replace(page_table=page_table)
@@ -115,7 +122,11 @@ class EngineKernels:
                 out = (tokens.at[i].set(token), logps.at[i].set(logp), real.at[i].set(live))
                 return i + 1, cache, c, out
 
-            n, cache, carry, out = jax.lax.while_loop(lambda loop: (loop[0] < steps) & jnp.any(loop[2].active), step,
+            def block(loop):  # check_every steps, a loop of a count XLA knows (no host wait between them)
+                return jax.lax.fori_loop(0, check_every, lambda _, inner: step(inner), loop)
+
+            n, cache, carry, out = jax.lax.while_loop(lambda loop: (loop[0] < steps) & jnp.any(loop[2].active),
+                                                      step if check_every == 1 else block,
                                                       (jnp.int32(0), cache, carry, out))
             if page_table is not None:
                 cache = cache._replace(page_table=None)
@@ -125,7 +136,7 @@ class EngineKernels:
         self.extend = jax.jit(extend, donate_argnums=(1,))
         self.fill_pages = jax.jit(fill_pages, donate_argnums=(1,))
         self.decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("kv_len",))
-        self.decode_chunk = jax.jit(decode_chunk, donate_argnums=(1,), static_argnames=("steps", "kv_len"))
+        self.decode_chunk = jax.jit(decode_chunk, donate_argnums=(1,), static_argnames=("steps", "kv_len", "check_every"))
 
 
 @functools.lru_cache(maxsize=16)

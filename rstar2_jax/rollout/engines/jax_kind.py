@@ -43,6 +43,10 @@ class JaxEngineSettings(Section):
     decode_steps: int = setting(DEFAULT_DECODE_STEPS, "decode steps per dispatch: above 1 a device loop decodes "
                                 "chunks of this many tokens, the next dispatched before the last is read (same "
                                 "tokens; 1: one host round trip per token; rollout/engines/decode_chunks.py)", min=1)
+    exit_check_steps: int = setting(1, "decode steps between a chunk's checks that a slot is still live (it ends "
+                                    "early when none is); divides decode_steps. 1: every step; decode_steps: the "
+                                    "chunk runs whole, a loop whose trip count XLA knows, so a GPU queues it without "
+                                    "waiting on the host between steps (same tokens; decode_chunks.py)", min=1)
 
 
 def engine_mesh(devices=None, own: bool = False):
@@ -104,7 +108,8 @@ def _build_jax(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
     engines = [JaxEngine(model, tokenizer, slots=j.slots, max_len=cfg.max_len, seed=seed, reuse_kv=j.reuse_kv,
                          page_size=j.page_size or None,
                          kv_pages=kv_pool_pages(j, cfg.max_len, model.cfg, jnp.dtype(model.dtype).itemsize),
-                         mesh=mesh, decode_steps=j.decode_steps, swap=j.swap, inflight_kv=j.inflight_kv)
+                         mesh=mesh, decode_steps=j.decode_steps, exit_check_steps=j.exit_check_steps, swap=j.swap,
+                         inflight_kv=j.inflight_kv)
                for mesh in replica_meshes(cfg)]
     if len(engines) == 1:
         return engines[0]
@@ -147,6 +152,9 @@ def _check_jax(cfg: RolloutSection):
     if j.devices and j.devices % j.replicas:
         yield "jax.replicas", (f"{j.replicas} does not divide rollout.jax.devices={j.devices}: each replica takes an "
                                "equal group of the engine's devices")
+    if j.decode_steps > 1 and j.exit_check_steps > 0 and j.decode_steps % j.exit_check_steps:
+        yield "jax.exit_check_steps", (f"{j.exit_check_steps} does not divide rollout.jax.decode_steps="
+                                       f"{j.decode_steps}: a chunk checks for a live slot between equal blocks of steps")
     if j.kv_pages and j.page_size and j.kv_pages * j.page_size < cfg.max_len:
         yield "jax.kv_pages", (f"{j.kv_pages} x page_size={j.page_size} cannot hold one max_len={cfg.max_len} "
                                "sequence")
