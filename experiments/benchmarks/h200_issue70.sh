@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 70's device checks in one lease (limits of about 16 minutes in all, more than a lease's 15 of device time: the most important first: two calls, FROM below),
-# most important first; each step has its own time limit and writes its log under $OUT as it
+# Issue 70's device checks in one lease, most important first. The limits add up to about 16
+# minutes, more than a lease's 15 of device time and a call's 10 (two calls: FROM below). Each
+# step has its own time limit and writes its log under $OUT as it
 # goes, so a lease cut short keeps what ran. Run from the repository root on the device machine,
 # with the wheels the image lacks carried in .whl (ml-collections; math-verify and its two for the
 # RL step's grader), made with
@@ -14,14 +15,17 @@
 # 2. a whole colocated RL step on the GPU (experiments/benchmarks/rl_step.py: the demo's recipe on
 #    the Qwen3-0.6B shape, SFT warm start, 3 GRPO-RoC steps, live sandbox calls, packed update),
 #    each phase's time and share against the pipeline model's prediction;
-# 3. a profile of 127 steps at 128 slots, 16 steps per dispatch, the whole-chunk loop (its own
+# 3. the same two at 128 slots with XLA's command buffers capturing loops (+WHILE,+CONDITIONAL): on
+#    2026-12-04 they gave nothing, with the loop's count unknown; a known count lets XLA put the
+#    whole chunk in one CUDA graph;
+# 4. a profile of 127 steps at 128 slots, 16 steps per dispatch, the whole-chunk loop (its own
 #    process: the 2026-12-04 lease showed the profile does not fit beside step 1 in one limit): the
 #    device's busy share from the first decode kernel on, and kernels a step by family;
-# 4. paged KV under chunks (pages of 256), not yet measured;
-# 5. decode at Qwen3-1.7B, 16 steps per dispatch, both exit checks;
-# 6. learner MFU with model.remat=dots_attention (measured 2026-12-04: 46.6%; last, as a re-check).
-# The command-buffer settings were measured on 2026-12-04 (within 4% of XLA's defaults) and dropped
-# from the script; BENCHMARKS.md, "JaxEngine decode on an H200", has them.
+# 5. paged KV under chunks (pages of 256), not yet measured;
+# 6. decode at Qwen3-1.7B, 16 steps per dispatch, both exit checks;
+# 7. learner MFU with model.remat=dots_attention (measured 2026-12-04: 46.6%; last, as a re-check).
+# The other command-buffer settings were measured on 2026-12-04 (within 4% of XLA's defaults);
+# BENCHMARKS.md, "JaxEngine decode on an H200", has them.
 # A CPU rehearsal of the script's plumbing: REHEARSE=1 bash experiments/benchmarks/h200_issue70.sh
 # (tiny model, XLA attention, short runs).
 set -u
@@ -56,6 +60,8 @@ step decode_0p6b 260 $PY -m $D --model $S --slots 128,256 --prompt 256 --new $N 
   --variants $A:full --decode_steps 16,64 --exit_check 1,all
 step rl_step_0p6b 240 $PY -m experiments.benchmarks.rl_step --shape $S --decode_attention $A $STEP_ARGS \
   --workdir /tmp/rl_step
+step graphs_0p6b 70 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL $PY -m $D --model $S \
+  --slots 128 --prompt 256 --new $N --variants $A:full --decode_steps 16 --exit_check 1,all
 step profile_0p6b 80 $PY -m $D --model $S --slots 128 --prompt 256 --new 128 \
   --variants $A:full --decode_steps 16 --exit_check all --profile /tmp/trace_0p6b
 step paged_0p6b 55 $PY -m $D --model $S --slots 128 --prompt 256 --new $N \
