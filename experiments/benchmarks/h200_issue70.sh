@@ -15,15 +15,18 @@
 # 2. a whole colocated RL step on the GPU (experiments/benchmarks/rl_step.py: the demo's recipe on
 #    the Qwen3-0.6B shape, SFT warm start, 3 GRPO-RoC steps, live sandbox calls, packed update),
 #    each phase's time and share against the pipeline model's prediction;
-# 3. the same two at 128 slots with XLA's command buffers capturing loops (+WHILE,+CONDITIONAL): on
+# 3. a decode step's weight matmuls alone, as the model writes them (7 a layer) against pre-merged
+#    (qkv and gate_up: 4), and whether XLA already merged them (experiments/benchmarks/decode_matmuls.py):
+#    at 128 slots about 2 ms of each step does not grow with the KV, against 0.38 ms of weights;
+# 4. step 1's two loops at 128 slots with XLA's command buffers capturing loops (+WHILE,+CONDITIONAL): on
 #    2026-12-04 they gave nothing, with the loop's count unknown; a known count lets XLA put the
 #    whole chunk in one CUDA graph;
-# 4. a profile of 127 steps at 128 slots, 16 steps per dispatch, the whole-chunk loop (its own
+# 5. a profile of 127 steps at 128 slots, 16 steps per dispatch, the whole-chunk loop (its own
 #    process: the 2026-12-04 lease showed the profile does not fit beside step 1 in one limit): the
 #    device's busy share from the first decode kernel on, and kernels a step by family;
-# 5. paged KV under chunks (pages of 256), not yet measured;
-# 6. decode at Qwen3-1.7B, 16 steps per dispatch, both exit checks;
-# 7. learner MFU with model.remat=dots_attention (measured 2026-12-04: 46.6%; last, as a re-check).
+# 6. paged KV under chunks (pages of 256), not yet measured;
+# 7. decode at Qwen3-1.7B, 16 steps per dispatch, both exit checks;
+# 8. learner MFU with model.remat=dots_attention (measured 2026-12-04: 46.6%; last, as a re-check).
 # The other command-buffer settings were measured on 2026-12-04 (within 4% of XLA's defaults);
 # BENCHMARKS.md, "JaxEngine decode on an H200", has them.
 # A CPU rehearsal of the script's plumbing: REHEARSE=1 bash experiments/benchmarks/h200_issue70.sh
@@ -53,13 +56,14 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name (limit ${limit}s) $(date +%T)"
   SECONDS=0
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? in ${SECONDS}s" | tee -a "$OUT/$name.log"
-  grep -iE "tok/s|roofline|mfu|profiled|busy|kernels a step|sampling pass|failed|error" "$OUT/$name.log" | tail -12
+  grep -iE "tok/s|roofline|floor|the time|mfu|profiled|busy|kernels a step|sampling pass|failed|error" "$OUT/$name.log" | tail -12
 }
 D=experiments.benchmarks.engine_decode
 step decode_0p6b 260 $PY -m $D --model $S --slots 128,256 --prompt 256 --new $N \
   --variants $A:full --decode_steps 16,64 --exit_check 1,all
 step rl_step_0p6b 240 $PY -m experiments.benchmarks.rl_step --shape $S --decode_attention $A $STEP_ARGS \
   --workdir /tmp/rl_step
+step matmuls_0p6b 60 $PY -m experiments.benchmarks.decode_matmuls --model $S --rows 128,256
 step graphs_0p6b 70 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL $PY -m $D --model $S \
   --slots 128 --prompt 256 --new $N --variants $A:full --decode_steps 16 --exit_check 1,all
 step profile_0p6b 80 $PY -m $D --model $S --slots 128 --prompt 256 --new 128 \
