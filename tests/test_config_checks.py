@@ -274,22 +274,18 @@ def test_an_unknown_engine_is_refused_by_name_while_the_checks_that_ask_an_engin
     assert run_cfg.topology_problems(2) == []
 
 
-def test_engine_replicas_must_divide_the_engines_own_devices():
+@pytest.mark.parametrize("given, leaf, message, fixed", [
+    # each replica takes an equal group of the engine's devices (issue 70 item 2)
+    ({"devices": 4, "replicas": 3}, "jax.replicas", "3 does not divide rollout.jax.devices=4", {"replicas": 2}),
+    # a chunk checks for a live slot between equal blocks of steps (issue 70)
+    ({"decode_steps": 16, "exit_check_steps": 5}, "jax.exit_check_steps",
+     "5 does not divide rollout.jax.decode_steps=16", {"exit_check_steps": 16}),
+], ids=["replicas_over_devices", "exit_check_over_decode_steps"])
+def test_an_engine_setting_that_must_divide_another_is_refused_naming_both(given, leaf, message, fixed):
     tree = tiny_arith.get_config().to_dict()
-    tree["rollout"]["jax"].update(devices=4, replicas=3)
+    tree["rollout"]["jax"].update(given)
     _, problems = RunConfig.parse(tree)
-    [p] = [p for p in problems if p.path.endswith("jax.replicas")]
-    assert "3 does not divide rollout.jax.devices=4" in str(p), p
-    tree["rollout"]["jax"]["replicas"] = 2
-    assert problems_of(tree) == []
-
-
-def test_a_chunk_s_exit_check_must_divide_its_steps():
-    """rollout.jax.exit_check_steps splits a chunk into equal blocks of a known count (issue 70)."""
-    tree = tiny_arith.get_config().to_dict()
-    tree["rollout"]["jax"].update(decode_steps=16, exit_check_steps=5)
-    _, problems = RunConfig.parse(tree)
-    [p] = [p for p in problems if p.path.endswith("jax.exit_check_steps")]
-    assert "5 does not divide rollout.jax.decode_steps=16" in str(p), p
-    tree["rollout"]["jax"]["exit_check_steps"] = 16
+    [p] = [p for p in problems if p.path.endswith(leaf)]
+    assert message in str(p), p
+    tree["rollout"]["jax"].update(fixed)
     assert problems_of(tree) == []
