@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.benchmarks import common
+from rstar2_jax.models import flops
 
 
 def layer_weights(cfg, key, merged: bool, dtype=jnp.bfloat16):
@@ -141,8 +142,8 @@ def measure(cfg, rows: int, steps: int, merged: bool, repeats: int) -> tuple[flo
 
 
 def weight_bytes(cfg, dtype_bytes: int = 2) -> int:
-    e, h, kv, d, m = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    return cfg.num_layers * dtype_bytes * (e * (h + 2 * kv) * d + h * d * e + 3 * e * m)
+    """The layers' projection weights (the matmul parameters without the LM head), in bytes."""
+    return dtype_bytes * (flops.matmul_params(cfg) - cfg.hidden_size * cfg.vocab_size)
 
 
 def main(argv=None):

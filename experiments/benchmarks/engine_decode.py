@@ -174,7 +174,6 @@ def main(argv=None):
             notes = f"profile failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         notes += (f"\nsampling pass alone (fp32 log-softmax + Gumbel over {cfg.vocab_size:,} tokens, {slots} rows): "
                   f"{sampling_pass_ms(cfg.vocab_size, slots):.3f} ms")
-        print(notes, flush=True)
     common.record(args.record, f"JaxEngine decode: {args.model}, {args.slots} sequences",
                   "python -m experiments.benchmarks.engine_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} random bf16 weights and KV cache, {args.slots} concurrent requests, {args.prompt}-token "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -23,10 +24,23 @@ def _trace_file(trace_dir: str) -> str:
     return files[-1]
 
 
-def _device_events(trace_dir: str) -> list[dict]:
-    with gzip.open(_trace_file(trace_dir), "rt") as f:
+@functools.lru_cache(maxsize=2)
+def _load(path: str, mtime: float) -> tuple[dict, ...]:
+    """A trace file's events, read once (a GPU trace runs to hundreds of MB, and a profile's summary
+    reads it for its busy time, its kernel families and its top ops); keyed by modification time,
+    so a trace written again is read again."""
+    with gzip.open(path, "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return tuple(trace["traceEvents"] if isinstance(trace, dict) else trace)
+
+
+def _trace_events(trace_dir: str) -> tuple[dict, ...]:
+    path = _trace_file(trace_dir)
+    return _load(path, os.path.getmtime(path))
+
+
+def _device_events(trace_dir: str) -> list[dict]:
+    events = _trace_events(trace_dir)
     device_pids = {e["pid"] for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"
                    and any(k in str(e.get("args", {}).get("name", "")) for k in ("/device:GPU", "/device:TPU"))}
@@ -38,12 +52,10 @@ def _kernel_events(trace_dir: str) -> list[dict]:
     """The device's kernels and copies: on a GPU trace its "Stream" lines (the device's process
     also has lines of XLA modules and ops that span the kernels they launch: counted there, each
     kernel would count two or three times); where no line is named so, every device event."""
-    events = _device_events(trace_dir)
-    with gzip.open(_trace_file(trace_dir), "rt") as f:
-        trace = json.load(f)
-    meta = trace["traceEvents"] if isinstance(trace, dict) else trace
-    streams = {(e.get("pid"), e.get("tid")) for e in meta if e.get("ph") == "M" and e.get("name") == "thread_name"
+    streams = {(e.get("pid"), e.get("tid")) for e in _trace_events(trace_dir)
+               if e.get("ph") == "M" and e.get("name") == "thread_name"
                and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    events = _device_events(trace_dir)
     return [e for e in events if (e.get("pid"), e.get("tid")) in streams] if streams else events
 
 
