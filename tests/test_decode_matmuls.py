@@ -9,7 +9,7 @@ from experiments.benchmarks import common, decode_matmuls
 
 # The shape of a GPU compile's text (XLA 0.11): a Triton gemm fusion, a cuBLAS call, and a
 # concatenate fusion, inside a while body; the fused computations' own dots are not runs of their own.
-_GPU_TEXT = ("""HloModule jit_run
+_GPU_TEXT = """HloModule jit_run
 
 %gemm_fusion_dot.1_computation (p0: bf16[128,64], p1: bf16[64,96]) -> bf16[128,96] {
   %p0 = bf16[128,64]{1,0} parameter(0)
@@ -36,7 +36,7 @@ ENTRY %main (x: bf16[128,64]) -> bf16[128,64] {
   %x = bf16[128,64]{1,0} parameter(0)
   ROOT %while = (s32[], bf16[128,64]) while(%init), condition=%cond, body=%body
 }
-""")
+"""
 
 
 def test_each_matmul_and_concatenate_counts_once_as_dot_gemm_fusion_or_cublas_call():

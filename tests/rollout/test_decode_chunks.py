@@ -73,7 +73,7 @@ def test_chunks_give_the_tokens_of_one_step_per_dispatch(tiny_model, tokenizer, 
 def test_a_chunk_run_whole_is_a_loop_of_a_known_trip_count(tiny_model, tokenizer):
     """exit_check_steps=K compiles the chunk's K steps as a loop XLA knows the count of (the GPU
     runtime queues such a loop without a device-to-host wait per step: WhileThunk); with a check
-    every step the chunk's loop has none. (The sampler's threefry loops have known counts of 5.)"""
+    every step the chunk's loop has none. (The sampler's random-bit loops have known counts of 5.)"""
     def trip_counts(check):
         eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=64, decode_steps=4, exit_check_steps=check)
         args, _, _ = eng.decoder._inputs(eng)
