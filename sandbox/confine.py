@@ -58,6 +58,10 @@ def unshare(flags):
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
 
 
+def sethostname(name):
+    _check(_libc.sethostname(name.encode(), ctypes.c_size_t(len(name.encode()))), "sethostname")
+
+
 def setns(fd, nstype):
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
 
@@ -247,61 +251,64 @@ def seal_call_proc():
 # ------------------------------------------------------------------------------------------------
 # seccomp
 
-# Syscalls math code never needs; each is a way out of the sandbox or into the kernel's attack
-# surface. Denied with EPERM (the code sees an OSError, as for any refused operation).
+# The filter is an allow-list (syscall_policy.py: what it allows, why, and how it was measured).
 #
-# Where the filter goes: installing one costs ~0.4 ms whatever its size (measured here), a third
-# of a trivial call. With strict isolation it is installed once per worker, which the calls
-# inherit; the worker itself still needs the namespace and mount calls to set each call up, so
-# those (MOUNT_SYSCALLS, and clone/unshare with the flags the worker uses) stay allowed. A call
-# cannot use them anyway: it runs as a non-root uid with no capabilities and no_new_privs, and
-# each needs CAP_SYS_ADMIN; the one way around that, a new user namespace, is denied here.
-# Without strict isolation (possibly root, no uid switch) each call loads the full filter.
-MOUNT_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount",
-                  "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr")
+# Where it goes: installing one costs ~0.4 ms whatever its size (measured here), a third of a
+# trivial call. With strict isolation it is installed once per worker, which the calls inherit;
+# the worker itself still needs the namespace and mount calls to set each call up, so those
+# (syscall_policy.WORKER_SYSCALLS, and clone with the namespace flags the worker uses) are in its
+# variant. A call cannot use them anyway: it runs as a non-root uid with no capabilities and
+# no_new_privs, and each needs CAP_SYS_ADMIN; the one way around that, a new user namespace, is
+# refused by both. Without strict isolation (possibly root, no uid switch) each call loads the
+# call's filter.
 WORKER_CLONE_FLAGS = (CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS | CLONE_NEWNET)
-DENIED_SYSCALLS = MOUNT_SYSCALLS + (
-    "ptrace", "process_vm_readv",
-    "process_vm_writev", "pidfd_getfd", "keyctl", "add_key", "request_key", "bpf", "io_uring_setup",
-    "io_uring_enter", "io_uring_register", "perf_event_open", "userfaultfd", "kexec_load",
-    "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
-    "acct", "quotactl", "open_by_handle_at", "name_to_handle_at", "syslog", "sethostname",
-    "setdomainname", "iopl", "ioperm", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
-    "fanotify_init", "lookup_dcookie", "vhangup",
-)
+WORKER_UNSHARE_FLAGS = CLONE_NEWCGROUP  # a forker's and a session's own cgroup namespace
+ALL_NAMESPACE_FLAGS = sum(NAMESPACE_FLAGS)
 ALLOWED_SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+
+
+def _allow(f, sc, name, *args):
+    try:
+        f.add_rule(sc.ALLOW, name, *args)
+    except (OSError, ValueError, RuntimeError):
+        pass  # not a syscall on this architecture / libseccomp version
 
 
 def seccomp_program(*, for_worker=False):
     """The filter as a raw BPF program (bytes), built once with libseccomp; None without libseccomp.
 
-    for_worker: the variant a strict worker installs on itself (see MOUNT_SYSCALLS).
+    for_worker: the variant a strict worker installs on itself (see syscall_policy.WORKER_SYSCALLS).
     """
     try:
         import pyseccomp as sc
     except (ImportError, RuntimeError, OSError):  # the binding, or the system's libseccomp, is missing
         return None
-    f = sc.SyscallFilter(sc.ALLOW)
-    for name in DENIED_SYSCALLS:
-        if for_worker and name in MOUNT_SYSCALLS:
-            continue
-        try:
-            f.add_rule(sc.ERRNO(errno.EPERM), name)
-        except (OSError, ValueError, RuntimeError):
-            pass  # not a syscall on this architecture / libseccomp version
+    if __package__:  # built by the service (sandbox.confine); the zygote imports it top-level
+        from . import syscall_policy
+    else:
+        import syscall_policy
+    f = sc.SyscallFilter(sc.ERRNO(errno.EPERM))
+    names = syscall_policy.CALL_SYSCALLS + (syscall_policy.WORKER_SYSCALLS if for_worker else ())
+    for name in names:
+        if name != "unshare":
+            _allow(f, sc, name)
+    if for_worker:  # unshare: a cgroup namespace only
+        _allow(f, sc, "unshare", sc.Arg(0, sc.MASKED_EQ, ALL_NAMESPACE_FLAGS & ~WORKER_UNSHARE_FLAGS, 0))
+    # clone: no namespace flag (the worker: only those it sets calls up with)
+    allowed_ns = WORKER_CLONE_FLAGS if for_worker else 0
+    _allow(f, sc, "clone", sc.Arg(0, sc.MASKED_EQ, ALL_NAMESPACE_FLAGS & ~allowed_ns, 0))
     # clone3 passes its flags in a struct seccomp cannot read: make it look absent, so libc falls
-    # back to clone, whose flags are checked below.
+    # back to clone, whose flags are checked above.
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    for flag in NAMESPACE_FLAGS:
-        if for_worker and flag & WORKER_CLONE_FLAGS:
-            continue
-        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
-        if for_worker:
-            f.add_rule(sc.ERRNO(errno.EPERM), "unshare", sc.Arg(0, sc.MASKED_EQ, flag, flag))
-    # socket(): only unix (within the call's own namespaces), IPv4 and IPv6 (no interfaces are up).
+    for value in syscall_policy.PERSONALITY_VALUES:
+        _allow(f, sc, "personality", sc.Arg(0, sc.EQ, value))
+    # socket(): only unix (within the call's own namespaces), IPv4 and IPv6 (no interfaces are up);
+    # another family is EAFNOSUPPORT, as on a kernel built without it.
     top = max(ALLOWED_SOCKET_FAMILIES)
-    for family in range(top):
-        if family not in ALLOWED_SOCKET_FAMILIES:
+    for family in range(top + 1):
+        if family in ALLOWED_SOCKET_FAMILIES:
+            _allow(f, sc, "socket", sc.Arg(0, sc.EQ, family))
+        else:
             f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.GT, top))
     fd = os.memfd_create("seccomp-bpf")

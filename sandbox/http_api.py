@@ -66,15 +66,29 @@ def code_judge_result(sub_id: str, result: ExecResult, expected_output: str | No
     return out
 
 
+# The longest a byte of a call's output can become in the answer: a control character is a
+# six-byte escape ("\u0001"); an undecodable byte becomes U+FFFD, 3 bytes of UTF-8 (ensure_ascii
+# is off); anything else is at most its own bytes. Notes the sandbox appends to stderr (a status's
+# reason, the session's) and the result's other fields are bounded by RESULT_OVERHEAD_BYTES.
+ESCAPED_BYTES_PER_BYTE = 6
+RESULT_OVERHEAD_BYTES = 2048
+
+
+def worst_result_bytes(limits: Limits) -> int:
+    """The most one call's result can serialise to (counted on the bytes sent: issue 79)."""
+    return ESCAPED_BYTES_PER_BYTE * (limits.stdout_bytes + limits.stderr_bytes) + RESULT_OVERHEAD_BYTES
+
+
 class SandboxHTTPServer:
     def __init__(self, backend, *, default_timeout: float = 10.0, max_timeout: float = 300.0,
-                 max_body_bytes: int = 16 << 20, max_batch: int = 2048, workers: int | None = None,
+                 max_body_bytes: int = 16 << 20, max_batch: int = 1024, workers: int | None = None,
                  max_connections: int = 1024, read_timeout_s: float = 30.0, idle_timeout_s: float = 75.0,
                  token: str | None = None, auth_timeout_s: float = 5.0, max_response_bytes: int = 1 << 30,
                  write_timeout_s: float = 30.0):
-        """max_response_bytes: the most a batch's answer may hold in the worst case (every call at
-        its stdout and stderr caps, 3 bytes per character after replacing undecodable bytes); a
-        batch that could exceed it is refused before it runs."""
+        """max_response_bytes: the most a batch's answer may hold in the worst case (worst_result_bytes
+        a call: every call at its stdout and stderr caps, each byte serialised as its longest
+        JSON escape); a batch that could exceed it is refused before it runs. The default batch
+        (1,024 calls) fits the default budget (1 GiB) at the default caps."""
         self.backend = backend  # LocalSandbox or RedisSandbox: async run(code, stdin, timeout)
         self.default_timeout = default_timeout
         self.max_timeout = max_timeout
@@ -89,7 +103,7 @@ class SandboxHTTPServer:
         self.write_timeout_s = write_timeout_s
         self.max_response_bytes = max_response_bytes
         limits = getattr(backend, "limits", None) or Limits()
-        self.worst_result_bytes = 3 * (limits.stdout_bytes + limits.stderr_bytes) + 512
+        self.worst_result_bytes = worst_result_bytes(limits)
         self.turns = FairTurns(workers or (1 << 30))  # Redis: its queue orders the calls
         self.metrics = Metrics()
         self._runner: web.AppRunner | None = None

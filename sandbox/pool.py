@@ -42,12 +42,28 @@ sympy.Rational(1, 3) + sympy.sqrt(2); sympy.expand((x + y)**3); sympy.integrate(
 """
 
 
+# A job's answer is awaited at most its timeout plus this (see ZygotePool.answer_bound_s); then
+# the call is answered worker_died and the slot is put back in step (ZygotePool._reclaim).
+ANSWER_GRACE_S = 30.0
+SESSION_START_S = 30.0  # zygote_sessions.open_session waits this long for a session to start
+ANSWER_LOST_NOTE = ("WorkerDied: the sandbox process running this code gave no answer within {bound:.0f} s (it died "
+                    "unseen or hangs); the call was not completed")
+
+
 class SandboxStartError(RuntimeError):
     pass
 
 
 class _ZygoteDied(Exception):
     pass
+
+
+class _AnswerLost(Exception):
+    """No answer came within the job's bound (answer_bound_s): its worker died unseen or hangs."""
+
+    def __init__(self, pending: asyncio.Future):
+        super().__init__("no answer within the job's bound")
+        self.pending = pending  # the read still waiting for an answer (reclaim reads it, never a second reader)
 
 
 async def _read_result(reader: asyncio.StreamReader) -> dict:
@@ -60,6 +76,14 @@ async def _read_result(reader: asyncio.StreamReader) -> dict:
         stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n"
     msg["stdout"], msg["stderr"] = stdout, stderr
     return msg
+
+
+def _send_settings(pipe, data: bytes):
+    try:
+        pipe.write(data)
+        pipe.close()
+    except BrokenPipeError:  # the zygote died at once: its start-up report says why
+        pass
 
 
 def _encode_job(header: dict, code: str | None = None, stdin: str | None = None) -> bytes:
@@ -92,6 +116,7 @@ class _Slot:
         self.index = index
         self.channels = channels  # {kind: (reader, writer)}
         self.busy_kind = None     # the worker the slot's current job went to
+        self.pending = None       # a cancelled caller's unfinished read of that job's answer
 
     def pick(self, code, op) -> str:
         if "heavy" in self.channels and (op != "run" or needs_heavy(code or "")):
@@ -142,7 +167,7 @@ class SessionLost(RuntimeError):
 class ZygotePool:
     def __init__(self, workers: int, *, isolation: str, preload: Sequence[str], limits: Limits,
                  uid_base: int | None = None, warmup: str = DEFAULT_WARMUP, sessions_memory_bytes: int = 8 << 30,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, answer_grace_s: float = ANSWER_GRACE_S):
         self.workers = workers
         self.isolation = isolation
         self.preload = tuple(preload)
@@ -151,6 +176,7 @@ class ZygotePool:
         self.sessions_memory_bytes = sessions_memory_bytes
         self.warmup = warmup if "sympy" in self.preload else ""
         self.startup_timeout_s = startup_timeout_s
+        self.answer_grace_s = answer_grace_s
         self.proc: subprocess.Popen | None = None
         self.zygote_pid: int | None = None
         self._idle = _FreeSlots()
@@ -200,11 +226,14 @@ class ZygotePool:
                    isolation=self.isolation, uid_base=self.uid_base,
                    work_root=self.work_root, warmup=self.warmup,
                    limits=self.limits.to_dict(), cgroups=self._cgroups.to_dict() if self._cgroups else None)
-        self.proc = subprocess.Popen([sys.executable, "-I", ZYGOTE_SCRIPT, json.dumps(cfg)],
-                                     pass_fds=child_fds + [status_w], env=ZYGOTE_ENV, stdin=subprocess.DEVNULL,
+        # The settings go on stdin, not argv: a call is a clone of the zygote and could read its
+        # command line (/proc/self/cmdline).
+        self.proc = subprocess.Popen([sys.executable, "-I", ZYGOTE_SCRIPT],
+                                     pass_fds=child_fds + [status_w], env=ZYGOTE_ENV, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
         for fd in child_fds + [status_w]:
             os.close(fd)
+        await asyncio.to_thread(_send_settings, self.proc.stdin, json.dumps(cfg).encode())
         try:
             status_reader = await self._reader(loop, status_r)
             status = await asyncio.wait_for(wire.read_msg_async(status_reader), self.startup_timeout_s)
@@ -254,6 +283,9 @@ class ZygotePool:
             job_id = next(self._ids)
             try:
                 result = ExecResult.from_dict(await self._run_on(slot, job_id, code, stdin, timeout))
+            except _AnswerLost as lost:
+                self._reclaim_later(slot, job_id, generation, lost.pending, cancel=False)
+                return ExecResult(status="worker_died", stderr=ANSWER_LOST_NOTE.format(bound=self.answer_bound_s(timeout)))
             except _ZygoteDied:
                 await self._restart(generation)
                 if attempt == 0:
@@ -286,6 +318,10 @@ class ZygotePool:
         job_id = next(self._ids)
         try:
             result = await self._run_on(slot, job_id, op=op, **fields)
+        except _AnswerLost as lost:  # the session's process is in an unknown state: it is gone for the caller
+            self._reclaim_later(slot, job_id, generation, lost.pending, cancel=False)
+            raise SessionLost("the sandbox worker holding the session did not answer; the session's state is "
+                              "gone") from None
         except _ZygoteDied:
             await self._restart(generation)
             raise SessionLost("the sandbox zygote died; the session's state is gone") from None
@@ -300,26 +336,61 @@ class ZygotePool:
         reader, writer = slot.channels[kind]
         try:
             writer.write(_encode_job({"id": job_id, "timeout": timeout, **extra}, code, stdin))
-            msg = await _read_result(reader)
+        except (ConnectionError, BrokenPipeError, OSError) as e:
+            raise _ZygoteDied() from e
+        # Read as a task of its own: a caller cancelled, or a bound passed, mid-answer leaves the
+        # read running (never half a message consumed), and the reclaim goes on with that same read.
+        pending = asyncio.ensure_future(_read_result(reader))
+        try:
+            done, _ = await asyncio.wait({pending}, timeout=self.answer_bound_s(timeout))
+        except asyncio.CancelledError:
+            slot.pending = pending
+            raise
+        if not done:
+            raise _AnswerLost(pending)
+        try:
+            msg = pending.result()
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError) as e:
             raise _ZygoteDied() from e
         if msg.get("id") != job_id:
             raise _ZygoteDied()
         return msg
 
-    def _reclaim_later(self, slot: _Slot, job_id, generation):
-        task = asyncio.create_task(self._reclaim(slot, job_id, generation))
+    def answer_bound_s(self, timeout: float | None) -> float:
+        """How long a job's answer may take: its timeout (a session's open waits up to its 30 s
+        start) plus answer_grace_s, more than a live worker ever needs past the deadline (a stuck
+        clone is given up FORK_STUCK_S after it, then output and memory are settled in seconds)."""
+        return (SESSION_START_S if timeout is None else float(timeout)) + self.answer_grace_s
+
+    def _reclaim_later(self, slot: _Slot, job_id, generation, pending=None, *, cancel=True):
+        task = asyncio.create_task(self._reclaim(slot, job_id, generation, pending or slot.pending, cancel=cancel))
+        slot.pending = None
         self._reclaims.add(task)  # held here: a task nobody references may be collected mid-way
         task.add_done_callback(self._reclaims.discard)
 
-    async def _reclaim(self, slot: _Slot, job_id, generation):
-        """The caller of `job_id` gave up: stop the call, wait for its (discarded) result, free the slot."""
+    async def _reclaim(self, slot: _Slot, job_id, generation, pending, *, cancel):
+        """The slot back in step after its caller gave up on `job_id` (cancel: stop the call) or its
+        answer did not come in time: every answer up to `job_id`'s, or to a ping's, is read and
+        discarded, within a bound. A worker that died without an answer (the master only answers
+        for a worker it saw running a call) answers the ping from its successor: the slot is whole
+        again. A slot silent past the bound gets a fresh zygote."""
         reader, writer = slot.channels[slot.busy_kind]
+        ping_id = next(self._ids)
         try:
-            writer.write(wire.encode({"cancel": job_id}))
-            while (await _read_result(reader)).get("id") != job_id:
-                pass
-        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError):
+            writer.write((wire.encode({"cancel": job_id}) if cancel else b"")
+                         + _encode_job({"id": ping_id, "op": "ping", "timeout": 0.0}))
+            deadline = asyncio.get_running_loop().time() + self.answer_bound_s(0.0)
+            waiting = {job_id, ping_id}
+            while ping_id in waiting:
+                read = pending if pending is not None else asyncio.ensure_future(_read_result(reader))
+                pending = None
+                done, _ = await asyncio.wait({read}, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+                if not done:
+                    read.cancel()
+                    raise TimeoutError(f"slot {slot.index} answered nothing within {self.answer_bound_s(0.0)} s")
+                waiting.discard(read.result().get("id"))
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, OSError, TimeoutError) as e:
+            log.warning("sandbox: slot %d out of step (%s); restarting the zygote", slot.index, e)
             await self._restart(generation)
             return
         if generation == self._generation:

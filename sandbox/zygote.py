@@ -73,13 +73,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves out 
 import cgroups  # noqa: E402 - siblings, imported as top-level modules (no package inside the zygote)
 import confine  # noqa: E402
 import wire  # noqa: E402
-from confine import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, PR_SET_PDEATHSIG  # noqa: E402
+from confine import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUTS, PR_SET_PDEATHSIG  # noqa: E402
 from zygote_closer import start_closer  # noqa: E402
-from zygote_state import OOM_SCORE_ADJ, Runtime, Settings, Zygote  # noqa: E402
+from zygote_state import HOST_NAME, OOM_SCORE_ADJ, Runtime, Settings, Zygote  # noqa: E402
 from zygote_supervise import signal_name  # noqa: E402
 from zygote_worker import READING, RUNNING, WRITING, WorkerState, worker_loop  # noqa: E402
 
 sys.path.pop(0)
+
+
+def read_settings():
+    """The service's settings, from stdin (never argv: every call would see them in its
+    /proc/self/cmdline), which then becomes /dev/null."""
+    chunks = []
+    while chunk := os.read(0, 1 << 16):
+        chunks.append(chunk)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return b"".join(chunks).decode()
 
 
 def vm_size(status_fd):
@@ -108,7 +120,9 @@ def interpreter_dirs():
 
 def isolate_master(zygote):
     """Namespaces and the minimal root shared by all calls of this zygote (made once)."""
-    confine.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
+    # its own host name too (UTS): a call sees "sandbox", not the host's
+    confine.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)
+    confine.sethostname(HOST_NAME)
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
     needed = interpreter_dirs()
     zygote.runtime.rebind = confine.covered_by_call_mounts(needed)
@@ -125,7 +139,7 @@ def main():
     minimal root), then heavy workers. A call is forked from a light or heavy worker of its slot
     (the service routes by the modules the code names): forking a process with sympy and numpy
     loaded costs ~2.4 ms of page-table copying, one with the standard library ~0.5 ms."""
-    zygote = Zygote(Settings(json.loads(sys.argv[1])), Runtime())
+    zygote = Zygote(Settings(json.loads(read_settings())), Runtime())
     channels = zygote.settings.channels  # [{kind: [job_fd, result_fd]}] per slot, inherited from the service
     status_fd = zygote.settings.status_fd
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

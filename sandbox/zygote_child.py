@@ -15,7 +15,7 @@ import cgroups
 import confine
 import wire
 import zygote_usercode
-from confine import PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG
+from confine import CLONE_NEWCGROUP, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG
 from zygote_splice import CELL_HEADER
 from zygote_state import CALL_NAME, CELL_FD, DONE_FD, SESSION_NAME, SETUP_FD
 from zygote_usercode import main_namespace, make_streams, run_user_code
@@ -62,7 +62,19 @@ def enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w
     is killed (nothing but the interpreter's state outlives a cell) and one byte goes to DONE_FD:
     b"0" (ran) or b"1" (raised). Both fds are the code's to misuse, which can only confuse its
     own session; statuses other than ok/error still come from the kernel.
+
+    This loop runs in the interpreter the cells run in, so a cell can change what it does for
+    later cells of the same session (patch run_user_code, os._exit, the done byte): it can make
+    its own later cells report ok/error and output text of its choosing, which its code could
+    choose anyway (a try/except does as much). It cannot forge timeout, memory, output_limit,
+    killed or an ended session (the worker decides those from the kernel), keep a process or a
+    thread alive into a later cell, or run between cells: the worker checks from outside that
+    the interpreter is single-threaded and waiting for its next cell, then stops it and kills
+    every other process of its namespace (zygote_sessions.freeze_between_cells). The functions
+    it cleans up with are bound here, before any cell, so that the plain replacement of
+    os.kill / os.waitpid by a cell does not stall this loop (the outside kill is the guarantee).
     """
+    kill, waitpid, exit_now = os.kill, os.waitpid, os._exit
     _confine_or_exit(zygote, name=SESSION_NAME, uid=uid, join_cgroup=cgroup_fds, in_cgroup=bool(cgroup_fds),
                      cpu_seconds=None,
                      fds=(os.open("/dev/null", os.O_RDONLY), out_w, err_w, setup_w, cell_r, done_w))
@@ -72,7 +84,7 @@ def enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w
         header = wire.read_exact(CELL_FD, CELL_HEADER.size)
         body = header and wire.read_exact(CELL_FD, CELL_HEADER.unpack(header)[0])
         if body is None:
-            os._exit(0)
+            exit_now(0)
         split = len(body) - CELL_HEADER.unpack(header)[1]
         stdin = os.memfd_create("stdin", 0)
         os.write(stdin, body[split:])
@@ -83,16 +95,16 @@ def enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w
         try:
             exit_code = run_user_code(code, namespace, make_streams())
         except BaseException:  # noqa: BLE001 - nothing of the cell runs on in the session's loop
-            os._exit(1)
+            exit_now(1)
         code = None
         if os.getpid() == 1:  # strict: kill(-1) is every other process of the session's own namespace
             try:  # (never without that namespace: there kill(-1) would reach every process of the uid)
-                os.kill(-1, signal.SIGKILL)
+                kill(-1, signal.SIGKILL)
             except OSError:
                 pass
         while os.getpid() == 1:  # reap them (orphans are ours too, as PID 1): no zombie outlives the call either
             try:
-                os.waitpid(-1, 0)
+                waitpid(-1, 0)
             except ChildProcessError:
                 break
             except InterruptedError:
@@ -101,7 +113,7 @@ def enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w
             # A thread the cell started would keep running (and writing) into later cells, and a
             # thread cannot be killed alone: the interpreter ends here, with the cell's result.
             os.write(DONE_FD, CELL_LEFT_THREADS[exit_code != 0])
-            os._exit(0)
+            exit_now(0)
         os.write(DONE_FD, b"0" if exit_code == 0 else b"1")
 
 
@@ -163,6 +175,8 @@ def _confine(zygote, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
     strict = zygote.settings.strict
     if join_cgroup:
         cgroups.join(join_cgroup)
+    if strict and name == SESSION_NAME:  # its own cgroup as "/" (a call is born in its forker's namespace)
+        confine.unshare(CLONE_NEWCGROUP)
     if strict:
         confine.mount_call_filesystems(uid, zygote.settings.limits["tmpfs_bytes"], zygote.runtime.rebind)
         workdir = "/tmp"
@@ -199,6 +213,12 @@ def _confine(zygote, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+        # The kernel clears the parent-death signal when the uid changes: set again, so that a call
+        # or a session dies with its worker (a session stopped between cells would not even see its
+        # cell pipe close; a sleeping call would hold its slot's cgroup with no one to answer to).
+        confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the worker died before that: nothing will ever read this call
+            os._exit(1)
     if not (strict and zygote.settings.worker_seccomp is not None):  # else the worker set it (worker_loop)
         confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
     if zygote.settings.seccomp is not None and not strict:  # strict: the worker's filter, inherited (see confine)

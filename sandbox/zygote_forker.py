@@ -25,7 +25,8 @@ import confine
 import zygote_closer
 import zygote_splice
 import zygote_usercode
-from confine import CLONE_NEWIPC, CLONE_NEWNS, CLONE_NEWPID, CLONE_PARENT, CLONE_PARENT_SETTID, CLONE_VFORK, PR_SET_PDEATHSIG
+from confine import (CLONE_NEWCGROUP, CLONE_NEWIPC, CLONE_NEWNS, CLONE_NEWPID, CLONE_PARENT, CLONE_PARENT_SETTID, CLONE_VFORK,
+                     PR_SET_PDEATHSIG)
 from zygote_child import enter_call
 from zygote_state import FORKER_NAME
 from zygote_usercode import make_streams, warm_up
@@ -40,15 +41,22 @@ class Forker:
 
     def __init__(self, zygote, slot):
         self.zygote, self.slot = zygote, slot
-        self.pid_page = mmap.mmap(-1, mmap.PAGESIZE)  # shared: the kernel stores each call's pid here
         self.start()
 
     def start(self):
+        # The page where the kernel stores each call's pid (CLONE_PARENT_SETTID writes it in the
+        # forker, the worker reads it): shared by these two processes and by no other. Both mark it
+        # MADV_DONTFORK once the forker exists, so neither a call (cloned by the forker) nor a
+        # session (cloned by the worker) has it mapped: a call that could write it would choose the
+        # pid its worker waits on and SIGKILLs at the deadline (issue 79). A new forker gets a new page.
+        self.pid_page = mmap.mmap(-1, mmap.PAGESIZE)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.pid = os.fork()
         if self.pid == 0:
             ours.close()
+            self.pid_page.madvise(mmap.MADV_DONTFORK)
             forker_loop(theirs, self.zygote, self.slot, self.pid_page)
+        self.pid_page.madvise(mmap.MADV_DONTFORK)
         theirs.close()
         self.sock = ours
 
@@ -99,6 +107,8 @@ def forker_loop(sock, zygote, slot, pid_page):
     zygote.runtime.forker_in_cgroup = bool(zygote.runtime.cgroup_fds)
     if zygote.runtime.cgroup_fds:
         cgroups.join(zygote.runtime.cgroup_fds)
+    if zygote.settings.strict:  # calls see their slot's cgroup as "/", not the service's path on the host
+        confine.unshare(CLONE_NEWCGROUP)
     keep = sorted({0, 1, 2, sock.fileno()})
     for low, high in zip(keep, keep[1:] + [1 << 16]):
         os.closerange(low + 1, high)

@@ -25,10 +25,12 @@ class Session:
         self.out_r, self.err_r = out_r, err_r
         self.cgroup_name, self.cgroup_fds = cgroup_name, cgroup_fds
         self.proc_fd = None  # its /proc/<pid> directory (see open_proc_dir), where the kernel allows
+        self.proc_root = None  # strict: the /proc of its own PID namespace (every process it started)
+        self.stopped = False  # SIGSTOPped between cells (freeze_between_cells)
 
     def fds(self):
-        return tuple(fd for fd in (self.pidfd, self.cell_w, self.done_r, self.out_r, self.err_r, self.proc_fd)
-                     if fd is not None)
+        return tuple(fd for fd in (self.pidfd, self.cell_w, self.done_r, self.out_r, self.err_r, self.proc_fd,
+                                   self.proc_root) if fd is not None)
 
 
 # The end of a cell is the byte the session's loop writes to DONE_FD, which the cell's own code
@@ -37,36 +39,109 @@ class Session:
 # CELL_FD). A cell that writes the byte early is waited for; its late output stays its own.
 
 def open_proc_dir(pid, pidfd, strict):
-    """An O_DIRECTORY fd of the session process's /proc entry, or None. Strict: its /proc is only
-    mounted in its own mount namespace (the worker has none), so the worker steps into that
-    namespace to open /proc/1 (the session is PID 1 there) and straight back."""
+    """(O_DIRECTORY fd of the session process's /proc entry, fd of the /proc of its PID namespace),
+    either None where it cannot be had. Strict: its /proc is only mounted in its own mount
+    namespace (the worker has none), so the worker steps into that namespace to open /proc and
+    /proc/1 (the session is PID 1 there) and straight back. Without strict isolation there is no
+    namespace of its own (None)."""
     if not strict:
         try:
-            return os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+            return os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY), None
         except OSError:
-            return None
+            return None, None
     own_pidfd = os.pidfd_open(os.getpid())
     own = hold_mount_namespace(own_pidfd)
     os.close(own_pidfd)
     if own is None:
-        return None  # a kernel without the ioctl: the done byte is trusted as before
+        return None, None  # a kernel without the ioctl: the done byte is trusted as before
     try:
         theirs = hold_mount_namespace(pidfd)
         if theirs is None:
-            return None
+            return None, None
         confine.setns(theirs, CLONE_NEWNS)
         os.close(theirs)
         try:
-            return os.open("/proc/1", os.O_RDONLY | os.O_DIRECTORY)
+            root = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+            return os.open("1", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root), root
         finally:
             try:
                 confine.setns(own, CLONE_NEWNS)
             except OSError:
                 os._exit(3)  # never serve another call from a session's file system
     except OSError:
-        return None
+        return None, None
     finally:
         os.close(own)
+
+
+# Between cells nothing of a session runs: once the kernel shows a cell finished, the worker stops
+# the interpreter (SIGSTOP, which a PID-namespace init cannot refuse from its parent namespace) and
+# kills every other process of its namespace from outside, so neither a timer or signal handler the
+# cell installed nor a child it kept alive (its os.kill replaced) spends CPU or writes output while
+# the session sits idle or another client's call runs on the slot. The next cell continues it.
+FREEZE_WAIT_S = 1.0
+
+
+def freeze_between_cells(session):
+    """Stop the session's interpreter and kill the other processes of its namespace (strict)."""
+    try:
+        signal.pidfd_send_signal(session.pidfd, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    session.stopped = True
+    deadline = time.monotonic() + FREEZE_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, session.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+        except ChildProcessError:
+            return
+        time.sleep(0.0005)
+    if session.proc_root is not None:
+        kill_namespace_but_init(session.proc_root, deadline)
+
+
+def kill_namespace_but_init(proc_root, deadline):
+    """SIGKILL every live process of a PID namespace but its PID 1, through `proc_root` (that
+    namespace's /proc: an fd of /proc/<pid> is a pidfd), until none is left or `deadline`."""
+    while time.monotonic() < deadline:
+        alive = 0
+        for name in os.listdir(proc_root):
+            if not name.isdigit() or name == "1":
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_root)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                if _state(fd) != b"Z":
+                    alive += 1
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if not alive:
+            return
+        time.sleep(0.0005)
+
+
+def _state(proc_dir_fd):
+    """A process's state letter from its /proc/<pid>/stat (after the parenthesised name)."""
+    fd = os.open("stat", os.O_RDONLY, dir_fd=proc_dir_fd)
+    try:
+        return os.read(fd, 512).rsplit(b")", 1)[1].split()[0]
+    finally:
+        os.close(fd)
+
+
+def thaw(session):
+    if session.stopped:
+        try:
+            signal.pidfd_send_signal(session.pidfd, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        session.stopped = False
 
 
 def _settles_idle(proc_fd, within_s=1.0):
@@ -132,7 +207,7 @@ def open_session(job, zygote, slot, sessions):
     os.close(setup_r)
     session = Session(pid, pidfd, cell_w, done_r, out_r, err_r, name, cgroup_fds)
     if ok:
-        session.proc_fd = open_proc_dir(pid, pidfd, zygote.settings.strict)
+        session.proc_fd, session.proc_root = open_proc_dir(pid, pidfd, zygote.settings.strict)
         if session.proc_fd is not None and not _settles_idle(session.proc_fd):
             # the kernel does not show it waiting for its first cell (no /proc/<pid>/syscall, say):
             # the check cannot be made here, and the done byte is trusted as before
@@ -179,6 +254,7 @@ def run_cell(job, zygote, sessions, job_fd):
     out, err = Sink(session.out_r, limits["stdout_bytes"]), Sink(session.err_r, limits["stderr_bytes"])
     sinks = {session.out_r: out, session.err_r: err}
     reason = wait_status = done = None
+    thaw(session)
     if not forward_cell(job_fd, session.cell_w, body, int(job.get("stdin", 0))):
         reason = "ended"
     job["body_moved"] = True
@@ -202,11 +278,13 @@ def run_cell(job, zygote, sessions, job_fd):
                 msg = wire.read_msg(job_fd)
                 if msg is None or msg.get("cancel") == job["id"]:
                     reason = "cancelled"
-                watch_jobs = msg is not None
+                    watch_jobs = False  # what follows a cancel (the pool's ping) is the next job's
             elif sinks[fd].drain():
                 reason = "output_limit"
     if done in (b"0", b"1") and reason is None and session.proc_fd is not None:
         done, reason = _confirm_done(session, sinks, deadline, done)
+    if done in (b"0", b"1") and reason is None:
+        freeze_between_cells(session)  # before the last drain: what it wrote until stopped is this cell's
     for sink in sinks.values():
         sink.drain()  # what was written before the cell finished (or the session died)
     if reason is None and any(sink.size > sink.cap for sink in sinks.values()):

@@ -9,6 +9,7 @@ SETUP_FD = 3       # inside the call: written once ("R") when confinement is com
 CELL_FD = 4        # inside a session: cells to run
 DONE_FD = 5        # inside a session: one byte per finished cell
 OOM_SCORE_ADJ = 1000  # the sandbox's processes are the kernel OOM killer's first choice
+HOST_NAME = "sandbox"  # what a call sees as the host's name (its UTS namespace, strict isolation)
 
 # /proc/<pid>/comm of the zygote's processes (the service and the tests tell them apart by it)
 FORKER_NAME = "sandbox-forker"  # a worker's forker

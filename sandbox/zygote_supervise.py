@@ -112,7 +112,7 @@ def _supervise(job, zygote, slot, job_fd, body_fds, out, err, setup, fds):
                         if reason is None:
                             reason = "cancelled"
                             kill_call(pid, zygote)
-                        watch_jobs = msg is not None
+                        watch_jobs = False  # what follows a cancel (the pool's ping) is the next job's
                     continue
                 if sinks[fd].drain() and reason is None and wait_status is None:
                     reason = "output_limit"

@@ -4,6 +4,7 @@ publishing its phase in a page it shares with the master (WorkerState), which an
 running call when the worker dies. The job's data never passes through its memory.
 Imported as a top-level sibling by zygote.py (no package inside the zygote: see its docstring)."""
 
+import mmap
 import os
 import select
 import signal
@@ -21,6 +22,10 @@ from zygote_supervise import execute, fail
 
 def worker_loop(slot, kind, job_fd, result_fd, zygote):
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The master's page of every worker's phase and job id stays shared with the master alone: the
+    # worker's forker, its calls and its sessions are made without it (a call that could write it
+    # would make the master leave a dead worker's call unanswered; issue 79).
+    zygote.runtime.state_page.madvise(mmap.MADV_DONTFORK)
     if zygote.settings.strict:
         confine.unshare(CLONE_NEWNET)  # abstract unix sockets are per network namespace: one per slot
         if zygote.settings.worker_seccomp is not None:
@@ -72,6 +77,8 @@ def _serve_one(job, zygote, slot, counter, job_fd, result_fd, sessions, state):
             header, out, err = run_cell(job, zygote, sessions, job_fd)
         elif op == "session_close":
             header = close_session(job, zygote, sessions)
+        elif op == "ping":  # the pool putting a slot back in step (pool.ZygotePool._reclaim)
+            header = {"status": "ok", "exit_code": 0, "duration_s": 0.0, "truncated": False, "notes": []}
         else:
             header = fail(f"unknown op {op!r}")
     except Exception as e:  # noqa: BLE001 - a broken call must not take the worker down

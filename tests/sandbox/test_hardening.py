@@ -677,19 +677,27 @@ def test_every_malformed_body_is_a_400_with_its_reason(token_api, body, why):
 
 
 def test_a_batch_whose_answer_could_pass_the_response_budget_is_refused(sb):
-    """Undecodable bytes become U+FFFD: 3 bytes of UTF-8 each in the answer (not 6 of an escape);
-    a batch that could answer more than max_response_bytes in the worst case never runs."""
+    """The budget counts the bytes sent (issue 79, item 6): a control character is a six-byte
+    escape in the answer, an undecodable byte three of U+FFFD; a batch that could answer more than
+    max_response_bytes in the worst case never runs, and the worst a call can answer is within the
+    per-call figure the check uses (stdout and stderr both full of control characters)."""
     from sandbox.http_api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, max_response_bytes=2 << 20)
+    assert server.worst_result_bytes == 6 * (sb.sb.limits.stdout_bytes + sb.sb.limits.stderr_bytes) + 2048
     port = sb.call(server.start("127.0.0.1", 0))
     try:
-        flood = {"code": "import sys\nsys.stdout.buffer.write(b'\\xff' * 60000)"}
-        out = _raw(port, _post("/run/batch", {"requests": [flood] * 6}, b"Connection: close\r\n"))
-        assert out.startswith(b"HTTP/1.1 400") and b"response budget: send at most 5 per request" in out
+        cap = sb.sb.limits.stdout_bytes
+        flood = {"code": f"import sys\nsys.stdout.write('\\x01' * {cap})\nsys.stderr.write('\\x01' * {cap})\n"
+                         "sys.stdout.flush()\nraise SystemExit(3)"}
+        out = _raw(port, _post("/run/batch", {"requests": [flood] * 3}, b"Connection: close\r\n"))
+        assert out.startswith(b"HTTP/1.1 400") and b"response budget: send at most 2 per request" in out, out[:300]
         out = _raw(port, _post("/run/batch", {"requests": [flood] * 2}, b"Connection: close\r\n"), wait_s=20)
         body = out.split(b"\r\n\r\n", 1)[1]
-        assert out.startswith(b"HTTP/1.1 200") and len(body) < 2 * 3 * 60000 + 4096
-        assert json.loads(body)["results"][0]["stdout"] == "\ufffd" * 60000
+        result = json.loads(body)["results"][0]
+        assert out.startswith(b"HTTP/1.1 200") and result["stdout"] == "\x01" * cap, result["status"]
+        one = len(json.dumps(result, ensure_ascii=False).encode())
+        assert 6 * 2 * cap < one <= server.worst_result_bytes  # the old budget (3 a byte) undercounted it 2x
+        assert len(body) <= 2 * server.worst_result_bytes
     finally:
         sb.call(server.close())
 
