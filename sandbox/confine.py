@@ -288,6 +288,10 @@ def seccomp_program(*, for_worker=False):
     else:
         import syscall_policy
     f = sc.SyscallFilter(sc.ERRNO(errno.EPERM))
+    try:  # a binary tree over syscall numbers: ~8 comparisons a syscall instead of a scan of the list
+        f.set_attr(sc.Attr.CTL_OPTIMIZE, 2)
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        pass  # libseccomp before 2.5: the list in priority order
     names = syscall_policy.CALL_SYSCALLS + (syscall_policy.WORKER_SYSCALLS if for_worker else ())
     for name in names:
         if name != "unshare":

@@ -216,9 +216,9 @@ def _confine(zygote, *, name, uid, join_cgroup, in_cgroup, cpu_seconds, fds):
         # The kernel clears the parent-death signal when the uid changes: set again, so that a call
         # or a session dies with its worker (a session stopped between cells would not even see its
         # cell pipe close; a sleeping call would hold its slot's cgroup with no one to answer to).
+        # (A worker that dies in the microseconds between setuid and this line leaves the call
+        # running until its CPU limit or its slot's next use: the window is not closed.)
         confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the worker died before that: nothing will ever read this call
-            os._exit(1)
     if not (strict and zygote.settings.worker_seccomp is not None):  # else the worker set it (worker_loop)
         confine.prctl(PR_SET_NO_NEW_PRIVS, 1)
     if zygote.settings.seccomp is not None and not strict:  # strict: the worker's filter, inherited (see confine)

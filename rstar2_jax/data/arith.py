@@ -100,7 +100,7 @@ def tokenize_trace(tokenizer, fmt: PromptFormat, problem: Problem, pieces, eos: 
             ids += piece
             mask += [1] * len(piece)
         else:
-            piece = tokenizer.encode(fmt.tool_turn([text], assistant_turn_closed=False))
+            piece = fmt.tool_turn_ids(tokenizer, [text], assistant_turn_closed=False)
             ids += piece
             mask += [0] * len(piece)
     return ids, mask

@@ -110,9 +110,34 @@ class Tokenizer:
     def special_token_ids(self) -> frozenset[int]:
         return frozenset(t_id for t_id, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
 
+    @cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Every added token's id, special or not (turn markers, <tool_call>, <tool_response>, EOS...)."""
+        return frozenset(self._tok.get_added_tokens_decoder())
+
     # ------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of `text` read as text only: never an added token, whatever it contains.
+
+        What a tool prints goes into the prompt through here (PromptFormat.tool_turn_ids): encode()
+        would read "<|im_end|>" or "</tool_response>" in it as the tokenizer's control tokens, so a
+        call could close its own block, open forged ones or end the turn (issue 79). Text with no
+        added token in it gets encode()'s ids unchanged; otherwise the tokenizer's own pipeline runs
+        without its added vocabulary (normalizer, pre-tokenizer, model), so the literal characters
+        become ordinary tokens and decode back to the same text."""
+        ids = self.encode(text)
+        if self.added_token_ids.isdisjoint(ids):
+            return ids
+        tok = self._tok
+        normalized = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
+        pieces = tok.pre_tokenizer.pre_tokenize_str(normalized) if tok.pre_tokenizer is not None else [(normalized, None)]
+        ids = [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
+        if not self.added_token_ids.isdisjoint(ids):  # the model's own vocabulary spells one: split it up
+            ids = [t.id for piece, _ in pieces for ch in piece for t in tok.model.tokenize(ch)]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

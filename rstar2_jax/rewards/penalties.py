@@ -59,6 +59,19 @@ def release_error_ratio(response_text: str, tool_statuses: Sequence[str] | None 
     return sum("error" in b.lower() for b in blocks) / len(blocks)
 
 
+def release_error_ratio_of_calls(shown: Sequence[str], tool_statuses: Sequence[str]) -> float:
+    """release_error_ratio's rule on the blocks the agent loop wrote, one per call (`shown`: the
+    text inside each, as the model read it), never on blocks found in the text: a call that prints
+    "</tool_response><tool_response>" (or a model that writes a block itself) would otherwise add
+    blocks of its choosing (issue 79: 9 forged pairs moved a failing call's ratio from 1.0 to 0.1).
+    Equal to release_error_ratio(response_text, tool_statuses) wherever no output and no model turn
+    holds a block tag (tested both ways)."""
+    blocks = [text for text, status in zip(shown, tool_statuses) if status not in INFRA_TOOL_STATUSES]
+    if not blocks:
+        return 0.5
+    return sum("error" in b.lower() for b in blocks) / len(blocks)
+
+
 def release_format_penalty(response_text: str) -> float:
     """1 without a closed <answer> block or with unbalanced tags; else min(1, (answer blocks - 1)
     / turns), where turns counts `<|im_start|>assistant ... <|im_end|>` spans in the response:

@@ -162,7 +162,9 @@ async def _run_agent(engine, sandbox, tokenizer, problem, cfg, *, on_turn, seed,
         if on_turn:
             on_turn(turn)
         closed = comp.finish_reason == "eos"
-        tool_ids = tokenizer.encode(fmt.tool_turn([t.output for t in turn.tools], assistant_turn_closed=closed))
+        for tool in turn.tools:
+            tool.shown = fmt.truncate(tool.output)
+        tool_ids = fmt.tool_turn_ids(tokenizer, [t.output for t in turn.tools], assistant_turn_closed=closed)
         if traj.num_response_tokens + len(tool_ids) >= cfg.max_response_tokens:
             traj.finish_reason = "length"  # no room for the results and another turn
             break

@@ -106,13 +106,34 @@ class PromptFormat:
                 f"{self.turn_start}user\n{self.user_template.format(problem=problem)}{self.turn_end}\n"
                 f"{self.turn_start}assistant\n{self.generation_prefix}")
 
-    def tool_turn(self, outputs: Sequence[str], assistant_turn_closed: bool) -> str:
-        """Text appended after an assistant turn that ended in tool calls: close that turn, one user
-        turn with a <tool_response> block per call, and open the next assistant turn."""
-        blocks = "\n".join(f"{self.tool_response_start}{self.truncate(o)}{self.tool_response_end}" for o in outputs)
+    def tool_turn_pieces(self, outputs: Sequence[str], assistant_turn_closed: bool) -> list[tuple[str, bool]]:
+        """The tool turn as (text, is_output) pieces: close the assistant turn, one user turn with a
+        <tool_response> block per call (its output truncated), open the next assistant turn."""
         close = "" if assistant_turn_closed else f"{self.turn_end}\n"
-        return (f"{close}{self.turn_start}user\n{blocks}{self.turn_end}\n"
-                f"{self.turn_start}assistant\n{self.generation_prefix}")
+        pieces = [(f"{close}{self.turn_start}user\n", False)]
+        for i, output in enumerate(outputs):
+            pieces += [(("\n" if i else "") + self.tool_response_start, False), (self.truncate(output), True),
+                       (self.tool_response_end, False)]
+        pieces.append((f"{self.turn_end}\n{self.turn_start}assistant\n{self.generation_prefix}", False))
+        return pieces
+
+    def tool_turn(self, outputs: Sequence[str], assistant_turn_closed: bool) -> str:
+        """Text appended after an assistant turn that ended in tool calls (tool_turn_pieces joined)."""
+        return "".join(text for text, _ in self.tool_turn_pieces(outputs, assistant_turn_closed))
+
+    def tool_turn_ids(self, tokenizer, outputs: Sequence[str], assistant_turn_closed: bool) -> list[int]:
+        """The tool turn's token ids, its outputs read as text, never as framing (issue 79): what a
+        call prints cannot become a turn marker, a <tool_response> tag or EOS. Where no output holds
+        an added token's text, these are the ids of tool_turn()'s whole text (what was trained and
+        what the release tokenizes); otherwise the framing is tokenized piece by piece around the
+        outputs, which go through tokenizer.encode_text."""
+        ids = tokenizer.encode(self.tool_turn(outputs, assistant_turn_closed))
+        control = tokenizer.added_token_ids
+        framing = tokenizer.encode(self.tool_turn([""] * len(outputs), assistant_turn_closed))
+        if [i for i in ids if i in control] == [i for i in framing if i in control]:
+            return ids
+        return [i for text, is_output in self.tool_turn_pieces(outputs, assistant_turn_closed)
+                for i in (tokenizer.encode_text(text) if is_output else tokenizer.encode(text))]
 
     def truncate(self, text: str) -> str:
         n = self.max_tool_output_chars

@@ -16,9 +16,11 @@ class ToolRecord:
     code: str | None
     stdin: str
     status: str              # sandbox status, or "parse_error"
-    output: str              # what the model read inside <tool_response>
+    output: str              # what the call answered (tool_output_text), before the format's truncation
     latency_s: float
     retries: int = 0         # times it was run again after the sandbox failed to serve it (agent_loop)
+    shown: str | None = None  # what the model read inside its <tool_response> block (output truncated);
+                              # None in journals written before it was kept
 
 
 @dataclasses.dataclass
