@@ -26,6 +26,11 @@ def worker_loop(slot, kind, job_fd, result_fd, zygote):
     # worker's forker, its calls and its sessions are made without it (a call that could write it
     # would make the master leave a dead worker's call unanswered; issue 79).
     zygote.runtime.state_page.madvise(mmap.MADV_DONTFORK)
+    # What only the master uses, out of the copy the forker, its calls and the sessions inherit: the
+    # host's cgroup paths, the service's pipe numbers, the work root (which names the service's pid).
+    zygote.settings.cgroups = zygote.settings.channels = None
+    if zygote.settings.strict:
+        zygote.settings.work_root = None
     if zygote.settings.strict:
         confine.unshare(CLONE_NEWNET)  # abstract unix sockets are per network namespace: one per slot
         if zygote.settings.worker_seccomp is not None:

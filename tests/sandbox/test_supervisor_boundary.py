@@ -262,3 +262,10 @@ def test_a_call_sees_its_own_host_name_and_cgroup_and_no_settings_on_its_command
     assert name == "sandbox" != socket.gethostname()
     assert cgroups and {line.rsplit(":", 1)[1] for line in cgroups} == {"/"}, cgroups
     assert "channels" not in cmdline and "uid_base" not in cmdline, cmdline  # was the zygote's whole JSON
+    # nor in the zygote's objects a call inherits a copy of: the host's cgroup paths, the work root
+    # (which named the service's pid)
+    find = ("import gc\nfound = {(s.cgroups, s.channels, s.work_root) for s in gc.get_objects() "
+            "if type(s).__name__ == 'Settings' and type(s).__module__ == 'zygote_state'}\nprint(found)")
+    assert sb.run(find).stdout == "{(None, None, None)}\n"
+    (cell,) = session_runs(sb, find)
+    assert cell.stdout == "{(None, None, None)}\n", cell
