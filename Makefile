@@ -64,17 +64,20 @@ clean-demo:
 	rm -rf runs/tiny_arith
 
 # The viewers, installed on first use: TensorBoard over every run under runs/ (SFT, RL and the
-# before/after evaluation), and JupyterLab on notebooks/ (RSTAR2_RUN=DIR picks the run to read).
+# before/after evaluation), and JupyterLab on notebooks/ (RSTAR2_RUN=DIR picks the run to read; a
+# relative DIR is from where make runs, not from notebooks/). Both listen on loopback only
+# (VIEWER_HOST=0.0.0.0 opens them to the network: they have no login of their own).
 RUNS ?= runs
+VIEWER_HOST ?= 127.0.0.1
 $(VENV)/.viewers: $(VENV)/.runtime requirements-viewers.txt
 	$(PIP) install -r requirements-viewers.txt
 	@touch $@
 
 tensorboard: $(VENV)/.viewers
-	$(VENV)/bin/tensorboard --logdir $(RUNS) --bind_all
+	$(VENV)/bin/tensorboard --logdir $(RUNS) --host $(VIEWER_HOST)
 
 notebook: $(VENV)/.viewers
-	$(VENV)/bin/jupyter lab notebooks/
+	$(if $(RSTAR2_RUN),RSTAR2_RUN=$(abspath $(RSTAR2_RUN))) $(VENV)/bin/jupyter lab --ip $(VIEWER_HOST) notebooks/
 
 # The full suite (what CI runs), on two workers; prints the 25 slowest tests. Budget: 30 minutes
 # from a fresh clone on a 2-core machine, installs included (README, "Tests").

@@ -36,8 +36,14 @@ class RunCheckpoints:
         """base: the identity of the frozen base (LoRA runs; None: the state is the whole model)."""
         self.directory = os.path.abspath(directory)
         self.base = base
-        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False))
+        # Every item's handler named up front: without them a manager that has not saved (a resume,
+        # chat) logs "Item ... was found in the checkpoint, but could not be restored" for each item
+        # whenever it reads a checkpoint's metadata.
+        handlers = dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler(),
+                        reference=ocp.StandardCheckpointHandler(), base=ocp.JsonCheckpointHandler())
+        self.manager = ocp.CheckpointManager(self.directory, item_handlers=handlers,
+                                             options=ocp.CheckpointManagerOptions(
+                                                 max_to_keep=keep, create=True, enable_async_checkpointing=False))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

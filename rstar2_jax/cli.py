@@ -51,7 +51,8 @@ def run(main, *, config_flag=None, config_type=None, expected: tuple[type[BaseEx
                 fail(_config_file_error(e, _config_arg(argv, config_flag), config_type))
             fail(_section_given_a_name(str(e), config_type) or _flag_error(str(e)))
         except Exception as e:  # noqa: BLE001  config_flags loading the file or applying an override
-            fail(_override_error(e, argv, config_type)
+            fail(_unknown_overrides(argv, _config_arg(argv, config_flag), config_type)
+                 or _override_error(e, argv, config_type)
                  or _config_file_error(e, _config_arg(argv, config_flag), config_type))
         if config_flag is not None:
             try:
@@ -96,6 +97,68 @@ def _config_arg(argv, config_flag) -> str | None:
 def _flag_error(message: str) -> str:
     # absl: "flag --x=v: <why>"; keep it, drop the FATAL / help lines absl adds
     return message.replace("\n", " ")
+
+
+# Names researchers type from other codebases, and ours.
+_SYNONYMS = {"learning_rate": "lr", "lr_rate": "lr", "num_epochs": "epochs", "batch_size": "batch"}
+
+
+def _config_paths(config_file: str | None) -> set[str] | None:
+    """Every dotted path (sections and leaves) of the config file's get_config(), or None when it
+    cannot be had (no file, a file that raises or takes an argument: the other messages say why)."""
+    if not config_file:
+        return None
+    import importlib.util
+    path = config_file.split(":", 1)[0]
+    try:
+        spec = importlib.util.spec_from_file_location("_rstar2_config_for_errors", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        tree = module.get_config().to_dict()
+    except Exception:  # noqa: BLE001
+        return None
+    paths: set[str] = set()
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            paths.add(prefix + key)
+            if isinstance(value, dict):
+                walk(value, prefix + key + ".")
+    walk(tree, "")
+    return paths
+
+
+def _unknown_overrides(argv, config_file: str | None, config_type=None) -> str | None:
+    """Every `--config.a.b=v` whose path is not in the config, at once, each with the path meant:
+    a missing prefix (`--config.roc.mode` -> `--config.rl.roc.mode`), a synonym
+    (`rl.learning_rate` -> `rl.lr`) or the closest spelling. None when all exist."""
+    import difflib
+    paths = _config_paths(config_file)
+    if paths is None:
+        return None
+    leaves = sorted(paths)
+    problems = []
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--config."):
+            continue
+        dotted = name.removeprefix("--config.")
+        if dotted in paths:
+            continue
+        if config_type is not None and moved_to(config_type, dotted):
+            return None  # moved: _override_error says where to
+        head, _, last = dotted.rpartition(".")
+        candidates = [p for p in leaves if p.endswith("." + dotted)]
+        if not candidates and last in _SYNONYMS:
+            candidates = [p for p in (f"{head}.{_SYNONYMS[last]}" if head else _SYNONYMS[last],) if p in paths]
+        if not candidates:
+            candidates = difflib.get_close_matches(dotted, leaves, n=1, cutoff=0.6)
+        if not candidates:
+            problems.append(f"{name}: no such field in the config")
+        else:
+            meant = " or ".join(f"--config.{c}" for c in candidates)
+            problems.append(f"{name}: no such field; did you mean {meant}?")
+    return "\n".join(problems) or None
 
 
 def _override_error(e: BaseException, argv, config_type=None) -> str | None:

@@ -280,7 +280,10 @@ def test_an_unknown_engine_is_refused_by_name_while_the_checks_that_ask_an_engin
     # a chunk checks for a live slot between equal blocks of steps (issue 70)
     ({"decode_steps": 16, "exit_check_steps": 5}, "jax.exit_check_steps",
      "5 does not divide rollout.jax.decode_steps=16", {"exit_check_steps": 16}),
-], ids=["replicas_over_devices", "exit_check_over_decode_steps"])
+    # one step per dispatch too (issue 80: exit_check_steps=4 with decode_steps=1 was accepted)
+    ({"decode_steps": 1, "exit_check_steps": 4}, "jax.exit_check_steps",
+     "4 does not divide rollout.jax.decode_steps=1", {"exit_check_steps": 1}),
+], ids=["replicas_over_devices", "exit_check_over_decode_steps", "exit_check_over_one_step"])
 def test_an_engine_setting_that_must_divide_another_is_refused_naming_both(given, leaf, message, fixed):
     tree = tiny_arith.get_config().to_dict()
     tree["rollout"]["jax"].update(given)

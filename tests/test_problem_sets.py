@@ -124,7 +124,7 @@ def test_gsm8k_layouts_give_the_final_answer_as_gold_never_the_worked_solution(t
     """Issue 69: verl's GSM8K rows carry extra_info.question/answer and were read as the rStar2-Agent
     layout, with the whole worked solution as gold (every response scored 0); raw openai/gsm8k too."""
     path = write_parquet(tmp_path / "gsm8k.parquet", rows())
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         problems = load_problems(path)
     assert layout_of(path) == layout
     assert [(p.question, p.answer) for p in problems] == [(question_of(q), gold) for q, _, gold in GSM8K]

@@ -361,7 +361,9 @@ def load_problems(path: str | os.PathLike, limit: int | None = None,
     for file, n, row in iter_rows(path, "problem file"):
         if layout is None:
             layout, evidence = _layout(row, file, columns, n)
-            logging.warning("%s: read as layout %s (%s)%s", file, layout.name, evidence, _template_note(layout))
+            # a warning only where the layout changes what the problems say (a kept instruction template)
+            (logging.warning if layout.template else logging.info)(
+                "%s: read as layout %s (%s)%s", file, layout.name, evidence, _template_note(layout))
         problem = parse_row(row, f"{file}:{n}", layout, columns)
         if not problem.id:
             problem = dataclasses.replace(problem, id=str(n) if file == os.fspath(path)

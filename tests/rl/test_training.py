@@ -319,6 +319,9 @@ def test_train_cli_plan_and_config_file_errors(tmp_path):
     ("--config.model.attention=flash", "model.attention: must be one of 'xla', 'cudnn'"),
     ("--config.rl.not_a_field=3", "--config.rl.not_a_field: no such field"),
     ("--config.rl.roc.mod=paper", "--config.rl.roc.mod: no such field; did you mean --config.rl.roc.mode?"),
+    # issue 80: a missing prefix said only "'roc'"; another codebase's name got no suggestion
+    ("--config.roc.mode=paper", "--config.roc.mode: no such field; did you mean --config.rl.roc.mode?"),
+    ("--config.rl.learning_rate=1e-5", "--config.rl.learning_rate: no such field; did you mean --config.rl.lr?"),
     ("--config.rollout.slots=4", "--config.rollout.slots: moved; set --config.rollout.jax.slots instead"),
     ("--config.rl.advantage=mean_only", "--config.rl.advantage is a section now: set "
                                         "--config.rl.advantage.name=mean_only"),
@@ -330,6 +333,21 @@ def test_bad_config_is_rejected_with_a_clear_message(tmp_path, override, message
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 4
     assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_every_unknown_override_is_reported_at_once_with_the_field_meant():
+    """Issue 80: only the first unknown key was reported."""
+    from rstar2_jax import cli
+    argv = ["train", "--config.roc.mode=paper", "--config.rl.lr=1e-5", "--config.rl.learning_rate=1",
+            "--config.rl.rocc=1", "--config.nothing_like_it_at_all=2"]
+    message = cli._unknown_overrides(argv, os.path.join(ROOT, "experiments/tiny_arith.py"))
+    assert message.splitlines() == [
+        "--config.roc.mode: no such field; did you mean --config.rl.roc.mode?",
+        "--config.rl.learning_rate: no such field; did you mean --config.rl.lr?",
+        "--config.rl.rocc: no such field; did you mean --config.rl.roc?",
+        "--config.nothing_like_it_at_all: no such field in the config",
+    ]
+    assert cli._unknown_overrides(["train", "--config.rl.lr=1"], os.path.join(ROOT, "experiments/tiny_arith.py")) is None
 
 
 def test_validate_directly():

@@ -190,14 +190,16 @@ def test_a_worker_killed_while_its_state_page_says_idle_answers_worker_died_and_
 # --- 4. sessions contained to themselves ------------------------------------------------------
 
 def test_nothing_of_a_session_runs_between_its_cells(one_slot):
-    """A 2 ms timer armed in one cell fired ~250 times in a 0.5 s pause before issue 79: the
+    """A 2 ms timer armed in one cell fired ~500 times in a 1 s pause before issue 79: the
     interpreter ran (and used CPU) while idle. Now it is stopped between cells."""
     arm = ("import signal\nticks = [0]\ndef tick(*a):\n    ticks[0] += 1\nsignal.signal(signal.SIGALRM, tick)\n"
            "signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)\nprint(ticks[0])")
     first, second = session_runs(one_slot, arm, "n = ticks[0]\nsignal.setitimer(signal.ITIMER_REAL, 0)\nprint(n)",
-                                 pause_s=0.5)
+                                 pause_s=1.0)
     assert first.status == second.status == "ok", (first, second)
-    assert int(second.stdout) - int(first.stdout) <= 10, (first.stdout, second.stdout)
+    # ~500 without the stop; what is left is the cell's tail before the worker stops it (a loaded
+    # machine may hold the worker back some tens of ms) and one pending tick at the next cell
+    assert int(second.stdout) - int(first.stdout) <= 50, (first.stdout, second.stdout)
 
 
 def test_a_child_the_session_hides_from_its_cleanup_is_killed_before_the_next_cell(one_slot):

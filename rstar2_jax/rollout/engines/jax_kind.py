@@ -152,7 +152,7 @@ def _check_jax(cfg: RolloutSection):
     if j.devices and j.devices % j.replicas:
         yield "jax.replicas", (f"{j.replicas} does not divide rollout.jax.devices={j.devices}: each replica takes an "
                                "equal group of the engine's devices")
-    if j.decode_steps > 1 and j.exit_check_steps > 0 and j.decode_steps % j.exit_check_steps:
+    if j.exit_check_steps > 0 and j.decode_steps % j.exit_check_steps:
         yield "jax.exit_check_steps", (f"{j.exit_check_steps} does not divide rollout.jax.decode_steps="
                                        f"{j.decode_steps}: a chunk checks for a live slot between equal blocks of steps")
     if j.kv_pages and j.page_size and j.kv_pages * j.page_size < cfg.max_len:
