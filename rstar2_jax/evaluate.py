@@ -32,6 +32,7 @@ import sys
 from absl import app, flags, logging
 
 from rstar2_jax import cli
+from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.templates import INSTRUCTIONS, Fixes, kept_template_warnings, recognise
 from rstar2_jax.rollout.engines.factory import DEFAULT_ENGINE, ENGINES
 
@@ -59,6 +60,12 @@ _ANSWER_FORMAT = flags.DEFINE_list("answer_format", [], "where the answer is rea
 _INSTRUCTIONS = flags.DEFINE_enum("instructions", "strip", list(INSTRUCTIONS), "a public set's own instruction "
                                   "template around a problem (data/templates.py): strip it (the prompt format "
                                   "instructs) or keep it (then grade the format it asks for: --answer_format)")
+# The column mapping train takes as data.problems.{question,answer,id}_key: a dotted path each, for
+# every benchmark (PATH) or one (BENCHMARK=PATH); a set in a known layout needs none.
+_COLUMN_FLAGS = {key: flags.DEFINE_list(f"{key}_key", [], f"the {what} field of a benchmark in another layout, a "
+                                        "dotted path (a.b is row['a']['b']): PATH for every benchmark, BENCHMARK=PATH "
+                                        f"for one (train: data.problems.{key}_key)")
+                 for key, what in (("question", "problem text's"), ("answer", "gold answer's"), ("id", "problem id's"))}
 _ENGINE = flags.DEFINE_string("engine", DEFAULT_ENGINE, f"rollout engine: {' | '.join(ENGINES)} (rollout.engine)")
 _OUT = flags.DEFINE_string("out", "runs/eval", "output directory")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
@@ -281,6 +288,37 @@ def benchmark_answer_formats(specs: list[str], names: list[str], default: str) -
     return formats
 
 
+def benchmark_columns(specs: dict[str, list[str]], names: list[str]):
+    """--question_key / --answer_key / --id_key (PATH, BENCHMARK=PATH) as benchmark -> Columns; every
+    error at once."""
+    from rstar2_jax.data.problems import Columns
+
+    chosen = {name: {} for name in names}
+    problems = []
+    for key, entries in specs.items():
+        for spec in entries:
+            name, _, path = spec.rpartition("=")
+            if name and name not in chosen:
+                problems.append(f"--{key}_key={spec}: {name!r} is not among --benchmarks ({', '.join(names)})")
+            elif not path:
+                problems.append(f"--{key}_key={spec}: give a field's dotted path")
+            else:
+                for bench in ([name] if name else names):
+                    chosen[bench][key] = path
+    for name, keys in chosen.items():
+        if bool(keys.get("question")) != bool(keys.get("answer")):
+            given, missing = ("question", "answer") if keys.get("question") else ("answer", "question")
+            problems.append(f"--{given}_key for {name} needs --{missing}_key too (a mapping names both fields)")
+    if problems:
+        raise app.UsageError("; ".join(problems))
+    return {name: Columns(**keys) for name, keys in chosen.items()}
+
+
+def evaluate_names(message: str) -> str:
+    """A data error's fix in evaluate's flags: train's data.problems.X_key is evaluate's --X_key."""
+    return message.replace("--config.data.problems.", "--").replace("data.problems.", "--")
+
+
 # What evaluate's warnings tell the user to set: its flags, not train's config keys.
 EVALUATE_FIXES = Fixes(answer_format="--answer_format={}", strip="--instructions=strip", prompt_format="--format={}",
                        keeping="--instructions=keep", grading="--answer_format {}")
@@ -310,6 +348,7 @@ def check_protocol(protocol: dict) -> None:
         from rstar2_jax.rewards import DEFAULT_ANSWER_FORMAT  # protocols written before answer formats: the default
         earlier.setdefault("answer_formats", dict.fromkeys(protocol["answer_formats"], DEFAULT_ANSWER_FORMAT))
         earlier.setdefault("instructions", protocol["instructions"])  # before templates: sets had none we strip
+        earlier.setdefault("columns", {name: {} for name in protocol.get("columns", {})})  # before mappings: none
         differs = sorted(k for k in set(earlier) | set(protocol) if earlier.get(k) != protocol.get(k))
         if differs:
             raise app.UsageError(f"--out={_OUT.value} holds the results of another evaluation (it differs in "
@@ -350,8 +389,14 @@ def main(argv):
             raise app.UsageError(f"benchmark file not found: {bench.path} (see README: Evaluation)")
     answer_formats = benchmark_answer_formats(_ANSWER_FORMAT.value, [b.name for b in benchmarks],
                                               run.get("answer_format", DEFAULT_ANSWER_FORMAT))
-    # every file read and checked (a malformed line: DataError with file and line) before any rollout
-    stored = [(bench, load_problems(bench.path, limit=_LIMIT.value or None)) for bench in benchmarks]
+    columns = benchmark_columns({key: flag.value for key, flag in _COLUMN_FLAGS.items()}, [b.name for b in benchmarks])
+    # every file read and checked whole (a malformed line: DataError with file and line) before any
+    # rollout, --limit or not; then the first --limit problems of each are evaluated
+    try:
+        stored = [(bench, load_problems(bench.path, columns=columns[bench.name])[:_LIMIT.value or None])
+                  for bench in benchmarks]
+    except DataError as e:
+        raise DataError(evaluate_names(str(e))) from None
     for warning in instruction_warnings(stored, _INSTRUCTIONS.value, answer_formats, format_name,
                                         fmt.answer_format):
         print(f"warning: {warning}", file=sys.stderr)
@@ -368,7 +413,9 @@ def main(argv):
                 "max_turns": max_turns, "model": _MODEL.value or _CHECKPOINT.value, "engine": engine_cfg.engine,
                 # the chosen engine's own settings (vllm: its server URLs, ...), as its section holds them
                 "engine_settings": getattr(engine_cfg, engine_cfg.engine).to_dict(),
-                "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value}
+                "format": format_name, "seed": _SEED.value, "limit": _LIMIT.value,
+                # the column mapping of each benchmark that has one ({} where its layout was detected)
+                "columns": {name: {k: v for k, v in dataclasses.asdict(c).items() if v} for name, c in columns.items()}}
     check_protocol(protocol)
 
     def write(results):

@@ -255,3 +255,39 @@ def test_evaluate_cli_needs_urls_for_vllm(tmp_path, benchmark_dir):
                      f"--data_dir={benchmark_dir}", f"--out={tmp_path / 'e'}")
     assert proc.returncode != 0
     assert "--scheduler: unknown scheduler policy 'fastest'; registered: kv_aware, least_requests, round_robin" in proc.stderr
+
+
+def test_column_flags_per_benchmark_and_every_bad_entry_at_once():
+    """Issue 80: evaluate takes train's column mapping, as --question_key / --answer_key / --id_key."""
+    from absl import app
+
+    from rstar2_jax.data.problems import Columns
+    from rstar2_jax.evaluate import benchmark_columns
+    names = ["aime24", "mine"]
+    assert benchmark_columns({"question": [], "answer": [], "id": []}, names) == {"aime24": Columns(), "mine": Columns()}
+    assert benchmark_columns({"question": ["mine=input"], "answer": ["mine=target.value"], "id": ["uid"]}, names) == {
+        "aime24": Columns(id="uid"), "mine": Columns("input", "target.value", "uid")}
+    with pytest.raises(app.UsageError) as e:
+        benchmark_columns({"question": ["theirs=q", "mine=input"], "answer": ["aime24="], "id": []}, names)
+    assert "--question_key=theirs=q: 'theirs' is not among --benchmarks" in str(e.value)
+    assert "--answer_key=aime24=: give a field's dotted path" in str(e.value)
+    assert "--question_key for mine needs --answer_key too" in str(e.value)
+
+
+def test_a_set_in_another_layout_names_evaluate_s_flags_and_is_read_with_them(tmp_path):
+    """The error said to set --config.data.problems.question_key, a flag evaluate did not have; and
+    --limit stopped reading at its limit though every row is to be checked first."""
+    from rstar2_jax.evaluate import evaluate_names
+    path = tmp_path / "odd.jsonl"
+    rows = [json.dumps({"input": f"{i} + {i}", "target": {"value": str(2 * i)}}) for i in range(2)]
+    path.write_text("\n".join(rows) + "\n" + '{"input": "3 + 3", "target"' + "\n")
+    with pytest.raises(DataError) as e:
+        load_problems(path)
+    told = evaluate_names(str(e.value))
+    assert "--question_key=" in told and "--answer_key=" in told and "data.problems" not in told, told
+    model = tiny.build_tiny_model(tmp_path / "m")
+    proc = _evaluate(tmp_path, f"--model={model}", f"--benchmarks={path}", "--question_key=input",
+                     "--answer_key=target.value", "--limit=1", "--format=tiny", f"--out={tmp_path / 'e'}")
+    # rows 1-2 read through the mapping (without it row 1 fails), row 3 checked despite --limit=1
+    assert proc.returncode == 2 and f"{path}:3: invalid JSON" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
