@@ -81,11 +81,29 @@ def main(argv):
         raise SyncPlanError(refusal)
     try:
         results = run(cfg, _WORKDIR.value, config_mismatch=_CONFIG_MISMATCH.value)
+    except KeyboardInterrupt:
+        interrupted(_WORKDIR.value)
     except BaseException:
         if run_cfg.distributed:
             stop_job()
         raise
     print("\n" + format_results(results))
+
+
+def interrupted(workdir: str):
+    """Ctrl-C: one line saying what is kept and how to go on, no traceback, exit status 130."""
+    import os
+
+    from rstar2_jax.checkpoints import RunCheckpoints
+    ckpts = RunCheckpoints(os.path.join(workdir, "checkpoints"))
+    try:
+        latest = ckpts.latest_step()
+    finally:
+        ckpts.close()
+    kept = (f"its checkpoint of RL step {latest} (later steps run again; finished rollouts of the step in "
+            "flight are kept and reused)" if latest is not None else "no checkpoint yet (it starts over)")
+    print(f"\ninterrupted: {workdir} keeps {kept}; the same command resumes it", file=sys.stderr)
+    raise SystemExit(130)
 
 
 def stop_job():

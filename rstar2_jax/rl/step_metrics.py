@@ -41,6 +41,23 @@ class MetricsLog:
                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"},
                           record["step"], axis="sft" if phase == "sft" else "rl")
 
+    def resume_at(self, checkpoint_step: int | None, done: set[str]):
+        """metrics.jsonl as of the checkpoint a run resumes from: the rows of the work it runs
+        again are dropped (rows_kept_at_resume), so every step is in the file once however often
+        the run was interrupted or killed. The trackers are not rewritten (a replayed step is
+        logged to them again at its own step number)."""
+        if not processes.is_primary() or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        kept = rows_kept_at_resume(rows, checkpoint_step, done)
+        if len(kept) == len(rows):
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+
     def text(self, name: str, text: str, step: int):
         if processes.is_primary():
             self.trackers.text(name, text, step)
@@ -49,12 +66,39 @@ class MetricsLog:
         self.trackers.close()
 
 
+# An evaluation's label in metrics.jsonl and its key in the run's results (RunState.results).
+EVAL_RESULT_KEYS = {"before_rl": "before", "after_rl": "after"}
+
+
+def rows_kept_at_resume(rows: list[dict], checkpoint_step: int | None, done: set[str]) -> list[dict]:
+    """The metrics.jsonl rows a run resuming from checkpoint `checkpoint_step` (the RL steps it
+    holds: 0..checkpoint_step - 1 trained; None: no checkpoint, SFT and everything after it run
+    again) keeps: SFT's (done before the first checkpoint), the RL steps the checkpoint holds,
+    evaluations before it or whose results the run keeps (`done`: the keys of its results), and
+    rows of any other kind."""
+    def kept(row):
+        phase, step = row.get("phase"), row.get("step", 0)
+        if phase not in ("sft", "rl", "eval"):
+            return True
+        if checkpoint_step is None:
+            return False
+        if phase == "rl":
+            return step < checkpoint_step
+        if phase == "eval":
+            return step < checkpoint_step or EVAL_RESULT_KEYS.get(row.get("label"), row.get("label")) in done
+        return True
+    return [r for r in rows if kept(r)]
+
+
 def step_metrics(engine, out: StepRollouts, kept: int) -> dict[str, float]:
     """The step's rollout metrics (the shared METRICS of rollout/scoring.py), throughput, time
     breakdown and engine counters: all of them of the step's own requests (with asynchronous
     rollouts the engine serves several steps at once; engines/accounting.py)."""
     summary = summarize(out.scored)
-    gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) for s in out.scored)
+    # the tokens sampled in this step's rollout time: those a resumed rollout had before the crash
+    # (its journal's) are not (a replayed step reported ~300,000 tokens/s)
+    gen_tokens = sum(int(np.sum(s.trajectory.loss_mask)) - s.trajectory.meta.get("journal_model_tokens", 0)
+                     for s in out.scored)
     step_s = time.monotonic() - out.started
     work = out.work
     queries = work.prefix_cache_queries if work is not None else 0

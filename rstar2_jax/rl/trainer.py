@@ -170,6 +170,8 @@ class RLRun:
         latest = self.checkpoints.latest_step()
         self.state = RunState()
         warm_start = latest is None and cfg.sft.steps > 0
+        if latest is None:  # everything runs (again): a killed first attempt's rows go
+            self.log.resume_at(None, set())
         # The learner owns the loaded (or SFT'd) arrays: no second copy of the model. From its first
         # update on, self.model serves only as the architecture (model_with).
         start_model = self.model_with(self.sft()) if warm_start else self.model
@@ -182,6 +184,8 @@ class RLRun:
             if self.learner.ref_params is not None:
                 self.learner.ref_params = self.checkpoints.restore_reference(latest, self.learner.ref_params)
             print(f"resumed from {self.checkpoints.directory} step {latest}")
+            # the rows of the work about to run again go: every step is in metrics.jsonl once
+            self.log.resume_at(latest, set(self.state.results) | set(self.run_dir.load_results()))
         elif warm_start:
             self.save_checkpoint(0)
         # saved in-flight tokens of weights newer than these were lost with the crash (journal.py)

@@ -105,6 +105,7 @@ class RolloutJournal:
         self.counts["finished" if finished else "partial"] += 1
         self._tokens, self._turns = len(traj.token_ids), len(traj.turns)
         self._keep_bytes = used if used < len(raw) else None
+        traj.meta["journal_model_tokens"] = sum(traj.loss_mask)  # sampled before: not this run's throughput
         return SavedRollout(traj, finished)
 
     def save(self, traj: Trajectory, finished: bool):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,8 +115,12 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
 
 
 def rl_lines(workdir) -> list[dict]:
-    """The RL steps' metric records of a run directory."""
-    return [l for l in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if l["phase"] == "rl"]
+    """The RL steps' metric records of a run directory ([] before it has any)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [l for l in map(json.loads, (line for line in f if line.endswith("\n"))) if l["phase"] == "rl"]
 
 
 COMPARED = ("accuracy", "kept_rollouts", "mean_response_tokens", "mean_tool_calls", "grad_norm", "update_norm",
@@ -236,14 +241,26 @@ def test_sigkill_while_a_checkpoint_is_written_then_resume(tmp_path):
                             timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert "2" not in os.listdir(work / "checkpoints") and "1" in os.listdir(work / "checkpoints")
-    done = subprocess.run([sys.executable, "-m", "rstar2_jax.train", *flags], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    before = rl_lines(work)[1]  # step 1 as trained before the kill
+    # the restart, interrupted with Ctrl-C (SIGINT) once step 2 is logged (issue 80): one line, no
+    # traceback, exit 130
+    train = [sys.executable, "-m", "rstar2_jax.train", *flags]
+    proc = subprocess.Popen(train, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and [l["step"] for l in rl_lines(work)][-1:] != [2] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "interrupted: " in err and "the same command resumes it" in err, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    done = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "step 1" in done.stdout.split("resumed from")[1].splitlines()[0]
+    assert "step 1" in out.split("resumed from")[1].splitlines()[0]
     lines = rl_lines(work)
-    assert [l["step"] for l in lines] == [0, 1, 1, 2, 3]  # step 1 trained before the kill and again after
-    before, again = lines[1], lines[2]
+    assert [l["step"] for l in lines] == [0, 1, 2, 3]  # each step once, after a kill and an interrupt
+    again = lines[1]
     assert again["inflight/resumed_finished"] == 2 * 4  # every rollout of the step, from the journal
+    assert again["tokens_per_s"] == 0  # nothing of it sampled now: no throughput claimed for the replay
     for key in COMPARED:
         if key in before:
             assert again[key] == before[key], key
@@ -467,3 +484,20 @@ def test_step_breakdown_measures_tool_wait_against_engine_work():
     t2.extend("request", [(0.0, 2.0), (6.0, 7.0)])
     m = step_breakdown(t2, rollout_s=10.0, step_s=12.0, stats=None)
     assert m["engine/busy"] == pytest.approx(0.3)
+
+
+def test_a_resumed_run_keeps_the_metric_rows_of_the_work_it_does_not_run_again():
+    """metrics.jsonl holds every step once after any interrupt or kill (issue 80 item 5)."""
+    from rstar2_jax.rl.step_metrics import rows_kept_at_resume
+    rows = ([{"phase": "sft", "step": i} for i in range(3)] + [{"phase": "eval", "label": "before_rl", "step": 0}]
+            + [{"phase": "rl", "step": i} for i in range(4)] + [{"phase": "eval", "label": "after_rl", "step": 4}]
+            + [{"phase": "other", "step": 9}])
+    # checkpoint 2 holds steps 0 and 1: step 2 on runs again
+    assert rows_kept_at_resume(rows, 2, {"before"}) == rows[:4] + rows[4:6] + rows[-1:]
+    # checkpoint 0 (after SFT): the before-evaluation ran but its result was not checkpointed, it
+    # runs again and its row goes, with every RL step's
+    assert rows_kept_at_resume(rows, 0, set()) == rows[:3] + rows[-1:]
+    # finished (4 steps, the after-evaluation's result kept): nothing goes
+    assert rows_kept_at_resume(rows, 4, {"before", "after"}) == rows
+    # no checkpoint: SFT and everything after it run again
+    assert rows_kept_at_resume(rows, None, set()) == rows[-1:]
