@@ -43,6 +43,7 @@ def main(argv):
     from rstar2_jax.rl.run_dir import RunDirectory
     from rstar2_jax.rl.step_metrics import format_results
     from rstar2_jax.rl.config import validate
+    from rstar2_jax.rl.idle_watch import RunNotLearning
     from rstar2_jax.rl.trainer import run
 
     cfg = _CONFIG.value
@@ -83,6 +84,9 @@ def main(argv):
         results = run(cfg, _WORKDIR.value, config_mismatch=_CONFIG_MISMATCH.value)
     except KeyboardInterrupt:
         interrupted(_WORKDIR.value)
+    except RunNotLearning as e:  # rl.idle.stop_after: the cause, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except BaseException:
         if run_cfg.distributed:
             stop_job()

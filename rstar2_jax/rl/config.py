@@ -33,6 +33,7 @@ from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
 from rstar2_jax.rl.carry import StalenessConfig
 from rstar2_jax.rl.dynamic_sampling import DynamicSamplingConfig
+from rstar2_jax.rl.idle_watch import IdleConfig
 from rstar2_jax.trackers import LoggingConfig
 from rstar2_jax.rl.roc_modes import RoCConfig
 from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_kind
@@ -60,6 +61,9 @@ class StageConfig(Section):
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(Section):
     before_and_after: bool = setting(True, "evaluate greedy and sampled on the eval problems before and after RL")
+    every: int = setting(0, "RL steps between held-out evaluations during RL, greedy and sampled on the eval "
+                         "problems (0: none); logged as eval/step_<N>/ at step N, kept in the checkpoint's run "
+                         "state so a resumed run neither repeats nor loses one", min=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,8 @@ class RLConfig(LearnerSettings):
     roc: RoCConfig = setting(RoCConfig, "Resample-on-Correct")
     dynamic_sampling: DynamicSamplingConfig = setting(DynamicSamplingConfig, "DAPO's draw-until-informative")
     overlong: OverlongConfig = setting(OverlongConfig, "DAPO's soft overlong punishment")
+    idle: IdleConfig = setting(IdleConfig, "steps that train nothing (no kept rollout): warn, or stop the run "
+                               "(rl/idle_watch.py)")
 
     @classmethod
     def upgrade_values(cls, mapping):

@@ -85,6 +85,7 @@ def rows_kept_at_resume(rows: list[dict], checkpoint_step: int | None, done: set
         if phase == "rl":
             return step < checkpoint_step
         if phase == "eval":
+            # eval.every's evaluations are keyed by their label (step_<N>) in the run's results
             return step < checkpoint_step or EVAL_RESULT_KEYS.get(row.get("label"), row.get("label")) in done
         return True
     return [r for r in rows if kept(r)]

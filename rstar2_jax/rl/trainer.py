@@ -42,6 +42,7 @@ from rstar2_jax.rl.config import RunConfig, check_prompt_room, validate
 from rstar2_jax.rl.memory_plan import resolve_token_budget
 from rstar2_jax.rl.data_stream import DataStream, solved_ids
 from rstar2_jax.rl.engine_weights import engine_weights
+from rstar2_jax.rl.idle_watch import IdleWatch
 from rstar2_jax.rl.grpo_roc import KeptRollout, advantages_with_kl, select_step
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
 from rstar2_jax.rl.prefilter import prefilter_stage
@@ -133,6 +134,15 @@ class RLRun:
                         **{f"{k}/{m}": v for k, s in out.items() for m, v in s.items()}})
         return out
 
+    async def evaluate_during(self, steps_done: int):
+        """eval.every: the held-out evaluation after `steps_done` RL steps (not after the last: the
+        after-RL one is that), its result kept in the run state that the next checkpoint saves."""
+        every, label = self.cfg.eval.every, f"step_{steps_done}"
+        if not every or steps_done % every or steps_done >= self.cfg.rl.steps or label in self.state.results:
+            return
+        out = await self.evaluate(steps_done, label)
+        self.state = dataclasses.replace(self.state, results={**self.state.results, label: out})
+
     # ------------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         """Evaluate before RL, train to rl.steps, evaluate after; a re-run of a finished run
@@ -151,8 +161,8 @@ class RLRun:
                 await self.train_steps()
                 if cfg.eval.before_and_after and "after" not in results:
                     results["after"] = await self.evaluate(cfg.rl.steps, "after_rl")
-            if processes.is_primary():
-                self.run_dir.save_results(results)
+            if processes.is_primary():  # before and after RL (those during it: metrics.jsonl, eval/step_<N>)
+                self.run_dir.save_results({k: v for k, v in results.items() if k in ("before", "after")})
                 if self._evaluated:  # the before/after table as text, once per evaluation that ran
                     self.log.text(
                         "results", "\n".join("    " + line for line in format_results(results).splitlines()),
@@ -219,6 +229,7 @@ class RLRun:
         start = self.state.rl_step
         self.data = self.data_stream()
         bar = tqdm(range(start, cfg.rl.steps), initial=start, total=cfg.rl.steps, desc="GRPO-RoC", dynamic_ncols=True)
+        idle = IdleWatch(cfg.rl.idle)  # steps that train nothing: warn, or stop (rl.idle)
         last_end = time.monotonic()
 
         async def draw(step: int):
@@ -237,8 +248,11 @@ class RLRun:
             self.log.write(metrics)
             bar.update(1)
             bar.write(format_breakdown(metrics))
+            if (said := idle.observe(step, metrics)) and processes.is_primary():
+                bar.write(said)
             bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", p_err=f"{metrics['tool_error_ratio_correct']:.2f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
+            await self.evaluate_during(step + 1)
             if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.rl.steps:
                 self.save_checkpoint(step + 1)
 

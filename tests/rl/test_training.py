@@ -62,8 +62,10 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
     cfg = small_config(pad_width_multiple=128, pad_rows_multiple=16)  # few update shapes (rl.pad_*_multiple)
     cfg.logging.backends = ("tensorboard", "wandb", "mlflow")  # issue 39: every tracker, one run
     cfg.logging.wandb_mode = "offline"
+    cfg.eval.every = 1  # issue 80: a held-out evaluation during RL (after step 1 of 2; after the last: "after")
     results = run(cfg, str(tmp_path))
     assert set(results) == {"before", "after"} and "accuracy" in results["after"]["sampled"]
+    assert set(json.loads((tmp_path / "results.json").read_text())) == {"before", "after"}
     traces = read_traces(tmp_path / "traces")
     assert len(traces) == 2 * 2 * 4  # steps x problems x 2G rollouts, kept or not
     assert set(traces["step"]) == {0, 1}
@@ -77,6 +79,8 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
         assert text.count("--- turn ") == len(r["turns"]) and html.count("<b>turn ") == len(r["turns"])
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [l["phase"] for l in lines].count("rl") == 2 and any(l["phase"] == "sft" for l in lines)
+    assert [(l["label"], l["step"]) for l in lines if l["phase"] == "eval"] == [("before_rl", 0), ("step_1", 1),
+                                                                              ("after_rl", 2)]
     for rl in (l for l in lines if l["phase"] == "rl"):  # the per-step breakdown adds up
         parts = rl["time/rollout_s"] + rl["time/reward_s"] + rl["time/learner_s"] + rl["time/sync_s"]
         assert 0 < parts <= rl["time/step_s"] + 1e-6
@@ -88,6 +92,7 @@ def test_short_run_writes_traces_metrics_checkpoints_and_results(tmp_path, bench
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 2
     tags = tensorboard_tags(tmp_path / "tensorboard")
     for tag in ("accuracy", "format_failure_rate", "tool_error_ratio_correct", "sft/loss", "eval/before_rl/greedy/accuracy",
+                "eval/step_1/sampled/accuracy",
                 "eval/after_rl/sampled/mean_tool_calls", "results/text_summary"):
         assert tag in tags, sorted(tags)
     # W&B (offline run files) and MLflow (its SQLite store) got the same names, and the same values
