@@ -27,6 +27,10 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this process's index")
 _PLAN = flags.DEFINE_bool("plan", False, "check the config, build the mesh and print the run's plan and memory per "
                           "device (refused if it does not fit); loads no model, starts nothing")
+_STAGE = flags.DEFINE_multi_string("stage", [], "a stage's setting, [INDEX.]FIELD=VALUE, as often as needed: "
+                                    "--stage=0.max_response_tokens=8000 --stage=1.max_turns=10; no INDEX: every "
+                                    "stage; the next INDEX adds a stage (with its start_step). The list "
+                                    "config.stages cannot be overridden by --config.stages (rl/stage_flags.py)")
 _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "print every field of --config: value, allowed values, meaning")
 _CONFIG_MISMATCH = flags.DEFINE_enum("config_mismatch", "stop", ["stop", "ok"],
                                      "re-running a run directory with a config that differs from its config.json: "
@@ -49,6 +53,9 @@ def main(argv):
     cfg = _CONFIG.value
     if cfg is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/tiny_arith.py")
+    if _STAGE.value:  # then the same checks as the file's stages (validate below)
+        from rstar2_jax.rl.stage_flags import apply_stage_flags
+        cfg.stages = apply_stage_flags(list(cfg.stages), _STAGE.value)
     if _HELPCONFIG.value:
         from rstar2_jax.rl.config import RunConfig
         parsed, _ = RunConfig.parse(cfg.to_dict())
