@@ -25,6 +25,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rstar2_jax.config_types import Section, setting
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# What JAX can use of one device with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the recipes' setting;
+# JAX's default is 0.75), from the memory the device reports: H100 80 GB 79.6 GiB, H200 (as the
+# lent machines report it) 139 GiB, MI300X 192 GiB.
+DEVICE_MEMORY_GIB = {"h100": 76.0, "h200": 132.0, "mi300x": 182.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +40,11 @@ class MeshConfig(Section):
     devices_per_process: int = setting(0, "devices each trainer process drives (a host's GPUs), for the memory "
                                        "plan and its engine; 0: the mesh's devices over the processes", min=0)
     device_memory_gb: float = setting(0.0, "memory of one device in GiB, for the memory plan's check before "
-                                      "launch (0: what the device reports; a CPU reports none)", min=0.0)
+                                      "launch (0: mesh.device_kind's, else what the device reports; a CPU "
+                                      "reports none)", min=0.0)
+    device_kind: str = setting("", "the accelerator a plan is made for, which brings its memory (DEVICE_MEMORY_GIB: "
+                               "h100 76, h200 132, mi300x 182 GiB usable); '' : mesh.device_memory_gb or what the "
+                               "device reports", choices=("",) + tuple(DEVICE_MEMORY_GIB))
 
     def axes(self) -> dict[str, int]:
         """{data, fsdp, tensor}: the make_mesh arguments."""

@@ -12,6 +12,7 @@ such as more rl.steps; --config_mismatch=ok records any other change).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags, logging
@@ -31,6 +32,10 @@ _STAGE = flags.DEFINE_multi_string("stage", [], "a stage's setting, [INDEX.]FIEL
                                     "--stage=0.max_response_tokens=8000 --stage=1.max_turns=10; no INDEX: every "
                                     "stage; the next INDEX adds a stage (with its start_step). The list "
                                     "config.stages cannot be overridden by --config.stages (rl/stage_flags.py)")
+_PLAN_MODEL = flags.DEFINE_string("plan_model", None, "with --plan: the architecture to plan for, without its weights "
+                                   "(e.g. on a login node): a shape (qwen3_0p6b, qwen3_1p7b, qwen3_4b, qwen3_14b), its "
+                                   "hub id (Qwen/Qwen3-14B), a config.json or a directory holding one; replaces "
+                                   "model.path for the plan")
 _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "print every field of --config: value, allowed values, meaning")
 _CONFIG_MISMATCH = flags.DEFINE_enum("config_mismatch", "stop", ["stop", "ok"],
                                      "re-running a run directory with a config that differs from its config.json: "
@@ -61,12 +66,17 @@ def main(argv):
         parsed, _ = RunConfig.parse(cfg.to_dict())
         print(describe_fields(parsed or RunConfig()))
         return
+    if _PLAN_MODEL.value is not None:
+        if not _PLAN.value:
+            raise app.UsageError("--plan_model is for --plan (a run trains the weights model.path names)")
+        cfg.model.path = plan_model_dir(_PLAN_MODEL.value)
     # Checked before anything starts (jax.distributed included), against the process count
     # given (--num_processes) or one; RLRun checks again against the job's real count.
     run_cfg = validate(cfg, processes_count=_NUM_PROCESSES.value or 1)
     for warning in run_cfg.warnings():
         print(f"warning: {warning}", file=sys.stderr)
     if _PLAN.value:
+        run_cfg = planned_device(run_cfg)
         print(describe_plan(run_cfg, _WORKDIR.value, _CONFIG_MISMATCH.value))
         memory = plan_for_launch(run_cfg, _NUM_PROCESSES.value or 1)
         print(memory.table())
@@ -103,7 +113,6 @@ def main(argv):
 
 def interrupted(workdir: str):
     """Ctrl-C: one line saying what is kept and how to go on, no traceback, exit status 130."""
-    import os
 
     from rstar2_jax.checkpoints import RunCheckpoints
     ckpts = RunCheckpoints(os.path.join(workdir, "checkpoints"))
@@ -115,6 +124,39 @@ def interrupted(workdir: str):
             "flight are kept and reused)" if latest is not None else "no checkpoint yet (it starts over)")
     print(f"\ninterrupted: {workdir} keeps {kept}; the same command resumes it", file=sys.stderr)
     raise SystemExit(130)
+
+
+def plan_model_dir(spec: str) -> str:
+    """A directory holding only the config.json of `spec` (models/shapes.plan_architecture): what
+    model.path needs for a plan, which reads the architecture and never the weights."""
+    import json
+    import tempfile
+
+    from rstar2_jax.models.shapes import plan_architecture
+    try:
+        arch = plan_architecture(spec)
+    except ValueError as e:
+        from absl import app
+        raise app.UsageError(str(e)) from None
+    out = tempfile.mkdtemp(prefix="rstar2-plan-model-")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(arch.to_hf_dict(), f)
+    print(f"planning for {spec} ({arch.num_layers} layers, hidden {arch.hidden_size}): its config.json alone")
+    return out
+
+
+def planned_device(run_cfg):
+    """The run config a plan is checked against: where no device memory is known (a login node's
+    CPU, no mesh.device_memory_gb or mesh.device_kind) an H100's, said so, rather than a plan
+    nothing bounds (its auto token budget grew to thousands of GiB of activations)."""
+    import dataclasses
+
+    from rstar2_jax.rl.memory_plan import device_capacity
+    if device_capacity(run_cfg) is not None:
+        return run_cfg
+    print("no device memory known here: planned for an H100 (76 GiB usable); mesh.device_kind=h200|mi300x or "
+          "mesh.device_memory_gb=N for another device")
+    return dataclasses.replace(run_cfg, mesh=dataclasses.replace(run_cfg.mesh, device_kind="h100"))
 
 
 def stop_job():

@@ -27,3 +27,23 @@ def shape(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise KeyError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
     return ModelConfig(**SHAPES[name])
+
+
+# The hub ids of the public checkpoints whose shapes are above (a plan needs no download).
+PUBLIC_IDS = {"Qwen/Qwen3-0.6B": "qwen3_0p6b", "Qwen/Qwen3-1.7B": "qwen3_1p7b", "Qwen/Qwen3-4B": "qwen3_4b",
+              "Qwen/Qwen3-14B": "qwen3_14b"}
+
+
+def plan_architecture(spec: str) -> ModelConfig:
+    """The architecture `train --plan_model` plans for: a shape's name (SHAPES), a public hub id
+    (PUBLIC_IDS), a config.json, or a directory holding one (the weights are never read)."""
+    import os
+    if spec in SHAPES:
+        return shape(spec)
+    if spec in PUBLIC_IDS:
+        return shape(PUBLIC_IDS[spec])
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(path):
+        return ModelConfig.from_json_file(path)
+    raise ValueError(f"--plan_model={spec}: not a shape ({', '.join(sorted(SHAPES))}), a public id "
+                     f"({', '.join(sorted(PUBLIC_IDS))}), a config.json or a directory holding one")

@@ -133,7 +133,7 @@ class MemoryPlan:
                 out.append(f"  {'headroom':<16}{(self.capacity - total) / GiB:>9.2f}")
         if self.capacity is None:
             out.append("  device memory unknown (this platform reports none): not checked; "
-                       "set mesh.device_memory_gb to check")
+                       "set mesh.device_kind (h100, h200, mi300x) or mesh.device_memory_gb to check")
         return "\n".join(out)
 
     def refusal(self) -> str | None:
@@ -292,9 +292,13 @@ def architecture(cfg: RunConfig) -> ModelConfig:
 
 
 def device_capacity(cfg: RunConfig) -> float | None:
-    """mesh.device_memory_gb, else what the first device reports (None on CPU: no limit)."""
+    """mesh.device_memory_gb, else mesh.device_kind's, else what the first device reports (None on
+    CPU: no limit)."""
     if cfg.mesh.device_memory_gb:
         return cfg.mesh.device_memory_gb * GiB
+    if cfg.mesh.device_kind:
+        from rstar2_jax.sharding import DEVICE_MEMORY_GIB
+        return DEVICE_MEMORY_GIB[cfg.mesh.device_kind] * GiB
     import jax
     try:  # this process's own device (another process's cannot be asked)
         stats = jax.local_devices()[0].memory_stats() or {}
@@ -359,7 +363,7 @@ def resolve_token_budget(cfg: RunConfig, processes: int, accelerator: bool | Non
         return cfg
     if accelerator is None:
         import jax
-        accelerator = jax.default_backend() != "cpu" or bool(cfg.mesh.device_memory_gb)
+        accelerator = jax.default_backend() != "cpu" or bool(cfg.mesh.device_memory_gb or cfg.mesh.device_kind)
     capacity = device_capacity(cfg)
     if not accelerator or cfg.rl.micro_batches > 1 or capacity is None:
         return _with_budget(cfg, 0)

@@ -342,3 +342,23 @@ def test_engine_replicas_each_hold_a_replicas_share_of_the_engines_devices(tmp_p
              for c in (replicated, two, four)]
     for name in ("engine weights", "KV pool"):
         assert plans[0].line(name).bytes == plans[1].line(name).bytes > plans[2].line(name).bytes, name
+
+
+def test_a_plan_on_a_login_node_from_a_public_shape_is_checked_against_a_named_device(tmp_path):
+    """Issue 80 item 2: --plan needed model.path to be a directory, and with no device memory it
+    printed 3,436 GiB of activations, "not checked". Now a shape by name, and an H100 unless told."""
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    base = [sys.executable, "-m", "rstar2_jax.train", f"--config=experiments/rstar2_agent_14b.py:,{data}",
+            f"--config.data.problems.eval_path={data}", f"--workdir={tmp_path / 'run'}", "--num_processes=8"]
+    proc = subprocess.run(base + ["--plan", "--plan_model=Qwen/Qwen3-14B"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "planned for an H100 (76 GiB usable)" in proc.stdout and "device              76.00" in proc.stdout
+    assert "not checked" not in proc.stdout and "14.77B parameters" in proc.stdout
+    proc = subprocess.run(base + ["--plan", "--plan_model=qwen3_14b", "--config.mesh.device_kind=h200"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "device             132.00" in proc.stdout and "H100" not in proc.stdout, proc.stdout
+    proc = subprocess.run(base + ["--plan_model=qwen3_14b"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--plan_model is for --plan" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
