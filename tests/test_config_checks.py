@@ -292,3 +292,17 @@ def test_an_engine_setting_that_must_divide_another_is_refused_naming_both(given
     assert message in str(p), p
     tree["rollout"]["jax"].update(fixed)
     assert problems_of(tree) == []
+
+
+def test_an_engine_asking_for_every_device_of_a_process_is_refused_by_the_config_check():
+    """Issue 80: rollout.jax.devices equal to a host's devices was refused only once the run started."""
+    tree = tiny_arith.get_config().to_dict()
+    tree["mesh"]["devices_per_process"] = 4
+    tree["rollout"]["jax"]["devices"] = 4
+    run_cfg, problems = RunConfig.parse(tree)
+    assert problems == []
+    [p] = run_cfg.topology_problems(1)
+    assert p.path == "rollout.jax.devices" and "leaves the learner 0: set it to at most 3" in str(p), p
+    tree["rollout"]["jax"]["devices"] = 3
+    run_cfg, _ = RunConfig.parse(tree)
+    assert run_cfg.topology_problems(1) == []

@@ -15,10 +15,12 @@ keeps decoding it for at most this and the next chunk, and those tokens are drop
 dirty, and the next chunk takes that slot's state from the host instead of the carry. A chunk's
 tokens for a slot are applied only if the slot still holds the request it held at dispatch.
 
-Exact against one step per dispatch: a token is sampled with the key of (the request's seed, its
-index) and its KV written at its position, whichever chunk it falls in; tokens sampled past a
+The same tokens as one step per dispatch: a token is sampled with the key of (the request's seed,
+its index) and its KV written at its position, whichever chunk it falls in; tokens sampled past a
 host-matched stop, or for a request preempted meanwhile (which samples them again after its
-recompute, with the same keys), are dropped. Paged KV gives each row the pages of the positions
+recompute, with the same keys), are dropped. Log-probs are equal too, except under paged-KV
+preemption, where they differ by float32 rounding (up to 1e-6, issue 80; the tests compare at
+1e-5 there): the tokens are the same. Where in the recompute the rounding enters was not traced. Paged KV gives each row the pages of the positions
 the chunks in flight may write before they are dispatched (`lookahead`).
 
 A chunk ends early once no slot is live, checked every `exit_check_steps` steps (1 by default:
