@@ -20,7 +20,8 @@ its index) and its KV written at its position, whichever chunk it falls in; toke
 host-matched stop, or for a request preempted meanwhile (which samples them again after its
 recompute, with the same keys), are dropped. Log-probs are equal too, except under paged-KV
 preemption, where they differ by float32 rounding (up to 1e-6, issue 80; the tests compare at
-1e-5 there): the tokens are the same. Where in the recompute the rounding enters was not traced. Paged KV gives each row the pages of the positions
+1e-5 there): the tokens are the same. Where in the recompute the rounding enters was not traced.
+Paged KV gives each row the pages of the positions
 the chunks in flight may write before they are dispatched (`lookahead`).
 
 A chunk ends early once no slot is live, checked every `exit_check_steps` steps (1 by default:
