@@ -94,15 +94,19 @@ def summarize_finals(finals: pd.DataFrame, order: list[str] | None = None) -> pd
 
 
 def summary_markdown(summary: pd.DataFrame) -> str:
-    """The summary as a Markdown table, mean +- std over seeds."""
+    """The summary as a Markdown table, mean +- std over seeds (a cell of one seed: its value alone,
+    with no spread to show: "± 0.0%" there read as a measured spread of zero)."""
     pct = {"greedy_accuracy", "sampled_accuracy"}
     header = ["cell", "seeds", *FINALS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, r in summary.iterrows():
-        cells = [r["cell"], str(int(r["seeds"]))]
+        seeds = int(r["seeds"])
+        cells = [r["cell"], str(seeds)]
         for name in FINALS:
             m, s = r[f"{name}_mean"], r[f"{name}_std"]
-            cells.append(f"{m:.1%} ± {s:.1%}" if name in pct else f"{m:.3f} ± {s:.3f}")
+            value = f"{m:.1%}" if name in pct else f"{m:.3f}"
+            spread = (f" ± {s:.1%}" if name in pct else f" ± {s:.3f}") if seeds > 1 else ""
+            cells.append(value + spread)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -110,6 +114,11 @@ def summary_markdown(summary: pd.DataFrame) -> str:
 def curve_bands(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
     """Per cell and step: mean, min and max of `metric` over seeds."""
     return (curves.groupby(["cell", "step"], sort=False)[metric].agg(["mean", "min", "max"]).reset_index())
+
+
+def MaxNLocator(**kwargs):  # noqa: N802 - matplotlib's, imported where a plot is made
+    from matplotlib.ticker import MaxNLocator as locator
+    return locator(**kwargs)
 
 
 def _subplots(n: int, panel_width: float, to_file: bool):
@@ -143,6 +152,7 @@ def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] 
             line, = ax.plot(b.step, b["mean"], label=cell)
             ax.fill_between(b.step, b["min"], b["max"], color=line.get_color(), alpha=0.2)
         ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole (ticks at 0.25 otherwise)
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].legend(fontsize=8)

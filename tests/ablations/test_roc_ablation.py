@@ -107,3 +107,16 @@ def test_notebooks_are_stored_without_outputs(name):
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.outputs == [] and c.execution_count is None for c in code)
+
+
+def test_a_one_seed_cell_shows_its_value_without_a_spread():
+    """Issue 80: a one-seed ablation printed "+- 0.0%", a spread nothing measured."""
+    import pandas as pd
+
+    from rstar2_jax.ablation import FINALS, summary_markdown
+    row = {"cell": "roc_on", "seeds": 1, **{f"{n}_mean": 0.5 for n in FINALS}, **{f"{n}_std": 0.0 for n in FINALS}}
+    two = dict(row, cell="roc_off", seeds=2, **{f"{n}_std": 0.1 for n in FINALS})
+    text = summary_markdown(pd.DataFrame([row, two]))
+    one_line = next(line for line in text.splitlines() if "roc_on" in line)
+    assert "±" not in one_line and "50.0%" in one_line
+    assert "50.0% ± 10.0%" in next(line for line in text.splitlines() if "roc_off" in line)

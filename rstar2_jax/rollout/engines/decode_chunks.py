@@ -21,8 +21,8 @@ host-matched stop, or for a request preempted meanwhile (which samples them agai
 recompute, with the same keys), are dropped. Log-probs are equal too, except under paged-KV
 preemption, where they differ by float32 rounding (up to 1e-6, issue 80; the tests compare at
 1e-5 there): the tokens are the same. Where in the recompute the rounding enters was not traced.
-Paged KV gives each row the pages of the positions
-the chunks in flight may write before they are dispatched (`lookahead`).
+Paged KV gives each row the pages of the positions the chunks in flight may write before they
+are dispatched (`lookahead`).
 
 A chunk ends early once no slot is live, checked every `exit_check_steps` steps (1 by default:
 every step). On a GPU each check is a device-to-host copy and a wait before the next step is
