@@ -107,6 +107,8 @@ def test_dry_run_checks_the_config_and_prints_the_script_without_slurm(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("#!/bin/bash") and "--config.rl.steps=3" in done.stdout
     assert (tmp_path / "run" / "slurm" / "job.sh").read_text() == done.stdout
+    # the partition checks that could not run are said to be skipped (issue 80)
+    assert "no SLURM here (sinfo did not answer): the job's nodes, CPUs and GPUs were not checked" in done.stderr
     bad = subprocess.run(args + ["--dry_run", "--config.rollout.max_len=64"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "does not pass `train --plan` for 2 process(es)" in bad.stderr

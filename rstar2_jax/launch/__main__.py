@@ -120,6 +120,9 @@ def main(argv):
     script = write_script(job)
     if _DRY_RUN.value:
         print(open(script).read(), end="")
+        if cluster is None:  # the partition's nodes, CPUs and GPUs were not checked against the job
+            print("# no SLURM here (sinfo did not answer): the job's nodes, CPUs and GPUs were not checked against "
+                  "the partition", file=sys.stderr)
         print(f"# written to {script}; submit with: sbatch {script}", file=sys.stderr)
         return
     if cluster is None:
