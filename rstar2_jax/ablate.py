@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -167,12 +168,15 @@ def main(argv):
         validate(cfg)
     order = list(dict.fromkeys(cfg.run_name for _, _, cfg, _ in runs))
     if not _SUMMARY_ONLY.value:
+        took = []  # seconds of each cell run here (finished ones skipped): the grid's ETA
         for i, (arg, seed, cfg, run_dir) in enumerate(runs, 1):
             head = f"[{i}/{len(runs)}] {cfg.run_name} seed {seed}"
             if os.path.exists(os.path.join(run_dir, "results.json")):
                 print(f"{head}: finished, skipped", flush=True)
                 continue
-            print(f"{head}: {run_dir}", flush=True)
+            print(f"{head}: {run_dir}" + (f" (grid ETA {grid_eta(took, len(runs) - i + 1)})" if took else ""),
+                  flush=True)
+            started = time.monotonic()
             if cfg.sft.steps > 0 and not cfg.model.path:
                 cfg.model.path = ensure_warm_start(warm_start_config(cfg, _WARM_START_SEED.value), workdir)
                 cfg.sft.steps = 0
@@ -182,13 +186,23 @@ def main(argv):
             before_file = shared_before(cfg, workdir)
             before = json.load(open(before_file)) if os.path.exists(before_file) else None
             results = run(cfg, run_dir, before=before)
+            took.append(time.monotonic() - started)
             if before is None and "before" in results:
                 os.makedirs(os.path.dirname(before_file), exist_ok=True)
                 with open(before_file + ".tmp", "w") as f:
                     json.dump(results["before"], f)
                 os.replace(before_file + ".tmp", before_file)
     print("\n" + write_summary(workdir, order, getattr(load_config_module(config_file), "CURVES", None)))
-    print(f"\nwrote {workdir}/summary.csv, summary.md, runs.csv, curves.png, finals.png")
+    print(f"\nwrote {workdir}/summary.csv, summary.md, runs.csv, curves.png, finals.png\n"
+          f"next: RSTAR2_RUN={workdir} make notebook (the ablation's notebook reads the grid); more seeds: the same "
+          "command with a higher --seeds runs only the new cells")
+
+
+def grid_eta(took: list[float], left: int) -> str:
+    """`left` cells at the mean time of those run so far, as a duration and a clock time."""
+    seconds = sum(took) / len(took) * left
+    done_at = time.strftime("%H:%M", time.localtime(time.time() + seconds))
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m for {left} cell(s), about {done_at}"
 
 
 if __name__ == "__main__":

@@ -109,6 +109,11 @@ def main(argv):
             stop_job()
         raise
     print("\n" + format_results(results))
+    workdir = os.path.abspath(_WORKDIR.value)
+    print(f"\nresults: {workdir}/results.json, metrics.jsonl, traces/ (every rollout), checkpoints/\n"
+          f"next: python -m rstar2_jax.evaluate --checkpoint {workdir} --benchmarks aime24,math500 (held-out "
+          f"benchmarks); RSTAR2_RUN={workdir} make notebook (the traces); python -m rstar2_jax.chat "
+          f"--checkpoint {workdir} (the policy, turn by turn)")
 
 
 def interrupted(workdir: str):

@@ -120,3 +120,8 @@ def test_a_one_seed_cell_shows_its_value_without_a_spread():
     one_line = next(line for line in text.splitlines() if "roc_on" in line)
     assert "±" not in one_line and "50.0%" in one_line
     assert "50.0% ± 10.0%" in next(line for line in text.splitlines() if "roc_off" in line)
+
+
+def test_the_grid_eta_is_the_mean_cell_time_times_the_cells_left():
+    from rstar2_jax.ablate import grid_eta
+    assert grid_eta([600.0, 1200.0], 4).startswith("1h00m for 4 cell(s), about ")
