@@ -193,9 +193,10 @@ class RunConfig(Section):
         if -1 not in sizes.values() and per_process and processes > 1 and per_process * processes != devices:
             return [ConfigProblem("mesh.devices_per_process", f"{processes} processes x {per_process} devices is not "
                                   f"the mesh's {devices} devices")]
-        own = self.rollout.jax.devices if self.rollout.engine == "jax" else 0
+        kind = self._checked_engine_kind()
+        own = kind.devices_of_its_own(self.rollout) if kind is not None else 0  # the engine's own, per process
         if own and per_process and own >= per_process:  # known before launch (issue 80: refused only at start)
-            return [ConfigProblem("rollout.jax.devices", f"{own} of each process's {per_process} devices "
+            return [ConfigProblem(f"rollout.{self.rollout.engine}.devices", f"{own} of each process's {per_process} devices "
                                   f"(mesh.devices_per_process) leaves the learner {per_process - own}: set it to at "
                                   f"most {per_process - 1} (0: the engine shares the learner's devices)")]
         return []

@@ -311,7 +311,8 @@ def test_train_cli_plan_and_config_file_errors(tmp_path):
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     work = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "rstar2_jax.train", f"--config=experiments/rstar2_agent_14b.py:,{data}",
-                           f"--config.data.problems.eval_path={data}", f"--workdir={work}", "--plan"],
+                           f"--config.data.problems.eval_path={data}", f"--workdir={work}", "--plan",
+                           "--num_processes=8", "--plan_model=qwen3_14b"],  # the recipe's hosts and shape
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "stage 2: steps 385-509: 12288 tokens, 15 turns, drop problems solved 8/8 (offline), optimizer reset" in proc.stdout
