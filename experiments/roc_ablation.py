@@ -34,3 +34,12 @@ def get_config(arg: str = "paper,4,2,0.001"):
     c.rl.group_size = g
     c.rl.oversample = o
     return c
+
+
+_MODES = {"off": "GRPO", "paper": "GRPO-RoC (paper)", "release": "GRPO-RoC (release)"}
+
+
+def cell_label(run_name: str) -> str:
+    """A cell as the plots name it: roc_paper_4_2_0.001 -> "GRPO-RoC (paper), G=4, 2x, eps 0.001"."""
+    _, mode, g, o, eps = run_name.split("_")
+    return f"{_MODES.get(mode, mode)}, G={g}, {o}x" + (f", eps {eps}" if mode == "paper" else "")

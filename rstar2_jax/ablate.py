@@ -134,9 +134,10 @@ def plan(config_file: str, grid: str, seeds: int, overrides: dict, workdir: str)
     return out
 
 
-def write_summary(workdir: str, order: list[str], curves: dict[str, str] | None = None) -> str:
+def write_summary(workdir: str, order: list[str], curves: dict[str, str] | None = None, label=None) -> str:
     """The summary files; `curves`: the metrics curves.png plots (default ablation.CURVES; a
-    config file may name its own as CURVES)."""
+    config file may name its own as CURVES); `label`: a cell's name as the plots show it (a
+    config file's `cell_label(run_name)`; default: the name itself)."""
     from rstar2_jax import ablation
 
     finals = ablation.load_finals(workdir)
@@ -147,8 +148,10 @@ def write_summary(workdir: str, order: list[str], curves: dict[str, str] | None 
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(table + "\n")
     metrics = curves or ablation.CURVES
-    ablation.plot_curves(ablation.load_curves(workdir, metrics), os.path.join(workdir, "curves.png"), order, metrics)
-    ablation.plot_finals(summary, os.path.join(workdir, "finals.png"))
+    labels = {cell: label(cell) for cell in order} if label else None
+    ablation.plot_curves(ablation.load_curves(workdir, metrics), os.path.join(workdir, "curves.png"), order, metrics,
+                         labels=labels)
+    ablation.plot_finals(summary, os.path.join(workdir, "finals.png"), labels=labels)
     return table
 
 
@@ -192,7 +195,8 @@ def main(argv):
                 with open(before_file + ".tmp", "w") as f:
                     json.dump(results["before"], f)
                 os.replace(before_file + ".tmp", before_file)
-    print("\n" + write_summary(workdir, order, getattr(load_config_module(config_file), "CURVES", None)))
+    module = load_config_module(config_file)
+    print("\n" + write_summary(workdir, order, getattr(module, "CURVES", None), getattr(module, "cell_label", None)))
     print(f"\nwrote {workdir}/summary.csv, summary.md, runs.csv, curves.png, finals.png\n"
           f"next: RSTAR2_RUN={workdir} make notebook (the ablation's notebook reads the grid); more seeds: the same "
           "command with a higher --seeds runs only the new cells")

@@ -139,8 +139,10 @@ def _finish(fig, path: str | None):
     return fig
 
 
-def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None, metrics=CURVES):
-    """One panel per metric (default CURVES) over RL steps: mean over seeds, band from min to max."""
+def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] | None = None, metrics=CURVES,
+                labels: dict[str, str] | None = None):
+    """One panel per metric (default CURVES) over RL steps: mean over seeds, band from min to max;
+    `labels`: what the legend calls each cell (default its name)."""
     cells = order or list(dict.fromkeys(curves["cell"]))
     fig, axes = _subplots(len(metrics), 5, path is not None)
     for ax, (metric, label) in zip(np.atleast_1d(axes), metrics.items()):
@@ -149,7 +151,7 @@ def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] 
             b = bands[(bands.cell == cell) & bands["mean"].notna()]
             if not len(b):
                 continue
-            line, = ax.plot(b.step, b["mean"], label=cell)
+            line, = ax.plot(b.step, b["mean"], label=(labels or {}).get(cell, cell))
             ax.fill_between(b.step, b["min"], b["max"], color=line.get_color(), alpha=0.2)
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole (ticks at 0.25 otherwise)
@@ -159,14 +161,15 @@ def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] 
     return _finish(fig, path)
 
 
-def plot_finals(summary: pd.DataFrame, path: str | None = None):
-    """Bar per cell for each final number, with the standard deviation over seeds."""
+def plot_finals(summary: pd.DataFrame, path: str | None = None, labels: dict[str, str] | None = None):
+    """Bar per cell for each final number, with the standard deviation over seeds (cells named by
+    `labels` where given)."""
     fig, axes = _subplots(len(FINALS), 3.2, path is not None)
     x = np.arange(len(summary))
     for ax, name in zip(axes, FINALS):
         ax.bar(x, summary[f"{name}_mean"], yerr=summary[f"{name}_std"], capsize=3,
                color=[f"C{i}" for i in range(len(summary))])
-        ax.set_xticks(x, summary["cell"], rotation=60, ha="right", fontsize=7)
+        ax.set_xticks(x, [(labels or {}).get(c, c) for c in summary["cell"]], rotation=60, ha="right", fontsize=7)
         ax.set_title(name.replace("_", " "), fontsize=10)
     return _finish(fig, path)
 

@@ -134,7 +134,9 @@ def interrupted(workdir: str):
 def plan_model_dir(spec: str) -> str:
     """A directory holding only the config.json of `spec` (models/shapes.plan_architecture): what
     model.path needs for a plan, which reads the architecture and never the weights."""
+    import atexit
     import json
+    import shutil
     import tempfile
 
     from rstar2_jax.models.shapes import plan_architecture
@@ -144,6 +146,7 @@ def plan_model_dir(spec: str) -> str:
         from absl import app
         raise app.UsageError(str(e)) from None
     out = tempfile.mkdtemp(prefix="rstar2-plan-model-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # a plan leaves nothing behind
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(arch.to_hf_dict(), f)
     print(f"planning for {spec} ({arch.num_layers} layers, hidden {arch.hidden_size}): its config.json alone")

@@ -125,3 +125,12 @@ def test_a_one_seed_cell_shows_its_value_without_a_spread():
 def test_the_grid_eta_is_the_mean_cell_time_times_the_cells_left():
     from rstar2_jax.ablate import grid_eta
     assert grid_eta([600.0, 1200.0], 4).startswith("1h00m for 4 cell(s), about ")
+
+
+def test_cells_are_named_in_the_plots_by_what_they_are():
+    """Issue 80: the plots showed raw cell names (roc_off_4_2_0.001)."""
+    from experiments.roc_ablation import GRID, cell_label, get_config
+    assert cell_label(get_config("off,4,2,0.001").run_name) == "GRPO, G=4, 2x"
+    assert cell_label(get_config("paper,2,2,0.1").run_name) == "GRPO-RoC (paper), G=2, 2x, eps 0.1"
+    names = {cell_label(get_config(",".join(map(str, cell))).run_name) for cell in GRID}
+    assert len(names) == len(GRID)  # every cell its own label
