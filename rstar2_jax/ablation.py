@@ -116,11 +116,6 @@ def curve_bands(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
     return (curves.groupby(["cell", "step"], sort=False)[metric].agg(["mean", "min", "max"]).reset_index())
 
 
-def MaxNLocator(**kwargs):  # noqa: N802 - matplotlib's, imported where a plot is made
-    from matplotlib.ticker import MaxNLocator as locator
-    return locator(**kwargs)
-
-
 def _subplots(n: int, panel_width: float, to_file: bool):
     """A figure with `n` panels in a row; headless (Agg) when it only goes to a file."""
     import matplotlib
@@ -145,6 +140,7 @@ def plot_curves(curves: pd.DataFrame, path: str | None = None, order: list[str] 
     `labels`: what the legend calls each cell (default its name)."""
     cells = order or list(dict.fromkeys(curves["cell"]))
     fig, axes = _subplots(len(metrics), 5, path is not None)
+    from matplotlib.ticker import MaxNLocator  # after _subplots chose the backend
     for ax, (metric, label) in zip(np.atleast_1d(axes), metrics.items()):
         bands = curve_bands(curves, metric)
         for cell in cells:

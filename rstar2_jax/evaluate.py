@@ -270,19 +270,29 @@ async def run_eval(make_engine, tokenizer, benchmarks, fmt, budgets: dict[str, i
     return results
 
 
+def per_benchmark(flag: str, specs: list[str], names: list[str], problems: list[str]) -> list[tuple[list[str], str, str]]:
+    """A per-benchmark flag's entries (VALUE for every benchmark, BENCHMARK=VALUE for one) as
+    (the benchmarks it sets, value, the entry); an entry naming no --benchmarks goes to `problems`."""
+    out = []
+    for spec in specs:
+        name, _, value = spec.rpartition("=")
+        if name and name not in names:
+            problems.append(f"--{flag}={spec}: {name!r} is not among --benchmarks ({', '.join(names)})")
+        else:
+            out.append(([name] if name else list(names), value, spec))
+    return out
+
+
 def benchmark_answer_formats(specs: list[str], names: list[str], default: str) -> dict[str, str]:
     """--answer_format's entries (FORMAT, BENCHMARK=FORMAT) as benchmark -> format; every error at once."""
     from rstar2_jax.rewards import ANSWER_FORMATS
 
     formats, problems = dict.fromkeys(names, default), []
-    for spec in specs:
-        name, _, fmt = spec.rpartition("=")
-        if name and name not in formats:
-            problems.append(f"--answer_format={spec}: {name!r} is not among --benchmarks ({', '.join(names)})")
-        elif (why := ANSWER_FORMATS.problem(fmt)) is not None:
+    for targets, fmt, spec in per_benchmark("answer_format", specs, names, problems):
+        if (why := ANSWER_FORMATS.problem(fmt)) is not None:
             problems.append(f"--answer_format={spec}: {why}")
         else:
-            formats.update({name: fmt} if name else dict.fromkeys(names, fmt))
+            formats.update(dict.fromkeys(targets, fmt))
     if problems:
         raise app.UsageError("; ".join(problems))
     return formats
@@ -296,15 +306,11 @@ def benchmark_columns(specs: dict[str, list[str]], names: list[str]):
     chosen = {name: {} for name in names}
     problems = []
     for key, entries in specs.items():
-        for spec in entries:
-            name, _, path = spec.rpartition("=")
-            if name and name not in chosen:
-                problems.append(f"--{key}_key={spec}: {name!r} is not among --benchmarks ({', '.join(names)})")
-            elif not path:
+        for targets, path, spec in per_benchmark(f"{key}_key", entries, names, problems):
+            if not path:
                 problems.append(f"--{key}_key={spec}: give a field's dotted path")
-            else:
-                for bench in ([name] if name else names):
-                    chosen[bench][key] = path
+            for bench in targets if path else ():
+                chosen[bench][key] = path
     for name, keys in chosen.items():
         if bool(keys.get("question")) != bool(keys.get("answer")):
             given, missing = ("question", "answer") if keys.get("question") else ("answer", "question")

@@ -28,7 +28,11 @@ def release_penalties(group: Sequence[Scored]) -> tuple[np.ndarray, np.ndarray]:
 
 def shown_outputs(traj: Trajectory) -> list[str]:
     """What the model read of each call, in order (the whole output for records kept before `shown`)."""
-    return [t.shown if t.shown is not None else t.output for turn in traj.turns for t in turn.tools]
+    return [_shown(t) for turn in traj.turns for t in turn.tools]
+
+
+def _shown(tool) -> str:
+    return tool.shown if tool.shown is not None else tool.output
 
 
 def without_tool_outputs(traj: Trajectory) -> str:
@@ -41,7 +45,7 @@ def without_tool_outputs(traj: Trajectory) -> str:
             return text
         cursor = at + len(turn.text)
         for tool in turn.tools:
-            shown = tool.shown if tool.shown is not None else tool.output
+            shown = _shown(tool)
             at = text.find(shown, cursor)
             if at < 0:
                 return text
