@@ -118,15 +118,14 @@ def main(argv):
 
 def interrupted(workdir: str):
     """Ctrl-C: one line saying what is kept and how to go on, no traceback, exit status 130."""
-
     from rstar2_jax.checkpoints import RunCheckpoints
     ckpts = RunCheckpoints(os.path.join(workdir, "checkpoints"))
     try:
         latest = ckpts.latest_step()
     finally:
         ckpts.close()
-    kept = (f"its checkpoint of RL step {latest} (later steps run again; finished rollouts of the step in "
-            "flight are kept and reused)" if latest is not None else "no checkpoint yet (it starts over)")
+    kept = (f"its checkpoint after {latest} RL step(s) (the steps since run again; the rollouts that had "
+            "finished are kept and reused)" if latest is not None else "no checkpoint yet (it starts over)")
     print(f"\ninterrupted: {workdir} keeps {kept}; the same command resumes it", file=sys.stderr)
     raise SystemExit(130)
 

@@ -60,6 +60,7 @@ from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rollout.engines.engine_kind import EnginePlanInputs
 from rstar2_jax.rollout.engines.engine_kind import PlanLine as Line  # one line type: the engines add theirs
 from rstar2_jax.rollout.engines.factory import engine_kind
+from rstar2_jax.sharding import DEVICE_MEMORY_GIB
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05
@@ -297,7 +298,6 @@ def device_capacity(cfg: RunConfig) -> float | None:
     if cfg.mesh.device_memory_gb:
         return cfg.mesh.device_memory_gb * GiB
     if cfg.mesh.device_kind:
-        from rstar2_jax.sharding import DEVICE_MEMORY_GIB
         return DEVICE_MEMORY_GIB[cfg.mesh.device_kind] * GiB
     import jax
     try:  # this process's own device (another process's cannot be asked)
