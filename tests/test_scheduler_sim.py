@@ -5,8 +5,9 @@ without ever starting a step before the staleness bound allows."""
 import dataclasses
 
 import pytest
+from hypothesis import given, strategies as st
 
-from experiments.benchmarks.scheduler_sim import SimConfig, simulate
+from experiments.benchmarks.scheduler_sim import SimConfig, best_split, limiter, simulate
 
 SMALL = SimConfig(engines=4, rollouts_per_engine=8, reserve_new_tokens=1024)
 
@@ -108,3 +109,36 @@ def test_a_reshard_with_an_in_flight_swap_keeps_prefixes_and_lands_after_the_cop
     assert async_["prefill_tokens"] == sync["prefill_tokens"]
     assert sync["step_s"] == pytest.approx(sync["rollout_s"] + sync["learner_s"] + reshard.pause_after_s + 0.05,
                                            rel=1e-9)
+
+
+def test_the_learner_costs_6_x_params_a_token_in_one_pass_and_8_with_a_separate_old_log_prob_pass():
+    """Issue 81: forward 2 + backward 4 x params FLOPs a token; the separate pass adds a forward
+    (2); LoRA's backward forms no weight gradients of the base (2, not 4)."""
+    one = SMALL.learner_s(1000)
+    assert dataclasses.replace(SMALL, old_logprob_pass=True).learner_s(1000) == pytest.approx(one * 8 / 6)
+    assert dataclasses.replace(SMALL, lora_rank=8).learner_s(1000) == pytest.approx(one * 4 / 6)
+    assert one == pytest.approx(500 * 6 * SMALL.params / (SMALL.learner_devices * 0.4 * 989e12))
+
+
+@given(gpus=st.integers(3, 200), data=st.data())
+def test_best_split_finds_the_shortest_step_of_a_unimodal_cost(gpus, data):
+    """The law the search relies on: on a cost that falls then rises in the split (or only one of
+    the two), the search returns its minimum, from any start, and every count it tried is one
+    it reports."""
+    best = data.draw(st.integers(1, gpus - 1))
+    start = data.draw(st.integers(1, gpus - 1))
+    slope_down, slope_up = data.draw(st.floats(0.1, 10)), data.draw(st.floats(0.1, 10))
+    cost = lambda n: {"steady_step_s": 100 + (slope_down * (best - n) if n < best else slope_up * (n - best))}
+    found, result, tried = best_split(cost, gpus, start)
+    assert found == best and result["steady_step_s"] == 100 and tried[best] == 100
+    assert all(1 <= n <= gpus - 1 for n in tried) and len(tried) <= 4 * gpus.bit_length() + 4
+
+
+def test_the_limiter_names_the_learner_when_its_gpus_never_wait_and_the_bound_when_both_sides_wait():
+    starved = dataclasses.replace(SMALL, engines=3, learner_devices=1, learner_mfu=0.01, sync="reshard")
+    r = simulate(starved, "kv_aware", seed=1, steps=6, max_staleness=1)
+    assert r["learner_busy_share"] > 0.9 and limiter(r) == "learner"
+    roomy = dataclasses.replace(starved, learner_mfu=0.4)
+    r = simulate(roomy, "kv_aware", seed=1, steps=6, max_staleness=1)
+    assert r["learner_busy_share"] < 0.5 and limiter(r) in ("engines", "staleness bound")
+    assert limiter({"learner_busy_share": 0.5, "idle_share": 0.3, "sync_pause_share": 0.25}) == "sync"

@@ -34,11 +34,12 @@ stored prefixes are evicted, and a turn whose prefix was evicted prefills it who
 update, then the weight sync) against the trainer's asynchronous pipeline (k = 1, 2: steps
 0..k are released at once; step j is released when the learner has finished and synced step
 j-1-k, while the learner trains). Step s trains when its rollouts are all in and the learner is
-free; the learner's time is the kept rollouts' tokens (RoC keeps G of 2G: `kept_fraction`) x 8 x
-parameters (forward + backward + the old-log-prob pass) at `learner_mfu` of `learner_devices`
-H100s. A weight sync costs what was measured for the files path (BENCHMARKS.md, H100 weight
-sync, Qwen3-1.7B: export 0.49 GB/s, reload 0.85 GB/s per server, scaled to the model's bf16
-bytes): the learner exports once (it is busy meanwhile), then every engine pauses for one reload
+free; the learner's time is the kept rollouts' tokens (RoC keeps G of 2G: `kept_fraction`) x 6
+x parameters (forward + backward: the learner's one pass, rl.old_logprobs=auto; 8 x with the
+separate old-log-prob pass, `old_logprob_pass`) at `learner_mfu` of `learner_devices` H100s.
+A weight sync costs what was measured for the files path (BENCHMARKS.md, H100 weight sync,
+Qwen3-1.7B: export 0.49 GB/s, reload 0.85 GB/s per server, scaled to the model's bf16 bytes):
+the learner exports once (it is busy meanwhile), then every engine pauses for one reload
 (servers reload in parallel) and its prefix cache is reset; requests running keep their KV
 (partial rollouts), trajectories between turns re-prefill.
 
@@ -118,19 +119,25 @@ class SimConfig:
                                          # this share of its groups are in; the rest join the next)
     # LoRA (model.lora.rank > 0, issue 49): the sync writes the adapters (float32 PEFT files) and each
     # engine stops only for their load (a utility call between engine steps, at the reload's rate);
-    # the update forms no weight gradients of the base: 6 of full training's 8 x params FLOPs a token
+    # the update forms no weight gradients of the base: its backward is 2 x params FLOPs a token, not 4
     lora_rank: int = 0
-    lora_update_factor: float = 0.75
+    # rl.old_logprobs=separate (or an update of several optimizer steps): a forward pass of its own
+    # before the update, 2 x params FLOPs a token more (issue 81: the learner's default skips it)
+    old_logprob_pass: bool = False
 
     @property
     def step_rollouts(self) -> int:
         return self.rollouts if self.rollouts is not None else self.engines * self.rollouts_per_engine
 
+    @property
+    def learner_flops_per_token(self) -> float:
+        """Forward 2 + backward 4 (LoRA: 2) x params, + 2 x params for a separate old-log-prob pass."""
+        return self.params * (2 + (2 if self.lora_rank else 4) + (2 if self.old_logprob_pass else 0))
+
     def learner_s(self, sampled_tokens: int) -> float:
         """The update of a step whose rollouts hold `sampled_tokens` (the learner trains the kept ones)."""
         tokens = sampled_tokens * self.kept_fraction
-        factor = self.lora_update_factor if self.lora_rank else 1.0
-        return factor * tokens * 8 * self.params / (self.learner_devices * self.learner_mfu * self.peak_flops)
+        return tokens * self.learner_flops_per_token / (self.learner_devices * self.learner_mfu * self.peak_flops)
 
     @property
     def sync_gb(self) -> float:
@@ -331,6 +338,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
     released = [0.0] * steps
     rollouts_done = [0.0] * steps
     learned = []                         # when each step's update and sync were done
+    learner_busy = []                    # (start, end) of each update and its export
     learner_free = 0.0
     engines = [Engine(i, cfg) for i in range(cfg.engines)]
     pick = POLICIES[policy]
@@ -415,6 +423,7 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
         trained_rollouts[s] = len(members)
         update_end = max(now, learner_free) + cfg.learner_s(trained_tokens[s])
         learner_free = update_end + cfg.export_s
+        learner_busy.append((update_end - cfg.learner_s(trained_tokens[s]), learner_free))
         heapq.heappush(events, (update_end + cfg.pause_after_s, next(seq), "sync", s))
 
     def ready(s: int) -> bool:
@@ -500,7 +509,63 @@ def simulate(cfg: SimConfig, policy: str, seed: int, steps: int = 1, max_stalene
             # the pipeline once full: time between syncs after the first k + 1 (its start-up)
             "steady_step_s": (float(np.mean(np.diff(learned[(max_staleness or 0) + 1:])))
                               if len(learned) > (max_staleness or 0) + 2 else end / steps),
-            "trained_rollouts": sum(trained_rollouts), "carried_past_end": len(carried_into[steps])}
+            "trained_rollouts": sum(trained_rollouts), "carried_past_end": len(carried_into[steps]),
+            **_steady_shares(cfg, learned, learner_busy, max_staleness or 0)}
+
+
+def _steady_shares(cfg: SimConfig, learned: list[float], learner_busy: list[tuple[float, float]], k: int
+                   ) -> dict[str, float]:
+    """Over the steady window (after the pipeline's first k + 1 syncs): the share of the time the
+    learner's GPUs update or export, and the share every engine stands paused for syncs."""
+    if len(learned) <= k + 2:
+        return {"learner_busy_share": float("nan"), "sync_pause_share": float("nan")}
+    lo, hi = learned[k + 1], learned[-1]
+    busy = sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in learner_busy)
+    syncs = sum(1 for t in learned if lo < t <= hi)
+    return {"learner_busy_share": busy / (hi - lo), "sync_pause_share": syncs * cfg.sync_s / (hi - lo)}
+
+
+def limiter(result: dict[str, float]) -> str:
+    """What limits a steady asynchronous step: the learner (its GPUs never wait), the engines
+    (never idle), the sync (engines stand paused a fifth of the time or more), else the staleness
+    bound (both sides wait: engines at the bound for the next version, the learner for a step's
+    slowest rollouts)."""
+    if result["learner_busy_share"] >= 0.9:
+        return "learner"
+    if result["idle_share"] <= 0.1:
+        return "engines"
+    if result["sync_pause_share"] >= 0.2:
+        return "sync"
+    return "staleness bound"
+
+
+def best_split(evaluate, gpus: int, start: int) -> tuple[int, dict, dict[int, float]]:
+    """The learner GPU count in [1, gpus - 1] whose steady step (`evaluate(n)` -> a result) is
+    shortest: from `start`, a walk by doubling strides in the direction that shortens the step,
+    then a pattern search with halving strides around the best (the step is near-unimodal in the split: more learner
+    GPUs shorten the update and slow the rollouts). (count, its result, every count tried -> its
+    steady step)."""
+    tried: dict[int, dict] = {}
+
+    def cost(n: int) -> float:
+        n = min(max(n, 1), gpus - 1)
+        if n not in tried:
+            tried[n] = evaluate(n)
+        return tried[n]["steady_step_s"]
+
+    best, stride = start, max(1, start // 4)
+    for direction in (1, -1):
+        while cost(best + direction * stride) < cost(best):
+            best, stride = min(max(best + direction * stride, 1), gpus - 1), stride * 2
+    while True:  # a pattern search: move while a neighbour at this stride is shorter, then halve it
+        better = [n for n in (best - stride, best + stride) if cost(n) < cost(best)]
+        if better:
+            best = min(max(better[0], 1), gpus - 1)
+        elif stride == 1:
+            break
+        else:
+            stride //= 2
+    return best, tried[best], {n: r["steady_step_s"] for n, r in sorted(tried.items())}
 
 
 def main(argv=None):
@@ -522,6 +587,8 @@ def main(argv=None):
     p.add_argument("--split_sync", choices=("staged", "streamed", "reshard"), default="staged",
                    help="--rebased: how the split schedules' engines take a sync (rollout.vllm.swap)")
     p.add_argument("--lora_rank", type=int, default=0, help="--rebased: LoRA adapters of this rank (0: full training)")
+    p.add_argument("--old_logprob_pass", action="store_true",
+                   help="--rebased: the learner runs a separate old-log-prob pass (rl.old_logprobs=separate)")
     p.add_argument("--record", help="append the result block to this markdown file")
     args = p.parse_args(argv)
     if args.rebased:
@@ -561,41 +628,47 @@ def run_scenario(args, base: SimConfig, argv):
 
 
 def run_rebased(args, argv):
-    """The pipeline on what exists (issue 47): the streamed sync, carry, packed learner rows, for
-    the 14B recipe (rl.batch_problems x group_size x oversample rollouts per step) at each GPU count,
-    against the colocated synchronous step. Every schedule with affinity (the scheduler's default)."""
-    header = ["GPUs", "schedule", "wall s per step", "steady s per step", "vs colocated sync (steady)", "rollout s",
-              "learner s", "carried groups per step", "idle engine share"]
+    """The pipeline on what exists (issues 47, 81): the sync as built, carry, packed learner rows,
+    for the 14B recipe (rl.batch_problems x group_size x oversample rollouts per step) at each GPU
+    count, against the colocated synchronous step. Each asynchronous schedule on the engine/learner
+    split that makes its steady step shortest (`best_split`: a search, from the split by the
+    colocated step's work), with what then limits it. Every schedule with affinity (the
+    scheduler's default)."""
+    header = ["GPUs", "schedule", "engines + learner GPUs", "steady s per step", "vs colocated sync (steady)",
+              "wall s per step", "rollout s", "learner s", "learner busy", "idle engine share", "limited by",
+              "splits tried (learner GPUs: steady s)"]
     rows = []
     for gpus in args.gpus:
         colocated = SimConfig(engines=gpus, rollouts=args.rollouts, reserve_new_tokens=1024, affinity=True,
                               learner_devices=gpus, sync="colocated", group_size=args.group_size,
-                              lora_rank=args.lora_rank)
+                              lora_rank=args.lora_rank, old_logprob_pass=args.old_logprob_pass)
         runs = [simulate(colocated, "kv_aware", seed, args.steps, 0) for seed in range(args.seeds)]
         colocated_s = float(np.mean([r["steady_step_s"] for r in runs]))
-        # the split by the work: the learner's share of the GPUs is its share of the colocated step's
-        # work (rollouts on every GPU, then the update on every GPU), so neither side waits on the other
+        # where the search starts: the learner's share of the colocated step's work (rollouts on
+        # every GPU, then the update on every GPU)
         rollout, learner = (float(np.mean([r[k] for r in runs])) for k in ("rollout_s", "learner_s"))
-        n_learner = max(1, round(gpus * learner / (rollout + learner)))
-        split = dataclasses.replace(colocated, engines=gpus - n_learner, learner_devices=n_learner, sync=args.split_sync)
-        where = f"{split.engines} engines + {n_learner} learner"
-        schedules = [("sync, colocated", colocated, 0, runs),
-                     (f"async k=1, {where}, wait", split, 1, None),
-                     (f"async k=1, {where}, carry {args.carry}", dataclasses.replace(split, carry_fraction=args.carry), 1,
-                      None),
-                     (f"async k=2, {where}, carry {args.carry}", dataclasses.replace(split, carry_fraction=args.carry), 2,
-                      None)]
-        for name, cfg, k, done in schedules:
+        by_work = max(1, round(gpus * learner / (rollout + learner)))
+        mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
+        rows.append((gpus, "sync, colocated", f"{gpus} (shared)", f"{colocated_s:.1f}", "1.00x",
+                     f"{mean['step_s']:.1f}", f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", "", "", "", ""))
+        for name, carry, k in (("async k=1, wait", 1.0, 1), (f"async k=1, carry {args.carry}", args.carry, 1),
+                               (f"async k=2, carry {args.carry}", args.carry, 2)):
             start = time.perf_counter()
-            runs = done or [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
-            mean = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
-            spread = float(np.std([r["step_s"] for r in runs]))
-            rows.append((gpus, name, f"{mean['step_s']:.1f} ± {spread:.1f}", f"{mean['steady_step_s']:.1f}",
-                         f"{colocated_s / mean['steady_step_s']:.2f}x",
-                         f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['carried_groups']:.1f}",
-                         f"{mean['idle_share']:.1%}"))
+
+            def evaluate(n_learner: int, gpus=gpus, colocated=colocated, carry=carry, k=k) -> dict:
+                cfg = dataclasses.replace(colocated, engines=gpus - n_learner, learner_devices=n_learner,
+                                          sync=args.split_sync, carry_fraction=carry)
+                got = [simulate(cfg, "kv_aware", seed, args.steps, k) for seed in range(args.seeds)]
+                return {key: float(np.mean([r[key] for r in got])) for key in got[0]}
+
+            n_learner, mean, tried = best_split(evaluate, gpus, by_work)
+            rows.append((gpus, name, f"{gpus - n_learner} + {n_learner}", f"{mean['steady_step_s']:.1f}",
+                         f"{colocated_s / mean['steady_step_s']:.2f}x", f"{mean['step_s']:.1f}",
+                         f"{mean['rollout_s']:.1f}", f"{mean['learner_s']:.1f}", f"{mean['learner_busy_share']:.0%}",
+                         f"{mean['idle_share']:.1%}", limiter(mean),
+                         ", ".join(f"{n}: {t:.1f}" for n, t in tried.items())))
             print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
-    b = SimConfig(sync=args.split_sync, lora_rank=args.lora_rank)
+    b = SimConfig(sync=args.split_sync, lora_rank=args.lora_rank, old_logprob_pass=args.old_logprob_pass)
     paused = (f"the engines pause after the first {b.bucket_gb:.0f} GB bucket ({b.pause_after_s:.1f} s) for "
               f"{b.sync_s:.0f} s ({b.streamed_pause_factor}x a reload at {b.reload_gb_s} GB/s)"
               if b.sync == "streamed" else
@@ -604,20 +677,23 @@ def run_rebased(args, argv):
               f"{b.swap_s} s that keeps every KV and prefix" if b.sync == "reshard" else
               f"the engines generate through it, then pause for {b.sync_s:.1f} s ({b.staged_pause_factor}x a reload "
               f"at {b.reload_gb_s} GB/s)")
+    passes = ("a separate old-log-prob pass: 8" if b.old_logprob_pass else "one pass (rl.old_logprobs=auto): 6")
     config = (f"{args.rollouts} rollouts per step in groups of {args.group_size} (the 14B recipe: 512 problems x 16 x "
               f"oversample 2 = 16,384; RoC trains {b.kept_fraction:.0%}), {args.steps} RL steps (steady: the mean "
               f"time between syncs after the pipeline's first k + 1), {args.seeds} seed(s), "
-              f"kv_aware (reserve 1024) + affinity; split: the GPUs by the colocated step's work; {b.sync} sync: the "
+              f"kv_aware (reserve 1024) + affinity; each asynchronous schedule on the split that minimises its "
+              f"steady step (searched from the split by the colocated step's work); {b.sync} sync: the "
               + (f"learner sends {b.sync_gb:.2f} GB" if b.sync == "reshard" else
                  f"learner exports {b.sync_gb:.2f} GB at {b.streamed_export_gb_s} GB/s ({b.export_s:.1f} s)")
-              + (f" (LoRA rank {b.lora_rank}: the adapters; update {b.lora_update_factor}x full's FLOPs)"
-                 if b.lora_rank else "") + ", "
-              f"{paused}; colocated: every GPU generates, then "
-              f"every GPU trains, {b.colocated_sync_s:.0f} s hand-over; learner {b.learner_mfu:.0%} MFU on the kept "
-              f"tokens (packed rows: real tokens only)")
+              + (f" (LoRA rank {b.lora_rank}: the adapters; no weight gradients of the base)" if b.lora_rank else "")
+              + f", {paused}; colocated: every GPU generates, then every GPU trains, {b.colocated_sync_s:.0f} s "
+              f"hand-over; learner {passes} x params FLOPs a kept token at {b.learner_mfu:.0%} MFU (packed rows: "
+              "real tokens only); limited by: learner (busy >= 90%), engines (idle <= 10%), sync (paused >= 20%), "
+              "else the staleness bound")
     command = common.command_line("experiments.benchmarks.scheduler_sim", argv)
     what = f"LoRA rank {b.lora_rank}" if b.lora_rank else "packed learner"
-    common.record(args.record, f"RL pipeline simulation on what exists: {b.sync} sync, carry, {what} (issues 47, 49)",
+    passes_title = "separate old-log-prob pass" if b.old_logprob_pass else "one learner pass"
+    common.record(args.record, f"RL pipeline simulation: {b.sync} sync, {what}, {passes_title}, best split (issue 81)",
                   command.strip(), config, common.markdown_table(header, rows), group=common.PIPELINE)
 
 

@@ -1,9 +1,10 @@
 """How per-token losses become one number: registered aggregations, exact under micro-batching.
 
-An aggregation is two pure functions of the loss mask:
+An aggregation is two pure functions of the loss mask (through each sequence's token count):
 
     row_scale(mask) [B]       what each sequence's token sum is multiplied by
-    count(mask, C)  scalar    the normaliser of the whole (mini-)batch; never depends on the weights
+    count(mask, C)  scalar    the normaliser of the whole (mini-)batch; never depends on the weights,
+                              and is a sum over sequences (micro-batches' counts add up to it)
 
     loss = sum_i row_scale_i sum_t m_it l_it / count(whole batch)
 
@@ -34,34 +35,59 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from rstar2_jax.algo.segments import on_positions, segment_tokens
 from rstar2_jax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
 class Aggregation:
-    row_scale: Callable[[jax.Array], jax.Array]
-    count: Callable[[jax.Array, float], jax.Array]
+    """An aggregation from each sequence's count of model tokens n_i:
+
+        scale_of(n) [K]       each sequence's multiplier (of its token sum)
+        count_of(n, C)        the normaliser: a sum over sequences, so micro-batches' counts add
+                              (a sequence with n_i = 0, padding, adds nothing)
+
+    Padded rows are one sequence per row (`row_scale`, `count`); packed rows read their
+    sequences' counts by segment (`token_scale`, `segment_count`)."""
+    scale_of: Callable[[jax.Array], jax.Array]
+    count_of: Callable[[jax.Array, float], jax.Array]
     needs_constant: bool = False  # its count reads C (rl.loss.constant_tokens): a learner must be given one
+
+    def row_scale(self, mask) -> jax.Array:
+        """Each row's multiplier [B] (one sequence per row)."""
+        return self.scale_of(_tokens(mask))
+
+    def count(self, mask, constant: float) -> jax.Array:
+        """The normaliser of rows `mask` [B, T] (one sequence per row)."""
+        return self.count_of(_tokens(mask), constant)
+
+    def token_scale(self, mask, segment_ids) -> jax.Array:
+        """Packed rows: each position's multiplier, its sequence's [B, T]."""
+        return on_positions(self.scale_of(segment_tokens(mask, segment_ids)), segment_ids)
+
+    def segment_count(self, mask, segment_ids, constant: float) -> jax.Array:
+        """Packed rows: the normaliser of every sequence they hold."""
+        return self.count_of(segment_tokens(mask, segment_ids).reshape(-1), constant)
 
 
 def _tokens(mask):
     return jnp.sum(mask, axis=-1).astype(jnp.float32)
 
 
-def _sequences(mask):
-    return jnp.sum(_tokens(mask) > 0).astype(jnp.float32)
+def _sequences(tokens):
+    return jnp.sum(tokens > 0).astype(jnp.float32)
 
 
-def _ones(mask):
-    return jnp.ones(mask.shape[:1], jnp.float32)
+def _ones(tokens):
+    return jnp.ones(tokens.shape, jnp.float32)
 
 
 AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
-AGGREGATIONS.register("token_mean", Aggregation(_ones, lambda mask, c: jnp.sum(_tokens(mask))))
-AGGREGATIONS.register("seq_mean_token_mean", Aggregation(lambda mask: 1.0 / jnp.maximum(_tokens(mask), 1.0),
-                                                         lambda mask, c: _sequences(mask)))
-AGGREGATIONS.register("seq_mean_token_sum", Aggregation(_ones, lambda mask, c: _sequences(mask)))
-AGGREGATIONS.register("constant", Aggregation(_ones, lambda mask, c: _sequences(mask) * c, needs_constant=True))
+AGGREGATIONS.register("token_mean", Aggregation(_ones, lambda n, c: jnp.sum(n)))
+AGGREGATIONS.register("seq_mean_token_mean", Aggregation(lambda n: 1.0 / jnp.maximum(n, 1.0),
+                                                         lambda n, c: _sequences(n)))
+AGGREGATIONS.register("seq_mean_token_sum", Aggregation(_ones, lambda n, c: _sequences(n)))
+AGGREGATIONS.register("constant", Aggregation(_ones, lambda n, c: _sequences(n) * c, needs_constant=True))
 
 
 def aggregate(name: str, per_token, mask, constant: float = 1.0):

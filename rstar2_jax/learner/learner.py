@@ -1,4 +1,4 @@
-"""Learner: owns the train state, recomputes old log-probs, updates, and hands weights out.
+"""Learner: owns the train state, computes old log-probs, updates, and hands weights out.
 
     learner = Learner(model, cfg.rl, temperature=..., constant_tokens=..., mesh=mesh)
     batch.old_logprobs = learner.logprobs(batch.tokens)
@@ -13,6 +13,11 @@ ppo_mini_batch_size / ppo_epochs); the old (proximal) log-probs are those of the
 the update, so the ratio departs from 1 from the second step on and the clip can bind. 1 x 1 is
 the paper's setting. With a KL term, the learner keeps the frozen reference weights (the ones it
 was built with) and computes their log-probs once per update.
+
+Where one optimizer step is the whole update (1 x 1, no KL term, no LoRA dropout), the old
+log-probs are the current weights' exactly, so by default (rl.old_logprobs=auto) the update takes
+them from its own forward pass, stop-gradient, with the entropies and the corrections' inputs: no
+separate pass runs, and every ratio is exactly 1 (a separate pass gives 1 +- rounding).
 
 Parameters stay float32 (master weights); the model's compute dtype (e.g. bf16) is the one it
 was built with. With a mesh, parameters live on their NamedShardings and batches are sharded
@@ -59,6 +64,9 @@ class Learner:
         way, parameters already on their mesh shardings (`load_pretrained(mesh=)`) are not moved."""
         self.cfg = cfg = LearnerSettings() if cfg is None else cfg
         self.update_cfg = update = UpdateConfig.of(cfg, temperature=temperature, constant_tokens=constant_tokens)
+        # rl.old_logprobs: updates take the old log-probs from their own forward pass where that is
+        # exact (refused, not quietly given, where asked for and not exact)
+        self.one_pass = cfg.old_logprobs_in_update(lora.config_of(model).dropout if lora.has_adapters(model) else 0.0)
         self.mesh = mesh
         # A model with LoRA adapters (models/lora.py) trains only them: the base is `frozen`, never
         # donated, never differentiated, held in the dtype it was loaded in.
@@ -158,12 +166,17 @@ class Learner:
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One update on `batch`: mini_batches x epochs optimizer steps, one new version (old
-        log-probs, and with cfg.token_entropy the token entropies, recomputed here when missing).
-        Metrics are means over the optimizer steps taken."""
+        log-probs, and with cfg.token_entropy the token entropies, filled in `batch` when missing:
+        from the update's own forward pass where `one_pass`, else from a pass before it).
+        Metrics are means over the optimizer steps taken; `old_logprob_pass` says which path ran
+        (1: a separate pass computed the old log-probs, or the batch brought them; 0: one pass)."""
         padded = pad_rows(batch, self.rows_multiple)
-        self._fill_old_logprobs(batch, padded)
-        arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages,
-                  "old_logprobs": padded.old_logprobs}
+        one_pass = self.one_pass and padded.old_logprobs is None
+        if not one_pass:
+            self._fill_old_logprobs(batch, padded)
+        arrays = {"tokens": padded.tokens, "loss_mask": padded.loss_mask, "advantages": padded.advantages}
+        if not one_pass:
+            arrays["old_logprobs"] = padded.old_logprobs
         if self.update_cfg.needs_sampler_logprobs:
             arrays["sampler_logprobs"] = padded.sampler_logprobs
         if self.update_cfg.kl.in_loss:
@@ -179,17 +192,22 @@ class Learner:
         for _ in range(self.cfg.epochs):
             for part in parts:
                 if self.packs:
-                    metrics, tokens = self._packed_step(part)
+                    metrics, tokens, outputs = self._packed_step(part, batch.tokens.shape[1])
                 else:
                     with self._ctx():
-                        self.state, metrics = self._train(self.state, self._put_all(part), self.frozen)
-                    tokens = part["tokens"].size
+                        self.state, metrics, outputs = self._train(self.state, self._put_all(part), self.frozen)
+                    outputs, tokens = {k: _host(v) for k, v in outputs.items()}, part["tokens"].size
                 computed += tokens
                 steps.append({k: float(v) for k, v in metrics.items()})
+                if one_pass:  # one step (one_pass_problem): its outputs are the whole batch's
+                    rows = batch.tokens.shape[0]
+                    batch.old_logprobs = outputs["logprobs"][:rows]
+                    batch.entropy = outputs["entropy"][:rows] if "entropy" in outputs else None
         self.version += 1
         out = {k: float(np.mean([m[k] for m in steps])) for k in steps[0]} if steps else {}
         out["optimizer_steps"] = float(len(steps))
         out["packed_rows"] = float(self.packs)  # which path ran: a packed update never falls back silently
+        out["old_logprob_pass"] = float(not one_pass)  # likewise: a separate old-log-prob pass ran (or was given)
         if steps and lengths.sum():  # positions the optimizer steps computed per real token
             out["computed_per_real_token"] = computed / (float(lengths.sum()) * self.cfg.epochs)
         out.update(sampler_mismatch(batch))
@@ -204,28 +222,38 @@ class Learner:
     def _packed_part(self, part: dict[str, np.ndarray], lengths: np.ndarray) -> PackedPart:
         """A padded mini-batch `part` on packed rows: the corrections, the aggregation's row scales
         and normaliser are computed on the padded rows first (they read whole sequences), then
-        every per-token input is packed. None of it depends on the weights: packed once per update."""
-        prep = {k: np.asarray(v) for k, v in self._packing_inputs(part).items()}
-        per_token = {"tokens": part["tokens"], "loss_mask": prep["loss_mask"], "advantages": part["advantages"],
-                     "old_logprobs": part["old_logprobs"], "token_scale": prep["row_scale"]}
-        per_token.update({k: part[k] for k in ("sampler_logprobs", "ref_logprobs") if k in part})
-        if "is_weight" in prep:
-            per_token["is_weight"] = prep["is_weight"]
+        every per-token input is packed. None of it depends on the weights: packed once per update.
+        Without old log-probs (one pass) nothing is computed first: the packed step finds the
+        corrections and the count from its own forward pass, by segment."""
         plan = self._plan(lengths)
-        return PackedPart(plan, {**{k: plan.pack(v) for k, v in per_token.items()}, **plan.layout()},
-                          prep["count"], prep["total_tokens"])
+        per_token = {k: part[k] for k in ("tokens", "loss_mask", "advantages", "old_logprobs", "sampler_logprobs",
+                                          "ref_logprobs") if k in part}
+        count = total_tokens = None
+        if "old_logprobs" in part:
+            prep = {k: np.asarray(v) for k, v in self._packing_inputs(part).items()}
+            per_token.update(loss_mask=prep["loss_mask"], token_scale=prep["row_scale"])
+            if "is_weight" in prep:
+                per_token["is_weight"] = prep["is_weight"]
+            count, total_tokens = prep["count"], prep["total_tokens"]
+        return PackedPart(plan, {**{k: plan.pack(v) for k, v in per_token.items()}, **plan.layout()}, count,
+                          total_tokens)
 
-    def _packed_step(self, part: PackedPart) -> tuple[dict, int]:
+    def _packed_step(self, part: PackedPart, width: int) -> tuple[dict, int, dict]:
         """One optimizer step on a packed mini-batch, micro-batch by micro-batch: (metrics,
-        positions computed)."""
-        plan, accumulated = part.plan, None
+        positions computed, per-token outputs [rows, width] on padded rows: a one-pass step's
+        log-probs and entropies, else none)."""
+        plan, accumulated, outputs = part.plan, None, []
+        one_pass = part.count is None
         with self._ctx():
             for k in range(plan.micro_batches):
                 mb = self._put_all({n: plan.micro_batch(v, k) for n, v in part.arrays.items()})
-                accumulated = self._packed_gradients(self.state.params, accumulated, mb, part.count, self.frozen,
-                                                     step_key(self.state.step, k))
+                accumulated, out = self._packed_gradients(self.state.params, accumulated, mb,
+                                                          1.0 if one_pass else part.count, self.frozen,
+                                                          step_key(self.state.step, k))
+                outputs.append({n: _host(v) for n, v in out.items()})
             self.state, metrics = self._packed_apply(self.state, accumulated, part.count, part.total_tokens)
-        return metrics, plan.computed_tokens
+        unpacked = {n: plan.unpack(plan.joined([o[n] for o in outputs]), width) for n in (outputs[0] if outputs else {})}
+        return metrics, plan.computed_tokens, unpacked
 
     def _fill_old_logprobs(self, batch: TrainBatch, padded: TrainBatch):
         """The old log-probs (and with cfg.token_entropy the entropies) of `padded` and of
@@ -264,11 +292,12 @@ class Learner:
 
 class PackedPart(NamedTuple):
     """A mini-batch ready for packed optimizer steps: its plan, its packed arrays [rows, budget]
-    (and the cuDNN segment tables), the aggregation's normaliser and its token count."""
+    (and the cuDNN segment tables), the aggregation's normaliser and its token count (None: a
+    one-pass step, which counts them in its forward pass)."""
     plan: PackingPlan
     arrays: dict[str, np.ndarray]
-    count: np.ndarray
-    total_tokens: np.ndarray
+    count: np.ndarray | None
+    total_tokens: np.ndarray | None
 
 
 def _host(x) -> np.ndarray:

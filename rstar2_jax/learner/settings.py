@@ -16,6 +16,9 @@ from rstar2_jax.learner.packing import SEGMENTS_PER_ROW
 
 AUTO_TOKEN_BUDGET = -1  # rl.token_budget's default: chosen by the memory plan (see the setting)
 
+# rl.old_logprobs: where an update's old (proximal) log-probs come from (Learner.update).
+OLD_LOGPROB_SOURCES = ("auto", "one_pass", "separate")
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerSettings(Section):
@@ -61,7 +64,42 @@ class LearnerSettings(Section):
     # reflection analysis; one more reduction over the logits: +15-22% on that pass on CPU
     # (BENCHMARKS.md, "Entropy in the old-log-prob pass").
     token_entropy: bool = setting(True, "per-token entropies of kept rollouts into the traces (learner pass)")
+    # One optimizer step per update (the paper's 1 x 1) takes its step from the weights the old
+    # log-probs are of, so they are the update's own forward pass, stop-gradient (tunix, verl's
+    # on-policy bypass, slime): the separate pass is a whole forward over every row for nothing
+    # (BENCHMARKS.md, "Learner: one pass where one is exact"). Several steps move the weights
+    # between them; a KL term reads a reference pass anyway; LoRA dropout makes the update's
+    # forward another policy than the old one. There the separate pass stays.
+    old_logprobs: str = setting("auto", "the update's old (proximal) log-probs: auto (one_pass where it is exact: "
+                                "rl.mini_batches x rl.epochs = 1, no KL term, no LoRA dropout; else separate) | "
+                                "one_pass (the update's own forward pass with a stop-gradient; refused where not "
+                                "exact) | separate (a forward pass of its own before the update)",
+                                choices=OLD_LOGPROB_SOURCES)
     correction: CorrectionConfig = setting(CorrectionConfig, "off-policy corrections sampler -> learner (none: the "
                                            "paper)")
     loss: PolicyLossConfig = setting(PolicyLossConfig, "the policy loss")
     kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
+
+    def rules(self):
+        if self.old_logprobs == "one_pass" and (why := self.one_pass_problem()):
+            yield "old_logprobs", f"one_pass is not exact here: {why} (use auto or separate)"
+
+    def one_pass_problem(self, lora_dropout: float = 0.0) -> str | None:
+        """Why the old log-probs cannot be the update's own forward pass exactly (None: they can)."""
+        if self.mini_batches * self.epochs > 1:
+            return (f"rl.mini_batches x rl.epochs = {self.mini_batches} x {self.epochs} optimizer steps, and "
+                    "the weights move between them")
+        if self.kl.enabled:
+            return "a KL term (rl.kl.coef > 0) reads the current log-probs from a pass before the update"
+        if lora_dropout > 0:
+            return f"LoRA dropout ({lora_dropout}) makes the update's forward pass another policy than the old one"
+        return None
+
+    def old_logprobs_in_update(self, lora_dropout: float = 0.0) -> bool:
+        """Whether updates take the old log-probs from their own forward pass (rl.old_logprobs)."""
+        if self.old_logprobs == "separate":
+            return False
+        why = self.one_pass_problem(lora_dropout)
+        if why and self.old_logprobs == "one_pass":
+            raise ValueError(f"rl.old_logprobs=one_pass is not exact here: {why} (use auto or separate)")
+        return why is None

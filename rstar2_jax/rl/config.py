@@ -93,6 +93,7 @@ class RLConfig(LearnerSettings):
         return mapping
 
     def rules(self):
+        yield from super().rules()
         if self.tis_cap:
             yield "tis_cap", (f"is replaced by rl.correction: set rl.correction.names=(token_tis,) and "
                               f"rl.correction.token_tis.cap={self.tis_cap} (and rl.tis_cap=0)")
@@ -156,6 +157,9 @@ class RunConfig(Section):
                                 "with python -m rstar2_jax.sft and set model.path)")
         if self.model.lora.enabled and kind and (why := kind.adapter_refusal(r, self.model.lora.rank)):
             yield "model.lora.rank", why
+        lora_dropout = self.model.lora.dropout if self.model.lora.enabled else 0.0
+        if rl.old_logprobs == "one_pass" and lora_dropout and (why := rl.one_pass_problem(lora_dropout)):
+            yield "rl.old_logprobs", f"one_pass is not exact here: {why} (use auto or separate)"
         if 0 < rl.token_budget < r.max_len:
             yield "rl.token_budget", (f"{rl.token_budget} tokens is below rollout.max_len ({r.max_len}), the longest "
                                       "rollout a stage allows: a packed row must hold it (raise rl.token_budget to "

@@ -18,8 +18,9 @@ A correction is one function, registered with its settings Section:
     def my_mask(x: CorrectionInputs, s: MyMaskSettings) -> Correction:
         return Correction.mask(x.mask & (x.token_log_ratio() > math.log(s.low)))
 
-It sees the whole of each sequence (rows are never split), so a sequence-level correction is
-exact under micro-batching. Metrics (`correction_metrics`) are computed once per update, on
+It sees the whole of each sequence (rows are never split, and on packed rows a sequence is a
+segment: `CorrectionInputs.sequence_sum`), so a sequence-level correction is exact under
+micro-batching and on packed rows. Metrics (`correction_metrics`) are computed once per update, on
 the host, from the same functions: what each correction masked or clipped, the effective sample
 size of the combined weights, and the sampler-vs-learner mismatch (k1 and k3, per token and per
 sequence).
@@ -38,33 +39,39 @@ import numpy as np
 from rstar2_jax.config_types import Section
 from rstar2_jax.registry import Registry
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
+from rstar2_jax.algo.segments import segment_sum
 
 
 @flax.struct.dataclass
 class CorrectionInputs:
-    """[B, T], aligned with token positions; `mask` is True on the model's own tokens."""
-    learner_logprobs: jax.Array   # proximal: the learner's recomputed log-probs (before the update)
+    """[B, T], aligned with token positions; `mask` is True on the model's own tokens. Packed
+    rows (several sequences a row) pass their `segment_ids`: a sequence is then a segment."""
+    learner_logprobs: jax.Array   # proximal: the learner's log-probs before the update
     sampler_logprobs: jax.Array   # behaviour: the engine's, as it sampled
     mask: jax.Array               # bool
+    segment_ids: jax.Array | None = None
 
     def token_log_ratio(self) -> jax.Array:
         """log(pi_learner / pi_sampler) per token, 0 outside the mask (never NaN from padding)."""
         return jnp.where(self.mask, self.learner_logprobs - self.sampler_logprobs, 0.0)
 
-    @property
-    def seq_lengths(self) -> jax.Array:
-        return jnp.sum(self.mask, axis=-1)
+    def sequence_sum(self, x: jax.Array) -> jax.Array:
+        """Each sequence's sum of x [B, T]: [B, 1] for one sequence per row, [B, T] (on each
+        segment's positions) for packed rows; `per_token` spreads either over the tokens."""
+        if self.segment_ids is None:
+            return jnp.sum(x, axis=-1, keepdims=True)
+        return segment_sum(x, self.segment_ids)
 
     def seq_log_ratio(self) -> jax.Array:
-        """log of the sequence's importance ratio prod_t r_t [B, 1]."""
-        return jnp.sum(self.token_log_ratio(), axis=-1, keepdims=True)
+        """log of the sequence's importance ratio prod_t r_t (see `sequence_sum`)."""
+        return self.sequence_sum(self.token_log_ratio())
 
     def geo_log_ratio(self) -> jax.Array:
-        """log of the geometric mean of the sequence's token ratios [B, 1] (0 for empty rows)."""
-        return self.seq_log_ratio() / jnp.maximum(self.seq_lengths, 1)[:, None]
+        """log of the geometric mean of the sequence's token ratios (0 for empty sequences)."""
+        return self.seq_log_ratio() / jnp.maximum(self.sequence_sum(self.mask.astype(jnp.float32)), 1.0)
 
     def per_token(self, per_seq: jax.Array) -> jax.Array:
-        """A [B, 1] value broadcast to every token of its row [B, T]."""
+        """A per-sequence value ([B, 1], or [B, T] on packed rows) on every token of its sequence [B, T]."""
         return jnp.broadcast_to(per_seq, self.mask.shape)
 
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from rstar2_jax.config_types import Section
 from rstar2_jax.registry import Registry
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
+from rstar2_jax.algo.segments import on_positions, segment_totals
 
 
 @flax.struct.dataclass
@@ -92,15 +93,10 @@ class LossInputs:
 
 def segment_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Per row of x [B, T], the mean of the masked values of each segment, on its positions
-    [B, T] (0 where a segment has no masked value). Row by row: a segment never spans rows,
-    and rows stay where a mesh put them."""
-    t = x.shape[-1]
-
-    def one_row(v, m, s):
-        sums = jax.ops.segment_sum(v, s, num_segments=t + 1)
-        counts = jax.ops.segment_sum(m.astype(v.dtype), s, num_segments=t + 1)
-        return (sums / jnp.maximum(counts, 1.0))[s]
-    return jax.vmap(one_row)(x, mask, segment_ids)
+    [B, T] (0 where a segment has no masked value)."""
+    sums = segment_totals(x, segment_ids)
+    counts = segment_totals(mask.astype(x.dtype), segment_ids)
+    return on_positions(sums / jnp.maximum(counts, 1.0), segment_ids)
 
 
 @flax.struct.dataclass
