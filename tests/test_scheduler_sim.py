@@ -142,3 +142,15 @@ def test_the_limiter_names_the_learner_when_its_gpus_never_wait_and_the_bound_wh
     r = simulate(roomy, "kv_aware", seed=1, steps=6, max_staleness=1)
     assert r["learner_busy_share"] < 0.5 and limiter(r) in ("engines", "staleness bound")
     assert limiter({"learner_busy_share": 0.5, "idle_share": 0.3, "sync_pause_share": 0.25}) == "sync"
+
+
+def test_a_measured_workload_replays_its_turns_and_tool_latencies_within_the_running_bound():
+    """pipeline_check's inputs: measured trajectories, one decode step cost, at most one request
+    running. Two rollouts of turns (5, 3) with a 0.5 s call between, 10 ms a step: A decodes 5
+    (0.05 s), B 5 (0.10); A's call ends at 0.55, its 3 steps at 0.58; B's at 0.60, done 0.63."""
+    cfg = SimConfig(engines=1, rollouts=2, measured_workload=((10, (5, 3), (0.5,)),), max_running=1,
+                    step_base_s=0.01, step_per_seq_s=0.0, step_per_kv_token_s=0.0, prefill_per_token_s=0.0,
+                    tool_response_tokens=0)
+    assert simulate(cfg, "kv_aware", seed=0)["makespan_s"] == pytest.approx(0.63)
+    learner = dataclasses.replace(cfg, learner_s_per_token=0.001, kept_fraction=0.5)
+    assert learner.learner_s(1000) == pytest.approx(0.5)

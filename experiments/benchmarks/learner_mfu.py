@@ -8,12 +8,15 @@ fp32 master parameters, bf16 compute, the real policy loss (clip-higher, as the 
 via `Learner.update`, on rows of --seq tokens (a quarter prompt, three quarters loss-masked
 response). MFU = model FLOPs of the step (rstar2_jax.models.flops: 6 x matmul params x tokens +
 causal attention) over the H100's dense bf16 peak, and over the bf16 matmul rate measured in the
-same run. The old-log-prob forward the RL loop runs before each update is timed separately.
+same run. The old-log-prob forward a separate pass runs before each update is timed separately,
+and the one-pass update (rl.old_logprobs=auto: the old log-probs from the update's own forward,
+issue 81) is timed whole, against the step plus that pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -53,6 +56,9 @@ def run_variant(cfg, attention: str, remat: str, rows: int, seq: int, steps: int
     compile_step = time.perf_counter() - start
     t_lp = common.median_seconds(lambda: learner.logprobs(batch.tokens), repeats=steps, warmup=1)
     t_step = common.median_seconds(lambda: learner.update(batch), repeats=steps, warmup=1)
+    # one pass: the batch brings no old log-probs (the update fills them from its own forward)
+    t_one = common.median_seconds(lambda: learner.update(dataclasses.replace(batch, old_logprobs=None, entropy=None)),
+                                  repeats=steps, warmup=1)
     if profile_dir:
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
             for _ in range(2):
@@ -60,7 +66,7 @@ def run_variant(cfg, attention: str, remat: str, rows: int, seq: int, steps: int
     peak_gib = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30
     learner = None  # (not del: the timing lambdas above close over the name)
     gc.collect()
-    return dict(t_lp=t_lp, t_step=t_step, compile_s=compile_lp + compile_step, peak_gib=peak_gib)
+    return dict(t_lp=t_lp, t_step=t_step, t_one=t_one, compile_s=compile_lp + compile_step, peak_gib=peak_gib)
 
 
 def main(argv=None):
@@ -90,7 +96,7 @@ def main(argv=None):
         except Exception as e:  # an OOM or unsupported kernel is a result too
             msg = str(e).splitlines()[0][:120]
             print(f"{label}: FAILED {type(e).__name__}: {msg}", flush=True)
-            rows_out.append([attention, remat, rows, "failed", msg, "", "", "", "", ""])
+            rows_out.append([attention, remat, rows, "failed", msg, "", "", "", "", "", "", ""])
             gc.collect()
             continue
         tokens = rows * args.seq
@@ -101,6 +107,7 @@ def main(argv=None):
         both = (step_flops + lp_flops) / (r["t_step"] + r["t_lp"]) / common.H100_DENSE_BF16
         rows_out.append([attention, remat, rows, f"{r['t_step'] * 1e3:.0f}", f"{tokens / r['t_step']:.0f}",
                          f"{mfu:.1%}", f"{mfu_measured:.1%}", f"{tokens / r['t_lp']:.0f}", f"{both:.1%}",
+                         f"{r['t_one'] * 1e3:.0f}", f"{r['t_one'] / (r['t_step'] + r['t_lp']):.2f}x",
                          f"{r['peak_gib']:.1f}"])
         print(f"{label}: step {r['t_step'] * 1e3:.0f} ms, {tokens / r['t_step']:.0f} tok/s, MFU {mfu:.1%} "
               f"(of measured matmul {mfu_measured:.1%}); log-prob pass {tokens / r['t_lp']:.0f} tok/s; "
@@ -108,7 +115,8 @@ def main(argv=None):
 
     table = common.markdown_table(
         ["attention", "remat", "rows", "step ms", "train tok/s", "MFU (989 TF)", "MFU (measured matmul)",
-         "log-prob pass tok/s", "MFU incl. log-prob pass", "peak GiB"], rows_out)
+         "log-prob pass tok/s", "MFU incl. log-prob pass", "one-pass update ms", "one pass / (step + pass)",
+         "peak GiB"], rows_out)
     common.record(args.record, f"Learner MFU: {args.model}, seq {args.seq}",
                   "python -m experiments.benchmarks.learner_mfu " + " ".join(argv if argv is not None else sys.argv[1:]),
                   f"{args.model} random weights ({flops.param_count(cfg) / 1e9:.2f}B), fp32 params + AdamW, bf16 "

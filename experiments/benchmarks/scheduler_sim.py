@@ -124,6 +124,13 @@ class SimConfig:
     # rl.old_logprobs=separate (or an update of several optimizer steps): a forward pass of its own
     # before the update, 2 x params FLOPs a token more (issue 81: the learner's default skips it)
     old_logprob_pass: bool = False
+    # Fed by measurements (pipeline_check: the CPU demo's own costs) in place of the 14B model:
+    # trajectories drawn from these (prompt tokens, model tokens of each turn, each call's latency);
+    # the learner's seconds per trained token (context of the kept rollouts); at most this many
+    # requests running on an engine at once (the JaxEngine's slots). None: the defaults above.
+    measured_workload: tuple | None = None
+    learner_s_per_token: float | None = None
+    max_running: int | None = None
 
     @property
     def step_rollouts(self) -> int:
@@ -137,6 +144,8 @@ class SimConfig:
     def learner_s(self, sampled_tokens: int) -> float:
         """The update of a step whose rollouts hold `sampled_tokens` (the learner trains the kept ones)."""
         tokens = sampled_tokens * self.kept_fraction
+        if self.learner_s_per_token is not None:
+            return tokens * self.learner_s_per_token
         return tokens * self.learner_flops_per_token / (self.learner_devices * self.learner_mfu * self.peak_flops)
 
     @property
@@ -239,6 +248,8 @@ class Engine:
             # room for its context and one more decode step of every running request
             if self.running and self.kv_used + req.kv + len(self.running) + 1 > c.kv_capacity_tokens:
                 break
+            if c.max_running is not None and len(self.running) >= c.max_running:
+                break
             self.waiting.popleft()
             # a turn whose prefix is still cached here only prefills the tool response
             req.cached = id(req.traj) in self.prefixes
@@ -297,6 +308,10 @@ class Engine:
 
 
 def make_workload(cfg: SimConfig, rng: np.random.Generator) -> list[Trajectory]:
+    if cfg.measured_workload is not None:  # measured trajectories, drawn with replacement
+        picks = rng.integers(0, len(cfg.measured_workload), cfg.step_rollouts)
+        return [Trajectory(list(turns), list(tools), prompt)
+                for prompt, turns, tools in (cfg.measured_workload[i] for i in picks)]
     out = []
     for _ in range(cfg.step_rollouts):
         calls = min(cfg.max_turns - 1, int(rng.geometric(1.0 / (cfg.mean_tool_calls + 1))) - 1)

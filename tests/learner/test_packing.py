@@ -248,7 +248,8 @@ def test_batch_logprobs_without_recorded_lengths_pack_up_to_the_last_model_token
 @pytest.mark.slow  # two processes of 2 fake CPU devices each (~40 s)
 def test_a_packed_update_over_two_processes_equals_the_padded_update_on_one_device():
     """Packed rows split over data 2 x fsdp 2 across two JAX processes: the step, the metrics and
-    the old log-probs equal one device's padded update (each process checks its own copy)."""
+    the old log-probs equal one device's padded update (each process checks its own copy), and the
+    one-pass update equals the one with a separate old-log-prob pass there too."""
     from tests.fake_devices import run_as_processes
     results = sorted(run_as_processes("tests.learner.packed_processes_main"), key=lambda r: r["process"])
     assert [r["process"] for r in results] == [0, 1], results
@@ -258,6 +259,10 @@ def test_a_packed_update_over_two_processes_equals_the_padded_update_on_one_devi
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5), r
         assert r["policy_loss"] == pytest.approx(r["ref_policy_loss"], rel=1e-5, abs=1e-7), r
         assert r["old_logprob_diff"] < 1e-5 and "fsdp" in r["spec"], r
+        # one pass over processes equals the separate old-log-prob pass (issue 81)
+        assert r["one_pass"] and r["one_vs_separate_step_diff"] < 1e-6 + 1e-5 * r["max_step"], r
+        assert r["one_vs_separate_grad_norm"][0] == pytest.approx(r["one_vs_separate_grad_norm"][1], rel=1e-5), r
+        assert r["one_vs_separate_logprob_diff"] < 1e-5, r
 
 
 def _sft_traces(seed=40, n=7):
