@@ -25,6 +25,7 @@ from typing import Sequence
 from sandbox import confine, wire
 from sandbox.cgroups import CgroupTree
 from sandbox.result import ExecResult, Limits
+from sandbox.zygote_state import CALL_NAME  # /proc/<pid>/comm of a running call
 
 log = logging.getLogger("sandbox")
 ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_start.py")
@@ -33,7 +34,6 @@ DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
 # pages for its heap (where the kernel offers them "madvise"), so the processes forked per call
 # copy and tear down fewer page-table entries: +3-5% trivial calls/s over HTTP, measured alternating.
 ZYGOTE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-CALL_NAME = "sandbox-call"  # /proc/<pid>/comm of a running call (zygote_state.CALL_NAME)
 DEFAULT_WARMUP = """
 import sympy
 x, y = sympy.symbols("x y")

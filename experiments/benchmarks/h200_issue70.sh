@@ -8,6 +8,8 @@
 #   pip download --no-deps -d .whl ml-collections==1.1.0 math-verify==0.9.0 \
 #     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 #   carry [".whl"]; command: bash experiments/benchmarks/h200_issue70.sh
+# 0. (issue 81, first) the learner's update in one pass against the step plus the separate
+#    old-log-prob pass, MFU and time, Qwen3-0.6B and Qwen3-1.7B (experiments/benchmarks/learner_mfu.py);
 # 1. decode against the roofline, Qwen3-0.6B at 128 and 256 slots, chunks of 16 and 64 steps, each
 #    with the check for a live slot every step (today's default) against once a chunk (a loop of a
 #    count XLA knows: no device-to-host wait per step; rollout.jax.exit_check_steps). Does either
@@ -33,10 +35,11 @@
 # (tiny model, XLA attention, short runs).
 set -u
 if [ "${REHEARSE:-}" = 1 ]; then
-  S=tiny; L=tiny; A=xla; N=64; P=paged64; MFU_ARGS="--attention xla --rollouts 8 --steps 1"; PY=.venv/bin/python
+  S=tiny; L=tiny; A=xla; N=64; LM="--model qwen3_0p6b --seq 128 --variants xla:full:1 --steps 1"; LM_BIG=$LM; P=paged64; MFU_ARGS="--attention xla --rollouts 8 --steps 1"; PY=.venv/bin/python
   STEP_ARGS="--dtype float32 --sft_steps 40 --steps 2 --slots 32 --token_budget 2048"
 else
-  S=qwen3_0p6b; L=qwen3_1p7b; A=pallas; N=1024; P=paged256; MFU_ARGS="--rollouts 64 --steps 2"; PY=python3
+  S=qwen3_0p6b; L=qwen3_1p7b; A=pallas; N=1024; LM="--model $S --seq 4096 --variants cudnn:dots:8 --steps 3"
+  LM_BIG="--model $L --seq 4096 --variants cudnn:dots:4 --steps 3"; P=paged256; MFU_ARGS="--rollouts 64 --steps 2"; PY=python3
   STEP_ARGS="--sft_lr 5e-4"
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -59,6 +62,8 @@ step() {  # step NAME SECONDS COMMAND...
   grep -iE "tok/s|roofline|floor|the time|mfu|profiled|busy|kernels a step|sampling pass|failed|error" "$OUT/$name.log" | tail -12
 }
 D=experiments.benchmarks.engine_decode
+step learner_one_pass_0p6b 150 $PY -m experiments.benchmarks.learner_mfu $LM
+step learner_one_pass_1p7b 150 $PY -m experiments.benchmarks.learner_mfu $LM_BIG
 step decode_0p6b 260 $PY -m $D --model $S --slots 128,256 --prompt 256 --new $N \
   --variants $A:full --decode_steps 16,64 --exit_check 1,all
 step rl_step_0p6b 240 $PY -m experiments.benchmarks.rl_step --shape $S --decode_attention $A $STEP_ARGS \

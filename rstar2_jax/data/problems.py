@@ -264,10 +264,6 @@ def worked_solution(answer: str) -> str | None:
     return None
 
 
-def detect_layout(row: Any, path: str) -> Layout:
-    return decide_layout(row, path)[0]
-
-
 def decide_layout(row: Any, path: str, n: int = 1) -> tuple[Layout, str]:
     """(the layout of a file whose row `n` is `row`, the evidence for it)."""
     if not isinstance(row, dict):

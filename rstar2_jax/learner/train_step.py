@@ -300,12 +300,3 @@ def packed_apply(tx: optax.GradientTransformation, state: TrainState, accumulate
     if count is None:
         grads, stats, count, total_tokens = _one_pass_normalised(grads, stats)
     return _applied(tx, state, grads, stats, count, total_tokens)
-
-
-def policy_loss_value(graphdef, cfg: UpdateConfig, params, batch, frozen=None) -> jax.Array:
-    """The aggregated loss of a batch (no gradient): for tests and logging."""
-    if "old_logprobs" not in batch:
-        raise ValueError("policy_loss_value needs the batch's old_logprobs")
-    batch = corrected(cfg, batch)
-    s, _, _ = _loss_terms(graphdef, cfg, params, batch, frozen)
-    return s / loss_count(cfg, batch["loss_mask"])

@@ -56,19 +56,30 @@ def test_old_logprob_pass_by_micro_batches_equals_the_whole_batch():
         np.testing.assert_allclose(split, whole, atol=1e-6)
 
 
+def _policy_loss(learner, arrays) -> float:
+    """The aggregated policy loss of a batch under the learner's weights (no gradient, no
+    corrections): the registered loss on its log-probs, aggregated as configured."""
+    from rstar2_jax.algo import LossInputs, aggregate, policy_loss_terms
+    from rstar2_jax.learner.train_step import compute_logprobs
+    cfg = learner.update_cfg
+    lp = compute_logprobs(learner.graphdef, learner.state.params, arrays["tokens"], cfg, remat=False)
+    mask = arrays["loss_mask"] > 0
+    terms = policy_loss_terms(cfg.loss.name, LossInputs(lp, arrays["old_logprobs"], arrays["advantages"], mask),
+                              cfg.loss.settings())
+    return float(aggregate(cfg.loss.aggregation_name(), terms.per_token, mask, cfg.constant_tokens))
+
+
 @pytest.mark.slow
 def test_updates_reduce_the_policy_loss_on_a_fixed_batch():
-    from rstar2_jax.learner.train_step import policy_loss_value
-
     learner = Learner(random_model(small_config("qwen3"), seed=2), LearnerSettings(lr=3e-3, warmup_steps=1))
     batch = _batch(seed=3)
     batch.old_logprobs = learner.logprobs(batch.tokens)
     arrays = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
               "old_logprobs": batch.old_logprobs}
-    before = float(policy_loss_value(learner.graphdef, learner.update_cfg, learner.state.params, arrays))
+    before = _policy_loss(learner, arrays)
     for _ in range(5):
         learner.update(dataclasses.replace(batch))
-    after = float(policy_loss_value(learner.graphdef, learner.update_cfg, learner.state.params, arrays))
+    after = _policy_loss(learner, arrays)
     assert after < before - 0.01
     assert learner.version == 5 and int(learner.state.step) == 5
 

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import urllib.request
 
-from sandbox.job_secret import (OpenServiceError, authorised, bearer_headers, check_open_service, is_loopback,
+from sandbox.job_secret import (authorised, bearer_headers, check_open_service, is_loopback,
                                 job_secret)
 
 CHUNK = 8 << 20
@@ -254,28 +254,3 @@ def ask_to_fetch(fetcher_url: str, files_url: str, file: str, bucket: str, versi
 def ask_to_commit(fetcher_url: str, version: int, timeout: float = 600.0) -> str:
     """Every bucket of `version` is copied: the path of the whole copy on the fetcher's host."""
     return _post(f"{fetcher_url.rstrip('/')}/commit", {"version": version}, timeout)["path"]
-
-
-def main(argv=None):
-    import argparse
-    import signal
-
-    p = argparse.ArgumentParser(description="Copy synced weights from the trainer for the vLLM server beside it.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8101)
-    p.add_argument("--dir", default=None, help="where it keeps its copies (default /dev/shm/rstar2_pulled_<port>)")
-    args = p.parse_args(argv)
-    try:
-        fetcher = WeightFetcher(args.dir or default_fetch_dir(args.port), args.host, args.port)
-    except OpenServiceError as e:
-        raise SystemExit(str(e)) from None
-    print(f"weight fetcher on {fetcher.url}, copies into {fetcher.root}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    fetcher.close()
-
-
-if __name__ == "__main__":
-    main()
