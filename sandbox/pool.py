@@ -166,7 +166,7 @@ class SessionLost(RuntimeError):
 
 class ZygotePool:
     def __init__(self, workers: int, *, isolation: str, preload: Sequence[str], limits: Limits,
-                 uid_base: int | None = None, warmup: str = DEFAULT_WARMUP, sessions_memory_bytes: int = 8 << 30,
+                 sessions_memory_bytes: int, uid_base: int | None = None, warmup: str = DEFAULT_WARMUP,
                  startup_timeout_s: float = 120.0, answer_grace_s: float = ANSWER_GRACE_S):
         self.workers = workers
         self.isolation = isolation

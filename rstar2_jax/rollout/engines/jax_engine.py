@@ -68,7 +68,7 @@ from rstar2_jax.rollout.engines.decode_step import StepDecode
 from rstar2_jax.rollout.engines.jax_kernels import engine_kernels
 from rstar2_jax.rollout.engines.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.engines.slot_requests import Request, Resident
-from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights, choose
+from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 MIN_PREFILL_BUCKET = 16
@@ -121,8 +121,7 @@ class JaxEngine(Engine):
             model = nnx.merge(*nnx.split(model)).set_attention(decode_mesh=mesh)  # a new module: the caller's is kept
         self._graphdef, state = nnx.split(model)
         # the weights that sample, and the next version while it lands (weight_swap.py)
-        self.weights = LiveWeights(self._placed(state), choose(SWAP_TIMINGS, "swap", swap),
-                                   choose(INFLIGHT_KVS, "inflight_kv", inflight_kv))
+        self.weights = LiveWeights(self._placed(state), SWAP_TIMINGS[swap], INFLIGHT_KVS[inflight_kv])
         self.cache = self._placed_cache(self.kv.make_cache(model.cfg, model.dtype))
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)

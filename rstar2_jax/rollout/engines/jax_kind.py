@@ -10,7 +10,7 @@ from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_bytes, split_dim
 from rstar2_jax.rollout.engines.base import Engine
 from rstar2_jax.rollout.engines.decode_chunks import DEFAULT_DECODE_STEPS
-from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KV, SWAP_TIMINGS, SWAPS
+from rstar2_jax.rollout.engines.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS
 from rstar2_jax.rollout.engines.engine_kind import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
                                                     RolloutSection)
 from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
@@ -32,10 +32,10 @@ class JaxEngineSettings(Section):
     swap: str = setting("next_chunk", "when an update's weights take over mid-request: next_chunk (the next dispatch, "
                         "which waits for the copy; the same every run) | landed (once the copy is on the device: "
                         "decoding never waits for it, the old weights kept until then; where it lands is timing's)",
-                        choices=SWAPS)
+                        choices=SWAP_TIMINGS)
     inflight_kv: str = setting("keep", "what requests in flight keep when new weights take over: keep (their KV, "
                                "computed by the old weights: PipelineRL's in-flight update) | recompute (their "
-                               "context prefilled again by the new weights, as after a preemption)", choices=INFLIGHT_KV)
+                               "context prefilled again by the new weights, as after a preemption)", choices=INFLIGHT_KVS)
     replicas: int = setting(1, "data-parallel copies of the engine over its devices (rollout.jax.devices, else the "
                             "process's): each holds the weights on devices / replicas of them (split by heads "
                             "within) with its own slots and KV; the scheduler's kv_aware policy with prefix "

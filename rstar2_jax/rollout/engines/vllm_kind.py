@@ -32,7 +32,7 @@ class VLLMSettings(Section):
                                      min=0.0)
     sync: str = setting("files", "how synced weights reach the servers: files (they read the export from "
                         "sync_dir) | pull (the weight fetcher beside each server copies it over HTTP: no shared "
-                        "filesystem) | nccl (GPU broadcast; untested without GPUs)", choices=tuple(SYNC_WAYS))
+                        "filesystem) | nccl (GPU broadcast; untested without GPUs)", choices=SYNC_WAYS)
     sync_dir: str = setting("", "where synced weights are written ('' = this host's /dev/shm; with sync=files, "
                             "servers on other hosts need a shared filesystem path)")
     fetch_urls: tuple[str, ...] = setting((), "sync=pull: the weight fetcher beside each server, in urls order "

@@ -10,7 +10,7 @@ VLLMEngine's arguments and asked what they do, never compared as strings:
 - `Probe` (rollout.vllm.probe): whether the trainer waits for each sync's log-prob probe.
 - `SyncWait` (rollout.vllm.sync_wait): what a sync returns after (background_sync.py).
 
-A new sync way is a `SyncWay` subclass here and its entry in SYNC_WAYS.
+A new sync way is a `SyncWay` subclass here and its registration in SYNC_WAYS.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, ClassVar
 
-from rstar2_jax.registry import UnknownNameError
+from rstar2_jax.registry import Registry
 
 if TYPE_CHECKING:  # for annotations only: the engine hands itself to its way
     from rstar2_jax.rollout.engines.weight_export import Bucket
@@ -71,15 +71,13 @@ class Nccl(SyncWay):
 
 
 FILES, PULL, NCCL = Files(), Pull(), Nccl()
-SYNC_WAYS: dict[str, SyncWay] = {w.name: w for w in (FILES, PULL, NCCL)}
+SYNC_WAYS: Registry[SyncWay] = Registry("sync way")
+for _way in (FILES, PULL, NCCL):
+    SYNC_WAYS.register(_way.name, _way)
 
 
 def sync_way(way: str | SyncWay) -> SyncWay:
-    if isinstance(way, SyncWay):
-        return way
-    if way not in SYNC_WAYS:
-        raise UnknownNameError(f"unknown sync way {way!r}; registered: {', '.join(SYNC_WAYS)}")
-    return SYNC_WAYS[way]
+    return way if isinstance(way, SyncWay) else SYNC_WAYS[way]
 
 
 class Swap(enum.Enum):

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import jax
 
+from rstar2_jax.registry import Registry
+
 
 @dataclasses.dataclass(frozen=True)
 class SwapTiming:
@@ -41,22 +43,19 @@ class InflightKV:
 
 NEXT_CHUNK = SwapTiming("next_chunk", waits_for_landing=False)
 LANDED = SwapTiming("landed", waits_for_landing=True)
-SWAP_TIMINGS = {t.name: t for t in (NEXT_CHUNK, LANDED)}
 KEEP, RECOMPUTE = InflightKV("keep", recomputes=False), InflightKV("recompute", recomputes=True)
-INFLIGHT_KVS = {k.name: k for k in (KEEP, RECOMPUTE)}
-# the settings' choices (rollout.jax.swap, rollout.jax.inflight_kv)
-SWAPS, INFLIGHT_KV = tuple(SWAP_TIMINGS), tuple(INFLIGHT_KVS)
+# rollout.jax.swap and rollout.jax.inflight_kv: their settings take these as their choices
+SWAP_TIMINGS: Registry[SwapTiming] = Registry("weight swap timing")
+INFLIGHT_KVS: Registry[InflightKV] = Registry("in-flight KV policy")
+for _entry in (NEXT_CHUNK, LANDED):
+    SWAP_TIMINGS.register(_entry.name, _entry)
+for _entry in (KEEP, RECOMPUTE):
+    INFLIGHT_KVS.register(_entry.name, _entry)
 
 
 def landed(state) -> bool:
     """Whether every array of a weight copy is on its device (the copy done)."""
     return all(x.is_ready() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-
-
-def choose(choices: dict[str, Any], setting: str, name: str):
-    if name not in choices:
-        raise ValueError(f"{setting} must be one of {', '.join(choices)}, got {name!r}")
-    return choices[name]
 
 
 class LiveWeights:
