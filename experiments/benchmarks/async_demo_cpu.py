@@ -55,6 +55,15 @@ def demo_config(steps: int, schedule: str, model_dir: str, engine: str, urls: li
     return c
 
 
+def demo_model(prefix: str) -> tuple[str, str]:
+    """A fresh directory and the demo's tiny model built in it (one model the runs and servers share)."""
+    from rstar2_jax.models import tiny
+    base = tiny_arith.get_config().model
+    work = tempfile.mkdtemp(prefix=prefix)
+    return work, tiny.build_tiny_model(os.path.join(work, "model"), num_layers=base.tiny_layers,
+                                       hidden_size=base.tiny_hidden, intermediate_size=3 * base.tiny_hidden)
+
+
 def one_run(cfg) -> dict[str, float]:
     from rstar2_jax.rl.trainer import run
 
@@ -94,11 +103,7 @@ def main(argv=None):
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--record")
     args = p.parse_args(argv)
-    from rstar2_jax.models import tiny
-    base = tiny_arith.get_config().model
-    work = tempfile.mkdtemp(prefix="async_demo_")
-    model_dir = tiny.build_tiny_model(os.path.join(work, "model"), num_layers=base.tiny_layers,
-                                      hidden_size=base.tiny_hidden, intermediate_size=3 * base.tiny_hidden)
+    work, model_dir = demo_model("async_demo_")
     cells = list(itertools.product(args.engines, args.token_budgets, args.schedules))
     results = {cell: [] for cell in cells}
     for engine in args.engines:  # the servers run only for their own cells (idle, they still take CPU)

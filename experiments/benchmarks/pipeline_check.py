@@ -24,7 +24,6 @@ import glob
 import json
 import os
 import statistics
-import tempfile
 
 import numpy as np
 
@@ -87,9 +86,7 @@ def predicted(costs: dict, schedule: str, steps: int, rollouts: int, group_size:
 
 
 def main(argv=None):
-    from experiments import tiny_arith
-    from experiments.benchmarks.async_demo_cpu import demo_config
-    from rstar2_jax.models import tiny
+    from experiments.benchmarks.async_demo_cpu import demo_config, demo_model
     from rstar2_jax.rl.trainer import run
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,10 +94,7 @@ def main(argv=None):
     p.add_argument("--schedules", nargs="*", default=["0", "1:carry"])
     p.add_argument("--record")
     args = p.parse_args(argv)
-    base = tiny_arith.get_config().model
-    root = tempfile.mkdtemp(prefix="pipeline_check_")
-    model_dir = tiny.build_tiny_model(os.path.join(root, "model"), num_layers=base.tiny_layers,
-                                      hidden_size=base.tiny_hidden, intermediate_size=3 * base.tiny_hidden)
+    root, model_dir = demo_model("pipeline_check_")
     rows, measured = [], {}
     # the first schedule again with the learner's separate old-log-prob pass: the share of the
     # demo's step the one pass saves, measured end to end

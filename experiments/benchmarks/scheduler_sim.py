@@ -557,9 +557,9 @@ def limiter(result: dict[str, float]) -> str:
 def best_split(evaluate, gpus: int, start: int) -> tuple[int, dict, dict[int, float]]:
     """The learner GPU count in [1, gpus - 1] whose steady step (`evaluate(n)` -> a result) is
     shortest: from `start`, a walk by doubling strides in the direction that shortens the step,
-    then a pattern search with halving strides around the best (the step is near-unimodal in the split: more learner
-    GPUs shorten the update and slow the rollouts). (count, its result, every count tried -> its
-    steady step)."""
+    then a pattern search with halving strides around the best (the step is near-unimodal in the
+    split: more learner GPUs shorten the update and slow the rollouts); the shortest of all the
+    counts tried. (count, its result, every count tried -> its steady step)."""
     tried: dict[int, dict] = {}
 
     def cost(n: int) -> float:
@@ -572,14 +572,16 @@ def best_split(evaluate, gpus: int, start: int) -> tuple[int, dict, dict[int, fl
     for direction in (1, -1):
         while cost(best + direction * stride) < cost(best):
             best, stride = min(max(best + direction * stride, 1), gpus - 1), stride * 2
-    while True:  # a pattern search: move while a neighbour at this stride is shorter, then halve it
-        better = [n for n in (best - stride, best + stride) if cost(n) < cost(best)]
-        if better:
-            best = min(max(better[0], 1), gpus - 1)
+    while True:  # a pattern search: move to the shorter neighbour at this stride, else halve it
+        nearest = min((min(max(n, 1), gpus - 1) for n in (best - stride, best + stride)), key=cost)
+        if cost(nearest) < cost(best):
+            best = nearest
         elif stride == 1:
             break
         else:
             stride //= 2
+    # the simulated step is not smooth in the split (one seed): every count tried is a measurement
+    best = min(tried, key=lambda n: tried[n]["steady_step_s"])
     return best, tried[best], {n: r["steady_step_s"] for n, r in sorted(tried.items())}
 
 

@@ -250,9 +250,10 @@ class Learner:
                 accumulated, out = self._packed_gradients(self.state.params, accumulated, mb,
                                                           1.0 if one_pass else part.count, self.frozen,
                                                           step_key(self.state.step, k))
-                outputs.append({n: _host(v) for n, v in out.items()})
+                outputs.append(out)  # on the device: the host reads them after the step, not between micro-batches
             self.state, metrics = self._packed_apply(self.state, accumulated, part.count, part.total_tokens)
-        unpacked = {n: plan.unpack(plan.joined([o[n] for o in outputs]), width) for n in (outputs[0] if outputs else {})}
+        unpacked = {n: plan.unpack(plan.joined([_host(o[n]) for o in outputs]), width)
+                    for n in (outputs[0] if outputs else {})}
         return metrics, plan.computed_tokens, unpacked
 
     def _fill_old_logprobs(self, batch: TrainBatch, padded: TrainBatch):
