@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from hypothesis import given, strategies as st
 
-from experiments.benchmarks.scheduler_sim import SimConfig, best_split, limiter, simulate
+from experiments.benchmarks.scheduler_sim import SimConfig, best_split, simulate
 
 SMALL = SimConfig(engines=4, rollouts_per_engine=8, reserve_new_tokens=1024)
 
