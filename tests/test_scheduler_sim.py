@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from hypothesis import given, strategies as st
 
-from experiments.benchmarks.scheduler_sim import SimConfig, best_split, simulate
+from experiments.benchmarks.scheduler_sim import SimConfig, best_split, limiter, simulate
 
 SMALL = SimConfig(engines=4, rollouts_per_engine=8, reserve_new_tokens=1024)
 
@@ -147,3 +147,25 @@ def test_best_split_returns_the_shortest_step_it_tried_on_a_bumpy_cost():
     found, result, tried = best_split(lambda n: {"steady_step_s": float(steps[n])}, 128, 8)
     assert result["steady_step_s"] == min(tried.values()) == tried[found]
     assert found == 48
+
+
+def test_the_limiter_names_the_learner_when_its_gpus_never_wait_and_the_bound_when_both_sides_wait():
+    starved = dataclasses.replace(SMALL, engines=3, learner_devices=1, learner_mfu=0.01, sync="reshard")
+    r = simulate(starved, "kv_aware", seed=1, steps=6, max_staleness=1)
+    assert r["learner_busy_share"] > 0.9 and limiter(r) == "learner"
+    roomy = dataclasses.replace(starved, learner_mfu=0.4)
+    r = simulate(roomy, "kv_aware", seed=1, steps=6, max_staleness=1)
+    assert r["learner_busy_share"] < 0.5 and limiter(r) in ("engines", "staleness bound")
+    assert limiter({"learner_busy_share": 0.5, "idle_share": 0.3, "sync_pause_share": 0.25}) == "sync"
+
+
+def test_a_measured_workload_replays_its_turns_and_tool_latencies_within_the_running_bound():
+    """pipeline_check's inputs: measured trajectories, one decode step cost, at most one request
+    running. Two rollouts of turns (5, 3) with a 0.5 s call between, 10 ms a step: A decodes 5
+    (0.05 s), B 5 (0.10); A's call ends at 0.55, its 3 steps at 0.58; B's at 0.60, done 0.63."""
+    cfg = SimConfig(engines=1, rollouts=2, measured_workload=((10, (5, 3), (0.5,)),), max_running=1,
+                    step_base_s=0.01, step_per_seq_s=0.0, step_per_kv_token_s=0.0, prefill_per_token_s=0.0,
+                    tool_response_tokens=0)
+    assert simulate(cfg, "kv_aware", seed=0)["makespan_s"] == pytest.approx(0.63)
+    learner = dataclasses.replace(cfg, learner_s_per_token=0.001, kept_fraction=0.5)
+    assert learner.learner_s(1000) == pytest.approx(0.5)
