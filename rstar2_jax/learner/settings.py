@@ -81,8 +81,14 @@ class LearnerSettings(Section):
     kl: KLConfig = setting(KLConfig, "KL term to the frozen reference (off: the paper)")
 
     def rules(self):
-        if self.old_logprobs == "one_pass" and (why := self.one_pass_problem()):
-            yield "old_logprobs", f"one_pass is not exact here: {why} (use auto or separate)"
+        if why := self.one_pass_refusal():
+            yield "old_logprobs", why
+
+    def one_pass_refusal(self, lora_dropout: float = 0.0) -> str | None:
+        """Why rl.old_logprobs=one_pass is refused here (None: it is not asked for, or exact)."""
+        if self.old_logprobs == "one_pass" and (why := self.one_pass_problem(lora_dropout)):
+            return f"one_pass is not exact here: {why} (use auto or separate)"
+        return None
 
     def one_pass_problem(self, lora_dropout: float = 0.0) -> str | None:
         """Why the old log-probs cannot be the update's own forward pass exactly (None: they can)."""
@@ -99,7 +105,6 @@ class LearnerSettings(Section):
         """Whether updates take the old log-probs from their own forward pass (rl.old_logprobs)."""
         if self.old_logprobs == "separate":
             return False
-        why = self.one_pass_problem(lora_dropout)
-        if why and self.old_logprobs == "one_pass":
-            raise ValueError(f"rl.old_logprobs=one_pass is not exact here: {why} (use auto or separate)")
-        return why is None
+        if why := self.one_pass_refusal(lora_dropout):
+            raise ValueError(f"rl.old_logprobs: {why}")
+        return self.one_pass_problem(lora_dropout) is None

@@ -158,8 +158,8 @@ class RunConfig(Section):
         if self.model.lora.enabled and kind and (why := kind.adapter_refusal(r, self.model.lora.rank)):
             yield "model.lora.rank", why
         lora_dropout = self.model.lora.dropout if self.model.lora.enabled else 0.0
-        if rl.old_logprobs == "one_pass" and lora_dropout and (why := rl.one_pass_problem(lora_dropout)):
-            yield "rl.old_logprobs", f"one_pass is not exact here: {why} (use auto or separate)"
+        if lora_dropout and (why := rl.one_pass_refusal(lora_dropout)) and not rl.one_pass_refusal():
+            yield "rl.old_logprobs", why  # (without LoRA dropout the rl section's own rule says it)
         if 0 < rl.token_budget < r.max_len:
             yield "rl.token_budget", (f"{rl.token_budget} tokens is below rollout.max_len ({r.max_len}), the longest "
                                       "rollout a stage allows: a packed row must hold it (raise rl.token_budget to "
