@@ -16,7 +16,7 @@ Cells (`get_config(NAME)`; GRID lists them in this order):
 """
 
 from experiments import tiny_arith
-from rstar2_jax.ablation import ALGORITHM_CURVES
+from rstar2_jax.reports.ablation import ALGORITHM_CURVES
 
 CURVES = ALGORITHM_CURVES  # what `ablate` plots in curves.png
 

@@ -13,7 +13,7 @@ uncorrected one.
 """
 
 from experiments import tiny_arith
-from rstar2_jax.ablation import CURVES as BASE_CURVES
+from rstar2_jax.reports.ablation import CURVES as BASE_CURVES
 
 CORRECTIONS = ("none", "token_tis", "icepop", "geo_mask", "decoupled_ppo")
 CURVES = {  # what `ablate` plots in curves.png

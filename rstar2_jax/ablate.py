@@ -138,7 +138,7 @@ def write_summary(workdir: str, order: list[str], curves: dict[str, str] | None 
     """The summary files; `curves`: the metrics curves.png plots (default ablation.CURVES; a
     config file may name its own as CURVES); `label`: a cell's name as the plots show it (a
     config file's `cell_label(run_name)`; default: the name itself)."""
-    from rstar2_jax import ablation
+    from rstar2_jax.reports import ablation
 
     finals = ablation.load_finals(workdir)
     finals.to_csv(os.path.join(workdir, "runs.csv"), index=False)

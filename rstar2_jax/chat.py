@@ -41,7 +41,7 @@ async def _chat(model, model_dir: str, format_name: str, answer_format: str):
     from rstar2_jax.rewards import ANSWER_FORMATS
     from rstar2_jax.rollout import AgentConfig, make_format, run_agent
     from rstar2_jax.rollout.engines import RolloutConfig, make_engine
-    from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings
+    from rstar2_jax.rollout.engines.jax_engine.kind import JaxEngineSettings
 
     fmt = make_format(format_name)
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -62,7 +62,7 @@ async def _chat(model, model_dir: str, format_name: str, answer_format: str):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax.checkpoints import load_run_policy, run_info
+    from rstar2_jax.core.checkpoints import load_run_policy, run_info
     from rstar2_jax.models.adapter_files import base_dir_of, load_model_dir
     from rstar2_jax.rollout import FORMATS
 

@@ -20,10 +20,10 @@ import traceback
 
 from absl import app, flags
 
-from rstar2_jax.checkpoints import BaseMismatch, NotARunError
-from rstar2_jax.config_types import ConfigValueError, moved_to, section_at
+from rstar2_jax.core.checkpoints import BaseMismatch, NotARunError
+from rstar2_jax.core.config_types import ConfigValueError, moved_to, section_at
 from rstar2_jax.data.jsonl import DataError
-from rstar2_jax.registry import UnknownNameError
+from rstar2_jax.core.registry import UnknownNameError
 
 EXPECTED: tuple[type[BaseException], ...] = (app.UsageError, ConfigValueError, DataError, NotARunError,
                                              UnknownNameError, BaseMismatch)

@@ -74,7 +74,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 def load_policy(model_dir: str | None, checkpoint: str | None):
     """The model of a HF directory (or a PEFT adapter directory on its base), or of a training
     run's latest checkpoint."""
-    from rstar2_jax.checkpoints import load_run_policy
+    from rstar2_jax.core.checkpoints import load_run_policy
     from rstar2_jax.models.adapter_files import load_model_dir
 
     return load_model_dir(model_dir) if model_dir is not None else load_run_policy(checkpoint)
@@ -175,7 +175,7 @@ def token_budget(longest_prompt: int, max_tokens: int, positions: int, name: str
 
 def questions_of(bench, problems) -> list[str]:
     """What the model is asked (multiple choice: with the instruction to box the letter)."""
-    from rstar2_jax.eval_report import CHOICE_INSTRUCTION
+    from rstar2_jax.reports.eval_report import CHOICE_INSTRUCTION
     return [p.question + (CHOICE_INSTRUCTION if bench.multiple_choice else "") for p in problems]
 
 
@@ -217,10 +217,10 @@ async def evaluate_benchmark(make_engine, sb, tokenizer, fmt, cfg, bench, proble
     each problem kept as it finishes; the summary over every problem."""
     from tqdm.auto import tqdm
 
-    from rstar2_jax.eval_report import benchmark_summary
+    from rstar2_jax.reports.eval_report import benchmark_summary
     from rstar2_jax.rewards import Grader
     from rstar2_jax.rollout.scoring import RolloutOutcome, rollout_problems
-    from rstar2_jax.seeding import stable_seed
+    from rstar2_jax.core.seeding import stable_seed
     from rstar2_jax.traces import trajectory_record
 
     kept = BenchmarkResults(_OUT.value, bench.name)
@@ -367,11 +367,11 @@ def check_protocol(protocol: dict) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rstar2_jax.checkpoints import run_info
+    from rstar2_jax.core.checkpoints import run_info
     from rstar2_jax.models.adapter_files import base_dir_of
     from rstar2_jax.data.problems import load_problems
     from rstar2_jax.data.templates import apply_instructions
-    from rstar2_jax.eval_report import markdown_table, resolve_benchmark
+    from rstar2_jax.reports.eval_report import markdown_table, resolve_benchmark
     from rstar2_jax.models.config import ModelConfig
     from rstar2_jax.models.tokenizer import Tokenizer
     from rstar2_jax.rewards import DEFAULT_ANSWER_FORMAT

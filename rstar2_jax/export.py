@@ -27,7 +27,7 @@ def main(argv):
     del argv
     import jax.numpy as jnp
 
-    from rstar2_jax.checkpoints import load_run_policy, run_info
+    from rstar2_jax.core.checkpoints import load_run_policy, run_info
     from rstar2_jax.models import lora
     from rstar2_jax.models.adapter_files import write_adapter
     from rstar2_jax.models.checkpoint import save_pretrained

@@ -118,7 +118,7 @@ def main(argv):
 
 def interrupted(workdir: str):
     """Ctrl-C: one line saying what is kept and how to go on, no traceback, exit status 130."""
-    from rstar2_jax.checkpoints import RunCheckpoints
+    from rstar2_jax.core.checkpoints import RunCheckpoints
     ckpts = RunCheckpoints(os.path.join(workdir, "checkpoints"))
     try:
         latest = ckpts.latest_step()

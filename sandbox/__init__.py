@@ -9,20 +9,24 @@
         ...
 """
 
-from sandbox.client import SandboxClient, SandboxSession
-from sandbox.local import ISOLATION_MODES, LocalSandbox, Session, SessionLimitError
-from sandbox.pool import SandboxStartError
-from sandbox.result import STATUSES, ExecResult, Limits
+import importlib
 
-__all__ = ["ExecResult", "HTTPSandbox", "ISOLATION_MODES", "Limits", "LocalSandbox", "RedisSandbox", "STATUSES",
-           "SandboxClient", "SandboxSession", "SandboxStartError", "Session", "SessionLimitError"]
+from sandbox import moved_modules  # noqa: F401 - old module paths fail with the new one named
+
+# Every name loads its module on first use: `import sandbox` costs nothing (rstar2_jax imports it
+# for moved_modules), and the remote clients' libraries (redis, aiohttp) load only for their users.
+_EXPORTS = {
+    "SandboxClient": "sandbox.client", "SandboxSession": "sandbox.client",
+    "ISOLATION_MODES": "sandbox.local", "LocalSandbox": "sandbox.local", "Session": "sandbox.local",
+    "SessionLimitError": "sandbox.local", "SandboxStartError": "sandbox.pool",
+    "STATUSES": "sandbox.result", "ExecResult": "sandbox.result", "Limits": "sandbox.result",
+    "RedisSandbox": "sandbox.redis_queue.client", "HTTPSandbox": "sandbox.http_service.client",
+}
+__all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):  # the remote clients' libraries (redis, aiohttp) load only for those who use them
-    if name == "RedisSandbox":
-        from sandbox.redis_client import RedisSandbox
-        return RedisSandbox
-    if name == "HTTPSandbox":
-        from sandbox.http_client import HTTPSandbox
-        return HTTPSandbox
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

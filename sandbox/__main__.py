@@ -34,8 +34,8 @@ def _limits(args) -> Limits:
 
 
 async def _serve(args):
-    from sandbox.redis_client import RedisSandbox
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.redis_queue.client import RedisSandbox
+    from sandbox.http_service.api import SandboxHTTPServer
     from sandbox.local import LocalSandbox
 
     if args.redis:
@@ -63,8 +63,8 @@ async def _serve(args):
 
 
 async def _worker(args):
-    from sandbox.redis_protocol import RedisRefused
-    from sandbox.redis_worker import RedisWorker
+    from sandbox.redis_queue.protocol import RedisRefused
+    from sandbox.redis_queue.worker import RedisWorker
 
     worker = RedisWorker(args.redis, concurrency=args.concurrency, visibility_timeout_s=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, isolation=args.isolation, limits=_limits(args),

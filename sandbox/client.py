@@ -1,5 +1,5 @@
 """What every sandbox client offers, typed: LocalSandbox (local.py), RedisSandbox
-(redis_client.py) and HTTPSandbox (http_client.py) are each a `SandboxClient`, and their
+(redis_queue/client.py) and HTTPSandbox (http_service/client.py) are each a `SandboxClient`, and their
 sessions (local.Session, RedisSession, HTTPSession) each a `SandboxSession`. Code that runs tool calls (the
 trainer's agent loop) is typed against these two and never sees which backend it has."""
 

@@ -1,7 +1,7 @@
-"""ZygotePool: the service side of one zygote process (see zygote.py), for asyncio.
+"""ZygotePool: the service side of one zygote process (see zygote/main.py), for asyncio.
 
-Creates the per-slot cgroups (sandbox.cgroups; falls back to rlimits with a warning where
-cgroups are not writable), starts `python -I zygote.py` with an empty environment and one pair
+Creates the per-slot cgroups (sandbox.zygote.cgroups; falls back to rlimits with a warning where
+cgroups are not writable), starts `python -I zygote/main.py` with an empty environment and one pair
 of pipes per worker slot, waits for it to report ready (or the reason it could not isolate
 itself), then hands jobs to idle slots. If the zygote dies, in-flight jobs are retried once on a
 fresh zygote, so a crash loses nothing; a job that kills two zygotes in a row gets status
@@ -22,13 +22,14 @@ import subprocess
 import sys
 from typing import Sequence
 
-from sandbox import confine, wire
-from sandbox.cgroups import CgroupTree
+from sandbox.zygote import confine
+from sandbox.zygote import wire
+from sandbox.zygote.cgroups import CgroupTree
 from sandbox.result import ExecResult, Limits
-from sandbox.zygote_state import CALL_NAME  # /proc/<pid>/comm of a running call
+from sandbox.zygote.state import CALL_NAME  # /proc/<pid>/comm of a running call
 
 log = logging.getLogger("sandbox")
-ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_start.py")
+ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote/start.py")
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "numpy", "sympy")
 # The zygote's whole environment (calls clear theirs). glibc's malloc then asks for transparent huge
 # pages for its heap (where the kernel offers them "madvise"), so the processes forked per call

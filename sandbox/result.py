@@ -47,7 +47,7 @@ class ExecResult:
 class Limits:
     """Per-call resource limits, enforced by the kernel.
 
-    With per-call cgroups (see sandbox.cgroups) memory, processes and CPU are budgets of the
+    With per-call cgroups (see sandbox.zygote.cgroups) memory, processes and CPU are budgets of the
     whole call (all its processes, shared memory included); without them they fall back to
     per-process rlimits (memory as address space on top of the zygote's own).
     """

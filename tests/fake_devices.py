@@ -26,7 +26,7 @@ def run_as_processes(module: str, n: int = 2, devices_per_process: int = 2, time
     blocked on a full pipe would stall the others in a collective."""
     import tempfile
 
-    from rstar2_jax.rollout.engines.vllm_server import free_port
+    from rstar2_jax.rollout.engines.vllm_engine.server import free_port
 
     env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices_per_process}"),
                JAX_PLATFORMS="cpu")

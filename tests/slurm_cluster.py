@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 
-from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.rollout.engines.vllm_engine.server import free_port
 
 CONF = """ClusterName=rstar2test
 SlurmctldHost={host}(127.0.0.1)

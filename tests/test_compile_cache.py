@@ -41,7 +41,7 @@ def test_an_entry_read_mid_write_is_a_miss_that_compiles_again(tmp_path):
 
 _RELEASE_SCRIPT = """
 import jax.numpy as jnp
-from rstar2_jax.shared_jit import shared_jit
+from rstar2_jax.core.shared_jit import shared_jit
 from tests.compiled_programs import memory_maps, release_if_crowded
 
 def program(i, x):

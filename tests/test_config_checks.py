@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments import qwen3_0p6b_math, roc_ablation, rstar2_agent_14b, tiny_arith
-from rstar2_jax.config_types import ConfigValueError, Section, leaves, setting
-from rstar2_jax.registry import Registry, UnknownNameError
+from rstar2_jax.core.config_types import ConfigValueError, Section, leaves, setting
+from rstar2_jax.core.registry import Registry, UnknownNameError
 from rstar2_jax.rl.config import RunConfig, base_config
 
 # Free-form strings, and the setting under which each is read (and so checked): a path that
@@ -240,7 +240,7 @@ def test_segments_per_row_must_be_a_power_of_two_and_the_error_names_the_two_nea
 
 
 def test_sync_wait_export_is_refused_where_its_landing_cannot_be_awaited_and_warned_where_nothing_overlaps():
-    """rollout.vllm.sync_wait=export (rollout/engines/background_sync.py): a sync through files,
+    """rollout.vllm.sync_wait=export (rollout/engines/vllm_engine/sync/background.py): a sync through files,
     whole weights, any number of trainer processes; with rl.max_staleness=0 it runs but overlaps
     nothing."""
     tree = tiny_arith.get_config().to_dict()

@@ -11,7 +11,7 @@ import pytest
 
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import load_problems
-from rstar2_jax.eval_report import benchmark_summary, markdown_table, resolve_benchmark
+from rstar2_jax.reports.eval_report import benchmark_summary, markdown_table, resolve_benchmark
 from rstar2_jax.models import tiny
 from rstar2_jax.rollout.scoring import Scored
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn
@@ -99,7 +99,7 @@ def test_evaluate_cli_writes_tables_and_traces(tmp_path, benchmark_dir, kv):
 
 
 def test_evaluate_warns_of_a_kept_template_against_the_grading_and_the_prompt_format(tmp_path):
-    from rstar2_jax.eval_report import resolve_benchmark
+    from rstar2_jax.reports.eval_report import resolve_benchmark
     from rstar2_jax.evaluate import instruction_warnings
     rows = [{"problem": DAPO_TEMPLATE.format("What is 1+1?"), "answer": "2"}]
     path = tmp_path / "dapo.jsonl"

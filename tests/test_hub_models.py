@@ -66,7 +66,7 @@ def test_a_cached_hub_id_resolves_offline_to_its_snapshot_and_loads(hub_env):
 
 
 def test_an_uncached_id_offline_says_how_to_get_it_and_config_checks_refuse_it(hub_env):
-    from rstar2_jax.config_types import ConfigValueError
+    from rstar2_jax.core.config_types import ConfigValueError
     from rstar2_jax.rl.config import RunConfig, base_config
     with pytest.raises(ModelNotFound, match=r"model.path='test-org/absent': no directory of that name here; as a hub "
                                             r"id, offline \(HF_HUB_OFFLINE=1\).*hf download test-org/absent"):

@@ -5,6 +5,10 @@ read from the document itself, so the document and the code cannot drift apart.
     MODULE never loads: X, Y        importing MODULE loads none of X, Y (transitively, packages'
                                     __init__s included)
     MODULE never imports: X, Y      not even lazily, from inside a function (transitively)
+    PACKAGE never depends on: X     no module of PACKAGE imports X, even lazily and transitively,
+                                    leaving out the packages' __init__s it passes (they re-export:
+                                    `engines/__init__` loads every kind, which is not a dependency of
+                                    one kind on another)
 """
 
 import ast
@@ -15,7 +19,7 @@ import pytest
 
 from tests.import_graph import ROOT, direct_imports, loads, module_files, within
 
-RULE = re.compile(r"^(\S+)\s+(may import|never loads|never imports):\s*(.*)$")
+RULE = re.compile(r"^(\S+)\s+(may import|never loads|never imports|never depends on):\s*(.*)$")
 
 
 def design_rules() -> list[tuple[str, str, list[str]]]:
@@ -58,12 +62,43 @@ def test_import_rule(subject, kind, targets):
     if kind == "may import":
         broken = sorted({f"{m} imports {d}" for m, deps in GRAPH.items() if within(m, subject)
                          for d in deps if not within(d, subject) and d != "rstar2_jax"
-                         and not any(within(d, t) for t in targets)})
+                         and not any(within(d, t) or within(t, d) for t in targets)})  # a target's parent packages load with it
+    elif kind == "never depends on":
+        reached = depends_on(subject, LAZY_GRAPH)
+        broken = sorted(m for m in reached for t in targets if within(m, t))
     else:
         graph = GRAPH if kind == "never loads" else LAZY_GRAPH
         reached = loads(subject, graph)
         broken = sorted(m for m in reached for t in targets if within(m, t))
     assert not broken, f"docs/DESIGN.md: `{subject} {kind}: {', '.join(targets) or 'nothing'}` is broken by {broken}"
+
+
+def depends_on(subject: str, graph: dict[str, set[str]]) -> set[str]:
+    """What the modules within `subject` import, transitively, not counting packages' __init__s
+    they pass on the way (a package that re-exports its parts is not a dependency on all of them)."""
+    seen = set()
+    todo = [m for m in graph if within(m, subject)]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo += [d for d in graph.get(m, ()) if not (d in PACKAGE_INITS and not within(d, subject))]
+    return seen
+
+
+PACKAGE_INITS = {m for m, path in MODULES.items() if path.endswith("__init__.py")}
+
+
+def test_depends_on_leaves_out_the_packages_it_passes():
+    graph = {"p": {"p.a", "p.b"}, "p.a": {"p"}, "p.b": {"q.x"}, "q.x": set(), "r.y": {"p.a"}}
+    global PACKAGE_INITS
+    saved, PACKAGE_INITS = PACKAGE_INITS, {"p"}
+    try:
+        assert depends_on("r", graph) == {"r.y", "p.a"}
+        assert depends_on("p.b", graph) == {"p.b", "q.x"}
+    finally:
+        PACKAGE_INITS = saved
 
 
 ENGINE_CLASSES = ("JaxEngine", "VLLMEngine", "Scheduler")

@@ -116,7 +116,7 @@ def test_dry_run_checks_the_config_and_prints_the_script_without_slurm(tmp_path)
 
 
 def test_eager_vllm_servers_only_when_asked_and_the_server_command_they_run():
-    from rstar2_jax.rollout.engines.vllm_server import ServerOptions, server_command
+    from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, server_command
 
     def serve_lines(text):
         return [line for line in text.splitlines() if "rstar2_jax.rollout.serve" in line]

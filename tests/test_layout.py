@@ -66,7 +66,7 @@ def test_readme_has_no_layout_of_its_own():
 
 
 def test_no_engine_module_is_over_500_lines():
-    """Issue 71: the engines area in modules of one job each (vllm_engine.py had grown to 766)."""
+    """Issue 71: the engines area in modules of one job each (vllm_engine/engine.py had grown to 766)."""
     engines = os.path.join(ROOT, "rstar2_jax", "rollout", "engines")
     long = {f: n for f in os.listdir(engines) if f.endswith(".py")
             for n in [sum(1 for _ in open(os.path.join(engines, f)))] if n > 500}

@@ -1,4 +1,4 @@
-"""Every swappable part's settings have one shape (rstar2_jax/part_sections.py): a selector, the
+"""Every swappable part's settings have one shape (rstar2_jax/core/part_sections.py): a selector, the
 common fields, one section per registered part. Settings that moved into a part's section are
 refused where they were, naming the new place, and an older run's config.json reads as the
 config this version writes."""
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar2_jax.config_types import Section, moved_to
-from rstar2_jax.part_sections import PartChoice
+from rstar2_jax.core.config_types import Section, moved_to
+from rstar2_jax.core.part_sections import PartChoice
 from rstar2_jax.rl.config import RunConfig, base_config, validate
 from rstar2_jax.rl.run_dir import with_defaults
 from tests.rl.test_training import CONFIG_BEFORE_PART_SECTIONS, small_config
@@ -135,9 +135,9 @@ def test_a_config_file_that_assigns_a_name_to_a_part_section_is_told_the_selecto
 
 
 def test_a_part_named_like_a_field_or_method_of_its_section_is_refused():
-    from rstar2_jax.config_types import setting
-    from rstar2_jax.part_sections import NoSettings, part_section
-    from rstar2_jax.registry import Registry
+    from rstar2_jax.core.config_types import setting
+    from rstar2_jax.core.part_sections import NoSettings, part_section
+    from rstar2_jax.core.registry import Registry
     parts = Registry("widget")
     parts.register("spec", type("Spec", (), {"settings": NoSettings}))
     with pytest.raises(ValueError, match="widget 'spec' is named like a field or method of WidgetConfig"):
@@ -151,9 +151,9 @@ def test_a_part_registered_after_its_section_was_built_has_settings_set_checked_
     algorithm part), and written to config.json and read back (a resumed run keeps it)."""
     import dataclasses
 
-    from rstar2_jax.config_types import ConfigValueError, setting
-    from rstar2_jax.part_sections import NoSettings, part_section
-    from rstar2_jax.registry import Registry
+    from rstar2_jax.core.config_types import ConfigValueError, setting
+    from rstar2_jax.core.part_sections import NoSettings, part_section
+    from rstar2_jax.core.registry import Registry
 
     parts = Registry("widget")
     parts.register("plain", type("Spec", (), {"settings": NoSettings})())

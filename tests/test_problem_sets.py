@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import Columns, layout_of, load_problems
 from rstar2_jax.data.tasks import DataConfig, make_task

@@ -3,7 +3,7 @@ run with a fresh manager, which logged four 'Item ... could not be restored' war
 
 import jax.numpy as jnp
 
-from rstar2_jax.checkpoints import RunCheckpoints
+from rstar2_jax.core.checkpoints import RunCheckpoints
 
 
 def test_a_fresh_manager_restores_every_item_without_a_warning(tmp_path, caplog):

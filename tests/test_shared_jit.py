@@ -1,4 +1,4 @@
-"""One jitted program per process for equal static parts (rstar2_jax/shared_jit.py): a second
+"""One jitted program per process for equal static parts (rstar2_jax/core/shared_jit.py): a second
 learner, SFT trainer or engine over the same graph and settings traces nothing again, and one
 with other settings never gets the first one's program."""
 
@@ -9,9 +9,9 @@ import numpy as np
 from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.sft import SFTTrainer
-from rstar2_jax.rollout.engines.jax_engine import JaxEngine
+from rstar2_jax.rollout.engines.jax_engine.engine import JaxEngine
 from rstar2_jax.rollout.engines.sampling import SamplingParams
-from rstar2_jax.shared_jit import shared_jit
+from rstar2_jax.core.shared_jit import shared_jit
 from tests.models.conftest import random_model, small_config
 
 
@@ -83,7 +83,8 @@ def test_a_second_copy_of_the_weights_for_the_engine_traces_nothing():
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from rstar2_jax import processes, sharding
+    from rstar2_jax.core import processes
+    from rstar2_jax.core import sharding
 
     params = nnx.state(random_model(small_config("qwen3"), seed=0), nnx.Param)
     processes.local_copy(params)

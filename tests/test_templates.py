@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.data.tasks import DataConfig, make_task
 from rstar2_jax.data.templates import TEMPLATES, TemplateCount, recognise
 from rstar2_jax.rewards import Grader

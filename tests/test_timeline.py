@@ -4,7 +4,7 @@ import asyncio
 
 from hypothesis import given, strategies as st
 
-from rstar2_jax import timeline as tl
+from rstar2_jax.core import timeline as tl
 
 interval = st.tuples(st.integers(0, 40), st.integers(0, 40)).map(lambda p: (float(min(p)), float(max(p))))
 intervals = st.lists(interval, max_size=12)

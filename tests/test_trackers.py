@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.trackers import TRACKERS, LoggingConfig, TrackerSet, TrackerSpec
 from rstar2_jax.trackers.mlflow_tracker import mlflow_name, tracking_uri
 from tests.rl.test_training import tensorboard_tags

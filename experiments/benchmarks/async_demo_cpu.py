@@ -78,7 +78,7 @@ def one_run(cfg) -> dict[str, float]:
 
 
 def start_servers(model_dir: str, n: int, work: str):
-    from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+    from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
     python = common.vllm_python()
     # every step's prompts in one engine step: vLLM 0.32's CPU build fails a seeded request whose
     # prefill is chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync),

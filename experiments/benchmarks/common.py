@@ -186,9 +186,9 @@ def _into_history(text: str, section: str) -> str:
 
 
 def weight_export_rate(model, dtype, bucket_bytes: int, root: str, repeats: int = 3) -> tuple[int, float, int]:
-    """The vLLM sync's bucket writer alone (rollout/engines/weight_export.py), with both of its
+    """The vLLM sync's bucket writer alone (rollout/engines/vllm_engine/sync/export.py), with both of its
     slots warm (the first use of each allocates its pages): (bytes written, GB/s median, buckets)."""
-    from rstar2_jax.rollout.engines import weight_export
+    from rstar2_jax.rollout.engines.vllm_engine.sync import export as weight_export
 
     plan = weight_export.model_plan(model, dtype, bucket_bytes)
     slots = weight_export.ExportSlots(root)

@@ -61,7 +61,7 @@ async def _workload(model, tokenizer, variant: dict, args) -> dict[str, float]:
 def _max_len(args) -> int:
     """`--headroom` x (the longest trajectory plus one), rounded up to whole pages: an RL run
     sizes max_len for its longest possible trajectory, and most are shorter."""
-    from rstar2_jax.rollout.engines.kv_pages import pages_for
+    from rstar2_jax.rollout.engines.jax_engine.kv_pages import pages_for
 
     need = args.headroom * (args.prompt_tokens + args.turns * (args.turn_tokens + args.tool_tokens) + 1)
     return pages_for(int(need), args.page_size) * args.page_size

@@ -25,9 +25,9 @@ from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.models import flops, lora, tiny
 from rstar2_jax.models.adapter_files import write_adapter
-from rstar2_jax.rollout.engines.adapter_sync import gathered_adapters
-from rstar2_jax.rollout.engines.vllm_client import AsyncVLLMClient, VLLMClient
-from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.engines.vllm_engine.sync.adapters import gathered_adapters
+from rstar2_jax.rollout.engines.vllm_engine.client import AsyncVLLMClient, VLLMClient
+from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
 
 
 async def decode_s(client: AsyncVLLMClient, model: str, tokens: int, batch: int) -> float:

@@ -27,9 +27,9 @@ from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.models import flops, lora, tiny
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-from rstar2_jax.rollout.engines.vllm_push import push_to_servers
-from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
 
 
 def nbytes(tree) -> int:

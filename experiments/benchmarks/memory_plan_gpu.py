@@ -9,7 +9,7 @@ plan's lines (rl/memory_plan.py) against XLA's memory_analysis() of the compiled
 (arguments: parameters + optimizer + batch; temporaries: gradients + activations) and against the
 device's peak bytes in use after one update (the log-prob pass included). Models run smallest
 first in one process, so each peak is that model's. Then the vLLM sync's export of the last model
-(weight_export.py: bf16, 512 MiB buckets into /dev/shm, both slots warm): GB/s of the written bytes.
+(vllm_engine/sync/export.py: bf16, 512 MiB buckets into /dev/shm, both slots warm): GB/s of the written bytes.
 """
 
 from __future__ import annotations

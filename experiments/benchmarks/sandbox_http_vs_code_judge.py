@@ -27,7 +27,7 @@ import time
 
 import aiohttp
 
-from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.rollout.engines.vllm_engine.server import free_port
 from sandbox.bench import WORKLOADS, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

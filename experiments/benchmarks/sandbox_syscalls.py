@@ -5,7 +5,7 @@
 Runs sandbox/syscall_corpus.py's calls (stateless and in a session) on a strict LocalSandbox with
 one slot under `strace -f -ff`, then reads each process's trace from the point its seccomp filter
 applies (a worker's own `prctl(PR_SET_SECCOMP, ...)`, or inherited from its parent at the fork)
-and prints: every syscall those processes made, those the allow-list (sandbox/syscall_policy.py)
+and prints: every syscall those processes made, those the allow-list (sandbox/zygote/syscall_policy.py)
 lacks with how they ended, and the corpus's results. The allow-list was built from this (issue 79);
 tests/sandbox/test_supervisor_boundary.py re-checks the corpus under the filter on every run.
 Needs root, strace and libseccomp.
@@ -85,7 +85,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="keep the traces here (default: a temporary directory)")
     args = ap.parse_args(argv)
-    from sandbox import syscall_policy
+    from sandbox.zygote import syscall_policy
 
     trace_dir = args.out or tempfile.mkdtemp(prefix="sandbox-strace-")
     os.makedirs(trace_dir, exist_ok=True)

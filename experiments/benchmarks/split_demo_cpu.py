@@ -35,7 +35,7 @@ PLACEMENTS = {"colocated": 0, "2 + 2": 2}
 
 def warm_start(args, out_dir: str) -> str:
     """The demo's SFT warm start, once, saved as a model directory both placements start from."""
-    from rstar2_jax.checkpoints import load_run_policy
+    from rstar2_jax.core.checkpoints import load_run_policy
     from rstar2_jax.models import save_pretrained
     from rstar2_jax.rl.trainer import run
 

@@ -41,7 +41,8 @@ from flax import nnx  # noqa: E402
 
 from experiments.benchmarks import common  # noqa: E402
 from experiments.benchmarks.engine_decode import _NoTokenizer  # noqa: E402
-from rstar2_jax import processes, sharding  # noqa: E402
+from rstar2_jax.core import processes  # noqa: E402
+from rstar2_jax.core import sharding  # noqa: E402
 from rstar2_jax.models import Decoder  # noqa: E402
 from rstar2_jax.models.tiny import tiny_config  # noqa: E402
 from rstar2_jax.rollout.engines import JaxEngine, engine_mesh  # noqa: E402

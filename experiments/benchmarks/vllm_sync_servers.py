@@ -8,7 +8,7 @@
   for the log-prob probes: the sync before issue 47) and staged (the servers generate through the
   export, then each stops for one reload of the whole export; the probes deferred: their verdict
   comes with the next sync, so the trainer does not wait for them); and background: staged with
-  `rollout.vllm.sync_wait=export` (background_sync.py), where the trainer waits only for the
+  `rollout.vllm.sync_wait=export` (vllm_engine/sync/background.py), where the trainer waits only for the
   export and the reload lands behind it;
 - reload alone: every server reloads an export already written (the floor a sync can reach
   without a faster path into vLLM).
@@ -19,7 +19,7 @@ the same bytes on this host.
     python -m experiments.benchmarks.vllm_sync_servers [--servers 2] [--layers 8] [--hidden 2048] \
         [--repeats 3] [--bucket_mb 512] [--sync files|pull] [--swap streamed,staged] [--record BENCHMARKS.md]
 
---sync pull puts a weight fetcher beside each server (weight_pull.py): the servers reload a copy
+--sync pull puts a weight fetcher beside each server (vllm_engine/sync/pull.py): the servers reload a copy
 they pulled over HTTP instead of the trainer's file (no per-bucket reload then).
 
 Each server is a real vLLM CPU server (.venv-vllm) started from a random model of the given size
@@ -41,12 +41,13 @@ import numpy as np
 from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-from rstar2_jax.rollout.engines.vllm_modes import Probe, Swap
-from rstar2_jax.rollout.engines.vllm_probe import probe_logprobs
-from rstar2_jax.rollout.engines.vllm_push import push_to_servers
-from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
-from rstar2_jax.rollout.engines import background_sync, weight_export
+from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_engine.modes import Probe, Swap
+from rstar2_jax.rollout.engines.vllm_engine.sync.probe import probe_logprobs
+from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.engines.vllm_engine.sync import background as background_sync
+from rstar2_jax.rollout.engines.vllm_engine.sync import export as weight_export
 
 
 SWAP_ROWS = {"streamed": "streamed: each reloaded while the next is written, probes waited for",
@@ -166,7 +167,7 @@ def main(argv=None):
         for s in servers:
             s.wait_ready(timeout=900)
         if args.sync == "pull":
-            from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+            from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
             fetchers = [WeightFetcher(os.path.join(work, f"pulled{i}")) for i in range(len(servers))]
         kw = dict(sync_dir=work, bucket_bytes=sizes[0])
         engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url, **kw) for s, f in zip(servers, fetchers)] \

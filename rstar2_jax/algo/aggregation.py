@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2_jax.algo.segments import on_positions, segment_tokens
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)

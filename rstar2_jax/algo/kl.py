@@ -18,8 +18,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from rstar2_jax.config_types import Section, setting
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.config_types import Section, setting
+from rstar2_jax.core.registry import Registry
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 from rstar2_jax.rewards.answer_formats import ANSWER_FORMATS
 
 

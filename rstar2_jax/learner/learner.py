@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rstar2_jax import sharding as sharding_lib
+from rstar2_jax.core import sharding as sharding_lib
 from rstar2_jax.algo.corrections import CorrectionInputs, correction_metrics
 from rstar2_jax.algo.kl import sequence_kl
 from rstar2_jax.learner.batching import TrainBatch, pad_rows
@@ -47,7 +47,7 @@ from rstar2_jax.learner.settings import LearnerSettings
 from rstar2_jax.learner.train_step import (TrainState, UpdateConfig, batch_logprobs, packed_apply, packed_gradients,
                                            packed_logprobs, packing_inputs, step_key, train_step)
 from rstar2_jax.models import lora
-from rstar2_jax.shared_jit import shared_jit
+from rstar2_jax.core.shared_jit import shared_jit
 
 
 class Learner:

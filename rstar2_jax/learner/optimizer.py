@@ -13,7 +13,7 @@ def warmup_constant(lr: float, warmup_steps: int):
     return lambda count: lr * optax.safe_int32_increment(count).astype("float32").clip(max=warmup_steps) / warmup_steps
 
 
-@functools.lru_cache(maxsize=64)  # equal settings, the same transformation: the key of shared_jit.py's programs
+@functools.lru_cache(maxsize=64)  # equal settings, the same transformation: the key of core/shared_jit.py's programs
 def make_optimizer(*, lr: float, warmup_steps: int, weight_decay: float, grad_clip: float, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
     """AdamW after a global-norm clip; the settings come from the caller's section (rl.* through

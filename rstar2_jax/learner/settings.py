@@ -11,7 +11,7 @@ import dataclasses
 
 from rstar2_jax.algo import KLConfig, PolicyLossConfig
 from rstar2_jax.algo.corrections import CorrectionConfig
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.learner.packing import SEGMENTS_PER_ROW
 
 AUTO_TOKEN_BUDGET = -1  # rl.token_budget's default: chosen by the memory plan (see the setting)

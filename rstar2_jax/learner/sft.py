@@ -16,14 +16,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.learner.batching import make_batch
 from rstar2_jax.learner.packing import SEGMENTS_PER_ROW, plan_packing
 from rstar2_jax.learner.optimizer import make_optimizer
 from rstar2_jax.learner.train_step import TrainState, packed_segments, step_key
 from rstar2_jax.models import lora
 from rstar2_jax.models.logprobs import token_logprobs
-from rstar2_jax.shared_jit import shared_jit
+from rstar2_jax.core.shared_jit import shared_jit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class SFTTrainer:
         self.state = TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
         self.pad_multiple = pad_multiple
         self.token_budget, self.segments_per_row = token_budget, segments_per_row
-        self._step = shared_jit(sft_step, self.graphdef, self.tx, donate_argnums=(0,))  # one per process (shared_jit.py)
+        self._step = shared_jit(sft_step, self.graphdef, self.tx, donate_argnums=(0,))  # one per process (core/shared_jit.py)
 
     def step(self, examples) -> dict[str, float]:
         """examples: [(token_ids, loss_mask), ...]"""

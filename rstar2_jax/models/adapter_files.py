@@ -51,7 +51,7 @@ def adapter_tensors(params, dtype=np.float32) -> dict[str, np.ndarray]:
 
 def write_adapter(params, cfg: LoRAConfig, out_dir: str, base_model: str = "", dtype=np.float32) -> str:
     """The adapters of `params` as a PEFT adapter directory, tensors in `dtype` (float32, as
-    trained; a sync writes the servers' dtype: rollout/engines/adapter_sync.py); returns
+    trained; a sync writes the servers' dtype: rollout/engines/vllm_engine/sync/adapters.py); returns
     `out_dir`. Written to a temporary name and renamed, so a reader never sees half a file."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = adapter_tensors(params, dtype)

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from rstar2_jax import sharding as sharding_lib
+from rstar2_jax.core import sharding as sharding_lib
 from rstar2_jax.models import weight_map
 from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.decoder import Decoder

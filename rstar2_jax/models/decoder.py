@@ -4,7 +4,7 @@ Parameters are stored in float32 or bfloat16 (`param_dtype`) and cast to the com
 (`dtype`) at use, so fp32 master weights with bf16 compute is one constructor argument.
 Softmax, RMSNorm statistics and RoPE angles are always float32.
 
-Every parameter carries its logical axes (`axes` metadata, see `rstar2_jax.sharding`).
+Every parameter carries its logical axes (`axes` metadata, see `rstar2_jax.core.sharding`).
 
 Three ways to run it:
 - `model(tokens, positions=None, segment_ids=None)` -> logits [B, T, vocab]: full forward.
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar2_jax import sharding
+from rstar2_jax.core import sharding
 from rstar2_jax.models import lora
 from rstar2_jax.models.config import ModelConfig
 from rstar2_jax.models.rope import apply_rope, inverse_frequencies, rope_angles

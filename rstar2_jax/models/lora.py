@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rstar2_jax.config_types import Section, changed_fields, setting
+from rstar2_jax.core.config_types import Section, changed_fields, setting
 
 
 class LoRAParam(nnx.Param):

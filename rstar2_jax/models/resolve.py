@@ -8,11 +8,11 @@ import os
 
 import jax.numpy as jnp
 
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.models import hub
 from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION, REMAT_POLICIES
 from rstar2_jax.models.lora import LoRAConfig
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 
 DTYPES = Registry("dtype")
 DTYPES.register("float32", jnp.float32)
@@ -59,7 +59,7 @@ def load_policy(model_cfg: PolicyModelConfig, model_dir: str, *, seed: int, mesh
     attention), its trained parameters float32 (master weights), and with model.lora.rank > 0
     the base frozen in the compute dtype with fresh adapters on the targets (models/lora.py).
     A rank the model cannot take is a ConfigValueError before the weights are read."""
-    from rstar2_jax.config_types import ConfigProblem, ConfigValueError
+    from rstar2_jax.core.config_types import ConfigProblem, ConfigValueError
     from rstar2_jax.models import lora
     from rstar2_jax.models.checkpoint import load_pretrained
     from rstar2_jax.models.config import ModelConfig

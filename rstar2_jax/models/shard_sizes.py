@@ -9,7 +9,7 @@ import types
 
 import numpy as np
 
-from rstar2_jax import sharding
+from rstar2_jax.core import sharding
 from rstar2_jax.models.config import ModelConfig
 
 

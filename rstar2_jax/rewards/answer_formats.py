@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 from rstar2_jax.rewards.answer import chosen_option, extract_answer, last_boxed
 from rstar2_jax.rewards.equivalence import is_equivalent
 

@@ -25,8 +25,8 @@ import math
 import time
 from typing import Any
 
-from rstar2_jax import processes
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core import processes
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.rl.run_state import CarriedGroups
 from rstar2_jax.rollout.engines.accounting import merge_work
 

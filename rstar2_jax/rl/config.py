@@ -6,7 +6,7 @@
 
 Sections and where they live: model (models/resolve.py), data (data/tasks/), sft
 (learner/sft.py), rollout (rollout/engines/factory.py), sandbox (rollout/sandboxes.py), rl.roc
-(rl/roc_modes/), rl.loss (algo/losses/), mesh (sharding.py), checkpoint (checkpoints.py),
+(rl/roc_modes/), rl.loss (algo/losses/), mesh (core/sharding.py), checkpoint (core/checkpoints.py),
 logging (trackers/__init__.py);
 rl, stages and eval are the trainer's own (here). `python -m rstar2_jax.train --helpconfig`
 prints every field with its documentation.
@@ -24,11 +24,11 @@ import numpy as np
 from rstar2_jax.algo import KLConfig
 from rstar2_jax.algo.advantages import AdvantageConfig
 from rstar2_jax.algo.reward_shaping import OverlongConfig
-from rstar2_jax.checkpoints import CheckpointConfig
-from rstar2_jax.config_types import ConfigProblem, ConfigValueError, Section, setting
+from rstar2_jax.core.checkpoints import CheckpointConfig
+from rstar2_jax.core.config_types import ConfigProblem, ConfigValueError, Section, setting
 from rstar2_jax.data.tasks import TASKS, DataConfig, kept_template_conflicts
 from rstar2_jax.learner.settings import LearnerSettings
-from rstar2_jax.part_sections import unread_settings
+from rstar2_jax.core.part_sections import unread_settings
 from rstar2_jax.learner.sft import SFTConfig
 from rstar2_jax.models.resolve import PolicyModelConfig
 from rstar2_jax.rl.carry import StalenessConfig
@@ -39,7 +39,7 @@ from rstar2_jax.rl.roc_modes import RoCConfig
 from rstar2_jax.rollout.engines.factory import ENGINES, RolloutConfig, engine_kind
 from rstar2_jax.rollout.prompt import FORMATS, make_format
 from rstar2_jax.rollout.sandboxes import SandboxConfig
-from rstar2_jax.sharding import MeshConfig
+from rstar2_jax.core.sharding import MeshConfig
 
 FILTER_MODES = ("offline", "online")
 

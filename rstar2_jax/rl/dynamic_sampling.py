@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rstar2_jax.algo import group_is_informative
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.rl.seeds import topup_seeds
 
 

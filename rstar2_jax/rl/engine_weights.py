@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rstar2_jax import processes, sharding
+from rstar2_jax.core import processes
+from rstar2_jax.core import sharding
 from rstar2_jax.learner import Learner
 from rstar2_jax.models import lora
 from rstar2_jax.models.resolve import DTYPES

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rollout.engines.engine_kind import EnginePlanInputs
 from rstar2_jax.rollout.engines.engine_kind import PlanLine as Line  # one line type: the engines add theirs
 from rstar2_jax.rollout.engines.factory import engine_kind
-from rstar2_jax.sharding import DEVICE_MEMORY_GIB
+from rstar2_jax.core.sharding import DEVICE_MEMORY_GIB
 
 GiB = 2**30
 ALLOWANCE_FRACTION = 0.05

@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from rstar2_jax import processes
+from rstar2_jax.core import processes
 
 T = TypeVar("T")
 

@@ -7,8 +7,8 @@ import os
 
 import jax
 
-from rstar2_jax import sharding
-from rstar2_jax.config_types import leaves
+from rstar2_jax.core import sharding
+from rstar2_jax.core.config_types import leaves
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.run_dir import RunDirectory, refused_changes
 from rstar2_jax.rollout.engines.factory import engine_kind

@@ -75,7 +75,7 @@ async def prefilter_stage(producer, problems, cfg, stage_i: int, step: int, path
     """The pre-pass before stage `stage_i`: its filter_solved_k rollouts of every problem, through
     the rollout producer (every process's share, gathered), chunk by chunk, resumable from
     `path`; the ids solved k/k."""
-    from rstar2_jax import processes
+    from rstar2_jax.core import processes
 
     agent = producer.agent(step)
 

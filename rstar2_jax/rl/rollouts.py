@@ -24,7 +24,7 @@ import dataclasses
 import time
 from typing import Sequence
 
-from rstar2_jax import processes
+from rstar2_jax.core import processes
 from rstar2_jax.rl.carry import RunningGroups
 from rstar2_jax.rl.run_state import DataState
 from rstar2_jax.rl.seeds import rollout_seed
@@ -35,7 +35,7 @@ from rstar2_jax.rollout.engines.accounting import owned_by
 from rstar2_jax.rollout.journal import StepJournal
 from rstar2_jax.rewards import Grader
 from rstar2_jax.rollout.scoring import Scored, rollout_problems, scored_rollout
-from rstar2_jax.timeline import Timeline
+from rstar2_jax.core.timeline import Timeline
 
 
 class RolloutProducer:

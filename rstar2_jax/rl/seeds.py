@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rstar2_jax.seeding import stable_seed
+from rstar2_jax.core.seeding import stable_seed
 
 
 def rollout_seed(seed: int, step: int, group: int, sample: int) -> int:

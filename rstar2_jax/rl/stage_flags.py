@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.rl.config import StageConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(StageConfig)}

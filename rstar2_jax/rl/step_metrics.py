@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from rstar2_jax import processes
+from rstar2_jax.core import processes
 from rstar2_jax.rl.step_rollouts import StepRollouts
 from rstar2_jax.rollout.scoring import summarize
-from rstar2_jax.timeline import Timeline, exclusive_length, overlap_length
+from rstar2_jax.core.timeline import Timeline, exclusive_length, overlap_length
 
 
 class MetricsLog:

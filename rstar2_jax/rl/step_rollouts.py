@@ -7,7 +7,7 @@ from typing import Any
 
 from rstar2_jax.rl.run_state import DataState
 from rstar2_jax.rollout.scoring import Scored
-from rstar2_jax.timeline import Timeline
+from rstar2_jax.core.timeline import Timeline
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,10 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from rstar2_jax import models, processes, sharding
-from rstar2_jax.checkpoints import RunCheckpoints
+from rstar2_jax import models
+from rstar2_jax.core import processes
+from rstar2_jax.core import sharding
+from rstar2_jax.core.checkpoints import RunCheckpoints
 from rstar2_jax.data.tasks import make_task
 from rstar2_jax.learner import Learner, make_batch
 from rstar2_jax.learner.sft import SFTTrainer
@@ -57,7 +59,7 @@ from rstar2_jax.rollout import journal, make_format
 from rstar2_jax.rollout.engines import engine_kind, make_engine
 from rstar2_jax.rollout.sandboxes import make_sandbox
 from rstar2_jax.rollout.scoring import summarize
-from rstar2_jax.timeline import Timeline
+from rstar2_jax.core.timeline import Timeline
 from rstar2_jax.traces import TraceWriter
 
 __all__ = ["RLRun", "run"]
@@ -234,7 +236,7 @@ class RLRun:
 
         async def draw(step: int):
             # the weights the pipeline promises this step's rollouts: with rollout.vllm.sync_wait=export
-            # the last sync may still be landing on the servers (background_sync.py)
+            # the last sync may still be landing on the servers (vllm_engine/sync/background.py)
             await self.producer.engine.latest_landed()
             return self.producer.step_rollouts(step, *await self.draw(step))
 

@@ -27,7 +27,7 @@ from rstar2_jax.rollout.tool_calls import ToolCall, parse_tool_calls
 from rstar2_jax.rewards.penalties import INFRA_TOOL_STATUSES
 from rstar2_jax.rollout.journal import RolloutJournal
 from rstar2_jax.rollout.trajectory import ToolRecord, Trajectory, Turn, model_text
-from rstar2_jax.timeline import span
+from rstar2_jax.core.timeline import span
 
 if TYPE_CHECKING:  # the engines import this module's neighbours; the type alone is needed here
     from rstar2_jax.rollout.engines.base import Engine
@@ -68,7 +68,7 @@ async def _run_tool(sandbox: SandboxClient | SandboxSession, call: ToolCall, tim
     start = time.monotonic()
     for attempt in range(retries + 1):  # noqa: B007 - read after the loop: the retries that ran
         try:
-            with span("tool"):  # wall time for the step breakdown (rstar2_jax.timeline)
+            with span("tool"):  # wall time for the step breakdown (rstar2_jax.core.timeline)
                 result = await sandbox.run(call.code, call.stdin, timeout)
             status, output = result.status, tool_output_text(result)
         except Exception as e:  # noqa: BLE001 - a sandbox failure is a failed call, not a lost trajectory

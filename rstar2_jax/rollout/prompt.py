@@ -22,7 +22,7 @@ import dataclasses
 import json
 from typing import Any, Callable, Sequence
 
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 
 TOOL_NAME = "python_code_with_standard_io"
 

@@ -1,7 +1,7 @@
 """The tool sandbox settings (`sandbox.*`) and the one way to build the sandbox client from them.
 
 SANDBOXES (sandbox_backends/base.py) maps `sandbox.backend` to how to build that client, its own
-settings section (`sandbox.<backend>.*`, part_sections.py) and how to check them. Each backend is
+settings section (`sandbox.<backend>.*`, core/part_sections.py) and how to check them. Each backend is
 a module of sandbox_backends/, imported here once (a new backend: its module and one line below):
 "local" forks workers on this host (local_workers.py); "redis" queues calls for
 `python -m sandbox worker` processes on other hosts (redis_queue.py); "http" sends them to a
@@ -11,8 +11,8 @@ a module of sandbox_backends/, imported here once (a new backend: its module and
 from __future__ import annotations
 
 import sandbox
-from rstar2_jax.config_types import setting
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.config_types import setting
+from rstar2_jax.core.part_sections import PartChoice, part_section
 from rstar2_jax.rollout.agent_loop import TOOL_STATES
 # Each backend registers itself; this order is the choices' order in --helpconfig and the config.
 from rstar2_jax.rollout.sandbox_backends import local_workers  # noqa: F401

@@ -12,7 +12,7 @@ from rstar2_jax.rewards import Grade, Grader, tool_error_ratio
 from rstar2_jax.rewards.penalties import infra_error_count
 from rstar2_jax.rollout import AgentConfig, Trajectory, run_agent
 from rstar2_jax.rollout.journal import StepJournal
-from rstar2_jax.timeline import span
+from rstar2_jax.core.timeline import span
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags
 
-from rstar2_jax.rollout.engines.vllm_server import (ServerOptions, VLLMServer, default_python, server_command,
+from rstar2_jax.rollout.engines.vllm_engine.server import (ServerOptions, VLLMServer, default_python, server_command,
                                                     shell_command)
 from sandbox.job_secret import SECRET_ENV, OpenServiceError, job_secret
 
@@ -72,8 +72,8 @@ def main(argv):
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if _FETCH_PORT.value is not None:
-            from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
-            from rstar2_jax.rollout.engines.weight_pull import default_fetch_dir
+            from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
+            from rstar2_jax.rollout.engines.vllm_engine.sync.pull import default_fetch_dir
             fetcher = WeightFetcher(_FETCH_DIR.value or default_fetch_dir(_FETCH_PORT.value), _HOST.value,
                                     _FETCH_PORT.value)
             print(f"weight fetcher: {fetcher.url} (--config.rollout.vllm.fetch_urls={fetcher.url})", flush=True)

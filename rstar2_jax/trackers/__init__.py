@@ -17,7 +17,7 @@ import dataclasses
 import logging as pylogging
 import re
 
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.trackers.base import (IDS_FILE, TRACKERS, LoggingContext, Tracker, TrackerSpec, installed,
                                       read_ids, register_tracker)
 

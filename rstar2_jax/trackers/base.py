@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Callable, Protocol
 
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 
 
 class Tracker(Protocol):

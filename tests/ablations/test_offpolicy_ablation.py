@@ -21,7 +21,7 @@ def offpolicy_ablation_dir(tmp_path_factory, seed0_warm_start):
 
 
 def test_offpolicy_ablation_runs_each_correction_at_its_staleness_and_reports_what_it_did(offpolicy_ablation_dir):
-    from rstar2_jax import ablation
+    from rstar2_jax.reports import ablation
     table = ablation.staleness_table(str(offpolicy_ablation_dir)).set_index("correction")
     assert sorted(table.index) == ["icepop", "none", "token_tis"]
     assert table.loc["none", "k"] == 0 and table.loc["token_tis", "k"] == 1 and table.loc["icepop", "k"] == 2

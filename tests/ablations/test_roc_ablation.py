@@ -113,7 +113,7 @@ def test_a_one_seed_cell_shows_its_value_without_a_spread():
     """Issue 80: a one-seed ablation printed "+- 0.0%", a spread nothing measured."""
     import pandas as pd
 
-    from rstar2_jax.ablation import FINALS, summary_markdown
+    from rstar2_jax.reports.ablation import FINALS, summary_markdown
     row = {"cell": "roc_on", "seeds": 1, **{f"{n}_mean": 0.5 for n in FINALS}, **{f"{n}_std": 0.0 for n in FINALS}}
     two = dict(row, cell="roc_off", seeds=2, **{f"{n}_std": 0.1 for n in FINALS})
     text = summary_markdown(pd.DataFrame([row, two]))

@@ -15,7 +15,7 @@ from rstar2_jax.algo.corrections import (CORRECTIONS, CorrectionConfig, Correcti
 from rstar2_jax.algo.corrections.decoupled import DecoupledSettings
 from rstar2_jax.algo.corrections.importance import CapSettings
 from rstar2_jax.algo.corrections.masks import BandSettings, GeoBandSettings
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 
 
 def _inputs(log_ratio, mask=None, learner=None):

@@ -15,7 +15,7 @@ from rstar2_jax.algo.losses import policy_loss_terms, stat_names
 from rstar2_jax.algo.losses.cispo import CISPOSettings
 from rstar2_jax.algo.losses.clip_higher import ClipHigherSettings
 from rstar2_jax.algo.losses.gspo import GSPOSettings
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 
 
 def _inputs(seed=0, rows=4, length=7, spread=0.3, adv=None):

@@ -21,7 +21,7 @@ def main():
     import numpy as np
     import optax
 
-    from rstar2_jax import sharding
+    from rstar2_jax.core import sharding
     from rstar2_jax.learner import Learner, LearnerSettings
     from tests.learner.test_learner import _batch
     from tests.models.conftest import random_model, small_config

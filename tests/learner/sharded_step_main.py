@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 
-from rstar2_jax import sharding
+from rstar2_jax.core import sharding
 from rstar2_jax.learner import Learner, LearnerSettings
 from rstar2_jax.models import lora
 from tests.learner.test_learner import _batch

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar2_jax import models, sharding
+from rstar2_jax import models
+from rstar2_jax.core import sharding
 from tests.models.conftest import random_model, small_config
 
 MESHES = [dict(data=1, fsdp=8, tensor=1), dict(data=1, fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2)]

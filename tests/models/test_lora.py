@@ -15,8 +15,8 @@ from safetensors.numpy import load_file
 
 from rstar2_jax import models
 from rstar2_jax.algo import KLConfig
-from rstar2_jax.checkpoints import BaseMismatch, RunCheckpoints
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.checkpoints import BaseMismatch, RunCheckpoints
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.learner.sft import SFTTrainer
 from rstar2_jax.models import lora, tiny

@@ -3,7 +3,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from rstar2_jax import sharding
+from rstar2_jax.core import sharding
 from tests.fake_devices import run_on_8_fake_devices
 
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rstar2_jax.registry import UnknownNameError
+from rstar2_jax.core.registry import UnknownNameError
 from rstar2_jax.rewards import ANSWER_FORMATS, Grader
 
 FILLER = "Let me work through this carefully. " * 12  # 432 characters of reasoning

@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Callable
 
-from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.rollout.engines.vllm_engine.server import free_port
 from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -21,13 +21,13 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from experiments import tiny_arith
-from rstar2_jax import sharding
+from rstar2_jax.core import sharding
 from rstar2_jax.models import checkpoint
 from rstar2_jax.models.decoder import Decoder
-from rstar2_jax import processes
+from rstar2_jax.core import processes
 from rstar2_jax.rl.config import RunConfig
 from rstar2_jax.rl.memory_plan import architecture, memory_plan, mesh_sizes
-from rstar2_jax.rollout.engines import weight_export
+from rstar2_jax.rollout.engines.vllm_engine.sync import export as weight_export
 from rstar2_jax.rollout.engines import engine_mesh, make_engine
 
 

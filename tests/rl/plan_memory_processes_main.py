@@ -27,11 +27,11 @@ def main():
     import jax.numpy as jnp
     from flax import nnx
 
-    from rstar2_jax import sharding
+    from rstar2_jax.core import sharding
     from rstar2_jax.learner import Learner, LearnerSettings
     from rstar2_jax.models.decoder import Decoder
     from rstar2_jax.rl.memory_plan import memory_plan, mesh_sizes
-    from rstar2_jax.rollout.engines import weight_export
+    from rstar2_jax.rollout.engines.vllm_engine.sync import export as weight_export
     from tests.rl.plan_memory_main import VLLM_RUN, most_held_during_export, per_device_bytes, tiny_run
 
     cfg, arch = tiny_run(**VLLM_RUN)

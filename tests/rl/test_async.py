@@ -12,9 +12,9 @@ import pytest
 
 from rstar2_jax.algo.advantages import ADVANTAGES, AdvantageSpec
 from rstar2_jax.data.tasks import make_task
-from rstar2_jax.checkpoints import RunCheckpoints
+from rstar2_jax.core.checkpoints import RunCheckpoints
 from rstar2_jax.rl.data_stream import next_problems
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.rl.config import validate
 from rstar2_jax.rl.trainer import RLRun, run
 from rstar2_jax.traces import read_traces

@@ -3,7 +3,7 @@
 import pytest
 
 from experiments import qwen3_0p6b_math, roc_ablation, rstar2_agent_14b, tiny_arith
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.rl.config import validate
 
 
@@ -53,9 +53,9 @@ def test_rollout_seeds_are_the_same_in_every_process():
     import subprocess
     import sys
 
-    from rstar2_jax.seeding import stable_seed
+    from rstar2_jax.core.seeding import stable_seed
 
-    code = "from rstar2_jax.seeding import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
+    code = "from rstar2_jax.core.seeding import stable_seed; print(stable_seed(0, 'before_rl', 'greedy', 3))"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONHASHSEED="12345"), check=True).stdout

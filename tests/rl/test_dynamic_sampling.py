@@ -13,7 +13,7 @@ from rstar2_jax.rl.config import RunConfig, base_config
 from rstar2_jax.rl.data_stream import DataStream
 from rstar2_jax.rl.dynamic_sampling import informative_groups, next_draw
 from rstar2_jax.rl.run_state import DataState
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from tests.rl.test_data_stream import PROBLEMS, _cfg
 
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from rstar2_jax import models
-from rstar2_jax.checkpoints import load_run_policy
+from rstar2_jax.core.checkpoints import load_run_policy
 from rstar2_jax.models import lora
 from rstar2_jax.rl.engine_weights import engine_weights
 from rstar2_jax.models.adapter_files import is_adapter_dir, load_model_dir

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from rstar2_jax.checkpoints import RunCheckpoints, run_info
+from rstar2_jax.core.checkpoints import RunCheckpoints, run_info
 from rstar2_jax.traces import read_traces
 from tests.rl.launch import launch
 from tests.rl.test_training import COMPARED, close_to_rounding, rl_lines

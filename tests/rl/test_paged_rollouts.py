@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.rl.config import validate
 from rstar2_jax.rl.trainer import RLRun
 from rstar2_jax.traces import read_traces

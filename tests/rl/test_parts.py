@@ -22,13 +22,13 @@ TOY_PARTS = textwrap.dedent('''
     import numpy as np
 
     import sandbox
-    from rstar2_jax.config_types import Section, setting
+    from rstar2_jax.core.config_types import Section, setting
     from rstar2_jax.algo.advantages import register_advantage
     from rstar2_jax.algo.corrections.base import Correction, register_correction
     from rstar2_jax.algo.losses.base import LossTerms, register_loss
     from rstar2_jax.algo.roc import PaperSelection, paper_selection
     from rstar2_jax.data.tasks import TASKS, register_task
-    from rstar2_jax.part_sections import NoSettings
+    from rstar2_jax.core.part_sections import NoSettings
     from rstar2_jax.rl.roc_modes import ROC_MODES, RoCMode, paper_penalties
     from rstar2_jax.rollout.engines.engine_kind import ENGINES
     from rstar2_jax.rollout.sandbox_backends.base import SANDBOXES, SandboxBackend

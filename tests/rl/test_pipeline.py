@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rstar2_jax import processes
+from rstar2_jax.core import processes
 from rstar2_jax.rl.pipeline import run_pipeline, token_staleness
 from rstar2_jax.rl.run_state import CarriedGroups, DataState, RunState, RunStateError
 

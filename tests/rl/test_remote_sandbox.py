@@ -22,7 +22,7 @@ import pytest
 import redis as redis_lib
 
 from rstar2_jax.rl.trainer import run
-from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.rollout.engines.vllm_engine.server import free_port
 from rstar2_jax.traces import read_traces
 from tests.rl.test_multiprocess import params
 from tests.rl.test_training import COMPARED, ROOT, rl_lines, small_config

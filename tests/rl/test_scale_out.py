@@ -24,7 +24,7 @@ import redis
 
 from rstar2_jax.rl.prefilter import read_results
 from rstar2_jax.traces import read_traces
-from rstar2_jax.rollout.engines.vllm_server import free_port
+from rstar2_jax.rollout.engines.vllm_engine.server import free_port
 from tests.rl.launch import ROOT
 from tests.rl.test_training import rl_lines
 from tests.rollout.test_weight_pull import http_status

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from experiments import tiny_arith
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.rl.stage_flags import apply_stage_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import tiny_arith
 from rstar2_jax.rl.run_dir import ConfigMismatchError, RunDirectory
-from rstar2_jax.config_types import ConfigValueError
+from rstar2_jax.core.config_types import ConfigValueError
 from rstar2_jax.rl.config import validate
 from rstar2_jax.rl.trainer import RLRun, run
 from rstar2_jax.traces import read_traces, render_trajectory, with_trajectory_columns
@@ -471,7 +471,7 @@ def test_stage_filter_skips_solved_problems():
 def test_step_breakdown_measures_tool_wait_against_engine_work():
     from rstar2_jax.rl.step_metrics import step_breakdown
     from rstar2_jax.rollout.engines import EngineStats
-    from rstar2_jax.timeline import Timeline
+    from rstar2_jax.core.timeline import Timeline
 
     t = Timeline()
     t.extend("engine", [(0.0, 4.0), (6.0, 10.0)])

@@ -17,8 +17,8 @@ from rstar2_jax import models
 from rstar2_jax.models import tiny
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rollout.engines import JaxEngine, engine_mesh
-from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings, kv_pool_pages
-from rstar2_jax.rollout.engines.kv_pages import kv_bytes_per_position
+from rstar2_jax.rollout.engines.jax_engine.kind import JaxEngineSettings, kv_pool_pages
+from rstar2_jax.rollout.engines.jax_engine.kv_pages import kv_bytes_per_position
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 
@@ -55,8 +55,8 @@ def main():
         engine_weights makes it); timed against the same copy onto all eight (the engine sharing them)."""
         import time
 
-        from rstar2_jax import sharding
-        from rstar2_jax.processes import local_copy
+        from rstar2_jax.core import sharding
+        from rstar2_jax.core.processes import local_copy
         learner_devices, engine_devices = jax.devices()[:4], jax.devices()[4:]
         learner_mesh = sharding.make_mesh(data=1, fsdp=4, tensor=1, devices=learner_devices)
         state = nnx.state(fp32, nnx.Param)
@@ -93,8 +93,8 @@ def main():
         learner's copy (onto the first replica's mesh) reaches each, device to device."""
         import dataclasses
 
-        from rstar2_jax import sharding
-        from rstar2_jax.processes import local_copy
+        from rstar2_jax.core import sharding
+        from rstar2_jax.core.processes import local_copy
         from rstar2_jax.rollout.engines import RolloutConfig, engine_kind
         base = RolloutConfig()
         rollout = dataclasses.replace(base, max_len=max_len, jax=dataclasses.replace(

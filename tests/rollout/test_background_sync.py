@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar2_jax.rollout.engines.background_sync import Landing, _publish_verdict, await_landing, settle, wait_for_version
+from rstar2_jax.rollout.engines.vllm_engine.sync.background import (
+    Landing, _publish_verdict, await_landing, settle, wait_for_version)
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
 
 

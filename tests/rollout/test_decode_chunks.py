@@ -1,4 +1,4 @@
-"""Chunked decode (decode_steps > 1, rollout/engines/decode_chunks.py) against one step per
+"""Chunked decode (decode_steps > 1, rollout/engines/jax_engine/decode_chunks.py) against one step per
 dispatch: the same tokens, log-probs and per-token versions on both KV layouts, with stop strings
 of one and of several tokens, prefix reuse and preemption (issue 70). A weight swap mid-request:
 tests/rollout/test_jax_engine.py, at one step and at four per dispatch."""
@@ -14,7 +14,7 @@ from flax import nnx
 
 from rstar2_jax import models
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines import weight_swap
+from rstar2_jax.rollout.engines.jax_engine import weight_swap
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 from tests.rollout.test_jax_engine import _pool_is_whole, _serve, _turns
 

@@ -153,9 +153,9 @@ def test_a_sync_that_fails_mid_copy_leaves_the_last_whole_version(tiny_model, to
     trainer's copy for the engine (processes.local_copy onto the engine's devices) or in the
     engine's own placement onto its mesh. The sync raises; the engine keeps serving its last whole
     version (same tokens as before, same version); the next sync lands whole."""
-    from rstar2_jax import processes
+    from rstar2_jax.core import processes
     from rstar2_jax.rollout.engines import engine_mesh
-    from rstar2_jax.sharding import param_shardings
+    from rstar2_jax.core.sharding import param_shardings
 
     other = models.Decoder(tiny_model.cfg, rngs=nnx.Rngs(99))
     prompt = tokenizer.encode("same prompt")
@@ -254,7 +254,7 @@ def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model,
     async def go(warm):
         eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32, decode_steps=decode_steps)
         kernel = eng.kernels.decode if decode_steps == 1 else eng.kernels.decode_chunk  # the one it decodes with
-        if warm:  # the kernels are the process's (shared_jit.py): count what this engine adds to them
+        if warm:  # the kernels are the process's (core/shared_jit.py): count what this engine adds to them
             before = kernel._cache_size()
             eng.precompile([len(prompt)])
             compiled = kernel._cache_size()
@@ -583,13 +583,15 @@ def test_work_is_charged_to_the_owner_of_each_request_and_sums_to_the_engine_wid
 
 
 def test_the_engine_offers_what_its_layouts_and_decode_loops_ask_for(tiny_model, tokenizer):
-    """slot_requests.SlotOwner / DecodeHost: the whole of what kv_layouts.py, decode_step.py and
-    decode_chunks.py may use of the engine (they import those, never the engine), and the engine
+    """slot_requests.SlotOwner / DecodeHost: the whole of what jax_engine/kv_layouts.py, jax_engine/decode_step.py and
+    jax_engine/decode_chunks.py may use of the engine (they import those, never the engine), and the engine
     has each member."""
     import inspect
 
-    from rstar2_jax.rollout.engines import decode_chunks, decode_step, kv_layouts
-    from rstar2_jax.rollout.engines.slot_requests import DecodeHost, SlotOwner
+    from rstar2_jax.rollout.engines.jax_engine import decode_chunks
+    from rstar2_jax.rollout.engines.jax_engine import decode_step
+    from rstar2_jax.rollout.engines.jax_engine import kv_layouts
+    from rstar2_jax.rollout.engines.jax_engine.slot_requests import DecodeHost, SlotOwner
 
     members = {name for proto in (SlotOwner, DecodeHost) for klass in proto.__mro__ if klass not in (object,)
                for name in (*getattr(klass, "__annotations__", {}), *vars(klass)) if not name.startswith("_")}

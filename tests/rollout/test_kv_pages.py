@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rstar2_jax.rollout.engines.kv_pages import PagePool, pages_for
+from rstar2_jax.rollout.engines.jax_engine.kv_pages import PagePool, pages_for
 
 OWNERS = st.sampled_from(["a", "b", "c", ("row", 0), ("resident", "s")])
 OPS = st.lists(st.one_of(

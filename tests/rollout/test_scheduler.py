@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad
-from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable
+from rstar2_jax.rollout.engines.vllm_engine.client import ServerUnavailable
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 from rstar2_jax.rollout.engines.scheduler import Scheduler
 from rstar2_jax.rollout.engines.scheduler_policies import (POLICIES, EngineLoad, pick_kv_aware, pick_least_requests,
@@ -220,7 +220,7 @@ def test_a_full_home_spills_to_the_policy_and_the_session_moves():
 
 
 def test_server_load_reads_vllm_prefix_cache_counters():
-    from rstar2_jax.rollout.engines.vllm_client import server_load
+    from rstar2_jax.rollout.engines.vllm_engine.client import server_load
     text = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1200.0\n'
             'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 900.0\n'
             'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 800.0\n'

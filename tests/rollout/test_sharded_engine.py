@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rstar2_jax.rollout.engines.jax_kind import JaxEngineSettings, kv_pool_pages
+from rstar2_jax.rollout.engines.jax_engine.kind import JaxEngineSettings, kv_pool_pages
 from rstar2_jax.models.tiny import tiny_config
 from tests.fake_devices import run_on_8_fake_devices
 
@@ -70,7 +70,7 @@ def test_the_engines_own_devices_leave_the_learner_some_or_are_refused_naming_bo
     from types import SimpleNamespace
 
     from rstar2_jax.rollout.engines import RolloutConfig
-    from rstar2_jax.rollout.engines.jax_kind import split_devices
+    from rstar2_jax.rollout.engines.jax_engine.kind import split_devices
     devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # two processes of 4
     def own(n):
         return dataclasses.replace(RolloutConfig(), jax=dataclasses.replace(RolloutConfig().jax, devices=n))

@@ -1,4 +1,4 @@
-"""The files sync's reach check (rollout/engines/reach.py): a server on another host cannot read
+"""The files sync's reach check (rollout/engines/vllm_engine/sync/reach.py): a server on another host cannot read
 this host's /dev/shm, and the config check says so before a run starts."""
 
 import socket
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rstar2_jax.rl.config import RunConfig, base_config
-from rstar2_jax.rollout.engines import reach
+from rstar2_jax.rollout.engines.vllm_engine.sync import reach
 
 # 203.0.113.0/24 is TEST-NET-3 (RFC 5737), for documentation: not an address of this host (this
 # machine type numbers its VMs in TEST-NET-1, 192.0.2.0/24, so that range is not used here).

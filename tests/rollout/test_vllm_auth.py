@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from rstar2_jax.rollout.engines.vllm_server import (AUTH_MIDDLEWARE, AUTH_PLUGIN_DIR, ServerOptions, server_command,
+from rstar2_jax.rollout.engines.vllm_engine.server import (AUTH_MIDDLEWARE, AUTH_PLUGIN_DIR, ServerOptions, server_command,
                                                     shell_command)
 from tests.rl.launch import ROOT
 

@@ -30,12 +30,13 @@ from rstar2_jax.models import tiny
 from rstar2_jax.rewards import answer_reward
 from rstar2_jax.rollout import AgentConfig, run_agent, tiny_format
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines import background_sync, vllm_probe
+from rstar2_jax.rollout.engines.vllm_engine.sync import background as background_sync
+from rstar2_jax.rollout.engines.vllm_engine.sync import probe as vllm_probe
 from rstar2_jax.rollout.engines.base import PromptTooLong, WeightSyncFailed
-from rstar2_jax.rollout.engines.vllm_client import ServerRequestError
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-from rstar2_jax.rollout.engines.vllm_probe import WeightSyncError
-from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.engines.vllm_engine.client import ServerRequestError
+from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_engine.sync.probe import WeightSyncError
+from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 from rstar2_jax.rollout.engines.scheduler import Scheduler
 from rstar2_jax.traces import read_traces
@@ -157,7 +158,7 @@ def test_sync_after_a_learner_update_matches_the_updated_model(vllm_server, tiny
 SYNCED_AND_WAITING = """
 import sys, time
 from rstar2_jax import models
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
 url, model_dir, sync_dir, previous = sys.argv[1:]
 if previous == "handler":  # a handler that was there first (absl, serve.py) still runs
     import signal
@@ -622,10 +623,11 @@ def test_the_nccl_protocol_reaches_a_real_vllm_server_up_to_where_a_gpu_is_neede
     join request (our unique id, rank offset, world size) and fails only at its missing
     accelerator; it takes the description of an export (HF names, dtypes, shapes) and fails only
     because no NCCL group exists; the tensors go out one at a time in that order; and the server
-    answers afterwards. The collectives themselves need GPUs and have not run (nccl_sync.py)."""
-    from rstar2_jax.rollout.engines.nccl_sync import NCCL_TYPES, NcclUnavailable, NcclWeightSender, sending_device_tensors
-    from rstar2_jax.rollout.engines.vllm_client import ServerUnavailable, VLLMClient
-    from rstar2_jax.rollout.engines.weight_export import model_plan, param_arrays
+    answers afterwards. The collectives themselves need GPUs and have not run (vllm_engine/sync/nccl_group.py)."""
+    from rstar2_jax.rollout.engines.vllm_engine.sync.nccl_group import (
+        NCCL_TYPES, NcclUnavailable, NcclWeightSender, sending_device_tensors)
+    from rstar2_jax.rollout.engines.vllm_engine.client import ServerUnavailable, VLLMClient
+    from rstar2_jax.rollout.engines.vllm_engine.sync.export import model_plan, param_arrays
 
     server = vllm_server  # started with the NCCL backend (NCCL_BACKEND)
     client, fake = VLLMClient(server.url, timeout=120), RecordingNccl()
@@ -686,7 +688,7 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
     its log-prob probe); so does a pull sync, each server reloading the copy its own fetcher made.
     Then one server is SIGKILLed mid-batch and stays down: its trajectories finish on the other
     server, each exactly once, the same tokens as with both up (greedy)."""
-    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
 
     second = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "second")
     synced = perturbed(tiny_model, seed=2)
@@ -750,7 +752,7 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     reloaded the first bucket by then, the first process stops writing while the second still
     gathers every tensor, the server goes back to its previous weights, and both processes sync
     again at once, in step."""
-    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
     from tests.rl.launch import launch
     from tests.rl.test_multiprocess import CONFIG, train_args
     from tests.rl.test_training import rl_lines
@@ -802,7 +804,7 @@ def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_ser
     written, and the server reloads the whole copy once committed (staged) or each bucket's copy
     as it arrives (streamed). The trainer's export is deleted before the probe, so the server
     cannot have read it."""
-    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
 
     fetcher = WeightFetcher(str(tmp_path / "server_side"))
     engine = VLLMEngine(vllm_server.url, tiny_model, sync="pull", fetch_url=fetcher.url,

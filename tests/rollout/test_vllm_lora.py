@@ -17,9 +17,9 @@ from rstar2_jax import models
 from rstar2_jax.learner import Learner, LearnerSettings, make_batch
 from rstar2_jax.models import lora
 from rstar2_jax.rollout.engines import JaxEngine
-from rstar2_jax.rollout.engines import adapter_sync
-from rstar2_jax.rollout.engines.vllm_engine import VLLMEngine
-from rstar2_jax.rollout.engines.vllm_server import ServerOptions, VLLMServer, free_port
+from rstar2_jax.rollout.engines.vllm_engine.sync import adapters as adapter_sync
+from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
+from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 from tests.rollout.test_vllm_engine import VLLM_PYTHON, jax_logprobs, restarted_if_it_died
 
@@ -127,8 +127,8 @@ def test_adapter_syncs_match_the_learner_and_the_jax_engine(lora_server, tiny_di
 def test_adapters_reach_a_server_through_its_fetcher_beside_a_files_engine(lora_server, tiny_dir, tmp_path):
     """sync=pull: the fetcher beside the server copies the two PEFT files from the trainer's export
     server, the server loads that copy; one sync to two engines (pull and files) lands on both."""
-    from rstar2_jax.rollout.engines.vllm_push import push_to_servers
-    from rstar2_jax.rollout.engines.weight_pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
+    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
     learner = lora_learner(tiny_dir)
     update(learner, 11)
     fetcher = WeightFetcher(str(tmp_path / "pulled"))
@@ -172,7 +172,7 @@ def test_two_trainer_processes_train_adapters_and_only_the_first_loads_them(lora
     process), and both sample with the adapter of the version they stamp (the sampler's log-probs
     are the learner's, where the base's are not). At the end process 0 unloads what it loaded
     before its files go, and the server stays up."""
-    from rstar2_jax.checkpoints import load_run_policy
+    from rstar2_jax.core.checkpoints import load_run_policy
     from tests.rl.launch import launch
     from tests.rl.test_lora_run import checkpoint_state_bytes
     from tests.rl.test_multiprocess import CONFIG, train_args

@@ -1,4 +1,4 @@
-"""The bucketed weight export (rollout/engines/weight_export.py): what it writes is what
+"""The bucketed weight export (rollout/engines/vllm_engine/sync/export.py): what it writes is what
 save_pretrained writes (read back by the safetensors library), buckets hold whole decoder layers
 within their size, and a slot is rewritten in place. Against real vLLM servers:
 tests/rollout/test_vllm_engine.py."""
@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from rstar2_jax import models
 from rstar2_jax.models import checkpoint, tiny
 from rstar2_jax.models.weight_map import LAYER_WEIGHTS
-from rstar2_jax.rollout.engines import weight_export as we
+from rstar2_jax.rollout.engines.vllm_engine.sync import export as we
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_exports_of_trainers_that_are_gone_are_freed(tmp_path):
     import subprocess
     import sys
 
-    from rstar2_jax.rollout.engines.export_roots import SYNC_ROOT_PREFIX, remove_orphaned_exports
+    from rstar2_jax.rollout.engines.vllm_engine.sync.export_roots import SYNC_ROOT_PREFIX, remove_orphaned_exports
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a pid whose process has exited

@@ -9,9 +9,9 @@ import threading
 import time
 
 import sandbox
-from sandbox import zygote_state
+from sandbox.zygote import state as zygote_state
 from sandbox.pool import process_name
-from sandbox.zygote import interpreter_dirs  # the directories the sandbox binds, links included
+from sandbox.zygote.main import interpreter_dirs  # the directories the sandbox binds, links included
 
 
 class SyncSandbox:

@@ -20,7 +20,9 @@ import time
 import pytest
 
 import sandbox
-from sandbox import cgroups, zygote, zygote_state
+from sandbox.zygote import cgroups
+from sandbox.zygote import main as zygote
+from sandbox.zygote import state as zygote_state
 from sandbox.job_secret import OpenServiceError
 from sandbox.pool import child_pids, process_name
 from tests.sandbox.helpers import SyncSandbox, leftover_work_files, ls, prometheus_total
@@ -202,7 +204,7 @@ def test_host_files_repo_and_data_are_invisible(sb, tmp_path):
     data.write_text('{"answer": "42"}\n')
     os.chmod(tmp_path, 0o755)
     os.chmod(data, 0o644)
-    targets = [str(data), os.path.join(ROOT, "README.md"), os.path.join(ROOT, "sandbox", "zygote.py"),
+    targets = [str(data), os.path.join(ROOT, "README.md"), os.path.join(ROOT, "sandbox", "zygote/main.py"),
                "/etc/passwd", "/etc/hostname", "/root/.bashrc", "/var/log", "/sys/class", "/run"]
     code = ("import os\nfor p in %r:\n    print(os.path.exists(p))\n"
             "print(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/dev')))") % targets
@@ -277,7 +279,7 @@ def test_no_ptys_or_device_nodes(sb):
 
 SECCOMP_PROBES = {
     # name: (syscall number on x86_64, args). mount and unshare of other namespaces are refused by
-    # the kernel's capability check (the filter leaves them to the worker, see sandbox/confine.py).
+    # the kernel's capability check (the filter leaves them to the worker, see sandbox/zygote/confine.py).
     "unshare(CLONE_NEWUSER)": (272, (0x10000000,)),
     "unshare(CLONE_NEWNS)": (272, (0x00020000,)),
     "mount": (165, ("b'none'", "b'/tmp'", "b'tmpfs'", 0, None)),
@@ -390,7 +392,7 @@ def test_deep_directory_tree_loses_no_output_and_leaves_nothing(one_slot):
 
 
 def test_remove_tree_handles_depth_past_path_max_and_recursion_limit(tmp_path):
-    import zygote_supervise  # a top-level module of the zygote's, imported by `from sandbox import zygote` above
+    from sandbox.zygote import supervise as zygote_supervise
     top = tmp_path / "tree"
     top.mkdir()
     fd = os.open(top, os.O_RDONLY)
@@ -471,7 +473,7 @@ def test_hostile_exit_and_exception_objects_show_no_sandbox_frames(one_slot, cas
 
 @pytest.fixture(scope="module")
 def strict_api(sb):
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, default_timeout=5.0, workers=sb.sb.workers, max_connections=4,
                                read_timeout_s=1.0, idle_timeout_s=1.0, max_batch=8)
     port = sb.call(server.start("127.0.0.1", 0))
@@ -508,7 +510,7 @@ def test_a_partial_request_pipelined_behind_a_whole_one_is_cut_at_the_read_deadl
     """One packet: a whole request and the start of another, then silence. The second's deadline
     runs from the first's response (no more bytes will ever re-arm it): the connection closes
     after read_timeout_s, not after the (much longer) keep-alive."""
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, workers=sb.sb.workers, read_timeout_s=1.0, idle_timeout_s=60.0)
     port = sb.call(server.start("127.0.0.1", 0))
     try:
@@ -578,7 +580,7 @@ def test_a_client_that_goes_away_has_its_batch_cancelled(sb, strict_api):
 
 
 def test_bearer_token_and_refusal_to_listen_openly_without_one(sb):
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     with pytest.raises(OpenServiceError, match="refusing to listen on '0.0.0.0' without a secret"):
         sb.call(SandboxHTTPServer(sb.sb).start("0.0.0.0", 0))
     server = SandboxHTTPServer(sb.sb, token="s3cret")
@@ -606,7 +608,7 @@ def test_bearer_token_and_refusal_to_listen_openly_without_one(sb):
 
 @pytest.fixture
 def token_api(sb):
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, token="s3cret", max_connections=4, auth_timeout_s=2.0, read_timeout_s=10.0)
     port = sb.call(server.start("127.0.0.1", 0))
     yield port, server
@@ -681,7 +683,7 @@ def test_a_batch_whose_answer_could_pass_the_response_budget_is_refused(sb):
     escape in the answer, an undecodable byte three of U+FFFD; a batch that could answer more than
     max_response_bytes in the worst case never runs, and the worst a call can answer is within the
     per-call figure the check uses (stdout and stderr both full of control characters)."""
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, max_response_bytes=2 << 20)
     assert server.worst_result_bytes == 6 * (sb.sb.limits.stdout_bytes + sb.sb.limits.stderr_bytes) + 2048
     port = sb.call(server.start("127.0.0.1", 0))
@@ -706,7 +708,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_off(sb):
     """A large answer to a client that never reads it: once the send buffer is full the client has
     write_timeout_s to read on, then the connection and its unsent answer are dropped (issue 28,
     item 4)."""
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, write_timeout_s=1.0)
     port = sb.call(server.start("127.0.0.1", 0))
     try:
@@ -726,7 +728,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_off(sb):
 
 
 def test_requests_take_turns_round_robin():
-    from sandbox.http_guards import FairTurns
+    from sandbox.http_service.guards import FairTurns
 
     async def go():
         turns, order = FairTurns(1), []
@@ -751,7 +753,7 @@ def test_requests_take_turns_round_robin():
 def test_a_single_call_is_not_stuck_behind_another_client_s_large_batch(sb):
     """3 workers, another client's 24 x 0.5 s batch (4 s of queue) already running: single calls
     sent meanwhile each finish in about one call's time, not after the batch (p99 of 6)."""
-    from sandbox.http_api import SandboxHTTPServer
+    from sandbox.http_service.api import SandboxHTTPServer
     server = SandboxHTTPServer(sb.sb, workers=sb.sb.workers)
     port = sb.call(server.start("127.0.0.1", 0))
     try:
@@ -781,7 +783,7 @@ def test_health_reports_the_protections(sb, strict_api):
 
 
 def test_the_root_is_built_where_it_hides_nothing_it_needs():
-    from sandbox import confine
+    from sandbox.zygote import confine
     # A clone under /tmp (its venv in /tmp/...) must not be covered by the root's own tmpfs.
     assert confine.root_mount_point(["/tmp/ci/repo/.venv", "/root/.pyenv/versions/3.11.7"]) == "/mnt"
     assert confine.root_mount_point(["/mnt/work/.venv"]) != "/mnt"

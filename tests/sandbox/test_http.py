@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from sandbox.http_api import SandboxHTTPServer
+from sandbox.http_service.api import SandboxHTTPServer
 from tests.sandbox.helpers import prometheus_total
 from tests.sandbox.redis_server import free_port
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from sandbox.job_secret import (SECRET_ENV, OpenServiceError, authorised, bearer_headers, check_open_service,
                                 is_loopback)
-from sandbox.redis_client import RedisSandbox
-from sandbox.redis_protocol import RedisRefused
-from sandbox.redis_worker import RedisWorker
+from sandbox.redis_queue.client import RedisSandbox
+from sandbox.redis_queue.protocol import RedisRefused
+from sandbox.redis_queue.worker import RedisWorker
 from tests.sandbox.redis_server import RedisServer
 from tests.sandbox.test_redis import ROOT
 
@@ -96,7 +96,7 @@ def test_the_http_sandbox_takes_the_job_secret_from_the_environment(monkeypatch)
     import urllib.error
     import urllib.request
 
-    from sandbox.http_client import HTTPSandbox
+    from sandbox.http_service.client import HTTPSandbox
     from tests.sandbox.redis_server import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "SANDBOX_TOKEN")}

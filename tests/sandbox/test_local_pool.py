@@ -101,7 +101,7 @@ def test_timeouts_at_the_boundaries_say_timeout_and_cost_no_worker(sb):
     """The smallest timeouts (shorter than starting a process), many at once, and the largest
     allowed: each call is `timeout` (or `ok` when it finished first), never `worker_died`, and the
     zygote's workers are the same processes before and after (no slot restarted)."""
-    from sandbox import zygote_state
+    from sandbox.zygote import state as zygote_state
     from sandbox.pool import child_pids, process_name
     from sandbox.result import Limits
 
@@ -123,9 +123,9 @@ def test_every_client_and_its_session_are_the_typed_interfaces():
     import inspect
 
     from sandbox.client import SandboxClient, SandboxSession
-    from sandbox.http_client import HTTPSandbox, HTTPSession
+    from sandbox.http_service.client import HTTPSandbox, HTTPSession
     from sandbox.local import LocalSandbox, Session
-    from sandbox.redis_client import RedisSandbox, RedisSession
+    from sandbox.redis_queue.client import RedisSandbox, RedisSession
 
     def params(fn):
         return [p.name for p in inspect.signature(fn).parameters.values()][:4]

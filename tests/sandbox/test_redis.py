@@ -12,9 +12,9 @@ import time
 import pytest
 import redis
 
-from sandbox.redis_client import RedisSandbox
-from sandbox.redis_protocol import Keys
-from sandbox.redis_worker import RedisWorker
+from sandbox.redis_queue.client import RedisSandbox
+from sandbox.redis_queue.protocol import Keys
+from sandbox.redis_queue.worker import RedisWorker
 from sandbox import uids
 from sandbox.result import ExecResult
 from tests.sandbox.helpers import wait_no_processes
@@ -286,7 +286,7 @@ def test_many_calls_share_a_bounded_set_of_connections(redis_server):
 def test_the_trainer_sandbox_config_builds_a_redis_client_that_reaches_workers(redis_server):
     """sandbox.backend=redis (what the trainer and evaluate build through make_sandbox) sends
     calls to `python -m sandbox worker` processes; a bad URL is refused by the config check."""
-    from rstar2_jax.config_types import ConfigValueError
+    from rstar2_jax.core.config_types import ConfigValueError
     from rstar2_jax.rollout.sandboxes import SandboxConfig, make_sandbox
 
     with pytest.raises(ConfigValueError, match="url: sandbox.backend=redis needs a redis:// URL"):

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from sandbox import syscall_policy, zygote_state
+from sandbox.zygote import syscall_policy
+from sandbox.zygote import state as zygote_state
 from sandbox.pool import child_pids, process_name, running_calls
 from sandbox.syscall_corpus import CORPUS
 from tests.sandbox import docker_default_syscalls as docker
@@ -267,7 +268,7 @@ def test_a_call_sees_its_own_host_name_and_cgroup_and_no_settings_on_its_command
     # nor in the zygote's objects a call inherits a copy of: the host's cgroup paths, the work root
     # (which named the service's pid)
     find = ("import gc\nfound = {(s.cgroups, s.channels, s.work_root) for s in gc.get_objects() "
-            "if type(s).__name__ == 'Settings' and type(s).__module__ == 'zygote_state'}\nprint(found)")
+            "if type(s).__name__ == 'Settings' and type(s).__module__ == 'zygote.state'}\nprint(found)")
     assert sb.run(find).stdout == "{(None, None, None)}\n"
     (cell,) = session_runs(sb, find)
     assert cell.stdout == "{(None, None, None)}\n", cell

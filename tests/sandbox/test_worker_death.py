@@ -11,7 +11,7 @@ import time
 import pytest
 
 import sandbox
-from sandbox import zygote_state
+from sandbox.zygote import state as zygote_state
 from sandbox.pool import child_pids, process_name, running_calls
 
 

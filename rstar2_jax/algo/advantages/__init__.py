@@ -1,7 +1,7 @@
 """Group-relative advantages, one module each, and `rl.advantage.*` built from what they register.
 
     rl.advantage.name = "grpo"        # the estimator
-    rl.advantage.grpo.eps = 1e-6      # each estimator's own settings (part_sections.py)
+    rl.advantage.grpo.eps = 1e-6      # each estimator's own settings (core/part_sections.py)
 
 Adding an estimator: a module here with a function (rewards, settings) -> advantages registered
 with `register_advantage(name, settings=...)` (base.py), and its import below.
@@ -15,8 +15,8 @@ from rstar2_jax.algo.advantages import grpo, mean_only  # noqa: F401  (each regi
 from rstar2_jax.algo.advantages.base import ADVANTAGES, AdvantageSpec, register_advantage
 from rstar2_jax.algo.advantages.grpo import GRPOAdvantageSettings, grpo_advantages
 from rstar2_jax.algo.advantages.mean_only import mean_centred_advantages
-from rstar2_jax.config_types import Section, setting
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.config_types import Section, setting
+from rstar2_jax.core.part_sections import PartChoice, part_section
 
 __all__ = ["ADVANTAGES", "AdvantageConfig", "AdvantageSpec", "GRPOAdvantageSettings", "advantages",
            "grpo_advantages", "mean_centred_advantages", "register_advantage"]

@@ -8,9 +8,9 @@ from typing import Callable
 
 import numpy as np
 
-from rstar2_jax.config_types import Section
-from rstar2_jax.part_sections import NoSettings
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.config_types import Section
+from rstar2_jax.core.part_sections import NoSettings
+from rstar2_jax.core.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)

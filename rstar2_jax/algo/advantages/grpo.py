@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from rstar2_jax.algo.advantages.base import register_advantage
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rstar2_jax.algo.advantages.base import register_advantage
-from rstar2_jax.config_types import Section
+from rstar2_jax.core.config_types import Section
 
 
 @register_advantage("mean_only")

@@ -14,8 +14,8 @@ from rstar2_jax.algo.corrections import decoupled, importance, masks  # noqa: F4
 from rstar2_jax.algo.corrections.base import (CORRECTIONS, Correction, CorrectionInputs, CorrectionSpec,
                                               apply_correction, combined_correction, compose, correction_metrics,
                                               effective_sample_size, mismatch_metrics, register_correction)
-from rstar2_jax.config_types import Section, setting
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.config_types import Section, setting
+from rstar2_jax.core.part_sections import PartChoice, part_section
 
 __all__ = ["CORRECTIONS", "Correction", "CorrectionConfig", "CorrectionInputs", "CorrectionSpec",
            "apply_correction", "combined_correction", "compose", "correction_metrics", "effective_sample_size",

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 from rstar2_jax.algo.corrections.base import Correction, CorrectionInputs, register_correction
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 
 
 @dataclasses.dataclass(frozen=True)

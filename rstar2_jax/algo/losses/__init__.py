@@ -12,8 +12,8 @@ from rstar2_jax.algo.aggregation import AGGREGATIONS
 from rstar2_jax.algo.losses import cispo, clip_higher, gspo, reinforce  # noqa: F401  (each registers its loss)
 from rstar2_jax.algo.losses.base import (COMMON_STATS, LOSSES, LossInputs, LossSpec, LossTerms, policy_loss_terms,
                                          register_loss, stat_names)
-from rstar2_jax.config_types import setting
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.config_types import setting
+from rstar2_jax.core.part_sections import PartChoice, part_section
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 
 __all__ = ["COMMON_STATS", "LOSSES", "LossInputs", "LossSpec", "LossTerms", "PolicyLossConfig", "policy_loss_terms",

@@ -30,8 +30,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2_jax.config_types import Section
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.config_types import Section
+from rstar2_jax.core.registry import Registry
 from rstar2_jax.algo.log_ratio import LOG_RATIO_BOUND
 from rstar2_jax.algo.segments import on_positions, segment_totals
 

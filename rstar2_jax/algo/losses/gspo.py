@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2_jax.algo.losses.base import LossInputs, LossTerms, register_loss
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 
 
 @dataclasses.dataclass(frozen=True)

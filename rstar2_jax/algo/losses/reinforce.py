@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from rstar2_jax.algo.losses.base import LossInputs, LossTerms, register_loss
-from rstar2_jax.config_types import Section
+from rstar2_jax.core.config_types import Section
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,10 +22,10 @@ from __future__ import annotations
 # Each task registers itself; this order is the choices' order in --helpconfig and the config.
 from rstar2_jax.data.tasks import arith_task  # noqa: F401
 from rstar2_jax.data.tasks import problem_sets  # noqa: F401
-from rstar2_jax.config_types import setting
+from rstar2_jax.core.config_types import setting
 from rstar2_jax.data.tasks.base import TASKS, SFTData, Task, TaskSpec, make_task, register_task
 from rstar2_jax.data.tasks.problem_sets import ProblemSetSettings, kept_template_conflicts
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.part_sections import PartChoice, part_section
 from rstar2_jax.rewards.answer_formats import ANSWER_FORMATS, DEFAULT_ANSWER_FORMAT
 
 __all__ = ["DataConfig", "ProblemSetSettings", "SFTData", "TASKS", "Task", "TaskSpec", "kept_template_conflicts",

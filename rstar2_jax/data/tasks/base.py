@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Protocol, Sequence
 
-from rstar2_jax.config_types import Section
-from rstar2_jax.part_sections import NoSettings
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.config_types import Section
+from rstar2_jax.core.part_sections import NoSettings
+from rstar2_jax.core.registry import Registry
 
 
 class Problem(Protocol):

@@ -10,7 +10,7 @@ import os
 
 from absl import logging
 
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.data.jsonl import DataError
 from rstar2_jax.data.problems import MISSING, Columns, describe_fields, first_row, first_row_layout, load_problems
 from rstar2_jax.data.problems import field as field_of

@@ -14,8 +14,8 @@ from __future__ import annotations
 from rstar2_jax.rl.roc_modes import paper  # noqa: F401
 from rstar2_jax.rl.roc_modes import release  # noqa: F401
 from rstar2_jax.rl.roc_modes import off  # noqa: F401
-from rstar2_jax.config_types import setting
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.config_types import setting
+from rstar2_jax.core.part_sections import PartChoice, part_section
 from rstar2_jax.rl.roc_modes.base import ROC_MODES, Penalties, RoCMode
 from rstar2_jax.rl.roc_modes.paper import paper_penalties
 from rstar2_jax.rl.roc_modes.release import release_penalties

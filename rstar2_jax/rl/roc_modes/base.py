@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rstar2_jax.algo.roc import Selection
-from rstar2_jax.config_types import Section
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.config_types import Section
+from rstar2_jax.core.registry import Registry
 from rstar2_jax.rollout.scoring import Scored
 
 Penalties = Callable[[Sequence[Scored]], tuple[np.ndarray, np.ndarray]]

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Hashable, Sequence
 
-from rstar2_jax import processes
+from rstar2_jax.core import processes
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class Engine(abc.ABC):
         if not self.weights_on_servers:
             self.update_weights(params, version)
             return
-        if self.lands_in_background:  # the reload lands behind (background_sync.py)
+        if self.lands_in_background:  # the reload lands behind (vllm_engine/sync/background.py)
             await self._sync_in_background(params, version)
             return
         synced = await self._push_in_step(params, version,
@@ -179,7 +179,7 @@ class Engine(abc.ABC):
                                "logs)")
 
     # True when a push to shared servers returns once the weights are exported, and the servers'
-    # reload lands behind the trainer (rollout.vllm.sync_wait=export: background_sync.py).
+    # reload lands behind the trainer (rollout.vllm.sync_wait=export: vllm_engine/sync/background.py).
     lands_in_background: bool = False
 
     async def _sync_in_background(self, params: Any, version: int) -> None:
@@ -214,7 +214,7 @@ class Engine(abc.ABC):
         """`engines` (all of this class, behind one scheduler) as the units a sync updates, each
         with this class's sync methods (update_weights, adopt_weights, expect_landing, settle_sync,
         export_error, take_part_in_sync, lands_in_background): each engine alone, unless the
-        class's engines share one sync (vLLM servers reading one export: shared_export.py)."""
+        class's engines share one sync (vLLM servers reading one export: vllm_engine/sync/shared_export.py)."""
         return list(engines)
 
     def export_error(self) -> str | None:

@@ -1,6 +1,6 @@
 """What an engine kind is (`EngineKind`) and the registry of them (`ENGINES`): everything the rest
-of the code asks about an engine without naming it. Each kind is its own module (jax_kind.py,
-vllm_kind.py) that registers one EngineKind here; factory.py imports them and builds the
+of the code asks about an engine without naming it. Each kind is its own module (jax_engine/kind.py,
+vllm_engine/kind.py) that registers one EngineKind here; factory.py imports them and builds the
 `rollout.*` settings from what registered. Below both: a kind never imports the factory.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable
 
-from rstar2_jax.config_types import Section
+from rstar2_jax.core.config_types import Section
 from rstar2_jax.models.config import ModelConfig
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 from rstar2_jax.rollout.engines.base import Engine
 
 RolloutSection = Section  # the `rollout.*` section (factory.RolloutSection), as the kinds see it
@@ -72,7 +72,7 @@ class EngineKind:
     attention_refusal: Callable[[RolloutSection, str], str | None] = lambda rollout, decode_attention: None
     # (rollout, model.lora.rank): why it cannot serve the LoRA adapters a run trains (None: it can)
     adapter_refusal: Callable[[RolloutSection, int], str | None] = lambda rollout, rank: None
-    # (rollout): whether a sync returns before the engines have the weights (background_sync.py)
+    # (rollout): whether a sync returns before the engines have the weights (vllm_engine/sync/background.py)
     lands_in_background: Callable[[RolloutSection], bool] = lambda rollout: False
     # (rollout, the job's devices) -> (the learner's, the engine's): shared unless it has its own
     devices: Callable[[RolloutSection, list], tuple[list, list]] = lambda rollout, devices: (list(devices), list(devices))

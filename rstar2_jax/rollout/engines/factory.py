@@ -2,19 +2,19 @@
 train, evaluate and chat.
 
 ENGINES (engine_kind.py) maps `rollout.engine` to an `EngineKind`: how to build that engine, its
-own settings section (`rollout.<kind>.*`, part_sections.py) and how to check them, and the facts
+own settings section (`rollout.<kind>.*`, core/part_sections.py) and how to check them, and the facts
 the rest of the code needs about it (whether it runs in the trainer's process, how it holds the
 learner's weights, what it adds to each device's memory, how --plan names it). Nothing outside
 `rollout/engines/` compares an engine's name: it asks the kind. Each kind is its own module
-(jax_kind.py, vllm_kind.py), registered by its import below; the engines
+(jax_engine/kind.py, vllm_engine/kind.py), registered by its import below; the engines
 themselves are imported when built, so choosing one never loads the other (vLLM's client needs
 no JAX engine, and the reverse).
 """
 
 from __future__ import annotations
 
-from rstar2_jax.config_types import setting
-from rstar2_jax.part_sections import PartChoice, part_section
+from rstar2_jax.core.config_types import setting
+from rstar2_jax.core.part_sections import PartChoice, part_section
 from rstar2_jax.rollout.engines.base import Engine
 from rstar2_jax.rollout.engines.engine_kind import ENGINES, EngineKind
 
@@ -30,7 +30,8 @@ def engine_kind(cfg: RolloutConfig) -> EngineKind:
 
 
 # Each kind registers itself (one import a kind); `rollout.*` is then built from what registered.
-from rstar2_jax.rollout.engines import jax_kind, vllm_kind  # noqa: E402, F401
+from rstar2_jax.rollout.engines.jax_engine import kind as jax_kind  # noqa: E402, F401
+from rstar2_jax.rollout.engines.vllm_engine import kind as vllm_kind  # noqa: E402, F401
 
 
 DEFAULT_ENGINE = "jax"  # rollout.engine's default: the embedded engine, nothing to start

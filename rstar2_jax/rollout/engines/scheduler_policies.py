@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.registry import Registry
 
 Policy = Callable[[Sequence["EngineLoad"], int, int], "int | None"]
 

@@ -12,8 +12,8 @@ import dataclasses
 from typing import Callable, Iterable
 
 import sandbox
-from rstar2_jax.config_types import Section
-from rstar2_jax.registry import Registry
+from rstar2_jax.core.config_types import Section
+from rstar2_jax.core.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import sandbox
-from rstar2_jax.config_types import Section, setting
+from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.rollout.sandbox_backends.base import SANDBOXES, SandboxBackend, url_check
 
 
