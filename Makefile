@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # the ablation, a module's fixture) stay on one worker (tests/conftest.py assigns the groups).
 TEST_WORKERS ?= 2
 
-.PHONY: demo clean-demo test test-deps test-quick lint venv venv-dev venv-vllm redis clean tensorboard notebook
+.PHONY: layout demo clean-demo test test-deps test-quick lint venv venv-dev venv-vllm redis clean tensorboard notebook
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -95,6 +95,10 @@ test-deps:
 	@$(MAKE) --no-print-directory -j3 $(VENV)/.dev $(VLLM_VENV)/.installed redis
 
 # The linter, with the rules in pyproject.toml ([tool.ruff]): make test runs it first.
+# The package tree, each package with its one-line purpose (docs/DESIGN.md's layout; --modules for all)
+layout:
+	$(PYTHON) -m tests.layout
+
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 

@@ -3,34 +3,13 @@ rstar2_jax/ and sandbox/ at its place (two spaces of indent a level), and nothin
 there. The layout lives on that page alone (README points to it)."""
 
 import os
-import re
 
 import pytest
 
+from tests.layout import layout_entries
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKED = ("rstar2_jax", "sandbox")  # the packages whose every module the layout names
-
-
-def layout_entries(text: str) -> set[str]:
-    """The paths the layout block names: 'pkg/' for a package, 'pkg/mod.py' for a module."""
-    section = text[text.index("## Layout\n"):]
-    block = re.search(r"```\n(.*?)```", section, re.S)
-    assert block, "docs/DESIGN.md's Layout section has no ``` block"
-    entries, parents = set(), []
-    for line in block.group(1).splitlines():
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip(" "))
-        assert indent % 2 == 0, f"odd indent in the layout: {line!r}"
-        name = line.split()[0]
-        depth = indent // 2
-        assert depth <= len(parents), f"a level skipped in the layout (one line an entry): {line!r}"
-        parents = parents[:depth]
-        path = "".join(parents) + name
-        entries.add(path)
-        if name.endswith("/"):
-            parents.append(name)
-    return entries
 
 
 def tree_entries() -> set[str]:
@@ -68,6 +47,20 @@ def test_readme_has_no_layout_of_its_own():
 def test_no_engine_module_is_over_500_lines():
     """Issue 71: the engines area in modules of one job each (vllm_engine/engine.py had grown to 766)."""
     engines = os.path.join(ROOT, "rstar2_jax", "rollout", "engines")
-    long = {f: n for f in os.listdir(engines) if f.endswith(".py")
-            for n in [sum(1 for _ in open(os.path.join(engines, f)))] if n > 500}
+    long = {os.path.relpath(path, engines): n for dirpath, _, files in os.walk(engines) for f in files
+            if f.endswith(".py") for path in [os.path.join(dirpath, f)]
+            for n in [sum(1 for _ in open(path))] if n > 500}
     assert not long, f"over 500 lines: {long}"
+
+
+def test_make_layout_prints_every_package_with_its_purpose():
+    """`make layout` (tests/layout.py): the package tree, each package with its line of the layout."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tests.layout"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    printed = {line.split()[0] for line in out.splitlines() if line.strip()}
+    packages = {e.rstrip("/").rsplit("/", 1)[-1] + "/" for e in tree_entries() if e.endswith("/")}
+    assert packages <= printed, f"not printed: {sorted(packages - printed)}"
+    assert all(len(line.split(None, 1)) == 2 for line in out.splitlines() if line.strip()), "a package without its purpose"
+    assert all(word.endswith("/") for word in printed), "a module among the packages"

@@ -173,3 +173,14 @@ def test_a_part_registered_after_its_section_was_built_has_settings_set_checked_
         Chooser.from_mapping({"name": "plain", "late": {"size": 7}})
     with pytest.raises(ConfigValueError, match=r"late.size: .*>= 1"):
         Chooser.from_mapping({"name": "late", "late": {"size": 0}})
+
+
+def test_rollout_vllm_swap_is_now_reload_and_an_older_run_resumes_with_it():
+    """Issue 82: `swap` meant two things (rollout.jax.swap: when new weights take over; the vLLM
+    servers' staged | streamed reload); the vLLM one is rollout.vllm.reload now."""
+    tree = base_config().to_dict()
+    tree["rollout"]["vllm"].pop("reload")
+    tree["rollout"]["vllm"]["swap"] = "streamed"  # as an older run's config.json has it
+    assert RunConfig.from_mapping(RunConfig.upgraded(tree)).rollout.vllm.reload == "streamed"
+    with pytest.raises(ValueError, match=r"rollout\.vllm\.swap: moved: set rollout\.vllm\.reload instead"):
+        RunConfig.from_mapping(tree)

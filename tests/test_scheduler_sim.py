@@ -71,7 +71,7 @@ def test_a_streamed_sync_pauses_engines_after_the_first_bucket_for_the_measured_
 
 
 def test_a_staged_sync_lets_engines_generate_through_the_export_then_pauses_them_for_a_reload():
-    """rollout.vllm.swap=staged as built: the export at the same rate, the engines generating
+    """rollout.vllm.reload=staged as built: the export at the same rate, the engines generating
     until it is whole, then paused 1.03x a reload (measured on 2 CPU servers, 2026-11-28)."""
     staged = dataclasses.replace(SMALL, sync="staged")
     gb = 2 * 14.77

@@ -98,7 +98,7 @@ class SimConfig:
     reload_gb_s: float = 0.85            # measured: its reload in a fresh process
     # files (a whole export, then parallel reloads) | streamed (the bucketed files sync: each
     # bucket reloaded while the next is written) | staged (the bucketed export while the engines
-    # generate, then one reload each: rollout.vllm.swap=staged) | broadcast | colocated (in place)
+    # generate, then one reload each: rollout.vllm.reload=staged) | broadcast | colocated (in place)
     sync: str = "files"
     colocated_sync_s: float = 3.0        # colocated: weights handed to the co-located engine in place
     broadcast_s: float = 3.0             # broadcast (NCCL, assumed, not measured): 28 GB at ~10 GB/s
@@ -602,7 +602,7 @@ def main(argv=None):
     p.add_argument("--group_size", type=int, default=32, help="--rebased: rollouts per problem (what carry cuts)")
     p.add_argument("--carry", type=float, default=0.75, help="--rebased: rl.staleness.carry_fraction")
     p.add_argument("--split_sync", choices=("staged", "streamed", "reshard"), default="staged",
-                   help="--rebased: how the split schedules' engines take a sync (rollout.vllm.swap)")
+                   help="--rebased: how the split schedules' engines take a sync (rollout.vllm.reload)")
     p.add_argument("--lora_rank", type=int, default=0, help="--rebased: LoRA adapters of this rank (0: full training)")
     p.add_argument("--old_logprob_pass", action="store_true",
                    help="--rebased: the learner runs a separate old-log-prob pass (rl.old_logprobs=separate)")

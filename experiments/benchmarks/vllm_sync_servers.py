@@ -42,7 +42,7 @@ from experiments.benchmarks import common
 from rstar2_jax import models
 from rstar2_jax.models import checkpoint, flops, tiny
 from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
-from rstar2_jax.rollout.engines.vllm_engine.modes import Probe, Swap
+from rstar2_jax.rollout.engines.vllm_engine.modes import Probe, Reload
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import probe_logprobs
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_engine.server import ServerOptions, VLLMServer, free_port
@@ -188,7 +188,7 @@ def main(argv=None):
                     whole_export_s.append(export_s)
                 for swap, n in [(swap, n) for swap in swaps for n in thread_counts]:  # alternating, side by side
                     for e in engines:
-                        e.swap = Swap.STAGED if swap == "background" else Swap(swap)
+                        e.reload = Reload.STAGED if swap == "background" else Reload(swap)
                         e.probe = Probe.WAIT if swap == "streamed" else Probe.DEFERRED
                     version += 1
                     weight_export.MAX_EXPORT_THREADS = n or kept_threads

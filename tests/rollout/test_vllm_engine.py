@@ -214,7 +214,7 @@ def test_a_sync_in_buckets_lands_and_one_that_fails_part_way_leaves_the_old_weig
     fails) is undone: the server answers with the previous weights and version, the failure is
     counted, and the next sync lands."""
     ids = tokenizer.encode("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n42")
-    engine = VLLMEngine(vllm_server.url, tiny_model, bucket_bytes=1, swap=swap, probe="wait")
+    engine = VLLMEngine(vllm_server.url, tiny_model, bucket_bytes=1, reload=swap, probe="wait")
     first, second = perturbed(tiny_model, seed=11), perturbed(tiny_model, seed=12)
     engine.update_weights(first, 21)
     assert engine.last_sync.ok and engine.last_sync.buckets == len(tiny_model.layers) + 1 >= 3
@@ -808,7 +808,7 @@ def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_ser
 
     fetcher = WeightFetcher(str(tmp_path / "server_side"))
     engine = VLLMEngine(vllm_server.url, tiny_model, sync="pull", fetch_url=fetcher.url,
-                        sync_dir=str(tmp_path / "trainer_side"), bucket_bytes=1, swap=swap)  # a bucket per layer
+                        sync_dir=str(tmp_path / "trainer_side"), bucket_bytes=1, reload=swap)  # a bucket per layer
     buckets = len(engine.export_plan(tiny_model).buckets)
     assert buckets > 1
     try:

@@ -56,7 +56,7 @@ from rstar2_jax.rollout.engines.vllm_engine.sync.payloads import ADAPTERS, WHOLE
 from rstar2_jax.rollout.engines.vllm_engine.client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
 from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
-from rstar2_jax.rollout.engines.vllm_engine.modes import FILES, Probe, Swap, SyncWait, SyncWay, sync_way
+from rstar2_jax.rollout.engines.vllm_engine.modes import FILES, Probe, Reload, SyncWait, SyncWay, sync_way
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import WeightSyncError, probe_logprobs
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_engine.sync.export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays
@@ -76,18 +76,18 @@ class VLLMEngine(Engine):
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
                  max_concurrency: int = 256, sync: str | SyncWay = "files", nccl_server_ranks: int = 1,
                  fetch_url: str | None = None, sync_host: str = "127.0.0.1", bucket_bytes: int = 2048 << 20,
-                 swap: str | Swap = "staged", probe: str | Probe = "deferred", sync_wait: str | SyncWait = "reload"):
+                 reload: str | Reload = "staged", probe: str | Probe = "deferred", sync_wait: str | SyncWait = "reload"):
         """sync: "files" (safetensors files; the server reads the export from sync_dir: this host's /dev/shm by
         default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
         `fetch_url`, beside the server, copies the export from this process's file server at
         `sync_host`; no shared filesystem: vllm_engine/sync/pull.py) or "nccl" (GPU broadcast). bucket_bytes:
         the export's bucket (vllm_engine/sync/export.py, host memory): the servers reload bucket by bucket as
-        the export is written. swap: "staged" | "streamed", probe: "deferred" | "wait" (the module's
+        the export is written. reload: "staged" | "streamed", probe: "deferred" | "wait" (the module's
         docstring); sync_wait: "reload" | "export" (vllm_engine/sync/background.py). A `model` with LoRA adapters
         (models/lora.py): a sync moves only them, and the server, started with adapters enabled
         (ServerOptions.lora_rank), loads each version (vllm_engine/sync/adapters.py)."""
         self.way = sync_way(sync)  # each mode a typed object (vllm_engine/modes.py); a bad name raises here
-        self.swap, self.probe, self.sync_wait = Swap(swap), Probe(probe), SyncWait(sync_wait)
+        self.reload, self.probe, self.sync_wait = Reload(reload), Probe(probe), SyncWait(sync_wait)
         self.landing: background_sync.Landing | None = None  # sync_wait=export: the last sync, landing or landed
         self.closing = threading.Event()  # set by close(): a verdict still awaited from process 0 is not
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None

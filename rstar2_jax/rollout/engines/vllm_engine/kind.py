@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from urllib.parse import urlsplit
 
 from rstar2_jax.core.config_types import Section, setting
@@ -15,7 +16,7 @@ from rstar2_jax.rollout.engines.base import Engine
 from rstar2_jax.rollout.engines.engine_kind import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
                                                     RolloutSection)
 from rstar2_jax.rollout.engines.vllm_engine.sync.reach import default_sync_root, unreadable_by_servers
-from rstar2_jax.rollout.engines.vllm_engine.modes import SYNC_WAYS, Probe, Swap, SyncWait, names
+from rstar2_jax.rollout.engines.vllm_engine.modes import SYNC_WAYS, Probe, Reload, SyncWait, names
 from rstar2_jax.rollout.engines.scheduler_policies import POLICIES
 
 
@@ -23,6 +24,8 @@ from rstar2_jax.rollout.engines.scheduler_policies import POLICIES
 @dataclasses.dataclass(frozen=True)
 class VLLMSettings(Section):
     """`rollout.vllm.*`: the servers, the scheduler over them, and how synced weights reach them."""
+    # `swap` meant this and, under rollout.jax, when new weights take over: one name, one meaning (issue 82)
+    moved: typing.ClassVar[dict[str, str]] = {"swap": "reload"}
     urls: tuple[str, ...] = setting((), "server URLs (repeat --config.rollout.vllm.urls=URL); several go behind "
                                     "the scheduler")
     scheduler: str = setting("kv_aware", "policy over several servers", choices=POLICIES)
@@ -43,10 +46,10 @@ class VLLMSettings(Section):
                                     "MiB splits a tiny model", min=1e-6)
     sync_host: str = setting("127.0.0.1", "sync=pull: the address the fetchers reach this trainer at",
                              nonempty=True)
-    swap: str = setting("staged", "staged: the servers generate while every bucket is written (and fetched), then "
+    reload: str = setting("staged", "staged: the servers generate while every bucket is written (and fetched), then "
                         "each stops only for one reload of the whole export | streamed: each bucket reloaded while "
                         "the next is written (shorter syncs where servers have cores of their own, longer pauses)",
-                        choices=names(Swap))
+                        choices=names(Reload))
     sync_wait: str = setting("reload", "what the trainer waits for at each sync: reload (every server holds the new "
                              "weights) | export (only the export: the servers' reload lands beside the next update, "
                              "and the next step's rollouts wait for it)", choices=names(SyncWait))
@@ -64,7 +67,7 @@ def _build_vllm(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
     fetchers = cfg.vllm.fetch_urls or (None,) * len(cfg.vllm.urls)
     engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm.probe_tolerance,
                           sync_dir=v.sync_dir or None, sync=v.sync, fetch_url=fetch, sync_host=v.sync_host,
-                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)), swap=v.swap, probe=v.probe,
+                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)), reload=v.reload, probe=v.probe,
                           sync_wait=v.sync_wait)
                for url, fetch in zip(v.urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.vllm.scheduler)

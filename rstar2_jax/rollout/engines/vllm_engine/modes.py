@@ -5,7 +5,7 @@ VLLMEngine's arguments and asked what they do, never compared as strings:
   the export where the learner wrote it. PULL: the fetcher beside the server copies each bucket
   over HTTP first (vllm_engine/sync/pull.py; no shared filesystem). NCCL: a GPU broadcast, no files
   (vllm_engine/sync/nccl_group.py). FILES and PULL share one export among several servers (push_to_servers).
-- `Swap` (rollout.vllm.swap): staged (one reload of the whole export per server) or streamed
+- `Reload` (rollout.vllm.reload): staged (one reload of the whole export per server) or streamed
   (each bucket reloaded as it is written).
 - `Probe` (rollout.vllm.probe): whether the trainer waits for each sync's log-prob probe.
 - `SyncWait` (rollout.vllm.sync_wait): what a sync returns after (vllm_engine/sync/background.py).
@@ -80,13 +80,13 @@ def sync_way(way: str | SyncWay) -> SyncWay:
     return way if isinstance(way, SyncWay) else SYNC_WAYS[way]
 
 
-class Swap(enum.Enum):
+class Reload(enum.Enum):
     STAGED = "staged"      # every bucket written (and fetched) while the servers generate, then one reload each
     STREAMED = "streamed"  # each bucket reloaded while the next is written (paused from the first reload)
 
     @property
     def reloads_each_bucket(self) -> bool:
-        return self is Swap.STREAMED
+        return self is Reload.STREAMED
 
 
 class Probe(enum.Enum):

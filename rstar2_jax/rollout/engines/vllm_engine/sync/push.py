@@ -1,11 +1,11 @@
 """One sync of whole weights to a set of vLLM servers (`push_to_servers`): one export, written
 bucket by bucket (vllm_engine/sync/export.py), reloaded by every server (their `SyncWay` says from where,
-their `Swap` when), rolled back everywhere if any server fails, then probed (vllm_engine/sync/probe.py).
+their `Reload` when), rolled back everywhere if any server fails, then probed (vllm_engine/sync/probe.py).
 VLLMEngine.update_weights calls it for one server, SharedExport (vllm_engine/sync/shared_export.py) for several,
 vllm_engine/sync/background.py behind the trainer.
 
 The learner's parameters are written as HF-named safetensors bucket by bucket (under /dev/shm
-where it exists, in one of two directories used in turn). With `swap="staged"` (the default) the servers generate on
+where it exists, in one of two directories used in turn). With `reload="staged"` (the default) the servers generate on
 while every bucket is written (and, for sync=pull, copied by their fetchers), then each is
 paused (in-flight requests kept, with their KV), reloads the whole export in one
 `reload_weights` call (/collective_rpc), has its prefix cache reset (cached KV was computed by
@@ -15,7 +15,7 @@ in the EngineCore's busy loop between two engine steps (`EngineCore._process_inp
 vllm/v1/engine/core.py), so no decode step runs during a reload whether paused or not, and the
 pause (`pause_generation(mode="keep")`) only keeps steps from running between the reload and the
 version's bump, so that no token is stamped with the old version but sampled by the new weights.
-`swap="streamed"` reloads each bucket while the next is written (pausing from the first reload):
+`reload="streamed"` reloads each bucket while the next is written (pausing from the first reload):
 a shorter sync where each server has cores of its own, a longer pause. A sync that fails
 part-way puts the previous export back and keeps the old version (SyncReport). Then
 a probe checks the result rather than trusting it: vLLM's prompt log-probs of a fixed token
@@ -79,7 +79,7 @@ def push_weights(engines: Sequence, params: Any, version: int, *,
     (vllm_engine/sync/background.py; a sync that fails before calls it never). `again`: a second attempt that
     reloads that written export (report.written) instead of writing one (params unused)."""
     lead = engines[0]
-    staged = not lead.swap.reloads_each_bucket
+    staged = not lead.reload.reloads_each_bucket
     reference: jax.Array | None  # the probe's reference: the learner's log-probs of the probe (dispatched)
     if again is None:  # an export to write: into the slot not holding the last whole one
         model = lead.as_model(params)
@@ -197,7 +197,7 @@ def push_weights(engines: Sequence, params: Any, version: int, *,
     finish(engines, report, start)
     log.info("synced weights v%d to %d server(s) in %d bucket(s), %s: %.2f s (export %.2f s, reloaded at %.2f s, "
              "generating again at %.2f s after a pause of at most %.2f s from %.2f s, probes %s)%s", version,
-             len(engines), report.buckets, lead.swap.value, report.total_s, report.export_s, report.reload_s,
+             len(engines), report.buckets, lead.reload.value, report.total_s, report.export_s, report.reload_s,
              report.resumed_s, report.paused_s, report.paused_from_s,
              f"{report.probe_s:.2f} s" if lead.probe.waited_for else "deferred",
              "" if report.ok else f"; FAILED: {report.error}")
