@@ -1,22 +1,22 @@
 """Engine.sync_weights, the one call the trainer makes after every update (rollout/engines/base.py): an
-engine whose weights are its own updates in place; on shared servers a push that fails part-way
-is made once more and counted, a second failure stops the run. The real protocol over two
-trainer processes and vLLM servers: tests/rollout/test_vllm_engine.py."""
+engine whose weights are its own updates in place; on shared servers (the protocol of
+vllm_engine/sync/shared_servers.py) a push that fails part-way is made once more and counted, a
+second failure stops the run. The real protocol over two trainer processes and vLLM servers:
+tests/rollout/test_vllm_engine.py."""
 
 import asyncio
 
 import pytest
 
 from rstar2_jax.rollout.engines.base import Engine, ServerLoad, WeightSyncFailed
+from rstar2_jax.rollout.engines.vllm_engine.sync.shared_servers import SyncUnit
 
 
-class ServedStandIn(Engine):
-    """A stand-in beside the real servers: its pushes fail `fails` times, then land."""
-    weights_on_servers = True
+class OwnWeights(Engine):
+    """An engine whose weights are its own: its pushes fail `fails` times (nothing retries them)."""
 
-    def __init__(self, fails: int, embedded: bool = False):
+    def __init__(self, fails: int):
         self.fails, self.pushes = fails, []
-        self.weights_on_servers = not embedded
 
     async def generate(self, prompt_ids, sampling, stop=(), *, session=None):
         raise NotImplementedError
@@ -28,14 +28,20 @@ class ServedStandIn(Engine):
             return  # the servers were rolled back: the version stays the old one
         self.version = version
 
-    def sync_error(self):
-        return "bucket 1 could not be fetched" if self.version != self.pushes[-1] else None
-
     def load(self):
         return ServerLoad()
 
     async def close(self):
         pass
+
+
+class ServedStandIn(SyncUnit, OwnWeights):
+    """A stand-in beside the real servers (VLLMEngine's sync unit): pushes fail `fails` times, then land."""
+    weights_on_servers = True
+    update_weights = OwnWeights.update_weights  # (SyncUnit's abstract one comes first in the MRO)
+
+    def sync_error(self):
+        return "bucket 1 could not be fetched" if self.version != self.pushes[-1] else None
 
 
 @pytest.mark.parametrize("fails,pushes,failed", [(0, [3], 0), (1, [3, 3], 1)])
@@ -53,6 +59,6 @@ def test_a_second_failure_in_a_row_stops_the_run():
 
 
 def test_an_engine_with_its_own_weights_updates_in_place_once():
-    engine = ServedStandIn(1, embedded=True)
+    engine = OwnWeights(1)
     asyncio.run(engine.sync_weights({"w": 1}, 3))
     assert engine.pushes == [3] and engine.failed_syncs == 0  # no protocol: no retry either

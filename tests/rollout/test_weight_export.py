@@ -146,7 +146,7 @@ def test_no_room_for_a_bucket_is_a_clear_error_not_a_crash(tmp_path):
     script = textwrap.dedent(f"""
         import resource, signal
         import numpy as np
-        from rstar2_jax.rollout.engines import weight_export as we
+        from rstar2_jax.rollout.engines.vllm_engine.sync import export as we
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         plan = we.export_plan({{"embed": (1024, 1024)}}, np.float32, 1 << 30)  # 4 MiB

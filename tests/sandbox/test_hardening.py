@@ -862,7 +862,7 @@ def test_a_refused_clone_reports_the_kernels_reason():
     """confine.clone reads errno from the syscall itself (use_errno): a clone the kernel refuses
     says why (here EINVAL: CLONE_THREAD without CLONE_SIGHAND), not "Success". Run in a child
     interpreter: the test process keeps its own fork hooks untouched."""
-    code = ("import errno\nfrom sandbox import confine\ntry:\n    confine.clone(0x00010000)\n"
+    code = ("import errno\nfrom sandbox.zygote import confine\ntry:\n    confine.clone(0x00010000)\n"
             "except OSError as e:\n    print(e.errno == errno.EINVAL, e)\nelse:\n    print('cloned')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.startswith("True "), (out.stdout, out.stderr)

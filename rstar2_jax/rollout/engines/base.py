@@ -10,12 +10,10 @@ evaluation and the agent loop never probe an engine for optional members.
 from __future__ import annotations
 
 import abc
-import asyncio
 import dataclasses
 import logging
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Hashable, Protocol, Sequence
 
-from rstar2_jax.core import processes
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -113,6 +111,15 @@ class EngineStats:
                            self.own_slot_steps - before.own_slot_steps)
 
 
+class SyncTarget(Protocol):
+    """What a scheduler's sync updates: an engine, or engines that take one sync together."""
+    failed_syncs: int
+
+    async def sync_weights(self, params: Any, version: int) -> None: ...
+
+    def update_weights(self, params: Any, version: int | None = None) -> None: ...
+
+
 class Engine(abc.ABC):
     """A rollout engine; use it as `async with engine:` (closing frees threads, servers' sync
     directories, device loops)."""
@@ -129,108 +136,25 @@ class Engine(abc.ABC):
         names the trajectory the turn belongs to (its turns share a growing prefix): a scheduler
         keeps a session on the engine that holds that prefix; single engines ignore it."""
 
-    # True when the weights live on servers that every trainer process shares (vLLM): one process
-    # pushes them (update_weights), the others only adopt the new version (adopt_weights).
+    # True when the weights live on servers that every trainer process shares (vLLM: one process
+    # pushes, the others take the version on; vllm_engine/sync/shared_servers.py).
     weights_on_servers: bool = False
 
     async def sync_weights(self, params: Any, version: int) -> None:
         """Sample with `params` as `version` from now on: what the trainer calls after every
-        update, on every trainer process. An engine whose weights are its own updates in place.
-        Weights on shared servers (vLLM) are pushed by the primary process alone, on a worker
-        thread (rollouts in flight go on meanwhile), while the others take part in the export's
-        gathers; the primary then tells them whether the sync landed, and they take the version
-        on only then, so no token is stamped with a version its server does not have yet. A
-        sync that failed part-way (the servers were rolled back to their previous weights) is
-        made once more, counted in `failed_syncs`; a second failure raises WeightSyncFailed. An
-        engine that `lands_in_background` (rollout.vllm.sync_wait=export, one process) returns
-        once the weights are exported; `weights_at_least` then waits for them to land."""
+        update, on every trainer process. An engine whose weights are its own updates in place;
+        engines on servers every process shares run their own protocol (VLLMEngine: the primary
+        pushes, the others adopt; a sync that failed part-way is made once more and counted in
+        `failed_syncs`, a second failure raises WeightSyncFailed)."""
         self.given_version = version
-        if not self.weights_on_servers:
-            self.update_weights(params, version)
-            return
-        if self.lands_in_background:  # the reload lands behind (vllm_engine/sync/background.py)
-            await self._sync_in_background(params, version)
-            return
-        synced = await self._push_in_step(params, version,
-                                          lambda: (self.version == version, self.synced_dirs(), self.sync_error()))
-        if not processes.is_primary():
-            self.adopt_weights(params, version, synced)
-
-    async def _push_in_step(self, params: Any, version: int,
-                            outcome: Callable[[], tuple[bool, dict[str, str], str | None]]) -> dict[str, str]:
-        """Every process: the primary pushes, the others take part in the export's gathers (the
-        parameters may be split over processes); then `outcome()`, the primary's (done, the
-        directory each server reloaded, error), is shared (also the barrier). A failed attempt is
-        counted and made once more; a second raises WeightSyncFailed. Returns the directories."""
-        primary = processes.is_primary()
-        for attempt in (1, 2):
-            if primary:
-                await asyncio.to_thread(self.update_weights, params, version)
-            else:
-                await asyncio.to_thread(self.take_part_in_sync, params)
-            done, synced, error = processes.gather_shares([outcome()] if primary else [], 1)[0]
-            if done:
-                return synced
-            self.failed_syncs += 1
-            log.warning("weights v%d did not reach the servers (%s)%s", version, error,
-                        "; syncing again" if attempt == 1 else "")
-        raise WeightSyncFailed(f"weights v{version} could not reach the vLLM servers twice in a row: {error} "
-                               "(the servers answer with their previous weights; see the trainer's and servers' "
-                               "logs)")
-
-    # True when a push to shared servers returns once the weights are exported, and the servers'
-    # reload lands behind the trainer (rollout.vllm.sync_wait=export: vllm_engine/sync/background.py).
-    lands_in_background: bool = False
-
-    async def _sync_in_background(self, params: Any, version: int) -> None:
-        """The previous sync settled (its failed attempts counted; two in a row raise), then this
-        one started: returns once the learner's arrays are free, before the servers have it.
-        Several processes: the export is made in step by all (its gathers need every process),
-        and again by all when it failed before it was whole; the primary's landing then goes on
-        behind, and the others wait for its verdict where they need the version."""
-        errors = await asyncio.to_thread(self.settle_sync)  # others: the primary's verdict on the last one
-        for attempt, error in enumerate(errors, 1):
-            if error is not None:
-                self.failed_syncs += 1
-                log.warning("the last weights did not reach the servers (%s)%s", error,
-                            "; made again from their export" if attempt == 1 and len(errors) > 1 else "")
-        if len(errors) > 1 and errors[-1] is not None:
-            raise WeightSyncFailed(f"the weights before v{version} could not reach the vLLM servers twice in a row: "
-                                   f"{errors[-1]} (the servers answer with their previous weights; see the trainer's "
-                                   "and servers' logs)")
-        if processes.count() == 1:
-            await asyncio.to_thread(self.update_weights, params, version)
-            return
-        def exported() -> tuple[bool, dict[str, str], str | None]:  # the landing goes on behind
-            error = self.export_error()
-            return error is None, {}, error
-
-        await self._push_in_step(params, version, exported)
-        if not processes.is_primary():
-            self.expect_landing(params, version)
+        self.update_weights(params, version)
 
     @classmethod
-    def sync_units(cls, engines: Sequence["Engine"]) -> list:
-        """`engines` (all of this class, behind one scheduler) as the units a sync updates, each
-        with this class's sync methods (update_weights, adopt_weights, expect_landing, settle_sync,
-        export_error, take_part_in_sync, lands_in_background): each engine alone, unless the
-        class's engines share one sync (vLLM servers reading one export: vllm_engine/sync/shared_export.py)."""
+    def sync_units(cls, engines: Sequence["Engine"]) -> Sequence[SyncTarget]:
+        """`engines` (all of this class, behind one scheduler) as what a sync updates: each engine
+        alone, unless the class's engines take one sync together (vLLM servers reading one
+        export: vllm_engine/sync/shared_export.py)."""
         return list(engines)
-
-    def export_error(self) -> str | None:
-        """The last background sync's export failed before it was whole: why (None: it was whole)."""
-        return None
-
-    def expect_landing(self, params: Any, version: int) -> None:
-        """A process that does not push, once the export of `version` (of `params`) was whole: the
-        primary lands it behind; this engine takes the version on when its verdict comes
-        (background_sync.await_landing), which `weights_at_least` waits for."""
-        self.adopt_weights(params, version)
-
-    def settle_sync(self) -> list[str | None]:
-        """Wait for the background sync under way, if any: each of its attempts' error (None:
-        landed); empty when none was started."""
-        return []
 
     async def weights_at_least(self, version: int) -> None:
         """Until this engine samples with `version` or newer weights (a background sync landed:
@@ -245,26 +169,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Sample with `params` (an nnx.State of the model's Params) from now on (this process
-        alone: the trainer calls `sync`)."""
-
-    def adopt_weights(self, params: Any, version: int, synced: dict[str, str] | None = None) -> None:
-        """Another process pushed `params` as `version` to the servers this engine shares: take
-        the version on (`synced`: the directory each server reloaded them from, by URL). Engines
-        whose weights are their own just update."""
-        self.update_weights(params, version)
-
-    def take_part_in_sync(self, params: Any) -> None:
-        """While another process pushes `params` (split over processes) to shared servers: the
-        same collectives. Engines whose weights are their own take no part."""
-        return None
-
-    def synced_dirs(self) -> dict[str, str]:
-        """Where each server (by URL) reloaded its current weights from, for the other processes."""
-        return {}
-
-    def sync_error(self) -> str | None:
-        """Why the last push to shared servers did not land (None: it did, or nothing to say)."""
-        return None
+        alone: the trainer calls `sync_weights`)."""
 
     def sync_paused_s(self) -> float | None:
         """The longest time a shared server stopped generating during the last push from this

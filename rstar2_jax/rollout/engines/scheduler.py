@@ -37,7 +37,7 @@ import time
 from typing import Hashable, Sequence
 
 from rstar2_jax.rollout.engines.accounting import merge_work
-from rstar2_jax.rollout.engines.base import Completion, Engine, EngineUnavailable, ServerLoad
+from rstar2_jax.rollout.engines.base import Completion, Engine, EngineUnavailable, ServerLoad, SyncTarget
 from rstar2_jax.rollout.engines.scheduler_policies import POLICIES, EngineLoad, pick_with_affinity, reservation
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
@@ -67,7 +67,7 @@ class Scheduler(Engine):
         self._turns = itertools.count()
         self._changed: asyncio.Condition | None = None
         self._last_refresh = 0.0
-        self._sync_units: list | None = None
+        self._sync_units: list[SyncTarget] | None = None
 
     @property
     def version(self) -> int:
@@ -78,53 +78,31 @@ class Scheduler(Engine):
         return all(e.weights_on_servers for e in self.engines)
 
     def update_weights(self, params, version: int | None = None) -> None:
-        """Each sync unit in turn: an engine, or engines of one class that share a sync (vLLM
-        servers reading one export reload it in parallel: Engine.sync_units)."""
+        """This process alone: each sync unit in turn."""
         version = self.version + 1 if version is None else version
         for unit in self._units():
             unit.update_weights(params, version)
 
-    @property
-    def lands_in_background(self) -> bool:
-        return any(e.lands_in_background for e in self.engines)
+    async def sync_weights(self, params, version: int) -> None:
+        """Each sync unit in turn, as it syncs itself (an engine, or engines of one class that take
+        one sync together: Engine.sync_units); the same order in every trainer process."""
+        self.given_version = version
+        for unit in self._units():
+            await unit.sync_weights(params, version)
 
-    def settle_sync(self) -> list[str | None]:
-        """Each unit's background sync, once (a shared export is one landing)."""
-        return [error for unit in self._units() for error in unit.settle_sync()]
+    @property
+    def failed_syncs(self) -> int:
+        return sum(unit.failed_syncs for unit in self._units())
 
     async def weights_at_least(self, version: int) -> None:
         for e in self.engines:
             await e.weights_at_least(version)
 
-    def adopt_weights(self, params, version: int, synced: dict[str, str] | None = None) -> None:
-        for e in self.engines:
-            e.adopt_weights(params, version, synced)
-
-    def export_error(self) -> str | None:
-        return next((err for err in (u.export_error() for u in self._units()) if err), None)
-
-    def expect_landing(self, params, version: int) -> None:
-        """The units that land behind wait for the primary's verdict; the others take the weights
-        now, as update_weights gives them theirs."""
-        for unit in self._units():
-            (unit.expect_landing if unit.lands_in_background else unit.adopt_weights)(params, version)
-
-    def take_part_in_sync(self, params) -> None:
-        """update_weights' collectives, in its order, in a process that does not push."""
-        for unit in self._units():
-            unit.take_part_in_sync(params)
-
-    def synced_dirs(self) -> dict[str, str]:
-        return {url: d for e in self.engines for url, d in e.synced_dirs().items()}
-
-    def sync_error(self) -> str | None:
-        return next((err for err in (e.sync_error() for e in self.engines) if err), None)
-
     def sync_paused_s(self) -> float | None:
         paused = [p for p in (e.sync_paused_s() for e in self.engines) if p is not None]
         return max(paused) if paused else None
 
-    def _units(self) -> list:
+    def _units(self) -> list[SyncTarget]:
         """The engines as sync units, each class grouping its own (Engine.sync_units)."""
         if self._sync_units is None:
             classes = list(dict.fromkeys(type(e) for e in self.engines))

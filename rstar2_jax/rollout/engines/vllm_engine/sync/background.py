@@ -47,8 +47,8 @@ from rstar2_jax.core import processes
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
 from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
-VLLMEngine = Any  # the engines these functions serve (vllm_engine/engine.py imports this module, not the reverse)
 
 # one landing at a time in the process (a sync settles the previous one first)
 _LANDINGS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-landing")
@@ -72,7 +72,7 @@ class Landing:
         return None if self.exported.is_set() else self.future.result()[-1].error
 
 
-def push_in_background(engines: Sequence[VLLMEngine], params: Any, version: int) -> Landing:
+def push_in_background(engines: Sequence[SyncedServer], params: Any, version: int) -> Landing:
     """Start the sync of `params` as `version` to `engines` (one export, push_to_servers) and
     return once the learner's arrays are free; the landing is set on every engine as `landing`.
     Several processes: an export that fails before it is whole is not made again here (the
@@ -119,7 +119,7 @@ def _verdict_key(url: str, version: int) -> str:
     return f"rstar2_jax/weights/{url}/v{version}"
 
 
-def _publish_verdict(engines: Sequence[VLLMEngine], version: int, errors: Sequence[str | None]) -> None:
+def _publish_verdict(engines: Sequence[SyncedServer], version: int, errors: Sequence[str | None]) -> None:
     """The primary: what became of `version` on these engines' servers (each attempt's error,
     None: landed), for the other processes."""
     synced = {url: d for e in engines for url, d in e.synced_dirs().items()}
@@ -128,7 +128,7 @@ def _publish_verdict(engines: Sequence[VLLMEngine], version: int, errors: Sequen
         processes.publish(_verdict_key(e.url, version), verdict)
 
 
-def await_landing(engines: Sequence[VLLMEngine], version: int) -> Landing:
+def await_landing(engines: Sequence[SyncedServer], version: int) -> Landing:
     """A process that does not push, once `version`'s export was whole: a landing whose future
     ends with the primary's verdict (its attempts' errors), the engines then on `version` if it
     landed. Waited for where the version is needed (wait_for_version), as the primary's own."""
@@ -150,19 +150,19 @@ def await_landing(engines: Sequence[VLLMEngine], version: int) -> Landing:
     return landing
 
 
-def _landings(engines: Sequence[VLLMEngine]) -> list[Landing]:
+def _landings(engines: Sequence[SyncedServer]) -> list[Landing]:
     """The engines' last background syncs, each once."""
     return list({id(e.landing): e.landing for e in engines if e.landing is not None}.values())
 
 
-def settle(engines: Sequence[VLLMEngine]) -> list[SyncReport]:
+def settle(engines: Sequence[SyncedServer]) -> list[SyncReport]:
     """Wait for the engines' background syncs: the reports of their attempts, in order (empty:
     none was started). A sync that raised (not a failed sync: push_to_servers reports those)
     raises here."""
     return [report for landing in _landings(engines) for report in landing.future.result()]
 
 
-async def wait_for_version(engines: Sequence[VLLMEngine], version: int) -> None:
+async def wait_for_version(engines: Sequence[SyncedServer], version: int) -> None:
     """Until every engine samples with weights `version` or newer: a background sync of `version`
     or older still under way is waited for (the first sync's version is the engine's starting
     one: the version alone cannot tell). Raises WeightSyncFailed when the sync that was to bring

@@ -14,6 +14,7 @@ from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import probe_logprobs
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_weights
 from rstar2_jax.rollout.engines.vllm_engine.sync.export import param_arrays, take_part
+from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
 
 class WholeWeights:
@@ -24,18 +25,18 @@ class WholeWeights:
     can_land_in_background = True  # an export whole before its reload (sync_wait=export)
     loaded_by_name = False         # reloaded in place, any SyncWay carries it (NCCL too)
 
-    def push(self, engines: Sequence, params: Any, version: int, **kwargs) -> SyncReport:
+    def push(self, engines: Sequence[SyncedServer], params: Any, version: int, **kwargs) -> SyncReport:
         return push_weights(engines, params, version, **kwargs)
 
-    def take_part(self, engine, params: Any) -> None:
+    def take_part(self, engine: SyncedServer, params: Any) -> None:
         model = engine.as_model(params)
         take_part(engine.export_plan(model), param_arrays(model))
         probe_logprobs(model, engine.probe_tokens)
 
-    def served_name(self, engine) -> str:
+    def served_name(self, engine: SyncedServer) -> str:
         return engine.model_name
 
-    def restore(self, engine) -> None:
+    def restore(self, engine: SyncedServer) -> None:
         engine.reload_whole_weights()
 
 
@@ -45,18 +46,18 @@ class Adapters:
     can_land_in_background = False  # megabytes: always waited for
     loaded_by_name = True          # PEFT files loaded under a name per version (no NCCL; a restarted server 404s it)
 
-    def push(self, engines: Sequence, params: Any, version: int, **kwargs) -> SyncReport:
+    def push(self, engines: Sequence[SyncedServer], params: Any, version: int, **kwargs) -> SyncReport:
         return adapter_sync.push_adapters(engines, params, version)
 
-    def take_part(self, engine, params: Any) -> None:
+    def take_part(self, engine: SyncedServer, params: Any) -> None:
         adapter_sync.take_part(params, engine)
 
-    def served_name(self, engine) -> str:
+    def served_name(self, engine: SyncedServer) -> str:
         """This version's adapter; before the first adapter sync the base, which is what zero
         adapters compute."""
         return adapter_sync.adapter_name(engine.version) if engine.synced_dir else engine.model_name
 
-    def restore(self, engine) -> None:
+    def restore(self, engine: SyncedServer) -> None:
         adapter_sync.restore(engine)
 
 

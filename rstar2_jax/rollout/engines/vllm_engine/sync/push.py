@@ -39,6 +39,7 @@ import jax
 from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport, WrittenExport, finish
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import probe_logprobs, start_probes
 from rstar2_jax.rollout.engines.vllm_engine.sync.export import Bucket, param_arrays, take_part
+from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class _Abandoned(Exception):
     """A bucket a server did not load because another load of the same sync had failed."""
 
 
-def push_to_servers(engines: Sequence, params: Any, version: int, *,
+def push_to_servers(engines: Sequence[SyncedServer], params: Any, version: int, *,
                     on_exported: Callable[[], None] | None = None, again: WrittenExport | None = None) -> SyncReport:
     """One sync to every server of `engines` of what their payload moves (vllm_engine/sync/payloads.py: the
     whole weights, push_weights; a LoRA run's adapters, adapter_sync.push_adapters). The previous
@@ -57,7 +58,7 @@ def push_to_servers(engines: Sequence, params: Any, version: int, *,
     return engines[0].payload.push(engines, params, version, on_exported=on_exported, again=again)
 
 
-def push_weights(engines: Sequence, params: Any, version: int, *,
+def push_weights(engines: Sequence[SyncedServer], params: Any, version: int, *,
                     on_exported: Callable[[], None] | None = None, again: WrittenExport | None = None) -> SyncReport:
     """The learner's weights to every server: one export, bucket by bucket (vllm_engine/sync/export.py).
     Staged (the engines' `swap`, the default): every bucket is written (sync=pull: and copied by
@@ -89,7 +90,7 @@ def push_weights(engines: Sequence, params: Any, version: int, *,
         model, plan, arrays, reference, slot = again.model, again.plan, {}, again.reference, again.slot
     report = SyncReport(version, len(plan.buckets), plan.nbytes)
     start = time.perf_counter()
-    paused: dict = {}  # VLLMEngine  # server -> when it paused (each entry written by that server's queue)
+    paused: dict[SyncedServer, float] = {}  # server -> when it paused (each entry written by that server's queue)
     failed: list[BaseException] = []      # the errors of servers' loads; one is enough to end the sync
 
     def pause(e):
@@ -120,7 +121,7 @@ def push_weights(engines: Sequence, params: Any, version: int, *,
             failed.append(err)
             raise
 
-    landed: dict = {}  # VLLMEngine -> the whole export as its server holds it
+    landed: dict[SyncedServer, str] = {}  # server -> the whole export as its server holds it
     written = 0 if again is None else len(plan.buckets)  # buckets whose gathers this process took part in
     queues = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-sync") for e in engines}
     try:

@@ -1,7 +1,7 @@
 """Several vLLM servers behind one scheduler that take each sync from one export: the learner
 writes the weights once and every server reloads them in parallel (push_to_servers), instead of
-one export per server. VLLMEngine.sync_units groups them; the scheduler updates this unit as it
-would one engine, without knowing what it holds."""
+one export per server. VLLMEngine.sync_units groups them; the scheduler syncs this unit as it
+would one engine (`sync_weights`), without knowing what it holds."""
 
 from __future__ import annotations
 
@@ -9,14 +9,25 @@ from typing import Any, Sequence
 
 from rstar2_jax.rollout.engines.vllm_engine.sync import background as background_sync
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
+from rstar2_jax.rollout.engines.vllm_engine.sync.shared_servers import SyncUnit
+from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
 
-class SharedExport:
-    """The sync side of an Engine (update_weights, adopt_weights, expect_landing, settle_sync,
-    export_error, take_part_in_sync, lands_in_background) for VLLMEngines sharing one export."""
+class SharedExport(SyncUnit):
+    """One sync unit (shared_servers.py) for VLLMEngines sharing one export."""
 
-    def __init__(self, engines: Sequence):
+    def __init__(self, engines: Sequence[SyncedServer]):
         self.engines = list(engines)
+
+    @property
+    def version(self) -> int:
+        return min(e.version for e in self.engines)
+
+    def synced_dirs(self) -> dict[str, str]:
+        return {url: d for e in self.engines for url, d in e.synced_dirs().items()}
+
+    def sync_error(self) -> str | None:
+        return next((err for err in (e.sync_error() for e in self.engines) if err), None)
 
     @property
     def lands_in_background(self) -> bool:
