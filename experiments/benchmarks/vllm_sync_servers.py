@@ -167,7 +167,7 @@ def main(argv=None):
         for s in servers:
             s.wait_ready(timeout=900)
         if args.sync == "pull":
-            from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
+            from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher
             fetchers = [WeightFetcher(os.path.join(work, f"pulled{i}")) for i in range(len(servers))]
         kw = dict(sync_dir=work, bucket_bytes=sizes[0])
         engines = [VLLMEngine(s.url, model, sync="pull", fetch_url=f.url, **kw) for s, f in zip(servers, fetchers)] \

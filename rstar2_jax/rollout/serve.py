@@ -72,8 +72,8 @@ def main(argv):
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if _FETCH_PORT.value is not None:
-            from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
-            from rstar2_jax.rollout.engines.vllm_engine.sync.pull import default_fetch_dir
+            from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher
+            from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import default_fetch_dir
             fetcher = WeightFetcher(_FETCH_DIR.value or default_fetch_dir(_FETCH_PORT.value), _HOST.value,
                                     _FETCH_PORT.value)
             print(f"weight fetcher: {fetcher.url} (--config.rollout.vllm.fetch_urls={fetcher.url})", flush=True)

@@ -688,7 +688,7 @@ def test_two_servers_share_one_export_and_a_killed_one_hands_its_trajectories_to
     its log-prob probe); so does a pull sync, each server reloading the copy its own fetcher made.
     Then one server is SIGKILLed mid-batch and stays down: its trajectories finish on the other
     server, each exactly once, the same tokens as with both up (greedy)."""
-    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher
 
     second = start_server(launch_dir(tmp_path, tiny_model), tmp_path, "second")
     synced = perturbed(tiny_model, seed=2)
@@ -752,7 +752,7 @@ def test_two_trainer_processes_share_a_vllm_server_and_only_the_first_pushes_wei
     reloaded the first bucket by then, the first process stops writing while the second still
     gathers every tensor, the server goes back to its previous weights, and both processes sync
     again at once, in step."""
-    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher
     from tests.rl.launch import launch
     from tests.rl.test_multiprocess import CONFIG, train_args
     from tests.rl.test_training import rl_lines
@@ -804,7 +804,7 @@ def test_pull_sync_reaches_a_server_that_cannot_see_the_trainer_s_files(vllm_ser
     written, and the server reloads the whole copy once committed (staged) or each bucket's copy
     as it arrives (streamed). The trainer's export is deleted before the probe, so the server
     cannot have read it."""
-    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher
 
     fetcher = WeightFetcher(str(tmp_path / "server_side"))
     engine = VLLMEngine(vllm_server.url, tiny_model, sync="pull", fetch_url=fetcher.url,

@@ -128,7 +128,7 @@ def test_adapters_reach_a_server_through_its_fetcher_beside_a_files_engine(lora_
     """sync=pull: the fetcher beside the server copies the two PEFT files from the trainer's export
     server, the server loads that copy; one sync to two engines (pull and files) lands on both."""
     from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
-    from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher
+    from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher
     learner = lora_learner(tiny_dir)
     update(learner, 11)
     fetcher = WeightFetcher(str(tmp_path / "pulled"))

@@ -10,7 +10,8 @@ import urllib.request
 
 import pytest
 
-from rstar2_jax.rollout.engines.vllm_engine.sync.pull import WeightFetcher, WeightFileServer, ask_to_commit, ask_to_fetch
+from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import WeightFetcher, ask_to_commit, ask_to_fetch
+from rstar2_jax.rollout.engines.vllm_engine.sync.file_server import WeightFileServer
 from sandbox.job_secret import SECRET_ENV, OpenServiceError, bearer_headers
 
 BUCKETS = [("model-b00000.safetensors", "b00000"), ("model-b00001.safetensors", "b00001")]

@@ -34,7 +34,8 @@ from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport, finis
 from rstar2_jax.rollout.engines.vllm_engine.client import ServerRequestError
 from rstar2_jax.rollout.engines.vllm_engine.server import ADAPTERS_KEPT
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import probe_logprobs, start_probes
-from rstar2_jax.rollout.engines.vllm_engine.sync.pull import ask_to_commit, ask_to_fetch, file_server
+from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import ask_to_commit, ask_to_fetch
+from rstar2_jax.rollout.engines.vllm_engine.sync.file_server import file_server
 from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from rstar2_jax.rollout.engines.vllm_engine.sync.export import Bucket, ExportPla
 from rstar2_jax.rollout.engines.vllm_engine.sync.export_roots import export_root, remove_orphaned_exports
 from rstar2_jax.rollout.engines.vllm_engine.sync.payloads import ADAPTERS, WHOLE_WEIGHTS
 from rstar2_jax.rollout.engines.vllm_engine.sync.probe import WeightSyncError, probe_logprobs
-from rstar2_jax.rollout.engines.vllm_engine.sync.pull import bind_address, file_server
+from rstar2_jax.rollout.engines.vllm_engine.sync.file_server import bind_address, file_server
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_engine.sync.reach import default_sync_root
 from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
@@ -180,13 +180,13 @@ class ServerSyncSteps(SyncUnit):
     def fetch_part(self, slot: str, bucket: Bucket, version: int) -> str:
         """sync=pull: the fetcher beside the server copies one written bucket; the server reloads
         from that copy, whose directory this returns (vllm_engine/sync/pull.py)."""
-        from rstar2_jax.rollout.engines.vllm_engine.sync.pull import ask_to_fetch
+        from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import ask_to_fetch
         url = file_server(self._sync_base, self.sync_host).url_for(slot)
         return ask_to_fetch(self.fetch_url, url, bucket.file_name, bucket.dir_name, version)
 
     def commit_pull(self, version: int) -> str:
         """sync=pull, every bucket reloaded: the fetcher's whole copy (what a roll-back reloads)."""
-        from rstar2_jax.rollout.engines.vllm_engine.sync.pull import ask_to_commit
+        from rstar2_jax.rollout.engines.vllm_engine.sync.fetcher import ask_to_commit
         return ask_to_commit(self.fetch_url, version)
 
     def publish(self, version: int):
