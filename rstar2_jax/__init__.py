@@ -35,7 +35,7 @@ _install_moved("rstar2_jax", {
     "rollout.engines.vllm_push": "rollout.engines.vllm_engine.sync.push",
     "rollout.engines.vllm_server": "rollout.engines.vllm_engine.server",
     "rollout.engines.weight_export": "rollout.engines.vllm_engine.sync.export",
-    "rollout.engines.weight_pull": "rollout.engines.vllm_engine.sync.fetcher (WeightFetcher) or ...sync.file_server",
+    "rollout.engines.weight_pull": "rollout.engines.vllm_engine.sync.fetcher",  # the file server: sync.file_server
     "rollout.engines.weight_swap": "rollout.engines.jax_engine.weight_swap",
     "seeding": "core.seeding",
     "sharding": "core.sharding",
