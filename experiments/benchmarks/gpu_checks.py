@@ -19,7 +19,7 @@ from flax import nnx
 
 from experiments.benchmarks import common
 from rstar2_jax.models import Decoder, init_cache, token_logprobs
-from rstar2_jax.models.decoder import shuffled_paged_cache
+from rstar2_jax.models.kv_cache import shuffled_paged_cache
 
 
 def rel(a, b) -> float:

@@ -28,7 +28,7 @@ import optax
 from rstar2_jax.algo import (AGGREGATIONS, KL_ESTIMATORS, LOSSES, KLConfig, LossInputs, PolicyLossConfig,
                              policy_loss_terms)
 from rstar2_jax.algo.corrections import CorrectionConfig, CorrectionInputs, combined_correction
-from rstar2_jax.models.decoder import PackedSegments
+from rstar2_jax.models.attention import PackedSegments
 from rstar2_jax.models.lora import dropout_key, merged
 from rstar2_jax.models.logprobs import LOGPROB_CHUNK, token_logprobs
 

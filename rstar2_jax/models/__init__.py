@@ -3,7 +3,8 @@
 from rstar2_jax.models.checkpoint import (CheckpointError, abstract_model, load_pretrained,
                                           save_pretrained)
 from rstar2_jax.models.config import ConfigError, ModelConfig, RopeConfig
-from rstar2_jax.models.decoder import Decoder, KVCache, PagedKVCache, init_cache, init_paged_cache
+from rstar2_jax.models.decoder import Decoder
+from rstar2_jax.models.kv_cache import KVCache, PagedKVCache, init_cache, init_paged_cache
 from rstar2_jax.models.logprobs import token_logprobs, token_logprobs_from_hidden
 from rstar2_jax.models.resolve import resolve
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar2_jax.models.decoder import Decoder, init_cache
+from rstar2_jax.models.decoder import Decoder
+from rstar2_jax.models.kv_cache import init_cache
 
 
 class Generation(NamedTuple):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.models import hub
-from rstar2_jax.models.decoder import DECODE_ATTENTION, FULL_ATTENTION, REMAT_POLICIES
+from rstar2_jax.models.attention import DECODE_ATTENTION, FULL_ATTENTION
+from rstar2_jax.models.decoder import REMAT_POLICIES
 from rstar2_jax.models.lora import LoRAConfig
 from rstar2_jax.core.registry import Registry
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from rstar2_jax import models
-from rstar2_jax.models import decoder
+from rstar2_jax.models import attention, kv_cache
 from tests.models.conftest import random_model, small_config
 
 
@@ -24,8 +24,8 @@ def test_fused_call_equals_reference_causal_attention(t):
     cfg = small_config("qwen3", num_heads=8, num_kv_heads=2)
     q, k, v = _rand((2, t, 8, 32), 0), _rand((2, t, 2, 32), 1), _rand((2, t, 2, 32), 2)
     causal = (np.arange(t)[None, :] <= np.arange(t)[:, None])[None]
-    want = decoder._xla_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), jnp.asarray(causal), cfg)
-    got = decoder._fused_causal_attention(q, k, v, cfg, implementation="xla")
+    want = attention._xla_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), jnp.asarray(causal), cfg)
+    got = attention._fused_causal_attention(q, k, v, cfg, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
@@ -37,7 +37,7 @@ def _decode_logits(model, kv_len=None, steps=6, seed=0, page_size=None, return_c
     if page_size is None:
         cache = models.init_cache(model.cfg, batch=4, max_len=256)
     else:
-        cache = decoder.shuffled_paged_cache(model.cfg, lengths + steps, page_size, max_len=256)
+        cache = kv_cache.shuffled_paged_cache(model.cfg, lengths + steps, page_size, max_len=256)
     step = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c, kv_len=kv_len))
     prefill = nnx.jit(lambda m, tok, pos, c: m(tok, pos, cache=c))
     width = int(lengths.max())

@@ -13,7 +13,8 @@ from flax import nnx
 
 from rstar2_jax.learner.packing import plan_packing
 from rstar2_jax.models import decoder
-from rstar2_jax.models.decoder import Decoder, PackedSegments
+from rstar2_jax.models.attention import PackedSegments
+from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.tiny import tiny_config
 
 

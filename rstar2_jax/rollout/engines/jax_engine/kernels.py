@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rstar2_jax.models.config import ModelConfig
-from rstar2_jax.models.decoder import KVCache, init_cache
+from rstar2_jax.models.kv_cache import KVCache, init_cache
 from rstar2_jax.rollout.engines.sampling import sample
 
 

@@ -52,7 +52,7 @@ class JaxEngineSettings(Section):
 def engine_mesh(devices=None, own: bool = False):
     """The embedded engine's devices: this process's, all on the tensor axis (weights and KV heads
     split over them, as vLLM's tensor parallelism; the Pallas decode kernels run by heads under
-    shard_map, models/decoder._by_kv_heads). None (the default device) when there is one; with
+    shard_map, models/attention._by_kv_heads). None (the default device) when there is one; with
     devices of its own (`own`), a mesh of that one, so that the engine lives there."""
     import jax
     devices = jax.local_devices() if devices is None else list(devices)

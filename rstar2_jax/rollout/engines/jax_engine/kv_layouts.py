@@ -13,7 +13,7 @@ from typing import Hashable, Protocol
 
 import numpy as np
 
-from rstar2_jax.models.decoder import init_cache, init_paged_cache
+from rstar2_jax.models.kv_cache import init_cache, init_paged_cache
 from rstar2_jax.rollout.engines.jax_engine.kv_pages import PagePool, pages_for
 from rstar2_jax.rollout.engines.jax_engine.slot_requests import Request, Resident, SlotOwner
 
