@@ -41,7 +41,7 @@ async def _chat(model, model_dir: str, format_name: str, answer_format: str):
     from rstar2_jax.rewards import ANSWER_FORMATS
     from rstar2_jax.rollout import AgentConfig, make_format, run_agent
     from rstar2_jax.rollout.engines import RolloutConfig, make_engine
-    from rstar2_jax.rollout.engines.jax_engine.kind import JaxEngineSettings
+    from rstar2_jax.rollout.engines.jax_engine.settings import JaxEngineSettings
 
     fmt = make_format(format_name)
     tokenizer = Tokenizer.from_pretrained(model_dir)

@@ -64,3 +64,23 @@ def test_make_layout_prints_every_package_with_its_purpose():
     assert packages <= printed, f"not printed: {sorted(packages - printed)}"
     assert all(len(line.split(None, 1)) == 2 for line in out.splitlines() if line.strip()), "a package without its purpose"
     assert all(word.endswith("/") for word in printed), "a module among the packages"
+
+
+def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of each function or method of `source` over `limit` lines, docstring included."""
+    import ast
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_library_function_is_over_80_lines():
+    """Issue 82: a function longer than a screen does several jobs (push_weights had grown to 145)."""
+    found = [f"{os.path.relpath(os.path.join(dirpath, f), ROOT)}: {name} ({n} lines)"
+             for top in CHECKED for dirpath, _, files in os.walk(os.path.join(ROOT, top)) for f in files
+             if f.endswith(".py") for name, n in long_functions(open(os.path.join(dirpath, f)).read(), 80)]
+    assert not found, "\n".join(found)
+
+
+def test_the_long_function_check_counts_a_function_s_whole_body():
+    body = "def f():\n" + "    x = 1\n" * 80
+    assert long_functions(body, 80) == [("f", 81)] and long_functions(body, 81) == []

@@ -1,10 +1,10 @@
 """JaxEngine decode throughput against the HBM roofline.
 
     python -m experiments.benchmarks.engine_decode --model qwen3_0p6b --slots 128,256 --prompt 256 \
-        --new 1024 --variants xla:full,pallas:full,xla:256 [--profile DIR] [--record BENCHMARKS.md]
+        --new 1024 --variants xla:full,pallas:full,pallas:paged64 [--profile DIR] [--record BENCHMARKS.md]
 
-A variant is decode-attention:kv-bucket[:splits] ("full": every step reads the whole cache; a
-number: the live prefix rounded up to that bucket; "pagedN": paged KV in pages of N positions, as
+A variant is decode-attention:kv[:splits] ("full": every step reads the whole cache (the
+live-prefix buckets measured before issue 82 were removed from the engine); "pagedN": paged KV in pages of N positions, as
 much memory as the rows (pallas: the paged kernel reads the pages through the table; xla: gathers
 them into rows first); splits: the Pallas kernel's parallel chunks per row and head, default its
 own). Random bf16 weights; `slots` requests of `prompt`
@@ -61,8 +61,9 @@ def run_variant(model, attention, bucket, splits, slots, prompt, new, decode_ste
         layer.attn.decode_splits = splits
     max_len = -(-(prompt + new) // 128) * 128
     paged = bucket.startswith("paged")
+    if not paged and bucket != "full":  # the engine's kv_bucket was removed (issue 82): BENCHMARKS.md has its figures
+        raise ValueError(f"kv bucket {bucket!r}: only 'full' and 'pagedN' (the live-prefix bucket was removed)")
     engine = JaxEngine(model, _NoTokenizer(), slots=slots, max_len=max_len, eos_ids=(),
-                       kv_bucket=None if bucket == "full" or paged else int(bucket),
                        page_size=int(bucket[len("paged"):]) if paged else None, decode_steps=decode_steps,
                        exit_check_steps=exit_check)
     engine.precompile([prompt])

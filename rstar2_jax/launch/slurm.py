@@ -189,10 +189,25 @@ def _cpus_per_task(tasks_per_node: int) -> str:
     return f"--cpus-per-task=$(( CPUS / {tasks_per_node} > 0 ? CPUS / {tasks_per_node} : 1 ))"
 
 
+_STEP = "srun --overlap --kill-on-bad-exit=1"
+
+
 def batch_script(job: SlurmJob) -> str:
-    """The batch script (bash) of `job`."""
-    r, p = job.roles, job.ports
-    roles = r.node_indices(job.nodes)
+    """The batch script (bash) of `job`: the #SBATCH header, the job's set-up, each role's steps."""
+    roles = job.roles.node_indices(job.nodes)
+    # the user's arguments as given (the file, then its overrides), then what the script wires in,
+    # which the shell expands (the addresses are known only when the job runs)
+    train = [_q(a) for a in (f"--workdir={job.workdir}", *job.train_args, "--config.distributed=True")]
+    body = _job_setup(job, roles)
+    if job.roles.sandbox_nodes:
+        body += _sandbox_steps(job, roles, train)
+    if job.roles.rollout_nodes:
+        body += _rollout_steps(job, roles, train)
+    body += _trainer_step(job, roles, train)
+    return "\n".join(_header(job) + [""] + body) + "\n"
+
+
+def _header(job: SlurmJob) -> list[str]:
     head = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job.name}",
@@ -207,6 +222,11 @@ def batch_script(job: SlurmJob) -> str:
         if value:
             head.append(f"#SBATCH --{flag}={value}")
     head += [f"#SBATCH {a}" for a in job.sbatch_args]
+    return head
+
+
+def _job_setup(job: SlurmJob, roles: dict[str, list[int]]) -> list[str]:
+    """Node names, the steps' clean-up at the end, the job's secret."""
     py, logs = _q(job.python), _q(job.log_dir)
     body = [
         "# Written by `python -m rstar2_jax.launch slurm`; `sbatch` it again to resume the run.",
@@ -232,57 +252,73 @@ def batch_script(job: SlurmJob) -> str:
         f"echo \"job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: sandbox {roles['sandbox']} rollout {roles['rollout']} "
         f"learner {roles['learner']} (node indices)\"",
     ]
-    # the user's arguments as given (the file, then its overrides), then what the script wires in,
-    # which the shell expands (the addresses are known only when the job runs)
-    train = [_q(a) for a in (f"--workdir={job.workdir}", *job.train_args, "--config.distributed=True")]
-    step = "srun --overlap --kill-on-bad-exit=1"
-    if r.sandbox_nodes:
-        body += [
-            "",
-            "# Redis (the sandbox queue) on the first sandbox node, then the sandbox workers",
-            f"REDIS_HOST=$(host {roles['sandbox'][0]})",
-            f"REDIS_URL=redis://$REDIS_HOST:{p.redis}/0",
-            # its password from stdin ("-": the configuration read from there), not its arguments
-            "printf 'requirepass %s\\n' \"$RSTAR2_SECRET\" | "
-            f"{step} --nodes=1 --ntasks=1 --nodelist=$REDIS_HOST --output={logs}/%j.redis.log "
-            f"{_q(job.redis_server)} - --port {p.redis} --bind 0.0.0.0 --protected-mode no --save '' --appendonly no &",
-            "STEPS+=($!)",
-            f"{py} -m rstar2_jax.launch.wait --timeout 120 --alive $! \"$REDIS_URL\" || exit 1",
-            f"{step} --nodes={r.sandbox_nodes} --ntasks={r.sandbox_nodes * r.sandbox_tasks_per_node} "
-            f"--ntasks-per-node={r.sandbox_tasks_per_node} {_cpus_per_task(r.sandbox_tasks_per_node)} "
-            f"--nodelist={_hosts(roles['sandbox'])} --output={logs}/%j.sandbox.%t.log "
-            f"{py} -m sandbox worker --redis \"$REDIS_URL\" --concurrency {r.sandbox_concurrency} &",
-            "STEPS+=($!)",
-        ]
-        train += ["--config.sandbox.backend=redis", '"--config.sandbox.redis.url=$REDIS_URL"']
-    if r.rollout_nodes:
-        body += ["", "# vLLM servers, each with a weight fetcher (sync=pull: no shared filesystem needed)",
-                 "VLLM_URLS=()", "FETCH_URLS=()"]
-        for i in roles["rollout"]:
-            for k in range(r.servers_per_node):
-                # engine by name: the launcher's rollout role is vLLM servers (the embedded engine needs none)
-                port, fetch = p.vllm + 2 * k, p.fetch + 2 * k
-                serve = [f"{py} -m rstar2_jax.rollout.serve", f"--model={_q(job.model_path)}", "--host=0.0.0.0",
-                         f"--port={port}", f"--fetch_port={fetch}", f"--dtype={job.dtype}",
-                         f"--max_model_len={job.max_model_len}",
-                         f"--tensor_parallel_size={r.tensor_parallel}", f"--cpu_kv_cache_gib={job.cpu_kv_cache_gib}"]
-                if job.vllm_python:
-                    serve.append(f"--python={_q(job.vllm_python)}")
-                serve += [f"--lora_rank={job.lora_rank}"] * bool(job.lora_rank)
-                serve += ["--eager"] * job.vllm_eager + [f"--vllm_arg={_q(a)}" for a in job.vllm_args]
-                body += [
-                    f"H=$(host {i})",
-                    f"{step} --nodes=1 --ntasks=1 --nodelist=$H --output={logs}/%j.vllm.{i}.{k}.log {' '.join(serve)} &",
-                    "STEPS+=($!)",
-                    f"VLLM_URLS+=(http://$H:{port})", f"FETCH_URLS+=(http://$H:{fetch})",
-                ]
-        body += [f"{py} -m rstar2_jax.launch.wait --timeout 1800 $(printf -- '--alive %s ' \"${{STEPS[@]}}\") "
-                 f"$(printf '%s/health ' \"${{VLLM_URLS[@]}}\") || exit 1"]
-        train += ["--config.rollout.engine=vllm", "--config.rollout.vllm.sync=pull",
-                  f'"--config.rollout.vllm.sync_host=$(host {roles["learner"][0]})"',
-                  '$(printf -- "--config.rollout.vllm.urls=%s " "${VLLM_URLS[@]}")',
-                  '$(printf -- "--config.rollout.vllm.fetch_urls=%s " "${FETCH_URLS[@]}")']
+    return body
+
+
+def _sandbox_steps(job: SlurmJob, roles: dict[str, list[int]], train: list[str]) -> list[str]:
+    """Redis on the first sandbox node, then the sandbox workers; the trainer's flags for them into `train`."""
+    r, p, step = job.roles, job.ports, _STEP
+    py, logs = _q(job.python), _q(job.log_dir)
+    body = []
     body += [
+        "",
+        "# Redis (the sandbox queue) on the first sandbox node, then the sandbox workers",
+        f"REDIS_HOST=$(host {roles['sandbox'][0]})",
+        f"REDIS_URL=redis://$REDIS_HOST:{p.redis}/0",
+        # its password from stdin ("-": the configuration read from there), not its arguments
+        "printf 'requirepass %s\\n' \"$RSTAR2_SECRET\" | "
+        f"{step} --nodes=1 --ntasks=1 --nodelist=$REDIS_HOST --output={logs}/%j.redis.log "
+        f"{_q(job.redis_server)} - --port {p.redis} --bind 0.0.0.0 --protected-mode no --save '' --appendonly no &",
+        "STEPS+=($!)",
+        f"{py} -m rstar2_jax.launch.wait --timeout 120 --alive $! \"$REDIS_URL\" || exit 1",
+        f"{step} --nodes={r.sandbox_nodes} --ntasks={r.sandbox_nodes * r.sandbox_tasks_per_node} "
+        f"--ntasks-per-node={r.sandbox_tasks_per_node} {_cpus_per_task(r.sandbox_tasks_per_node)} "
+        f"--nodelist={_hosts(roles['sandbox'])} --output={logs}/%j.sandbox.%t.log "
+        f"{py} -m sandbox worker --redis \"$REDIS_URL\" --concurrency {r.sandbox_concurrency} &",
+        "STEPS+=($!)",
+    ]
+    train += ["--config.sandbox.backend=redis", '"--config.sandbox.redis.url=$REDIS_URL"']
+    return body
+
+
+def _rollout_steps(job: SlurmJob, roles: dict[str, list[int]], train: list[str]) -> list[str]:
+    """vLLM servers with their weight fetchers; the trainer's flags for them into `train`."""
+    r, p, step = job.roles, job.ports, _STEP
+    py, logs = _q(job.python), _q(job.log_dir)
+    body = []
+    body += ["", "# vLLM servers, each with a weight fetcher (sync=pull: no shared filesystem needed)",
+             "VLLM_URLS=()", "FETCH_URLS=()"]
+    for i in roles["rollout"]:
+        for k in range(r.servers_per_node):
+            # engine by name: the launcher's rollout role is vLLM servers (the embedded engine needs none)
+            port, fetch = p.vllm + 2 * k, p.fetch + 2 * k
+            serve = [f"{py} -m rstar2_jax.rollout.serve", f"--model={_q(job.model_path)}", "--host=0.0.0.0",
+                     f"--port={port}", f"--fetch_port={fetch}", f"--dtype={job.dtype}",
+                     f"--max_model_len={job.max_model_len}",
+                     f"--tensor_parallel_size={r.tensor_parallel}", f"--cpu_kv_cache_gib={job.cpu_kv_cache_gib}"]
+            if job.vllm_python:
+                serve.append(f"--python={_q(job.vllm_python)}")
+            serve += [f"--lora_rank={job.lora_rank}"] * bool(job.lora_rank)
+            serve += ["--eager"] * job.vllm_eager + [f"--vllm_arg={_q(a)}" for a in job.vllm_args]
+            body += [
+                f"H=$(host {i})",
+                f"{step} --nodes=1 --ntasks=1 --nodelist=$H --output={logs}/%j.vllm.{i}.{k}.log {' '.join(serve)} &",
+                "STEPS+=($!)",
+                f"VLLM_URLS+=(http://$H:{port})", f"FETCH_URLS+=(http://$H:{fetch})",
+            ]
+    body += [f"{py} -m rstar2_jax.launch.wait --timeout 1800 $(printf -- '--alive %s ' \"${{STEPS[@]}}\") "
+             f"$(printf '%s/health ' \"${{VLLM_URLS[@]}}\") || exit 1"]
+    train += ["--config.rollout.engine=vllm", "--config.rollout.vllm.sync=pull",
+              f'"--config.rollout.vllm.sync_host=$(host {roles["learner"][0]})"',
+              '$(printf -- "--config.rollout.vllm.urls=%s " "${VLLM_URLS[@]}")',
+              '$(printf -- "--config.rollout.vllm.fetch_urls=%s " "${FETCH_URLS[@]}")']
+    return body
+
+
+def _trainer_step(job: SlurmJob, roles: dict[str, list[int]], train: list[str]) -> list[str]:
+    r, step = job.roles, _STEP
+    py, logs = _q(job.python), _q(job.log_dir)
+    return [
         "",
         "# the trainer: its exit status is the job's",
         f"{step} --nodes={r.learner_nodes} --ntasks={r.learner_tasks} --ntasks-per-node={r.learner_tasks_per_node} "
@@ -294,7 +330,6 @@ def batch_script(job: SlurmJob) -> str:
         'echo "trainer exited with $STATUS"',
         "exit $STATUS",
     ]
-    return "\n".join(head + [""] + body) + "\n"
 
 
 def write_script(job: SlurmJob) -> str:

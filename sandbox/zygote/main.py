@@ -137,48 +137,35 @@ def main():
     (the service routes by the modules the code names): forking a process with sympy and numpy
     loaded costs ~2.4 ms of page-table copying, one with the standard library ~0.5 ms."""
     zygote = Zygote(Settings(json.loads(read_settings())), Runtime())
-    channels = zygote.settings.channels  # [{kind: [job_fd, result_fd]}] per slot, inherited from the service
-    status_fd = zygote.settings.status_fd
     confine.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    facts = {}
-    workers = {}  # pid -> (slot, kind)
-    zygote.runtime.state_page = mmap.mmap(-1, 16 * 2 * len(channels))  # MAP_SHARED: seen by every worker
-
-    def spawn(slot, kind):
-        pid = os.fork()
-        if pid == 0:
-            for other, pairs in enumerate(channels):
-                for other_kind, (job_fd, result_fd) in pairs.items():
-                    if (other, other_kind) != (slot, kind):
-                        os.close(job_fd)
-                        os.close(result_fd)
-            os.close(status_fd)
-            os.close(own_status)
-            worker_loop(slot, kind, channels[slot][kind][0], channels[slot][kind][1], zygote)
-            os._exit(0)
-        return pid
-
-    def worker_died(slot, kind, status):
-        """Answer the call the dead worker was running (if any) and give its slot a new worker; if
-        it died half-way through a message, stop: the service starts a new zygote."""
-        phase, job_id = WorkerState(zygote.runtime.state_page, slot, kind).get()
-        if phase in (READING, WRITING):
-            os._exit(1)
-        if phase == RUNNING:
-            how = (f"killed by {signal_name(os.WTERMSIG(status))}" if os.WIFSIGNALED(status)
-                   else f"exit status {os.WEXITSTATUS(status)}")
-            wire.write_msg(channels[slot][kind][1], {
-                "id": job_id, "status": "worker_died", "exit_code": None, "duration_s": 0.0, "truncated": False,
-                "stdout": 0, "stderr": 0,
-                "notes": [f"WorkerDied: the sandbox process running this code died ({how}; e.g. the kernel's "
-                          "OOM killer); the call was not completed"]})
-        workers[spawn(slot, kind)] = (slot, kind)
-
+    master = Master(zygote)
     try:
+        facts = master.start()
+    except BaseException as e:  # noqa: BLE001
+        wire.write_msg(master.status_fd, {"ready": False, "error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+    wire.write_msg(master.status_fd, {"ready": True, "pid": os.getpid(), **facts})
+    master.serve()
+
+
+class Master:
+    """The zygote's master process: starts every slot's workers, then replaces those that die."""
+
+    def __init__(self, zygote: Zygote):
+        self.zygote = zygote
+        self.channels = zygote.settings.channels  # [{kind: [job_fd, result_fd]}] per slot, inherited from the service
+        self.status_fd = zygote.settings.status_fd
+        self.workers: dict[int, tuple[int, str]] = {}  # pid -> (slot, kind)
+        self.own_status: int | None = None
+        zygote.runtime.state_page = mmap.mmap(-1, 16 * 2 * len(self.channels))  # MAP_SHARED: seen by every worker
+
+    def start(self) -> dict:
+        """The namespaces, the minimal root, the closer and every slot's workers; what it enforces."""
+        zygote, facts = self.zygote, {}
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(str(OOM_SCORE_ADJ))
-        own_status = os.open("/proc/self/status", os.O_RDONLY)  # still readable after pivot_root
+        self.own_status = os.open("/proc/self/status", os.O_RDONLY)  # still readable after pivot_root
         zygote.runtime.proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # for each forker's own maps
         for name in zygote.settings.light_preload:
             __import__(name)
@@ -194,7 +181,7 @@ def main():
             os.makedirs(zygote.settings.work_root, mode=0o700, exist_ok=True)
         facts["minimal_root"] = zygote.settings.strict
         zygote.runtime.closer_fd = start_closer() if zygote.settings.strict else None
-        for kind in channels[0]:  # "light" first, then (if any) "heavy"
+        for kind in self.channels[0]:  # "light" first, then (if any) "heavy"
             if kind == "heavy":
                 for name in zygote.settings.heavy_preload:
                     __import__(name)
@@ -202,26 +189,57 @@ def main():
                     # First calls into sympy import submodules lazily and fill caches: pay that once here.
                     exec(compile(zygote.settings.warmup, "<warmup>", "exec"), {"__name__": "__warmup__"})
             # RLIMIT_AS (without a cgroup) counts the worker's own mappings: the limit is on top
-            zygote.runtime.address_space_base = vm_size(own_status)
-            for slot in range(len(channels)):
-                workers[spawn(slot, kind)] = (slot, kind)
-    except BaseException as e:  # noqa: BLE001
-        wire.write_msg(status_fd, {"ready": False, "error": f"{type(e).__name__}: {e}"})
-        os._exit(1)
-    wire.write_msg(status_fd, {"ready": True, "pid": os.getpid(), **facts})
-    while True:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
+            zygote.runtime.address_space_base = vm_size(self.own_status)
+            for slot in range(len(self.channels)):
+                self.workers[self.spawn(slot, kind)] = (slot, kind)
+        return facts
+
+    def spawn(self, slot: int, kind: str) -> int:
+        pid = os.fork()
+        if pid == 0:
+            for other, pairs in enumerate(self.channels):
+                for other_kind, (job_fd, result_fd) in pairs.items():
+                    if (other, other_kind) != (slot, kind):
+                        os.close(job_fd)
+                        os.close(result_fd)
+            os.close(self.status_fd)
+            os.close(self.own_status)
+            job_fd, result_fd = self.channels[slot][kind]
+            worker_loop(slot, kind, job_fd, result_fd, self.zygote)
             os._exit(0)
-        slot_kind = workers.pop(pid, None)
-        if slot_kind is None:
-            continue
-        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            if not workers:
+        return pid
+
+    def worker_died(self, slot: int, kind: str, status: int):
+        """Answer the call the dead worker was running (if any) and give its slot a new worker; if
+        it died half-way through a message, stop: the service starts a new zygote."""
+        phase, job_id = WorkerState(self.zygote.runtime.state_page, slot, kind).get()
+        if phase in (READING, WRITING):
+            os._exit(1)
+        if phase == RUNNING:
+            how = (f"killed by {signal_name(os.WTERMSIG(status))}" if os.WIFSIGNALED(status)
+                   else f"exit status {os.WEXITSTATUS(status)}")
+            wire.write_msg(self.channels[slot][kind][1], {
+                "id": job_id, "status": "worker_died", "exit_code": None, "duration_s": 0.0, "truncated": False,
+                "stdout": 0, "stderr": 0,
+                "notes": [f"WorkerDied: the sandbox process running this code died ({how}; e.g. the kernel's "
+                          "OOM killer); the call was not completed"]})
+        self.workers[self.spawn(slot, kind)] = (slot, kind)
+
+    def serve(self):
+        """Until every worker has exited cleanly (the service closed their pipes): replace the dead."""
+        while True:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
                 os._exit(0)
-            continue  # its job pipe closed: the service is shutting down
-        worker_died(*slot_kind, status)  # it never runs user code: killed from outside (OOM killer, kill)
+            slot_kind = self.workers.pop(pid, None)
+            if slot_kind is None:
+                continue
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                if not self.workers:
+                    os._exit(0)
+                continue  # its job pipe closed: the service is shutting down
+            self.worker_died(*slot_kind, status)  # it never runs user code: killed from outside (OOM killer, kill)
 
 
 if __name__ == "__main__":

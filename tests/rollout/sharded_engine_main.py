@@ -17,7 +17,8 @@ from rstar2_jax import models
 from rstar2_jax.models import tiny
 from rstar2_jax.models.tokenizer import Tokenizer
 from rstar2_jax.rollout.engines import JaxEngine, engine_mesh
-from rstar2_jax.rollout.engines.jax_engine.kind import JaxEngineSettings, kv_pool_pages
+from rstar2_jax.rollout.engines.jax_engine.kind import kv_pool_pages
+from rstar2_jax.rollout.engines.jax_engine.settings import JaxEngineSettings
 from rstar2_jax.rollout.engines.jax_engine.kv_pages import kv_bytes_per_position
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 

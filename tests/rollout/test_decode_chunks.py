@@ -168,4 +168,4 @@ def test_with_swap_landed_decoding_goes_on_with_the_old_weights_until_the_copy_l
     assert first_new > 20 and (first_new - 1) % 4 == 0  # after the copy landed, at a chunk boundary
     assert set(out.token_kv_versions) == {0} and idle_version == 2
     with pytest.raises(ValueError, match="unknown weight swap timing .sometime.; registered: landed, next_chunk"):
-        JaxEngine(tiny_model, tokenizer, swap="sometime")
+        JaxEngine(tiny_model, tokenizer, max_len=64, swap="sometime")

@@ -12,6 +12,7 @@ from flax import nnx
 from rstar2_jax import models
 from rstar2_jax.models.generate import generate
 from rstar2_jax.rollout.engines import JaxEngine, PromptTooLong
+from rstar2_jax.rollout.engines.jax_engine.settings import JaxEngineSettings
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 
@@ -213,10 +214,9 @@ def test_seeded_requests_reproduce_whatever_else_is_batched(tiny_model, tokenize
 
 
 @pytest.mark.slow
-def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny_model, tokenizer):
-    """kv_bucket (read only the live cache prefix) and the ragged Pallas decode kernels (rows
-    and pages) change what a step reads, not what it samples: seeded completions and log-probs
-    agree."""
+def test_pallas_decode_gives_the_same_sampled_tokens(tiny_model, tokenizer):
+    """The ragged Pallas decode kernels (rows and pages) change what a step reads, not what it
+    samples: seeded completions and log-probs agree with XLA's full read."""
     prompts = [tokenizer.encode("b" * n) for n in (2, 30, 70)]
     sampling = [SamplingParams(max_tokens=40, temperature=0.8, seed=i) for i in range(3)]
 
@@ -226,11 +226,10 @@ def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny
             return outs, eng.stats
 
     base, base_stats = _run(go(tiny_model))
-    bucketed, stats = _run(go(tiny_model, kv_bucket=32))
     pallas_model = nnx.merge(*nnx.split(tiny_model)).set_attention(decode="pallas")
-    ragged, _ = _run(go(pallas_model, kv_bucket=128))
+    ragged, stats = _run(go(pallas_model))
     paged, _ = _run(go(pallas_model, page_size=32))  # the Pallas paged kernel
-    for want, *others in zip(base, bucketed, ragged, paged):
+    for want, *others in zip(base, ragged, paged):
         for got in others:
             assert got.token_ids == want.token_ids
             np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
@@ -239,20 +238,14 @@ def test_live_prefix_buckets_and_pallas_decode_give_the_same_sampled_tokens(tiny
     assert stats.busy_slot_steps == sum(len(o.token_ids) - 1 for o in base)  # first token is the prefill's
 
 
-def test_kv_bucket_rounds_up_to_cover_the_longest_live_row(tiny_model, tokenizer):
-    eng = JaxEngine(tiny_model, tokenizer, slots=1, max_len=100, kv_bucket=32)
-    assert [eng.kv_len(n) for n in (1, 32, 33, 97, 100)] == [32, 32, 64, 100, 100]
-    assert JaxEngine(tiny_model, tokenizer, slots=1, max_len=100).kv_len(5) is None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("decode_steps", [1, 16])
-def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model, tokenizer, decode_steps):
+def test_precompile_compiles_the_decode_kernel_and_leaves_results_unchanged(tiny_model, tokenizer, decode_steps):
     prompt = tokenizer.encode("precompile me")
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
 
     async def go(warm):
-        eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, kv_bucket=32, decode_steps=decode_steps)
+        eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=96, decode_steps=decode_steps)
         kernel = eng.kernels.decode if decode_steps == 1 else eng.kernels.decode_chunk  # the one it decodes with
         if warm:  # the kernels are the process's (core/shared_jit.py): count what this engine adds to them
             before = kernel._cache_size()
@@ -260,9 +253,9 @@ def test_precompile_covers_every_bucket_and_leaves_results_unchanged(tiny_model,
             compiled = kernel._cache_size()
         async with eng:
             out = await eng.generate(prompt, greedy)
-        if warm:  # buckets 32, 64, 96 (no other test decodes at 2 x 96), then no new compile; a chunk
-            # is entered twice per bucket (a NumPy carry, then a device one: two dispatch-cache entries)
-            assert compiled - before == 3 * (1 if decode_steps == 1 else 2) and kernel._cache_size() == compiled
+        if warm:  # its one shape (no other test decodes at 2 x 96), then no new compile; a chunk is
+            # entered twice (a NumPy carry, then a device one: two dispatch-cache entries)
+            assert compiled - before == (1 if decode_steps == 1 else 2) and kernel._cache_size() == compiled
         return out.token_ids
 
     assert _run(go(True)) == _run(go(False))
@@ -529,13 +522,17 @@ def test_a_sync_mid_request_reaches_paged_rows_too(tiny_model, tokenizer):
     assert set(paged.token_versions) == {0, 1}
 
 
-def test_paged_settings_are_checked(tiny_model, tokenizer):
-    with pytest.raises(ValueError, match="divide max_len"):
+def test_paged_settings_are_checked_by_the_config_s_own_rules(tiny_model, tokenizer):
+    """Issue 82: the engine reads rollout.jax.*'s rules (kind.setting_problems), not a copy."""
+    with pytest.raises(ValueError, match=r"page_size: 16 must divide rollout.max_len=100"):
         JaxEngine(tiny_model, tokenizer, max_len=100, page_size=16)
     with pytest.raises(ValueError, match="cannot hold one max_len=128 sequence"):
         JaxEngine(tiny_model, tokenizer, max_len=128, page_size=16, kv_pages=7)
-    with pytest.raises(ValueError, match="kv_pages needs page_size"):
+    with pytest.raises(ValueError, match=r"kv_pages: needs rollout.jax.page_size > 0"):
         JaxEngine(tiny_model, tokenizer, max_len=128, kv_pages=7)
+    with pytest.raises(ValueError, match="slotz: unknown field; did you mean 'slots'"):
+        JaxEngine(tiny_model, tokenizer, max_len=128, slotz=4)
+    assert JaxEngine(tiny_model, tokenizer, max_len=128).settings.slots == JaxEngineSettings().slots  # one default
     eng = JaxEngine(tiny_model, tokenizer, slots=4, max_len=128, page_size=16)
     assert eng.load().kv_capacity_tokens == 4 * 128  # default: the rows' memory
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from rstar2_jax.rollout.engines.jax_engine.kind import JaxEngineSettings, kv_pool_pages
+from rstar2_jax.rollout.engines.jax_engine.kind import kv_pool_pages
+from rstar2_jax.rollout.engines.jax_engine.settings import JaxEngineSettings
 from rstar2_jax.models.tiny import tiny_config
 from tests.fake_devices import run_on_8_fake_devices
 

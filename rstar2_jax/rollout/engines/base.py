@@ -111,6 +111,26 @@ class EngineStats:
                            self.own_slot_steps - before.own_slot_steps)
 
 
+def checked_prompt(prompt_ids: Sequence[int], max_tokens: int, max_len: int | None) -> tuple[list[int], int]:
+    """Every engine's `generate` prologue: the prompt as ints and the tokens it may still sample
+    (`max_tokens`, cut to what `max_len` leaves; None: the engine knows no limit). Raises
+    ValueError for an empty prompt and PromptTooLong for one longer than `max_len`; a budget of
+    0 is the caller's `empty_completion`."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids is empty")
+    if max_len is None:
+        return prompt, max_tokens
+    if len(prompt) > max_len:
+        raise PromptTooLong(len(prompt), max_len)
+    return prompt, min(max_tokens, max_len - len(prompt))
+
+
+def empty_completion(version: int) -> Completion:
+    """A turn with no room to sample: nothing, stopped by length."""
+    return Completion([], [], "length", version, version)
+
+
 class SyncTarget(Protocol):
     """What a scheduler's sync updates: an engine, or engines that take one sync together."""
     failed_syncs: int

@@ -85,16 +85,13 @@ class ChunkedDecode:
 
     async def step(self, engine: DecodeHost, loop) -> None:
         """Dispatch the next chunk, then read and apply the one before it."""
-        kv_needed = self._kv_needed(engine)  # before the chunk in flight is let go: it counts
         previous, self.in_flight = self.in_flight, None
         if any(engine.active):
             args, owners, version = self._inputs(engine)
-            kv_len = engine.kv_len(kv_needed)
 
             def dispatch():  # returns once the chunk is queued: nothing here waits for the device
                 start = time.monotonic()
-                cache, carry, *outputs = engine.kernels.decode_chunk(*args, steps=self.steps, kv_len=kv_len,
-                                                                     check_every=self.check_every)
+                cache, carry, *outputs = engine.kernels.decode_chunk(*args, steps=self.steps, check_every=self.check_every)
                 return cache, carry, outputs, start
 
             engine.cache, self.carry, outputs, start = await loop.run_in_executor(engine.executor, dispatch)
@@ -103,12 +100,12 @@ class ChunkedDecode:
         if previous is not None:
             await self._apply(engine, loop, previous)
 
-    def precompile(self, engine: DecodeHost, kv_len: int | None) -> None:
-        """Compile the chunk for `kv_len` before serving (every slot idle: the loop runs no step),
+    def precompile(self, engine: DecodeHost) -> None:
+        """Compile the chunk before serving (every slot idle: the loop runs no step),
         entered as the run enters it: first from the host's state, then from a device carry (jit's
         dispatch cache keys NumPy and device arguments apart; nothing compiles twice)."""
         args, _, _ = self._inputs(engine)  # no carry yet: the host's state for every slot
-        shape = dict(steps=self.steps, kv_len=kv_len, check_every=self.check_every)
+        shape = dict(steps=self.steps, check_every=self.check_every)
         engine.cache, carry, *_ = engine.kernels.decode_chunk(*args, **shape)
         state, _, table, _, *rest = args
         engine.cache, *_ = engine.kernels.decode_chunk(state, engine.cache, table, carry, *rest, **shape)
@@ -118,12 +115,6 @@ class ChunkedDecode:
         if self.in_flight is not None:
             chunk, self.in_flight = self.in_flight, None
             await self._apply(engine, loop, chunk)
-
-    def _kv_needed(self, engine: DecodeHost) -> int:
-        """The cache prefix the next chunk may read: the longest context the host knows, the chunk
-        in flight's tokens (not read yet) and the next chunk's."""
-        busy = [len(r.context()) for r in engine.active if r is not None]
-        return min(engine.max_len, max(busy, default=1) + self.lookahead)
 
     def _inputs(self, engine: DecodeHost):
         """The chunk's arguments: the host's view of every dirty slot (all of them before the first

@@ -24,20 +24,19 @@ class StepDecode:
     async def drain(self, engine: DecodeHost, loop) -> None:
         """Nothing is ever in flight."""
 
-    def precompile(self, engine: DecodeHost, kv_len: int | None) -> None:
+    def precompile(self, engine: DecodeHost) -> None:
         inputs, _ = decode_inputs(engine)  # every slot idle: every write dropped
-        engine.cache, _, _ = engine.kernels.decode(engine.state, engine.cache, *inputs, kv_len=kv_len)
+        engine.cache, _, _ = engine.kernels.decode(engine.state, engine.cache, *inputs)
 
     async def step(self, engine: DecodeHost, loop) -> None:
         inputs, busy = decode_inputs(engine)
         args = (engine.state, engine.cache) + inputs
         version = engine.version  # the weights in `args`, whatever a sync does while they run
-        kv_len = engine.kv_len(max(busy) + 1)
         owners = [r.owner for r in engine.active if r is not None]  # the requests this step serves
 
         def run():
             start = time.monotonic()
-            cache, token, logp = engine.kernels.decode(*args, kv_len=kv_len)
+            cache, token, logp = engine.kernels.decode(*args)
             token, logp = np.asarray(token), np.asarray(logp)
             return cache, token, logp, start, time.monotonic()  # the device work's interval
 

@@ -10,9 +10,8 @@ anything.
 
 A step's attention reads what the model's decode implementation reads: the whole cache with
 "xla", only each row's live slots with `model.set_attention(decode="pallas")` (the fast path on
-NVIDIA GPUs). `kv_bucket` instead slices the XLA read to the smallest multiple of kv_bucket that
-covers every live row (one compiled step per bucket); on an H100 that slice was copied before the
-attention and came out slower (BENCHMARKS.md), so it is off by default.
+NVIDIA GPUs). (Reading an XLA prefix of the cache instead, `kv_bucket`, was removed: on an H100
+the slice was copied before the attention and came out slower; BENCHMARKS.md.)
 
 Paged KV (`page_size=N`): the cache is instead a pool of `kv_pages` pages of N positions and
 each slot a page table, so memory follows the tokens written rather than slots x max_len: give
@@ -62,10 +61,12 @@ from jax.sharding import Mesh
 from rstar2_jax.core import sharding as sharding_lib
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
-from rstar2_jax.rollout.engines.base import Completion, Engine, EngineStats, PromptTooLong, ServerLoad
-from rstar2_jax.rollout.engines.jax_engine.decode_chunks import DEFAULT_DECODE_STEPS, ChunkedDecode
+from rstar2_jax.rollout.engines.base import (Completion, Engine, EngineStats, ServerLoad, checked_prompt,
+                                            empty_completion)
+from rstar2_jax.rollout.engines.jax_engine.decode_chunks import ChunkedDecode
 from rstar2_jax.rollout.engines.jax_engine.decode_step import StepDecode
 from rstar2_jax.rollout.engines.jax_engine.kernels import engine_kernels
+from rstar2_jax.rollout.engines.jax_engine.settings import JaxEngineSettings, engine_settings
 from rstar2_jax.rollout.engines.jax_engine.kv_layouts import KVLayout, PagedKV, SlotRows
 from rstar2_jax.rollout.engines.jax_engine.slot_requests import Request, Resident
 from rstar2_jax.rollout.engines.jax_engine.weight_swap import INFLIGHT_KVS, SWAP_TIMINGS, LiveWeights
@@ -75,44 +76,30 @@ MIN_PREFILL_BUCKET = 16
 
 
 class JaxEngine(Engine):
-    def __init__(self, model: Decoder, tokenizer, *, slots: int = 8, max_len: int = 2048, seed: int = 0,
-                 eos_ids: Sequence[int] | None = None, kv_bucket: int | None = None, reuse_kv: bool = False,
-                 page_size: int | None = None, kv_pages: int | None = None, mesh: Mesh | None = None,
-                 decode_steps: int = DEFAULT_DECODE_STEPS, exit_check_steps: int = 1, swap: str = "next_chunk",
-                 inflight_kv: str = "keep"):
-        """page_size: None keeps one max_len row per slot; N pages the KV in N-position pages,
-        `kv_pages` of them (None: slots x max_len / N, the rows' memory).
-        decode_steps: decode steps per dispatch; above 1 the engine decodes in chunks, the next
-        dispatched before the last is read (jax_engine/decode_chunks.py); 1: one step and one read per token.
-        exit_check_steps: how often a chunk checks whether any slot is still live (it ends early when
-        none is); it divides decode_steps (jax_engine/decode_chunks.py says what a check costs on a GPU).
-        swap: when new weights take over while requests decode: "next_chunk" (the next dispatch,
-        which waits on the device for the copy: the same step every run) or "landed" (the first
-        dispatch after every array of the copy is ready: decoding never waits for a copy, and the
-        old weights stay alive until then, a second buffer; which step it lands at is timing's).
-        inflight_kv: what requests in flight keep when new weights take over: "keep" (their KV, the
-        old weights'; PipelineRL's choice) or "recompute" (their context prefilled again by the
-        new weights, as after a preemption; the tokens sampled so far stay).
+    def __init__(self, model: Decoder, tokenizer, settings: JaxEngineSettings | None = None, *, max_len: int,
+                 seed: int = 0, eos_ids: Sequence[int] | None = None, mesh: Mesh | None = None, **overrides):
+        """settings: `rollout.jax.*` (kind.py's JaxEngineSettings, where every default and rule is;
+        None: its defaults), with `overrides` of its fields by name (None: the section's value):
+        slots, reuse_kv, page_size (0: one max_len row per slot; N: paged KV in N-position pages),
+        kv_pages (0: slots x max_len / N, the rows' memory), decode_steps (above 1: chunks, the
+        next dispatched before the last is read: jax_engine/decode_chunks.py), exit_check_steps,
+        swap (when new weights take over while requests decode: jax_engine/weight_swap.py) and
+        inflight_kv (what requests in flight keep then). A bad value raises ValueError naming
+        every problem, as the config check does.
         mesh: devices the weights and KV are split over (`engine_mesh`: this process's devices on
         the tensor axis, heads and MLP width split as vLLM's tensor parallelism); None: one device."""
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
-        if kv_bucket is not None and kv_bucket < 1:
-            raise ValueError(f"kv_bucket must be >= 1, got {kv_bucket}")
-        if page_size is None and kv_pages is not None:
-            raise ValueError("kv_pages needs page_size (paged KV)")
-        if page_size is not None and (page_size < 1 or max_len % page_size):
-            raise ValueError(f"page_size must be >= 1 and divide max_len={max_len}, got {page_size}")
+        s = self.settings = engine_settings(settings, max_len, overrides)
+        slots, page_size = s.slots, s.page_size or None
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.slots = slots
         self.max_len = max_len
-        self.kv_bucket = kv_bucket
         self.stats = EngineStats(slots=slots)
         self.ledger = OwnerLedger(slots)  # the same work, charged to the owners of the requests served
-        self.reuse_kv = reuse_kv
+        self.reuse_kv = s.reuse_kv
         self.page_size = page_size
-        self.kv: KVLayout = SlotRows(slots, max_len) if page_size is None else PagedKV(slots, max_len, page_size, kv_pages)
+        self.kv: KVLayout = (SlotRows(slots, max_len) if page_size is None
+                             else PagedKV(slots, max_len, page_size, s.kv_pages or None))
         self.residents: dict[Hashable, Resident] = {}  # by session
         self._admissions = 0
         self.eos_ids = frozenset(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
@@ -121,7 +108,7 @@ class JaxEngine(Engine):
             model = nnx.merge(*nnx.split(model)).set_attention(decode_mesh=mesh)  # a new module: the caller's is kept
         self._graphdef, state = nnx.split(model)
         # the weights that sample, and the next version while it lands (jax_engine/weight_swap.py)
-        self.weights = LiveWeights(self._placed(state), SWAP_TIMINGS[swap], INFLIGHT_KVS[inflight_kv])
+        self.weights = LiveWeights(self._placed(state), SWAP_TIMINGS[s.swap], INFLIGHT_KVS[s.inflight_kv])
         self.cache = self._placed_cache(self.kv.make_cache(model.cfg, model.dtype))
         # Seeds for requests that bring none: drawn once per request, at admission.
         self._seeds = np.random.default_rng(seed)
@@ -132,11 +119,9 @@ class JaxEngine(Engine):
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax-engine")
         self._stop_ids: dict[str, int] = {}
         self.kernels = engine_kernels(self._graphdef, self.cfg)
-        if decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         # how the loop decodes: K tokens a dispatch in a device loop, or one (the reference)
-        self.decoder: ChunkedDecode | StepDecode = (ChunkedDecode(slots, decode_steps, exit_check_steps)
-                                                     if decode_steps > 1 else StepDecode())
+        self.decoder: ChunkedDecode | StepDecode = (ChunkedDecode(slots, s.decode_steps, s.exit_check_steps)
+                                                     if s.decode_steps > 1 else StepDecode())
 
     # ------------------------------------------------------------------------------------------
     # public interface
@@ -144,16 +129,12 @@ class JaxEngine(Engine):
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
         self._ensure_running()
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        if len(prompt) > self.max_len:
-            raise PromptTooLong(len(prompt), self.max_len)
+        prompt, budget = checked_prompt(prompt_ids, sampling.max_tokens, self.max_len)
+        if budget <= 0:
+            return empty_completion(self.version)
         future = asyncio.get_running_loop().create_future()
         req = Request(prompt, sampling, tuple(stop) + tuple(sampling.stop), future, self.version, session=session,
                        owner=current_owner())
-        if len(prompt) >= self.max_len or sampling.max_tokens == 0:
-            return Completion([], [], "length", self.version, self.version)
         self._waiting.append(req)
         self._arrived.set()
         return await future
@@ -213,10 +194,7 @@ class JaxEngine(Engine):
             sampling = (np.uint32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
             fn, where = self.kv.idle_prefill(self.kernels)
             self.cache, *_ = fn(self.state, self.cache, where, tokens, np.int32(0), np.int32(1), *sampling)
-        lengths = [None] if self.kv_bucket is None else sorted({self.kv_len(n) for n in range(1, self.max_len + 1,
-                                                                                               self.kv_bucket)})
-        for kv_len in lengths:
-            self.decoder.precompile(self, kv_len)
+        self.decoder.precompile(self)
         jax.block_until_ready(self.cache)
 
     async def close(self):
@@ -399,12 +377,6 @@ class JaxEngine(Engine):
     def _prefill_bucket(self, prompt_len: int) -> int:
         """Prompts are padded to a power of two (a few compiled prefill shapes)."""
         return min(self.max_len, max(MIN_PREFILL_BUCKET, 1 << (prompt_len - 1).bit_length()))
-
-    def kv_len(self, needed: int) -> int | None:
-        """The cache prefix a step reads: `needed` slots rounded up to a bucket (None: all)."""
-        if self.kv_bucket is None:
-            return None
-        return min(self.max_len, -(-needed // self.kv_bucket) * self.kv_bucket)
 
     def append(self, slot: int, token: int, logp: float, version: int):
         req = self.active[slot]

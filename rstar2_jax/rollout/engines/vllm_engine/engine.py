@@ -39,13 +39,14 @@ from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.rollout.engines.vllm_engine.sync import adapters as adapter_sync
 from rstar2_jax.rollout.engines.vllm_engine.sync import background as background_sync
 from rstar2_jax.rollout.engines.accounting import OwnerLedger, current_owner
-from rstar2_jax.rollout.engines.base import Completion, Engine, PromptTooLong, ServerLoad
+from rstar2_jax.rollout.engines.base import Completion, Engine, ServerLoad, checked_prompt, empty_completion
 from rstar2_jax.rollout.engines.vllm_engine.sync.export_roots import release
 from rstar2_jax.rollout.engines.vllm_engine.sync.shared_export import SharedExport
 from rstar2_jax.rollout.engines.vllm_engine.sync.server_steps import ServerSyncSteps
+from rstar2_jax.rollout.engines.vllm_engine.settings import VLLMSettings, vllm_settings
+from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rollout.engines.vllm_engine.client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
-from rstar2_jax.rollout.engines.vllm_engine.modes import Probe, Reload, SyncWait, SyncWay
 from rstar2_jax.rollout.engines.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,21 +56,27 @@ class VLLMEngine(ServerSyncSteps, Engine):
     """model: a Decoder of the served architecture (its graph is used to export and to probe
     synced weights; its parameters are the starting point, and need not be the server's)."""
 
-    def __init__(self, url: str, model: Decoder | None = None, *, model_name: str | None = None,
-                 sync_dir: str | None = None, export_dtype=None, probe_tolerance: float = 1e-3,
+    def __init__(self, url: str, model: Decoder | None = None, settings: VLLMSettings | None = None, *,
+                 model_name: str | None = None, fetch_url: str | None = None, bucket_bytes: int | None = None,
                  probe_length: int = 32, request_timeout: float = 600.0, restart_timeout: float = 600.0,
-                 max_concurrency: int = 256, sync: str | SyncWay = "files", nccl_server_ranks: int = 1,
-                 fetch_url: str | None = None, sync_host: str = "127.0.0.1", bucket_bytes: int = 2048 << 20,
-                 reload: str | Reload = "staged", probe: str | Probe = "deferred", sync_wait: str | SyncWait = "reload"):
-        """sync: "files" (safetensors files; the server reads the export from sync_dir: this host's /dev/shm by
-        default, a shared filesystem path when it runs on another host), "pull" (the fetcher at
-        `fetch_url`, beside the server, copies the export from this process's file server at
-        `sync_host`; no shared filesystem: vllm_engine/sync/pull.py) or "nccl" (GPU broadcast). bucket_bytes:
-        the export's bucket (vllm_engine/sync/export.py, host memory): the servers reload bucket by bucket as
-        the export is written. reload: "staged" | "streamed", probe: "deferred" | "wait" (the module's
-        docstring); sync_wait: "reload" | "export" (vllm_engine/sync/background.py). A `model` with LoRA adapters
-        (models/lora.py): a sync moves only them, and the server, started with adapters enabled
+                 max_concurrency: int = 256, nccl_server_ranks: int = 1, **overrides):
+        """settings: `rollout.vllm.*` (settings.py's VLLMSettings, where every default and rule is;
+        None: its defaults), with `overrides` of its fields by name (None: the section's value):
+        sync ("files": the server reads the export from sync_dir, this host's /dev/shm by default,
+        a shared filesystem path when it runs on another host; "pull": the fetcher at `fetch_url`,
+        beside the server, copies the export from this process's file server at sync_host, no
+        shared filesystem: vllm_engine/sync/pull.py; "nccl": GPU broadcast), reload ("staged" |
+        "streamed"), probe ("deferred" | "wait"; vllm_engine/sync/push.py's docstring), sync_wait
+        ("reload" | "export": vllm_engine/sync/background.py), export_dtype (a name or a dtype),
+        probe_tolerance. bucket_bytes: the export's bucket in bytes (vllm_engine/sync/export.py,
+        host memory; None: sync_bucket_mb's). A `model` with LoRA adapters (models/lora.py): a
+        sync moves only them, and the server, started with adapters enabled
         (ServerOptions.lora_rank), loads each version (vllm_engine/sync/adapters.py)."""
+        v = self.settings = vllm_settings(settings, overrides)
+        export_dtype = DTYPES[v.export_dtype] if v.export_dtype else None
+        sync, sync_host, sync_dir = v.sync, v.sync_host, v.sync_dir or None
+        reload, probe, sync_wait, probe_tolerance = v.reload, v.probe, v.sync_wait, v.probe_tolerance
+        bucket_bytes = bucket_bytes or max(1, int(v.sync_bucket_mb * 2**20))
         self._check_sync_settings(model, sync=sync, fetch_url=fetch_url, sync_host=sync_host, reload=reload,
                                   probe=probe, sync_wait=sync_wait)
         self.client = VLLMClient(url, timeout=request_timeout)  # control plane (the Engine's sync calls)
@@ -97,16 +104,9 @@ class VLLMEngine(ServerSyncSteps, Engine):
                        stop: Sequence[str] = (), *, session: Hashable | None = None) -> Completion:
         if self.pending_probe is not None and self.pending_probe.done():  # a failed deferred probe: stop here, loudly
             self.probe_verdict()
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        max_tokens = sampling.max_tokens
-        if self.max_model_len is not None and len(prompt) > self.max_model_len:
-            raise PromptTooLong(len(prompt), self.max_model_len)
-        if self.max_model_len is not None:
-            max_tokens = min(max_tokens, self.max_model_len - len(prompt))
+        prompt, max_tokens = checked_prompt(prompt_ids, sampling.max_tokens, self.max_model_len)
         if max_tokens <= 0:
-            return Completion([], [], "length", self.version, self.version)
+            return empty_completion(self.version)
         body = {"prompt": prompt, "max_tokens": max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,

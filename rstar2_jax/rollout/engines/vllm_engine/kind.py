@@ -4,58 +4,18 @@ NCCL), streamed from the learner's own arrays."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import typing
 from urllib.parse import urlsplit
 
-from rstar2_jax.core.config_types import Section, setting
 from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.models.shard_sizes import shard_sizes
 from rstar2_jax.rollout.engines.base import Engine
+from rstar2_jax.rollout.engines.vllm_engine.settings import VLLMSettings
 from rstar2_jax.rollout.engines.engine_kind import (ENGINES, EngineKind, EnginePlanInputs, EngineWeights, PlanLine,
                                                     RolloutSection)
 from rstar2_jax.rollout.engines.vllm_engine.sync.reach import default_sync_root, unreadable_by_servers
-from rstar2_jax.rollout.engines.vllm_engine.modes import SYNC_WAYS, Probe, Reload, SyncWait, names
-from rstar2_jax.rollout.engines.scheduler_policies import POLICIES
+from rstar2_jax.rollout.engines.vllm_engine.modes import SYNC_WAYS, SyncWait
 
-
-
-@dataclasses.dataclass(frozen=True)
-class VLLMSettings(Section):
-    """`rollout.vllm.*`: the servers, the scheduler over them, and how synced weights reach them."""
-    # `swap` meant this and, under rollout.jax, when new weights take over: one name, one meaning (issue 82)
-    moved: typing.ClassVar[dict[str, str]] = {"swap": "reload"}
-    urls: tuple[str, ...] = setting((), "server URLs (repeat --config.rollout.vllm.urls=URL); several go behind "
-                                    "the scheduler")
-    scheduler: str = setting("kv_aware", "policy over several servers", choices=POLICIES)
-    export_dtype: str = setting("", "dtype of synced weights ('' = the params'; bfloat16 for bf16 servers)",
-                                choices=("", *DTYPES))
-    probe_tolerance: float = setting(1e-3, "max |log-prob| gap server vs learner after a sync (raise for bf16)",
-                                     min=0.0)
-    sync: str = setting("files", "how synced weights reach the servers: files (they read the export from "
-                        "sync_dir) | pull (the weight fetcher beside each server copies it over HTTP: no shared "
-                        "filesystem) | nccl (GPU broadcast; untested without GPUs)", choices=SYNC_WAYS)
-    sync_dir: str = setting("", "where synced weights are written ('' = this host's /dev/shm; with sync=files, "
-                            "servers on other hosts need a shared filesystem path)")
-    fetch_urls: tuple[str, ...] = setting((), "sync=pull: the weight fetcher beside each server, in urls order "
-                                          "(python -m rstar2_jax.rollout.serve --fetch_port)")
-    sync_bucket_mb: float = setting(2048.0, "the weight sync's bucket (MiB of whole decoder layers, in host "
-                                    "memory): each server reloads one bucket while the next is written; each "
-                                    "reload has a fixed cost (BENCHMARKS.md 'vLLM weight sync'); a fraction of a "
-                                    "MiB splits a tiny model", min=1e-6)
-    sync_host: str = setting("127.0.0.1", "sync=pull: the address the fetchers reach this trainer at",
-                             nonempty=True)
-    reload: str = setting("staged", "staged: the servers generate while every bucket is written (and fetched), then "
-                        "each stops only for one reload of the whole export | streamed: each bucket reloaded while "
-                        "the next is written (shorter syncs where servers have cores of their own, longer pauses)",
-                        choices=names(Reload))
-    sync_wait: str = setting("reload", "what the trainer waits for at each sync: reload (every server holds the new "
-                             "weights) | export (only the export: the servers' reload lands beside the next update, "
-                             "and the next step's rollouts wait for it)", choices=names(SyncWait))
-    probe: str = setting("deferred", "deferred: the log-prob probe after each sync runs beside the next rollouts and "
-                         "a mismatch stops the run at the next sync | wait: the trainer waits for it every sync",
-                         choices=names(Probe))
 
 
 def _build_vllm(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
@@ -63,13 +23,8 @@ def _build_vllm(cfg: RolloutSection, model, tokenizer, seed: int) -> Engine:
     from rstar2_jax.rollout.engines.vllm_engine.engine import VLLMEngine
     from rstar2_jax.rollout.engines.scheduler import Scheduler
     v = cfg.vllm
-    export_dtype = DTYPES[v.export_dtype] if v.export_dtype else None
-    fetchers = cfg.vllm.fetch_urls or (None,) * len(cfg.vllm.urls)
-    engines = [VLLMEngine(url, model, export_dtype=export_dtype, probe_tolerance=cfg.vllm.probe_tolerance,
-                          sync_dir=v.sync_dir or None, sync=v.sync, fetch_url=fetch, sync_host=v.sync_host,
-                          bucket_bytes=max(1, int(v.sync_bucket_mb * 2**20)), reload=v.reload, probe=v.probe,
-                          sync_wait=v.sync_wait)
-               for url, fetch in zip(v.urls, fetchers)]
+    fetchers = v.fetch_urls or (None,) * len(v.urls)
+    engines = [VLLMEngine(url, model, v, fetch_url=fetch) for url, fetch in zip(v.urls, fetchers)]
     return engines[0] if len(engines) == 1 else Scheduler(engines, cfg.vllm.scheduler)
 
 
