@@ -72,7 +72,7 @@ def flat(tree: dict) -> dict:
             if isinstance(new, tuple):
                 continue
             part, _, leaf = new.rpartition(".")
-            node[key] = node[part].pop(leaf)
+            node[key] = (node[part] if part else node).pop(leaf)  # a rename in place has no part
     sandbox = old["sandbox"]
     sandbox["url"] = sandbox.get(sandbox["backend"], {}).get("url", "")
     for backend in ("redis", "http"):

@@ -77,7 +77,7 @@ def test_a_chunk_run_whole_is_a_loop_of_a_known_trip_count(tiny_model, tokenizer
     def trip_counts(check):
         eng = JaxEngine(tiny_model, tokenizer, slots=2, max_len=64, decode_steps=4, exit_check_steps=check)
         args, _, _ = eng.decoder._inputs(eng)
-        hlo = eng.kernels.decode_chunk.lower(*args, steps=4, kv_len=64, check_every=check).compile().as_text()
+        hlo = eng.kernels.decode_chunk.lower(*args, steps=4, check_every=check).compile().as_text()
         eng.executor.shutdown()
         loops = [line for line in hlo.splitlines() if " while(" in line]
         return [m.group(1) if m else None
