@@ -44,7 +44,6 @@ from rstar2_jax.rollout.engines.vllm_engine.sync.export_roots import release
 from rstar2_jax.rollout.engines.vllm_engine.sync.shared_export import SharedExport
 from rstar2_jax.rollout.engines.vllm_engine.sync.server_steps import ServerSyncSteps
 from rstar2_jax.rollout.engines.vllm_engine.settings import VLLMSettings, vllm_settings
-from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rollout.engines.vllm_engine.client import (AsyncVLLMClient, ServerRequestError, ServerUnavailable, VLLMClient,
                                                     server_load)
 from rstar2_jax.rollout.engines.sampling import SamplingParams
@@ -73,12 +72,7 @@ class VLLMEngine(ServerSyncSteps, Engine):
         sync moves only them, and the server, started with adapters enabled
         (ServerOptions.lora_rank), loads each version (vllm_engine/sync/adapters.py)."""
         v = self.settings = vllm_settings(settings, overrides)
-        export_dtype = DTYPES[v.export_dtype] if v.export_dtype else None
-        sync, sync_host, sync_dir = v.sync, v.sync_host, v.sync_dir or None
-        reload, probe, sync_wait, probe_tolerance = v.reload, v.probe, v.sync_wait, v.probe_tolerance
-        bucket_bytes = bucket_bytes or max(1, int(v.sync_bucket_mb * 2**20))
-        self._check_sync_settings(model, sync=sync, fetch_url=fetch_url, sync_host=sync_host, reload=reload,
-                                  probe=probe, sync_wait=sync_wait)
+        self._check_sync_settings(model, v, fetch_url)
         self.client = VLLMClient(url, timeout=request_timeout)  # control plane (the Engine's sync calls)
         self.async_client = AsyncVLLMClient(url, timeout=request_timeout, max_connections=max_concurrency)
         self.url = self.client.url
@@ -88,9 +82,8 @@ class VLLMEngine(ServerSyncSteps, Engine):
         info = self.client.request("GET", "/v1/models", timeout=30.0)["data"][0]
         self.model_name = model_name or info["id"]
         self.max_model_len = int(info.get("max_model_len") or 0) or None
-        self._start_sync_state(model, sync_dir=sync_dir, export_dtype=export_dtype, probe_tolerance=probe_tolerance,
-                               probe_length=probe_length, nccl_server_ranks=nccl_server_ranks,
-                               bucket_bytes=bucket_bytes)
+        self._start_sync_state(model, v, probe_length=probe_length, nccl_server_ranks=nccl_server_ranks,
+                               bucket_bytes=bucket_bytes or max(1, int(v.sync_bucket_mb * 2**20)))
         # the control plane's blocking calls made from coroutines (recovery after a restart)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-control")
         self.ledger = OwnerLedger()  # the same requests, by owner (accounting.py), with their prefix-cache hits

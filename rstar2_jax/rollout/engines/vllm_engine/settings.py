@@ -54,5 +54,9 @@ def vllm_settings(settings: VLLMSettings | None, overrides: dict) -> VLLMSetting
     section's value; export_dtype may be a dtype), checked as the config is (ConfigValueError)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if "export_dtype" in overrides and not isinstance(overrides["export_dtype"], str):
-        overrides["export_dtype"] = next(name for name, dtype in DTYPES.items() if dtype == overrides["export_dtype"])
+        dtype = overrides["export_dtype"]
+        names = [name for name, known in DTYPES.items() if known == dtype]
+        if not names:
+            raise ValueError(f"export_dtype {dtype!r} is none of {', '.join(DTYPES)}")
+        overrides["export_dtype"] = names[0]
     return VLLMSettings.from_mapping({**(settings or VLLMSettings()).to_dict(), **overrides})

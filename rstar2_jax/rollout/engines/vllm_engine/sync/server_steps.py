@@ -23,8 +23,10 @@ from rstar2_jax.models import lora
 from rstar2_jax.models.checkpoint import save_pretrained
 from rstar2_jax.models.decoder import Decoder
 from rstar2_jax.models.lora import LoRAConfig
+from rstar2_jax.models.resolve import DTYPES
 from rstar2_jax.rollout.engines.vllm_engine.client import VLLMClient
-from rstar2_jax.rollout.engines.vllm_engine.modes import FILES, Probe, Reload, SyncWait, SyncWay, sync_way
+from rstar2_jax.rollout.engines.vllm_engine.modes import FILES, Probe, Reload, SyncWait, sync_way
+from rstar2_jax.rollout.engines.vllm_engine.settings import VLLMSettings
 from rstar2_jax.rollout.engines.vllm_engine.sync import background as background_sync
 from rstar2_jax.rollout.engines.vllm_engine.sync.export import Bucket, ExportPlan, ExportSlots, model_plan, param_arrays
 from rstar2_jax.rollout.engines.vllm_engine.sync.export_roots import export_root, remove_orphaned_exports
@@ -48,11 +50,10 @@ class ServerSyncSteps(SyncUnit):
     model_name: str
     version: int
 
-    def _check_sync_settings(self, model: Decoder | None, *, sync: str | SyncWay, fetch_url: str | None,
-                             sync_host: str, reload: str | Reload, probe: str | Probe, sync_wait: str | SyncWait):
-        """Before the server is asked anything: a bad mode or combination raises here."""
-        self.way = sync_way(sync)  # each mode a typed object (vllm_engine/modes.py); a bad name raises here
-        self.reload, self.probe, self.sync_wait = Reload(reload), Probe(probe), SyncWait(sync_wait)
+    def _check_sync_settings(self, model: Decoder | None, v: VLLMSettings, fetch_url: str | None):
+        """Before the server is asked anything: a bad combination raises here."""
+        self.way = sync_way(v.sync)  # each mode a typed object (vllm_engine/modes.py)
+        self.reload, self.probe, self.sync_wait = Reload(v.reload), Probe(v.probe), SyncWait(v.sync_wait)
         self.landing: background_sync.Landing | None = None  # sync_wait=export: the last sync, landing or landed
         self.closing = threading.Event()  # set by close(): a verdict still awaited from process 0 is not
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
@@ -65,15 +66,16 @@ class ServerSyncSteps(SyncUnit):
         if self.way.needs_fetcher != (fetch_url is not None):
             raise ValueError("sync='pull' needs fetch_url (the weight fetcher beside the server), and only it does")
         self.fetch_url = fetch_url
-        self.sync_host = sync_host
+        self.sync_host = v.sync_host
         if self.way.needs_fetcher:  # refused now, not at the first sync: the export would be open to the network
-            check_open_service("the trainer's weight export server", bind_address(sync_host), job_secret())
+            check_open_service("the trainer's weight export server", bind_address(v.sync_host), job_secret())
 
-    def _start_sync_state(self, model: Decoder | None, *, sync_dir: str | None, export_dtype, probe_tolerance: float,
-                          probe_length: int, nccl_server_ranks: int, bucket_bytes: int):
+    def _start_sync_state(self, model: Decoder | None, v: VLLMSettings, *, probe_length: int, nccl_server_ranks: int,
+                          bucket_bytes: int):
         """Once the server answered: the export directories and what a sync keeps."""
-        self.probe_tolerance = probe_tolerance
-        self.export_dtype = export_dtype
+        sync_dir = v.sync_dir or None
+        self.probe_tolerance = v.probe_tolerance
+        self.export_dtype = DTYPES[v.export_dtype] if v.export_dtype else None
         self.reloads_after_restart = 0
         self._template = model
         self._graphdef = nnx.split(model)[0] if model is not None else None
