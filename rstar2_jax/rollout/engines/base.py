@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import logging
 from typing import Any, Hashable, Protocol, Sequence
 
 from rstar2_jax.rollout.engines.sampling import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class WeightSyncFailed(RuntimeError):
