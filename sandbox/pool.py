@@ -46,7 +46,7 @@ sympy.Rational(1, 3) + sympy.sqrt(2); sympy.expand((x + y)**3); sympy.integrate(
 # A job's answer is awaited at most its timeout plus this (see ZygotePool.answer_bound_s); then
 # the call is answered worker_died and the slot is put back in step (ZygotePool._reclaim).
 ANSWER_GRACE_S = 30.0
-SESSION_START_S = 30.0  # zygote_sessions.open_session waits this long for a session to start
+SESSION_START_S = 30.0  # zygote/sessions.open_session waits this long for a session to start
 ANSWER_LOST_NOTE = ("WorkerDied: the sandbox process running this code gave no answer within {bound:.0f} s (it died "
                     "unseen or hangs); the call was not completed")
 
@@ -443,7 +443,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 def process_name(pid: int) -> str | None:
-    """A process's name (/proc/<pid>/comm: zygote_state.CALL_NAME, FORKER_NAME, ...), None once it is gone."""
+    """A process's name (/proc/<pid>/comm: zygote/state.CALL_NAME, FORKER_NAME, ...), None once it is gone."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()

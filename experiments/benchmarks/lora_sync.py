@@ -1,8 +1,8 @@
 """LoRA against full fine-tuning on this machine, side by side in one run (alternating):
 
 - the weight sync to vLLM CPU servers started with adapters enabled (ServerOptions.lora_rank):
-  the full model's staged sync (vllm_push.push_to_servers: every tensor exported, every server
-  reloads it) against the adapters' (adapter_sync.push_adapters: PEFT files written once, every
+  the full model's staged sync (vllm_engine/sync/push.push_to_servers: every tensor exported, every server
+  reloads it) against the adapters' (sync/adapters.push_adapters: PEFT files written once, every
   server loads them at run time), each ending with the log-prob probe (waited for);
 - the learner's update (one optimizer step on the same batch) and its train state (trained
   parameters + AdamW moments, bytes), full against LoRA at each rank.

@@ -2,7 +2,7 @@
 
 - whole export: every tensor cast and laid out, one safetensors file written (save_pretrained),
   then every server reloads it in parallel (the sync before issue 38);
-- buckets: `vllm_push.push_to_servers`, the export written bucket by bucket (whole decoder
+- buckets: `vllm_engine/sync/push.push_to_servers`, the export written bucket by bucket (whole decoder
   layers, straight into reused files), in each `--swap` mode: streamed (each server paused
   before its first reload, each bucket reloaded while the next is written, the trainer waiting
   for the log-prob probes: the sync before issue 47) and staged (the servers generate through the

@@ -142,7 +142,16 @@ def _distributed_client():
 def local_copy(tree, dtype=None, shardings=None):
     """A copy of a (possibly sharded over processes) pytree of arrays for this process's engine:
     cast to `dtype` (default: kept) and placed on `shardings` (this process's devices; default:
-    its first device, whole). One leaf at a time, so at most one whole tensor is in flight."""
+    its first device, whole). One leaf at a time, so at most one whole tensor is in flight.
+
+    Over several processes each leaf's gather is waited for before the next is dispatched. Without
+    the wait the gathers of every leaf were queued at once (dispatch is asynchronous), and one
+    process's gather could wait for the other process, which was late, while its queue filled.
+    XLA's CPU client lets each device hold at most 32 programs in flight, so that device's share
+    of the gather then waited for a free place behind programs that were waiting on the gather:
+    both processes hung in the all-gather. That was 1 run in 4 of
+    tests/rl/test_own_devices.py's two-process test on 2 loaded cores, with the engine decoding
+    beside the sync on the same devices; none in 14 with the wait."""
     from rstar2_jax.core.sharding import caster, gathered
 
     cast = caster(dtype)  # a fresh buffer, never the learner's
@@ -150,7 +159,7 @@ def local_copy(tree, dtype=None, shardings=None):
     def one(x, target=None):
         x = cast(x)
         if jax.process_count() > 1:
-            x = gathered(x).addressable_data(0)
+            x = jax.block_until_ready(gathered(x)).addressable_data(0)
         return x if target is None else jax.device_put(x, target)
 
     if shardings is None:

@@ -15,7 +15,7 @@ value), an optax transformation (by identity: `learner.optimizer.make_optimizer`
 one for the same settings). Nothing else may reach the traced function except its arguments.
 
 The JaxEngine's four kernels close over its graph and model config; they are shared the same
-way, as one object per (graph, config): rollout/engines/jax_kernels.engine_kernels.
+way, as one object per (graph, config): rollout/engines/jax_engine/kernels.engine_kernels.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ lines, which are exact on both;
 - KV pool: the embedded engine's cache (paged: its pages; else slots x max_len), split by KV heads;
 - weight sync (vLLM runs): what the sync holds on a device beyond the learner's state. One trainer
   process: two tensors in the export dtype (the one being copied to the host and the next being
-  laid out: weight_export.host_tensors), the two largest, split over the learner's mesh as the
+  laid out: vllm_engine/sync/export.host_tensors), the two largest, split over the learner's mesh as the
   parameters are; the export's buckets live in host memory. Several trainer processes: the same
   two, whole (each tensor is gathered over the processes). NCCL: a whole float32 copy on each
   process's first device;

@@ -6,7 +6,7 @@ memfd / SysV shm pages escape RLIMIT_AS altogether. A cgroup counts all of it (s
 Layout: one cgroup per worker slot, `<own cgroup>/rstar2-sandbox-<id>/slot<i>`, reused by the
 slot's calls one after another (a call's processes are all dead before the next one starts, so
 the cgroup holds exactly one call at a time; its OOM counter is read before and after). The
-slot's forker (zygote_forker.forker_loop) lives there too, asleep while a call runs, so that each call
+slot's forker (forker.forker_loop) lives there too, asleep while a call runs, so that each call
 is born in the cgroup instead of moving into it (a move waits for an RCU grace period after
 any pause: ~7 ms); its pids limit has one more for it. An OOM in the slot may end the forker
 (v2 kills the whole cgroup; v1 the largest process, normally the call): its worker starts a new

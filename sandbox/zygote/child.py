@@ -70,7 +70,7 @@ def enter_session(zygote, uid, cgroup_fds, out_w, err_w, setup_w, cell_r, done_w
     killed or an ended session (the worker decides those from the kernel), keep a process or a
     thread alive into a later cell, or run between cells: the worker checks from outside that
     the interpreter is single-threaded and waiting for its next cell, then stops it and kills
-    every other process of its namespace (zygote_sessions.freeze_between_cells). The functions
+    every other process of its namespace (sessions.freeze_between_cells). The functions
     it cleans up with are bound here, before any cell, so that the plain replacement of
     os.kill / os.waitpid by a cell does not stall this loop (the outside kill is the guarantee).
     """

@@ -113,7 +113,7 @@ def forker_loop(sock, zygote, slot, pid_page):
     for low, high in zip(keep, keep[1:] + [1 << 16]):
         os.closerange(low + 1, high)
     zygote_splice.DEVNULL.clear()
-    # what every call would otherwise set for itself (see zygote_child._confine), inherited: its environment
+    # what every call would otherwise set for itself (see child._confine), inherited: its environment
     # (the OpenBLAS thread settings were read when numpy was imported) and SIGPIPE's default
     os.environ.clear()
     _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)

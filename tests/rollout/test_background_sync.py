@@ -17,7 +17,7 @@ from rstar2_jax.rollout.engines.base import WeightSyncFailed
 
 
 @dataclasses.dataclass
-class Report:  # the two fields of sync_report.SyncReport the gate reads
+class Report:  # the two fields of vllm_engine/sync/report.SyncReport the gate reads
     version: int
     error: str | None = None
 

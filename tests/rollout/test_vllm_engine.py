@@ -594,7 +594,7 @@ def test_nccl_sync_falls_back_to_safetensors_where_it_cannot_run(vllm_server, ti
 
 
 class RecordingNccl:
-    """A stand-in for CuPy's NCCL binding beside the real server (nccl_sync.CupyNccl's interface):
+    """A stand-in for CuPy's NCCL binding beside the real server (sync/nccl_group.CupyNccl's interface):
     it records the collectives the sender issues, which need GPUs to run."""
 
     def __init__(self):

@@ -347,12 +347,12 @@ def _fd_count(pid):
 
 
 def test_calls_mount_namespaces_are_all_freed_and_calls_survive_the_closers_death(one_slot):
-    """Each call's mount namespace is handed to the closer (zygote_closer.release_mount_namespace), which
+    """Each call's mount namespace is handed to the closer (zygote/closer.release_mount_namespace), which
     drops them in batches: none may be kept once it is idle; without a closer, calls still work."""
     closers = [p for p in child_pids(one_slot.sb.zygote_pid) if process_name(p) == zygote_state.CLOSER_NAME]
     assert len(closers) == 1
     closer = closers[0]
-    idle = 4  # its own: stdin, stdout, stderr and the socket the workers send on (zygote_closer.start_closer)
+    idle = 4  # its own: stdin, stdout, stderr and the socket the workers send on (zygote/closer.start_closer)
     for _ in range(20):
         assert one_slot.run("print(1)").stdout == "1\n"
     deadline = time.monotonic() + 5

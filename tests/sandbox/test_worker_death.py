@@ -81,7 +81,7 @@ def _state(pid: int) -> str:
 
 
 def test_calls_are_the_workers_children_cloned_by_a_forker_that_sleeps_while_they_run():
-    """The worker supervises a call it did not fork (zygote_forker.Forker): the call is the worker's child,
+    """The worker supervises a call it did not fork (zygote/forker.Forker): the call is the worker's child,
     and the forker that cloned it waits in the kernel (vfork) until it is gone."""
 
     async def go():

@@ -84,7 +84,7 @@ def _sync_window(x: EnginePlanInputs) -> tuple[float, str]:
         return float(param_count(x.arch) * 4), "NCCL: a whole float32 copy on each process's first device"
     dtype = jnp.dtype(DTYPES[r.vllm.export_dtype] if r.vllm.export_dtype else jnp.float32)
     processes = x.devices // x.devices_per_process
-    # over several processes each tensor is gathered whole onto every device (weight_export.host_tensors)
+    # over several processes each tensor is gathered whole onto every device (sync/export.host_tensors)
     whole = processes > 1
     sizes = sorted(shard_sizes(x.arch, {"data": 1, "fsdp": 1, "tensor": 1} if whole else x.learner_mesh))
     how = f"whole (gathered over {processes} processes)" if whole else \

@@ -1,7 +1,7 @@
 """A vLLM server middleware: every request must carry the job's secret.
 
 Loaded by vLLM itself (`--middleware rstar2_vllm_auth.RequireSecret`, this directory on the
-server's PYTHONPATH; vllm_server.server_command adds both where $RSTAR2_SECRET is set), so it
+server's PYTHONPATH; vllm_engine/server.server_command adds both where $RSTAR2_SECRET is set), so it
 runs in the vLLM venv and imports nothing but the standard library.
 
 vLLM's own `--api-key` is not enough for RL: in vLLM 0.32 it guards only the routes under /v1,

@@ -4,9 +4,9 @@ With `sync_wait=reload` (the default) the trainer waits for a whole sync: the ex
 server's fetch and reload, the swap. The reload is the long part (BENCHMARKS.md, "vLLM weight
 sync to 2 CPU servers"), and the trainer needs none of it: once the export is written, the
 learner's arrays are free for the next update. So with `sync_wait=export` the sync
-(vllm_push.push_to_servers) runs on a thread of its own and the trainer waits only until the
+(push.push_to_servers) runs on a thread of its own and the trainer waits only until the
 export is whole and the probe's reference dispatched (`on_exported`; the forward that computes it
-finishes beside the next update, vllm_probe.probe_logprobs); the servers' fetches, the reload,
+finishes beside the next update, probe.probe_logprobs); the servers' fetches, the reload,
 the swap and the engines' new version land behind it, beside the next update.
 
 What stays true:
@@ -38,38 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
 import threading
 from typing import Any, Sequence
 
 from rstar2_jax.core import processes
 from rstar2_jax.rollout.engines.base import WeightSyncFailed
-from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
+from rstar2_jax.rollout.engines.vllm_engine.sync.report import Landing, SyncReport
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_engine.sync.synced_server import SyncedServer
 
 
 # one landing at a time in the process (a sync settles the previous one first)
 _LANDINGS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-landing")
-
-
-@dataclasses.dataclass(frozen=True)
-class Landing:
-    """A background sync of `version`: `future` is its attempts' reports (one, or two when the
-    first failed), the same object on every engine of the sync. `exported`: set once an export
-    of it was whole (what a second attempt can reload without the learner's arrays)."""
-    version: int
-    future: concurrent.futures.Future
-    exported: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def landed(self) -> bool:
-        """Over, and its last attempt landed."""
-        return self.future.done() and self.future.exception() is None and self.future.result()[-1].ok
-
-    def export_error(self) -> str | None:
-        """Why its export failed before it was whole (None: it was whole, the landing goes on)."""
-        return None if self.exported.is_set() else self.future.result()[-1].error
 
 
 def push_in_background(engines: Sequence[SyncedServer], params: Any, version: int) -> Landing:

@@ -11,7 +11,7 @@ Why streaming: the export used to gather every tensor, cast and laid out, then w
 the whole model in the export dtype was held beside the learner's state (59 GB on one GPU for a
 14B run). Here a device holds at most two tensors in the export dtype beyond the learner's own
 state (the one being copied to the host and the next), and the servers reload bucket k while
-bucket k+1 is written (vllm_push.push_to_servers); a bucket lives in host memory (the file).
+bucket k+1 is written (push.push_to_servers); a bucket lives in host memory (the file).
 
 Why whole decoder layers per bucket: vLLM's in-place reload processes a layer once every tensor of
 it has arrived (its fused q/k/v and gate/up projections are loaded from several checkpoint tensors),

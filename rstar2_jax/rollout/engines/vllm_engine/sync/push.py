@@ -51,7 +51,7 @@ class _Abandoned(Exception):
 def push_to_servers(engines: Sequence[SyncedServer], params: Any, version: int, *,
                     on_exported: Callable[[], None] | None = None, again: WrittenExport | None = None) -> SyncReport:
     """One sync to every server of `engines` of what their payload moves (vllm_engine/sync/payloads.py: the
-    whole weights, push_weights; a LoRA run's adapters, adapter_sync.push_adapters). The previous
+    whole weights, push_weights; a LoRA run's adapters, adapters.push_adapters). The previous
     sync's deferred probe is collected first: a failed one raises WeightSyncError before any export."""
     for e in engines:
         e.probe_verdict()

@@ -1,10 +1,13 @@
-"""What one sync of whole weights to a set of vLLM servers did (`SyncReport`), and the export it
-wrote (`WrittenExport`): shared by the sync (vllm_engine/sync/push.py), its background landing
-(vllm_engine/sync/background.py), the adapters' sync (vllm_engine/sync/adapters.py) and the engine (vllm_engine/engine.py)."""
+"""What one sync of whole weights to a set of vLLM servers did (`SyncReport`), the export it
+wrote (`WrittenExport`) and a sync landing in the background (`Landing`, sync_wait=export):
+shared by the sync (vllm_engine/sync/push.py), its background landing (vllm_engine/sync/background.py),
+the adapters' sync (vllm_engine/sync/adapters.py) and the engine (vllm_engine/engine.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 import time
 from typing import Any, Sequence
 
@@ -52,3 +55,19 @@ def finish(engines: Sequence, report: SyncReport, start: float):
         e.last_sync = report
 
 
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """A background sync of `version`: `future` is its attempts' reports (one, or two when the
+    first failed), the same object on every engine of the sync. `exported`: set once an export
+    of it was whole (what a second attempt can reload without the learner's arrays)."""
+    version: int
+    future: concurrent.futures.Future
+    exported: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def landed(self) -> bool:
+        """Over, and its last attempt landed."""
+        return self.future.done() and self.future.exception() is None and self.future.result()[-1].ok
+
+    def export_error(self) -> str | None:
+        """Why its export failed before it was whole (None: it was whole, the landing goes on)."""
+        return None if self.exported.is_set() else self.future.result()[-1].error

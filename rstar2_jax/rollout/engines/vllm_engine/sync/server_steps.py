@@ -35,7 +35,7 @@ from rstar2_jax.rollout.engines.vllm_engine.sync.probe import WeightSyncError, p
 from rstar2_jax.rollout.engines.vllm_engine.sync.file_server import bind_address, file_server
 from rstar2_jax.rollout.engines.vllm_engine.sync.push import push_to_servers
 from rstar2_jax.rollout.engines.vllm_engine.sync.reach import default_sync_root
-from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
+from rstar2_jax.rollout.engines.vllm_engine.sync.report import Landing, SyncReport
 from rstar2_jax.rollout.engines.vllm_engine.sync.shared_servers import SyncUnit
 from sandbox.job_secret import check_open_service, job_secret
 
@@ -54,7 +54,7 @@ class ServerSyncSteps(SyncUnit):
         """Before the server is asked anything: a bad combination raises here."""
         self.way = sync_way(v.sync)  # each mode a typed object (vllm_engine/modes.py)
         self.reload, self.probe, self.sync_wait = Reload(v.reload), Probe(v.probe), SyncWait(v.sync_wait)
-        self.landing: background_sync.Landing | None = None  # sync_wait=export: the last sync, landing or landed
+        self.landing: Landing | None = None  # sync_wait=export: the last sync, landing or landed
         self.closing = threading.Event()  # set by close(): a verdict still awaited from process 0 is not
         self.adapters: LoRAConfig | None = lora.config_of(model) if model is not None else None
         self.payload = ADAPTERS if self.adapters is not None else WHOLE_WEIGHTS  # what a sync moves

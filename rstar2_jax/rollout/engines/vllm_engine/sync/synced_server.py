@@ -8,13 +8,15 @@ import concurrent.futures
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jax.typing import DTypeLike
+
 if TYPE_CHECKING:  # types only; none of these modules imports this one
     from rstar2_jax.models.decoder import Decoder
     from rstar2_jax.models.lora import LoRAConfig
     from rstar2_jax.rollout.engines.vllm_engine.client import VLLMClient
     from rstar2_jax.rollout.engines.vllm_engine.modes import Probe, Reload, SyncWay
     from rstar2_jax.rollout.engines.vllm_engine.sync.export import Bucket, ExportPlan, ExportSlots
-    from rstar2_jax.rollout.engines.vllm_engine.sync.report import SyncReport
+    from rstar2_jax.rollout.engines.vllm_engine.sync.report import Landing, SyncReport
 
 
 class SyncedServer(Protocol):
@@ -25,7 +27,7 @@ class SyncedServer(Protocol):
     way: SyncWay
     reload: Reload
     probe: Probe
-    export_dtype: Any
+    export_dtype: DTypeLike | None  # None: the params' own
     adapters: LoRAConfig | None
     slots: ExportSlots
     sync_root: str
@@ -34,7 +36,7 @@ class SyncedServer(Protocol):
     fetch_url: str | None
     synced_dir: str | None
     probe_tokens: list[int]
-    landing: Any  # background.Landing | None (background.py defines it)
+    landing: Landing | None  # sync_wait=export: the last sync, landing or landed (background.py)
     closing: threading.Event
     pending_probe: concurrent.futures.Future | None
     loaded_adapters: dict[int, str]
