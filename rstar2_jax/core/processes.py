@@ -145,13 +145,13 @@ def local_copy(tree, dtype=None, shardings=None):
     its first device, whole). One leaf at a time, so at most one whole tensor is in flight.
 
     Over several processes each leaf's gather is waited for before the next is dispatched. Without
-    the wait the gathers of every leaf were queued at once (dispatch is asynchronous), and one
-    process's gather could wait for the other process, which was late, while its queue filled.
-    XLA's CPU client lets each device hold at most 32 programs in flight, so that device's share
-    of the gather then waited for a free place behind programs that were waiting on the gather:
-    both processes hung in the all-gather. That was 1 run in 4 of
-    tests/rl/test_own_devices.py's two-process test on 2 loaded cores, with the engine decoding
-    beside the sync on the same devices; none in 14 with the wait."""
+    the wait (dispatch is asynchronous) every leaf's cast and gather were queued at once beside the
+    engine's programs on the same devices, and both processes could hang in the all-gather: in the
+    stacks of one hang, one process's two devices were in the gather, the other process had one
+    device in it and the other device's share waiting for a free place among the 32 programs XLA's
+    CPU client lets a device hold in flight. That was 1 run in 4 of tests/rl/test_own_devices.py's
+    two-process test on 2 loaded cores; none in 14 with the wait.
+    """
     from rstar2_jax.core.sharding import caster, gathered
 
     cast = caster(dtype)  # a fresh buffer, never the learner's
