@@ -219,7 +219,11 @@ def host_tensors(bucket: Bucket, arrays: Mapping[str, jax.Array], to_host: bool 
         return x
 
     for _, x in one_ahead(bucket.tensors, dispatch_and_send):
-        yield np.asarray(x) if to_host else None
+        if to_host:
+            yield np.asarray(x)
+        else:  # waited for all the same: one gather at a time (processes.local_copy says why)
+            jax.block_until_ready(x)
+            yield None
         del x
 
 
