@@ -8,9 +8,9 @@ import concurrent.futures
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jax.typing import DTypeLike
-
 if TYPE_CHECKING:  # types only; none of these modules imports this one
+    from jax.typing import DTypeLike
+
     from rstar2_jax.models.decoder import Decoder
     from rstar2_jax.models.lora import LoRAConfig
     from rstar2_jax.rollout.engines.vllm_engine.client import VLLMClient
